@@ -1,0 +1,133 @@
+"""The dataset card (README.md): YAML front matter for the Hub, and a body that says how to read the data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import yaml
+
+from .spec import INDEX_PATH
+
+
+def front_matter(info: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "configs": [
+            {"config_name": "default", "data_files": [{"split": "train", "path": "index/*.parquet"}]}
+        ],
+        "tags": ["lmprobe", "activations", "interpretability"],
+        "task_categories": ["feature-extraction"],
+    }
+
+
+def _layers_text(layers: list[int]) -> str:
+    if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(str(x) for x in layers)
+
+
+def render_card(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] | None = None) -> str:
+    hidden = info["tensors"]["hidden_layers"]
+    logits = info["tensors"].get("logits_topk")
+    model = info["model"]
+    layer = hidden["layers"][-1]
+    full = hidden["storage"] == "full_sequence"
+    n_files = len(hidden["shards"]) * len(hidden["layers"])
+    user_cols = [f.name for f in schema][list(schema.names).index("row_offset") + 1 :]
+    lines = [
+        "---",
+        yaml.safe_dump(front_matter(info), sort_keys=False).rstrip(),
+        "---",
+        "",
+        f"# Activations of `{model['name']}`",
+        "",
+        "An [lmprobe](https://github.com/lmprobe) dataset in the lmprobe dataset format "
+        f"{info['format_version']}: hidden states of a language model for {info['num_prompts']} prompts, "
+        "stored as per-layer safetensors shards with one parquet index.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| Model | `{model['name']}` (revision `{model.get('revision') or 'unknown'}`) |",
+        f"| Prompts | {info['num_prompts']} ({info.get('prompt_ordering', 'input')} order) |",
+        f"| Layers | {_layers_text(hidden['layers'])} (output of decoder block i, 0-based) |",
+        f"| Hidden size | {hidden['dim']} ({hidden['dtype']}) |",
+        f"| Storage | {hidden['storage']}"
+        + (f" ({hidden['last_token_shards']} last-token shards, then sequence shards)" if full else " (last token)")
+        + " |",
+        f"| Shard files | {n_files} ({len(hidden['shards'])} per layer) |",
+    ]
+    if logits:
+        lines.append(f"| Top-k logits | k={logits['k']} at the last token, {len(logits['shards'])} shard(s) |")
+    other = [c for c in schema.names if c.startswith(("perplexity", "token_ids", "token_strings", "token_perplexity"))]
+    if other:
+        lines.append(f"| Other index columns | {', '.join(other)} |")
+    prov = info.get("provenance", {})
+    lines.append(
+        f"| Made with | lmprobe {prov.get('lmprobe_version')}, torch {prov.get('torch_version')}, "
+        f"transformers {prov.get('transformers_version')}, {prov.get('created_at')} |"
+    )
+    lines += [
+        "",
+        "## Read it with lmprobe",
+        "",
+        "```python",
+        "import lmprobe",
+        "",
+        'ds = lmprobe.load("PATH_OR_REPO")',
+        f"X = ds.hidden({layer})        # (num_prompts, {hidden['dim']}) last-token vectors, index order",
+        "y = ds.labels",
+    ]
+    if full:
+        lines.append(f"toks = ds.token_hidden(0, {layer})  # (num_tokens, {hidden['dim']}) for prompt 0")
+    if logits:
+        lines.append("values, indices = ds.logits_topk()")
+    lines += [
+        "```",
+        "",
+        "## Read it without lmprobe",
+        "",
+        "Everything is described by the `lmprobe:` keys of the index's parquet schema metadata.",
+        "",
+        "```python",
+        "import json",
+        "import pyarrow.parquet as pq",
+        "from safetensors import safe_open",
+        "",
+        f'table = pq.read_table("{INDEX_PATH}")',
+        "df = table.to_pandas()",
+        'hidden = json.loads(table.schema.metadata[b"lmprobe:tensors"])["hidden_layers"]',
+        "",
+        f"row, layer = df.iloc[0], {layer}",
+        'path = hidden["file_pattern"].format(layer=layer, shard=row["shard_index"])',
+        'key = hidden["key_pattern"].format(layer=layer)',
+        'with safe_open(path, framework="np") as f:',
+        '    vector = f.get_slice(key)[int(row["row_offset"])]  # last-token activation of prompt 0',
+        "```",
+    ]
+    if full:
+        lines += [
+            "",
+            "Token `i` of a prompt is at `token_shard_ids[i]`, `token_shard_offsets[i]` (same file and key",
+            "patterns); the last entry equals `shard_index`, `row_offset`.",
+        ]
+    if logits:
+        lines += [
+            "",
+            "Top-k logits: `tensors.logits_topk.file_pattern` with `shard=shard_index_logits`, row",
+            "`row_offset_logits` of the tensors `topk_values` (float32) and `topk_indices` (int32).",
+        ]
+    if user_cols:
+        lines += ["", "Extra index columns: " + ", ".join(f"`{c}`" for c in user_cols) + "."]
+    lines += [
+        "",
+        "## Load the index with 🤗 datasets",
+        "",
+        "```python",
+        "from datasets import load_dataset",
+        "",
+        'index = load_dataset("PATH_OR_REPO", split="train")  # text, label and addressing columns',
+        "```",
+    ]
+    for section in extra_sections or []:
+        lines += ["", section.rstrip()]
+    return "\n".join(lines) + "\n"

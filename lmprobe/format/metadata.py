@@ -1,0 +1,231 @@
+"""Reading and checking the ``lmprobe:`` schema metadata of an index.
+
+Everything here treats metadata as untrusted input: types are checked, numbers bounded and
+patterns vetted (paths.py) before anything uses them to open a file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import FormatError
+from .paths import check_pattern, check_relpath, format_relpath
+from .spec import (
+    DTYPES,
+    HIDDEN_DTYPES,
+    LEGACY_LOGITS_KEYS,
+    LOGITS_INDICES_KEY,
+    LOGITS_VALUES_KEY,
+    META_PREFIX,
+    STORAGES,
+)
+
+
+def decode_schema_metadata(raw: dict[bytes, bytes] | None) -> dict[str, Any]:
+    """The ``lmprobe:`` keys of a parquet schema, prefix removed, JSON-decoded."""
+    info: dict[str, Any] = {}
+    for k, v in (raw or {}).items():
+        key = k.decode("utf-8", "replace")
+        if not key.startswith(META_PREFIX):
+            continue
+        try:
+            info[key[len(META_PREFIX) :]] = json.loads(v)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise FormatError(f"schema metadata key {key!r} is not valid JSON") from None
+    return info
+
+
+def encode_schema_metadata(info: dict[str, Any]) -> dict[bytes, bytes]:
+    return {f"{META_PREFIX}{k}".encode(): json.dumps(v).encode() for k, v in info.items()}
+
+
+def _int(value: Any, what: str, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise FormatError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _str(value: Any, what: str, choices: tuple[str, ...] | None = None) -> str:
+    if not isinstance(value, str):
+        raise FormatError(f"{what} must be a string, got {value!r}")
+    if choices is not None and value not in choices:
+        raise FormatError(f"{what} is {value!r}; expected one of {list(choices)}")
+    return value
+
+
+def _dict(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise FormatError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+@dataclass
+class HiddenDescriptor:
+    layers: list[int]
+    dim: int
+    dtype: str
+    file_pattern: str
+    key_pattern: str
+    storage: str
+    shards: list[dict]
+    last_token_shards: int  # == len(shards) for pooled storage
+    row_bytes: int | None = None
+    pooling: str | None = None
+    raw: dict = field(default_factory=dict, repr=False)
+
+    def file(self, layer: int, shard: int) -> str:
+        return format_relpath(self.file_pattern, "hidden_layers.file_pattern", layer=layer, shard=shard)
+
+    def key(self, layer: int) -> str:
+        return self.key_pattern.format(layer=layer)
+
+    def shard_rows(self, shard: int) -> int:
+        """Rows in the shard's tensor: prompts for last-token shards, tokens for sequence shards."""
+        d = self.shards[shard]
+        if shard < self.last_token_shards:
+            return d["num_prompts"]
+        return d["num_tokens"]
+
+    @property
+    def sequence_shards(self) -> range:
+        return range(self.last_token_shards, len(self.shards))
+
+
+@dataclass
+class LogitsDescriptor:
+    k: int
+    dtype: str
+    file_pattern: str | None
+    shards: list[dict]
+    values_key: str | None  # None: look for the standard key, then the lmprobe 0.10.3 one
+    indices_key: str | None
+    row_bytes: int | None = None
+    raw: dict = field(default_factory=dict, repr=False)
+
+    def file(self, shard: int) -> str:
+        d = self.shards[shard]
+        if "file" in d:
+            return d["file"]
+        if self.file_pattern is None:
+            raise FormatError(f"logits_topk shard {shard} has no 'file' and the descriptor no file_pattern")
+        return format_relpath(self.file_pattern, "logits_topk.file_pattern", shard=shard)
+
+    def keys_for(self, available: set[str]) -> tuple[str, str]:
+        """The (values, indices) tensor keys to read from a shard holding ``available`` keys."""
+        if self.values_key and self.indices_key:
+            return self.values_key, self.indices_key
+        for pair in ((LOGITS_VALUES_KEY, LOGITS_INDICES_KEY), LEGACY_LOGITS_KEYS):
+            if set(pair) <= available:
+                return pair
+        raise FormatError(
+            f"logits shard has keys {sorted(available)}; expected {LOGITS_VALUES_KEY!r}/{LOGITS_INDICES_KEY!r}"
+        )
+
+
+def parse_hidden(d: Any) -> HiddenDescriptor:
+    d = _dict(d, "tensors.hidden_layers")
+    w = "hidden_layers"
+    layers = d.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise FormatError(f"{w}.layers must be a non-empty list of layer indices, got {layers!r}")
+    layers = [_int(x, f"{w}.layers[]") for x in layers]
+    if len(set(layers)) != len(layers):
+        raise FormatError(f"{w}.layers lists a layer twice: {layers}")
+    dim = _int(d.get("dim"), f"{w}.dim", minimum=1)
+    dtype = _str(d.get("dtype"), f"{w}.dtype", HIDDEN_DTYPES + ("float64",))
+    file_pattern = check_pattern(d.get("file_pattern"), ("layer", "shard"), f"{w}.file_pattern")
+    key_pattern = check_pattern(d.get("key_pattern"), ("layer",), f"{w}.key_pattern")
+    storage = _str(d.get("storage", "pooled"), f"{w}.storage", STORAGES)
+    shards = d.get("shards")
+    if not isinstance(shards, list):
+        raise FormatError(f"{w}.shards must be a list of shard descriptors")
+    for i, s in enumerate(shards):
+        _dict(s, f"{w}.shards[{i}]")
+        _int(s.get("num_prompts"), f"{w}.shards[{i}].num_prompts")
+        if storage == "full_sequence":
+            _int(s.get("num_tokens"), f"{w}.shards[{i}].num_tokens")
+    if storage == "full_sequence":
+        lts = _int(d.get("last_token_shards"), f"{w}.last_token_shards")
+        if lts > len(shards):
+            raise FormatError(f"{w}.last_token_shards is {lts} but only {len(shards)} shards are listed")
+    else:
+        lts = len(shards)
+    row_bytes = d.get("row_bytes")
+    if row_bytes is not None:
+        row_bytes = _int(row_bytes, f"{w}.row_bytes")
+    pooling = d.get("pooling")
+    return HiddenDescriptor(
+        layers=layers,
+        dim=dim,
+        dtype=dtype,
+        file_pattern=file_pattern,
+        key_pattern=key_pattern,
+        storage=storage,
+        shards=shards,
+        last_token_shards=lts,
+        row_bytes=row_bytes,
+        pooling=pooling if isinstance(pooling, str) else None,
+        raw=d,
+    )
+
+
+def parse_logits(d: Any) -> LogitsDescriptor:
+    d = _dict(d, "tensors.logits_topk")
+    w = "logits_topk"
+    k = _int(d.get("k"), f"{w}.k", minimum=1)
+    dtype = _str(d.get("dtype", "float32"), f"{w}.dtype", tuple(DTYPES))
+    pattern = d.get("file_pattern")
+    if pattern is not None:
+        pattern = check_pattern(pattern, ("shard",), f"{w}.file_pattern")
+    shards = d.get("shards")
+    if not isinstance(shards, list):
+        raise FormatError(f"{w}.shards must be a list of shard descriptors")
+    for i, s in enumerate(shards):
+        _dict(s, f"{w}.shards[{i}]")
+        _int(s.get("num_prompts"), f"{w}.shards[{i}].num_prompts")
+        if "file" in s:
+            check_relpath(s["file"], f"{w}.shards[{i}].file")
+        elif pattern is None:
+            raise FormatError(f"{w}.shards[{i}] has no 'file' and the descriptor has no file_pattern")
+    keys = d.get("keys")
+    values_key = indices_key = None
+    if keys is not None:
+        keys = _dict(keys, f"{w}.keys")
+        values_key = _str(keys.get("values"), f"{w}.keys.values")
+        indices_key = _str(keys.get("indices"), f"{w}.keys.indices")
+    row_bytes = d.get("row_bytes")
+    if row_bytes is not None:
+        row_bytes = _int(row_bytes, f"{w}.row_bytes")
+    return LogitsDescriptor(k, dtype, pattern, shards, values_key, indices_key, row_bytes, raw=d)
+
+
+@dataclass
+class DatasetInfo:
+    """The parsed and checked metadata of one dataset."""
+
+    raw: dict[str, Any]
+    format_version: str
+    num_prompts: int
+    hidden: HiddenDescriptor | None
+    logits: LogitsDescriptor | None
+
+
+def parse_info(info: dict[str, Any]) -> DatasetInfo:
+    """Check the decoded ``lmprobe:`` metadata and return its descriptors.
+
+    Raises FormatError naming the first offending key. Unknown tensor types are ignored so that
+    later additions do not break this reader.
+    """
+    version = info.get("format_version")
+    if not isinstance(version, str) or not version.startswith("2."):
+        raise FormatError(
+            f"format_version is {version!r}; this reader understands the lmprobe format 2.x "
+            "(is this an lmprobe dataset? its index needs 'lmprobe:' schema metadata)"
+        )
+    num_prompts = _int(info.get("num_prompts"), "num_prompts")
+    tensors = _dict(info.get("tensors", {}), "tensors")
+    hidden = parse_hidden(tensors["hidden_layers"]) if "hidden_layers" in tensors else None
+    logits = parse_logits(tensors["logits_topk"]) if "logits_topk" in tensors else None
+    return DatasetInfo(info, version, num_prompts, hidden, logits)

@@ -1,0 +1,369 @@
+"""Reading lmprobe format 2.0 datasets (ours, the reference implementation's, anyone's that conforms)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import DatasetNotFoundError, FormatError, ShardMissingError
+from .metadata import DatasetInfo, decode_schema_metadata, parse_info
+from .paths import resolve_inside
+from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into
+from .spec import DTYPES, INDEX_PATH
+from .values import bfloat16_bits_to_float32
+
+RowsArg = None | int | slice | Iterable[int] | np.ndarray
+
+
+class LocalFiles:
+    """Dataset files in a local folder. Other sources (the Hub, object storage) offer the same two calls."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def fetch(self, rel: str, *, what: str = "file") -> Path:
+        """Local path of the dataset file ``rel``, refused if it lies outside the root."""
+        return resolve_inside(self.root, rel, what)
+
+    def fetch_many(self, rels: list[str]) -> list[Path]:
+        return [self.fetch(r) for r in rels]
+
+    def missing_hint(self, rel: str) -> str:
+        return f"{rel} is missing from {self.root}; the dataset is incomplete (re-copy or re-download it)"
+
+
+def find_index(root: Path) -> Path:
+    std = root / INDEX_PATH
+    if std.exists():
+        return std
+    found = sorted((root / "index").glob("*.parquet")) if (root / "index").is_dir() else []
+    if len(found) == 1:
+        return found[0]
+    if not root.exists():
+        raise DatasetNotFoundError(f"{root} does not exist")
+    if (root / ".lmprobe-staging").exists():
+        raise DatasetNotFoundError(
+            f"{root} holds an unfinished dataset (no index yet); re-run the command that wrote it to resume"
+        )
+    raise DatasetNotFoundError(f"{root} holds no lmprobe dataset: {INDEX_PATH} is missing")
+
+
+class Dataset:
+    """An lmprobe dataset: the index in memory, tensors read from shards on demand.
+
+    >>> ds = lmprobe.load("my-dataset")          # doctest: +SKIP
+    >>> X, y = ds.hidden(16), ds.labels           # (num_prompts, dim), (num_prompts,)
+    """
+
+    def __init__(self, files: Any, index_table: pa.Table):
+        self._files = files
+        raw = decode_schema_metadata(index_table.schema.metadata)
+        if not raw:
+            raise FormatError(f"{files}: the index has no 'lmprobe:' schema metadata; it is not an lmprobe dataset")
+        self._info: DatasetInfo = parse_info(raw)
+        self._table = index_table
+        self._headers: dict[Path, SafetensorsHeader] = {}
+        if self._info.num_prompts != index_table.num_rows:
+            raise FormatError(
+                f"{files}: metadata says num_prompts={self._info.num_prompts} but the index has "
+                f"{index_table.num_rows} rows"
+            )
+
+    # ---------------------------------------------------------------- description
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The decoded ``lmprobe:`` metadata (format_version, model, num_prompts, tensors, provenance, ...)."""
+        return self._info.raw
+
+    @cached_property
+    def index(self):
+        """The index as a pandas DataFrame, one row per prompt."""
+        return self._table.to_pandas()
+
+    @property
+    def table(self) -> pa.Table:
+        """The index as a pyarrow Table (schema metadata included)."""
+        return self._table
+
+    @property
+    def _hidden_desc(self):
+        if self._info.hidden is None:
+            raise FormatError(f"{self._files}: this dataset stores no hidden states")
+        return self._info.hidden
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self._hidden_desc.layers)
+
+    @property
+    def dim(self) -> int:
+        return self._hidden_desc.dim
+
+    @property
+    def dtype(self) -> str:
+        return self._hidden_desc.dtype
+
+    @property
+    def storage(self) -> str:
+        return self._hidden_desc.storage
+
+    @property
+    def num_prompts(self) -> int:
+        return self._info.num_prompts
+
+    def __len__(self) -> int:
+        return self.num_prompts
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return dict(self.info.get("model") or {})
+
+    @property
+    def labels(self) -> np.ndarray | None:
+        """Labels in index order (ints or strings), or None when the dataset is unlabeled."""
+        if "label" not in self._table.column_names:
+            return None
+        col = self._table.column("label")
+        if col.null_count == len(col):
+            return None
+        if pa.types.is_integer(col.type) and col.null_count == 0:
+            return col.to_numpy()
+        return np.asarray(col.to_pylist(), dtype=object)
+
+    @property
+    def texts(self) -> list[str]:
+        return self._table.column("text").to_pylist()
+
+    @property
+    def has_logits(self) -> bool:
+        return self._info.logits is not None
+
+    def __repr__(self) -> str:
+        h = self._info.hidden
+        desc = f"layers={h.layers}, dim={h.dim}, dtype={h.dtype!r}, storage={h.storage!r}" if h else "no hidden states"
+        return f"<lmprobe.Dataset {self.model.get('name')!r}: {self.num_prompts} prompts, {desc}, source={self._files}>"
+
+    # ---------------------------------------------------------------- reading
+
+    def _rows(self, rows: RowsArg) -> np.ndarray:
+        n = self.num_prompts
+        if rows is None:
+            return np.arange(n, dtype=np.int64)
+        if isinstance(rows, (int, np.integer)):
+            rows = [int(rows)]
+        if isinstance(rows, slice):
+            return np.arange(n, dtype=np.int64)[rows]
+        arr = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows)
+        if arr.dtype == bool:
+            if arr.shape != (n,):
+                raise IndexError(f"a boolean row mask must have {n} entries, got {arr.shape}")
+            return np.flatnonzero(arr)
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"rows must be integers, a slice or a boolean mask, got {arr.dtype}")
+        arr = arr.astype(np.int64)
+        arr = np.where(arr < 0, arr + n, arr)
+        if arr.min() < 0 or arr.max() >= n:
+            raise IndexError(f"row out of range for a dataset of {n} prompts")
+        return arr
+
+    def _check_layer(self, layer: int) -> int:
+        h = self._hidden_desc
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in h.layers:
+            raise KeyError(f"layer {layer!r} is not stored in this dataset; stored layers: {h.layers}")
+        return int(layer)
+
+    def _column(self, name: str) -> np.ndarray:
+        if name not in self._table.column_names:
+            raise FormatError(f"{self._files}: the index has no {name!r} column")
+        col = self._table.column(name)
+        if col.null_count:
+            raise FormatError(f"{self._files}: column {name!r} has null values")
+        return col.to_numpy().astype(np.int64)
+
+    def _header(self, path: Path) -> SafetensorsHeader:
+        h = self._headers.get(path)
+        if h is None:
+            h = self._headers[path] = read_header(path)
+        return h
+
+    def _fetch(self, rel: str, what: str) -> Path:
+        path = self._files.fetch(rel, what=what)
+        if not path.exists():
+            raise ShardMissingError(self._files.missing_hint(rel))
+        return path
+
+    def _entry(self, rel: str, key: str, dtype: str, row_shape: tuple[int, ...], min_rows: int) -> tuple[Path, TensorEntry]:
+        path = self._fetch(rel, "shard file")
+        header = self._header(path)
+        entry = header.tensors.get(key)
+        if entry is None:
+            raise FormatError(f"{rel}: no tensor {key!r} (has {sorted(header.tensors)})")
+        if entry.dtype != dtype:
+            raise FormatError(f"{rel}: tensor {key!r} is {entry.dtype} but the metadata says {dtype}")
+        if entry.shape[1:] != row_shape:
+            raise FormatError(f"{rel}: tensor {key!r} has shape {list(entry.shape)}, expected rows of {list(row_shape)}")
+        if entry.shape[0] < min_rows:
+            raise FormatError(f"{rel}: tensor {key!r} has {entry.shape[0]} rows, the index needs {min_rows}")
+        return path, entry
+
+    def _gather(
+        self,
+        shard_ids: np.ndarray,
+        offsets: np.ndarray,
+        out: np.ndarray,
+        locate,  # shard -> (path, entry)
+        n_shards: int,
+    ) -> None:
+        """Fill ``out[i]`` with row ``offsets[i]`` of shard ``shard_ids[i]``: one pass per shard."""
+        if len(shard_ids) == 0:
+            return
+        if shard_ids.min() < 0 or shard_ids.max() >= n_shards:
+            bad = int(shard_ids.max() if shard_ids.max() >= n_shards else shard_ids.min())
+            raise FormatError(f"{self._files}: the index points at shard {bad}, but only {n_shards} are listed")
+        order = np.argsort(shard_ids, kind="stable")
+        sorted_ids = shard_ids[order]
+        bounds = np.flatnonzero(np.diff(sorted_ids)) + 1
+        for group in np.split(order, bounds):
+            shard = int(shard_ids[group[0]])
+            path, entry = locate(shard)
+            offs = offsets[group]
+            lo, hi = int(group[0]), int(group[-1])
+            if hi - lo + 1 == len(group) and (len(group) == 1 or bool(np.all(np.diff(group) == 1))):
+                read_rows_into(path, entry, offs, out[lo : hi + 1])
+            else:
+                tmp = np.empty((len(group), *out.shape[1:]), dtype=out.dtype)
+                read_rows_into(path, entry, offs, tmp)
+                out[group] = tmp
+
+    def _finish(self, arr: np.ndarray, dtype: str, as_torch: bool):
+        if as_torch:
+            import torch
+
+            if dtype == "bfloat16":
+                return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+            return torch.from_numpy(arr)
+        if dtype == "bfloat16":
+            return bfloat16_bits_to_float32(arr)
+        return arr
+
+    def _read_hidden(self, layer: int, shard_ids: np.ndarray, offsets: np.ndarray, as_torch: bool):
+        h = self._hidden_desc
+        key = h.key(layer)
+        out = np.empty((len(shard_ids), h.dim), dtype=DTYPES[h.dtype].np_storage)
+
+        def locate(shard: int):
+            return self._entry(h.file(layer, shard), key, h.dtype, (h.dim,), h.shard_rows(shard))
+
+        self._gather(shard_ids, offsets, out, locate, len(h.shards))
+        return self._finish(out, h.dtype, as_torch)
+
+    def hidden(self, layer: int, rows: RowsArg = None, *, as_torch: bool = False):
+        """Last-token hidden states of ``layer``: an (N, dim) array in index order.
+
+        ``rows`` selects prompts (an int, slice, list of ints or boolean mask); None reads all.
+        bfloat16 data comes back as float32 numpy arrays (numpy has no bfloat16), or as a
+        bfloat16 tensor with ``as_torch=True``.
+        """
+        layer = self._check_layer(layer)
+        r = self._rows(rows)
+        shards = self._column("shard_index")[r]
+        offsets = self._column("row_offset")[r]
+        if len(r) and self.storage == "full_sequence" and shards.max() >= self._hidden_desc.last_token_shards:
+            raise FormatError(f"{self._files}: shard_index points past the last-token shards")
+        return self._read_hidden(layer, shards, offsets, as_torch)
+
+    def token_hidden(self, i: int, layer: int, *, as_torch: bool = False):
+        """All token activations of prompt ``i`` at ``layer``: (num_tokens, dim). Full-sequence datasets only."""
+        layer = self._check_layer(layer)
+        if self.storage != "full_sequence":
+            raise FormatError(
+                "this dataset is pooled: it stores only the last token of each prompt; use .hidden(layer) "
+                "(extract with --storage full_sequence to keep every token)"
+            )
+        (row,) = self._rows(i)
+        ids = self._table.column("token_shard_ids")[int(row)].values
+        offs = self._table.column("token_shard_offsets")[int(row)].values
+        return self._read_hidden(
+            layer, ids.to_numpy().astype(np.int64), offs.to_numpy().astype(np.int64), as_torch
+        )
+
+    def token_lengths(self) -> np.ndarray:
+        """num_tokens of every prompt (from the token address lists when the column is null)."""
+        col = self._table.column("num_tokens")
+        if col.null_count == 0:
+            return col.to_numpy().astype(np.int64)
+        if "token_shard_ids" in self._table.column_names:
+            return pa.compute.list_value_length(self._table.column("token_shard_ids")).to_numpy().astype(np.int64)
+        if "token_ids" in self._table.column_names:
+            return pa.compute.list_value_length(self._table.column("token_ids")).to_numpy().astype(np.int64)
+        raise FormatError(f"{self._files}: num_tokens is null and no token list column gives the lengths")
+
+    def logits_topk(self, rows: RowsArg = None, *, as_torch: bool = False):
+        """Top-k logits at the last token: (values (N, k) float32, indices (N, k) int) in index order."""
+        desc = self._info.logits
+        if desc is None:
+            raise FormatError("this dataset stores no logits (extract with --logits-topk K)")
+        r = self._rows(rows)
+        shards = self._column("shard_index_logits")[r]
+        offsets = self._column("row_offset_logits")[r]
+        keys: dict[int, tuple[str, str]] = {}
+
+        def header_keys(shard: int) -> tuple[str, str]:
+            if shard not in keys:
+                path = self._fetch(desc.file(shard), "logits shard")
+                keys[shard] = desc.keys_for(set(self._header(path).tensors))
+            return keys[shard]
+
+        def locate_values(shard: int):
+            vk, _ = header_keys(shard)
+            return self._entry(desc.file(shard), vk, desc.dtype, (desc.k,), desc.shards[shard]["num_prompts"])
+
+        def locate_indices(shard: int):
+            _, ik = header_keys(shard)
+            path = self._fetch(desc.file(shard), "logits shard")
+            entry = self._header(path).tensors.get(ik)
+            if entry is None or entry.dtype not in ("int32", "int64") or entry.shape[1:] != (desc.k,):
+                raise FormatError(f"{desc.file(shard)}: tensor {ik!r} is missing or not an (n, {desc.k}) integer tensor")
+            return path, entry
+
+        values = np.empty((len(r), desc.k), dtype=DTYPES[desc.dtype].np_storage)
+        self._gather(shards, offsets, values, locate_values, len(desc.shards))
+        idx_dtype = "int32"
+        if len(r):
+            idx_dtype = locate_indices(int(shards[0]))[1].dtype
+        indices = np.empty((len(r), desc.k), dtype=DTYPES[idx_dtype].np_storage)
+        self._gather(shards, offsets, indices, locate_indices, len(desc.shards))
+        if as_torch:
+            import torch
+
+            return torch.from_numpy(values), torch.from_numpy(indices)
+        return values, indices
+
+
+def load(path: str | os.PathLike, *, revision: str | None = None, **kwargs: Any) -> Dataset:
+    """Open an lmprobe dataset from a local folder.
+
+    >>> ds = lmprobe.load("out/my-dataset")     # doctest: +SKIP
+    >>> ds.hidden(ds.layers[-1]).shape          # doctest: +SKIP
+    (1000, 4096)
+    """
+    root = Path(path)
+    if root.is_file() and root.suffix == ".parquet":
+        index_path, root = root, root.parent.parent
+    else:
+        index_path = find_index(root)
+    table = pq.read_table(index_path)
+    return Dataset(LocalFiles(root), table)

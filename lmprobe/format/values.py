@@ -1,0 +1,151 @@
+"""Converting user values (numpy, torch, JAX, Python) to what the format stores, with checks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import ColumnTypeError
+from .spec import DTYPES
+
+# User column types we accept, by the name used in metadata and fingerprints.
+COLUMN_TYPES: dict[str, pa.DataType] = {
+    "string": pa.string(),
+    "int64": pa.int64(),
+    "int32": pa.int32(),
+    "float64": pa.float64(),
+    "float32": pa.float32(),
+    "bool": pa.bool_(),
+}
+_INT_RANGE = {"int64": (-(2**63), 2**63 - 1), "int32": (-(2**31), 2**31 - 1)}
+
+
+def column_type_name(t: str | pa.DataType) -> str:
+    if isinstance(t, pa.DataType):
+        for name, pt in COLUMN_TYPES.items():
+            if pt == t:
+                return name
+        if pa.types.is_large_string(t):
+            return "string"
+        raise ValueError(f"unsupported column type {t}; use one of {sorted(COLUMN_TYPES)}")
+    if t in COLUMN_TYPES:
+        return t
+    aliases = {"str": "string", "int": "int64", "float": "float64", "double": "float64", "boolean": "bool"}
+    if t in aliases:
+        return aliases[t]
+    raise ValueError(f"unsupported column type {t!r}; use one of {sorted(COLUMN_TYPES)}")
+
+
+def is_null(v: Any) -> bool:
+    if v is None:
+        return True
+    if isinstance(v, float) and math.isnan(v):
+        return True
+    try:
+        import pandas as pd
+
+        return v is pd.NA or v is pd.NaT
+    except ImportError:  # pragma: no cover - pandas is a dependency
+        return False
+
+
+def check_value(v: Any, type_name: str, *, row: int, column: str) -> Any:
+    """Return ``v`` as a plain Python value of ``type_name`` or raise ColumnTypeError naming row and column."""
+    if is_null(v):
+        return None
+    ok = False
+    if type_name == "string":
+        ok = isinstance(v, str)
+    elif type_name in _INT_RANGE:
+        if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+            lo, hi = _INT_RANGE[type_name]
+            ok = lo <= int(v) <= hi
+            v = int(v)
+        elif isinstance(v, (float, np.floating)) and float(v).is_integer():
+            # pandas turns an int column with missing values into floats
+            ok = True
+            v = int(v)
+    elif type_name in ("float64", "float32"):
+        ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+        v = float(v) if ok else v
+    elif type_name == "bool":
+        ok = isinstance(v, (bool, np.bool_))
+        v = bool(v) if ok else v
+    if not ok:
+        raise ColumnTypeError(
+            f"row {row}, column {column!r}: value {v!r} ({type(v).__name__}) does not fit the column's "
+            f"type {type_name}; fix the value or declare the column with a type that holds it"
+        )
+    return v
+
+
+def infer_column_type(values: Any, column: str) -> str:
+    """Infer a user column type from its values (all non-null values must agree)."""
+    kinds = set()
+    for v in values:
+        if is_null(v):
+            continue
+        if isinstance(v, (bool, np.bool_)):
+            kinds.add("bool")
+        elif isinstance(v, (int, np.integer)):
+            kinds.add("int64")
+        elif isinstance(v, (float, np.floating)):
+            kinds.add("float64")
+        elif isinstance(v, str):
+            kinds.add("string")
+        else:
+            raise ColumnTypeError(
+                f"column {column!r}: value {v!r} of type {type(v).__name__} cannot be stored; "
+                "user columns hold strings, integers, floats or booleans"
+            )
+    if kinds <= {"int64", "float64"} and "float64" in kinds:
+        return "float64"
+    if len(kinds) > 1:
+        raise ColumnTypeError(f"column {column!r} mixes value types {sorted(kinds)}; make them one type")
+    return kinds.pop() if kinds else "string"
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def float32_to_bfloat16_bits(a: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even) and return the raw uint16 bits."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    u = a.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return rounded
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def to_storage(x: Any, dtype: str) -> np.ndarray:
+    """Convert an array-like (numpy, torch, JAX) to the numpy storage dtype of ``dtype``."""
+    if _is_torch(x):
+        import torch
+
+        target = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        t = x.detach().to(device="cpu", dtype=target).contiguous()
+        if dtype == "bfloat16":
+            return t.view(torch.int16).numpy().view(np.uint16)
+        return t.numpy()
+    a = np.asarray(x)
+    if a.dtype == object:
+        raise TypeError("expected a numeric array, got an object array (a nested list or dict?)")
+    if dtype == "bfloat16":
+        return float32_to_bfloat16_bits(a)
+    return np.ascontiguousarray(a, dtype=DTYPES[dtype].np_storage)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    if _is_torch(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
