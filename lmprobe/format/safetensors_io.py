@@ -83,7 +83,7 @@ class StreamingSafetensorsWriter:
             self._files[0].write(b"\0" * (8 + self.header_size))
         else:
             self._files = [open(self.path, "r+b")] + [open(p, "r+b") for p in self._side_paths]
-            for i, (f, spec) in enumerate(zip(self._files, specs)):
+            for i, (f, spec) in enumerate(zip(self._files, specs, strict=False)):
                 size = resume_rows * spec.row_bytes + (8 + self.header_size if i == 0 else 0)
                 if os.fstat(f.fileno()).st_size < size:
                     raise FormatError(f"{self.path}: partial shard is shorter than its checkpoint says")
@@ -94,7 +94,7 @@ class StreamingSafetensorsWriter:
     def append(self, arrays: list[np.ndarray]) -> None:
         """Append rows; ``arrays[i]`` has shape (n, *specs[i].row_shape) in the spec's storage dtype."""
         n = None
-        for f, spec, arr in zip(self._files, self.specs, arrays):
+        for f, spec, arr in zip(self._files, self.specs, arrays, strict=False):
             if arr.dtype != DTYPES[spec.dtype].np_storage or arr.shape[1:] != spec.row_shape:
                 raise AssertionError(f"{spec.key}: got {arr.dtype} {arr.shape}, expected {spec}")
             if n is None:
@@ -109,24 +109,30 @@ class StreamingSafetensorsWriter:
             if fsync:
                 os.fsync(f.fileno())
 
-    def finish(self) -> int:
+    def finish(self, fsync: bool = False) -> int:
         """Write the real header, append the side tensors, close; return the file size."""
         main = self._files[0]
-        for f, side in zip(self._files[1:], self._side_paths):
+        # Side files stay on disk until the caller's next checkpoint records this shard as closed:
+        # a crash before that resumes the shard as open, from the side files' rows.
+        for f in self._files[1:]:
             f.flush()
             f.seek(0)
             shutil.copyfileobj(f, main, 16 * 1024 * 1024)
             f.close()
-            side.unlink()
         header = _header_json(self.specs, self.rows, self.metadata)
         assert len(header) <= self.header_size
         main.seek(0)
         main.write(struct.pack("<Q", self.header_size) + header + b" " * (self.header_size - len(header)))
         main.flush()
-        os.fsync(main.fileno())
+        if fsync:
+            os.fsync(main.fileno())
         size = main.seek(0, os.SEEK_END)
         main.close()
         return size
+
+    @property
+    def side_paths(self) -> list[Path]:
+        return list(self._side_paths)
 
     def abort(self) -> None:
         for f in self._files:

@@ -126,7 +126,7 @@ def _check_coverage(name: str, shard_ids: np.ndarray, offsets: np.ndarray, sizes
     if len(uniq) != len(flat):
         rep.errors.append(f"{name}: {len(flat) - len(uniq)} row(s) are addressed more than once")
     counts = np.bincount(shard_ids - first_shard, minlength=n)
-    for s, (c, want) in enumerate(zip(counts.tolist(), sizes)):
+    for s, (c, want) in enumerate(zip(counts.tolist(), sizes, strict=False)):
         if c != want and len(uniq) == len(flat):
             rep.errors.append(f"{name}: shard {first_shard + s} lists {want} rows but the index addresses {c}")
 

@@ -57,12 +57,13 @@ _ROW_GROUP_ROWS = 65536
 _MAX_PENDING_ROWS = 65536
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
+def _atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -121,6 +122,7 @@ class _Stream:
         checksums: bool,
         executor: ThreadPoolExecutor,
         metadata: dict[str, str],
+        fsync: bool = False,
     ):
         self.name = name
         self.slots = slots
@@ -130,12 +132,14 @@ class _Stream:
         self.checksums = checksums
         self.executor = executor
         self.metadata = metadata
+        self.fsync = fsync
         self.shard = 0  # index (within this stream) of the shard being filled
         self.rows = 0
         self.prompts = 0
         self.writers: dict[str, StreamingSafetensorsWriter] = {}
         self.closed: list[dict] = []
         self.futures: dict[tuple[int, str], Future] = {}
+        self.obsolete: list[Path] = []  # side files of closed shards, deleted after the next checkpoint
 
     def staging_name(self, slot: str, shard: int) -> str:
         return f"{self.name}-{slot}-{shard:06d}.safetensors"
@@ -188,7 +192,8 @@ class _Stream:
             return
         files = {}
         for slot, w in self.writers.items():
-            size = w.finish()
+            self.obsolete += w.side_paths
+            size = w.finish(fsync=self.fsync)
             staged = self.staging / self.staging_name(slot, self.shard)
             files[slot] = {"bytes": size, "staging": staged.name}
             if self.checksums:
@@ -206,7 +211,7 @@ class _Stream:
 
     def flush(self) -> None:
         for w in self.writers.values():
-            w.flush(fsync=True)
+            w.flush(fsync=self.fsync)
 
     def state(self) -> dict:
         return {"shard": self.shard, "rows": self.rows, "prompts": self.prompts, "closed": self.closed}
@@ -271,6 +276,7 @@ class DatasetWriter:
         key_pattern: str = DEFAULT_HIDDEN_KEY_PATTERN,
         logits_file_pattern: str = DEFAULT_LOGITS_FILE_PATTERN,
         checksums: bool = True,
+        fsync: bool = False,
         resume: bool = True,
         overwrite: bool = False,
         checkpoint_interval: float = 30.0,
@@ -327,6 +333,7 @@ class DatasetWriter:
         self.provenance = {**default_provenance(), **dict(provenance or {})}
         self.extra_info = dict(extra_info or {})
         self.checksums = checksums
+        self.fsync = fsync
         self.checkpoint_interval = float(checkpoint_interval)
         self.row_bytes = self.dim * DTYPES[dtype].itemsize
         self.fingerprint = self._fingerprint(fingerprint)
@@ -347,9 +354,9 @@ class DatasetWriter:
             return [TensorSpec(key_pattern.format(layer=int(slot)), dtype, (self.dim,))]
 
         slots = [str(x) for x in layers]
-        self._last = _Stream("last", slots, hidden_spec, cap, self.staging, checksums, self._executor, st_meta)
+        self._last = _Stream("last", slots, hidden_spec, cap, self.staging, checksums, self._executor, st_meta, fsync)
         self._seq = (
-            _Stream("seq", slots, hidden_spec, cap, self.staging, checksums, self._executor, st_meta)
+            _Stream("seq", slots, hidden_spec, cap, self.staging, checksums, self._executor, st_meta, fsync)
             if storage == "full_sequence"
             else None
         )
@@ -361,7 +368,7 @@ class DatasetWriter:
                 return [TensorSpec(LOGITS_VALUES_KEY, "float32", (k,)), TensorSpec(LOGITS_INDICES_KEY, "int32", (k,))]
 
             lcap = max(1, self.shard_size // (8 * self.logits_k))
-            self._logits = _Stream("logits", ["all"], specs, lcap, self.staging, checksums, self._executor, st_meta)
+            self._logits = _Stream("logits", ["all"], specs, lcap, self.staging, checksums, self._executor, st_meta, fsync)
 
         self._prepare_output(resume=resume, overwrite=overwrite)
 
@@ -477,7 +484,7 @@ class DatasetWriter:
         state_path = self.staging / "state.json"
         if state_path.exists():
             st = json.loads(state_path.read_text())
-            for stream, finals in self._final_names_from_state(st):
+            for _stream, finals in self._final_names_from_state(st):
                 victims += [out / f for f in finals]
         for v in victims:
             if v.is_file() and (v.resolve().parent == out.resolve() or out.resolve() in v.resolve().parents):
@@ -520,8 +527,8 @@ class DatasetWriter:
             stream.restore(st["streams"][stream.name])
         # keep staged shards the checkpoint knows about; drop ones closed after it
         known = {f["staging"] for s in self._streams() for d in s.closed for f in d["files"].values()}
-        known |= {s.staging_name(slot, s.shard) for s in self._streams() if s.rows for slot in s.slots}
-        known |= {f"{n}.t1" for n in known}
+        open_names = {s.staging_name(slot, s.shard) for s in self._streams() if s.rows for slot in s.slots}
+        known |= open_names | {f"{n}.t1" for n in open_names}
         for p in self.staging.glob("*.safetensors*"):
             if p.name not in known:
                 p.unlink()
@@ -776,7 +783,11 @@ class DatasetWriter:
             "created_at": self.provenance["created_at"],
             "streams": {s.name: s.state() for s in self._streams()},
         }
-        _atomic_write_bytes(self.staging / "state.json", json.dumps(state).encode())
+        _atomic_write_bytes(self.staging / "state.json", json.dumps(state).encode(), self.fsync)
+        for s in self._streams():
+            for p in s.obsolete:
+                p.unlink(missing_ok=True)
+            s.obsolete = []
         self._publish_closed()
         self._last_checkpoint = time.monotonic()
 
@@ -828,7 +839,7 @@ class DatasetWriter:
                     raise FormatError(f"sequence shard {dst} is missing; the partial output is damaged, pass overwrite=True")
         info = self._info(n_last, seq_closed)
         card_text = card.render_card(info, self._final_schema())
-        _atomic_write_bytes(self.out_dir / CARD_PATH, card_text.encode())
+        _atomic_write_bytes(self.out_dir / CARD_PATH, card_text.encode(), self.fsync)
         self._write_index(info, n_last)
         shutil.rmtree(self.staging, ignore_errors=True)
 
@@ -910,8 +921,9 @@ class DatasetWriter:
                 pw.write_table(pa.concat_tables(batch), row_group_size=_ROW_GROUP_ROWS)
             if not parts:
                 pw.write_table(schema.empty_table())
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if self.fsync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, final)
 
     def _finalize_part(self, t: pa.Table, n_last: int, schema: pa.Schema) -> pa.Table:

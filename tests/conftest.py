@@ -1,0 +1,68 @@
+"""Shared fixtures. Tests run offline: HF_HOME in a temporary folder, no token, no network."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# Set before huggingface_hub/datasets/transformers are imported by any test module.
+_HF_HOME = tempfile.mkdtemp(prefix="lmprobe-test-hf-")
+os.environ["HF_HOME"] = _HF_HOME
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ.pop("HF_TOKEN", None)
+os.environ.pop("HUGGING_FACE_HUB_TOKEN", None)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+FIXTURE_0103 = DATA / "lmprobe-0.10.3-pooled"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def make_prompts(rng, n: int, *, max_tokens: int = 9, min_tokens: int = 1):
+    n_tok = rng.integers(min_tokens, max_tokens + 1, size=n)
+    texts = [f"prompt {i} " + "x" * int(t) for i, t in enumerate(n_tok)]
+    return texts, n_tok
+
+
+def write_dataset(out, rng, *, n=23, layers=(0, 2, 5), dim=8, storage="pooled", shard_size=5 * 32, batch=7,
+                  logits_k=None, dtype="float32", max_tokens=9, min_tokens=1, **kw):
+    """Write a random dataset in batches; return the arrays that went in (for comparisons)."""
+    from lmprobe.format.writer import DatasetWriter
+
+    texts, n_tok = make_prompts(rng, n, max_tokens=max_tokens, min_tokens=min_tokens)
+    labels = rng.integers(0, 3, size=n)
+    full = storage == "full_sequence"
+    rows = int(n_tok.sum()) if full else n
+    hidden = {layer: rng.normal(size=(rows, dim)).astype(np.float32) for layer in layers}
+    lv = -np.sort(-rng.normal(size=(n, logits_k)).astype(np.float32), axis=1) if logits_k else None
+    li = rng.integers(0, 1000, size=(n, logits_k)) if logits_k else None
+    tok_start = np.concatenate([[0], np.cumsum(n_tok)])
+    kw.setdefault("label_type", "int")
+    kw.setdefault("columns", {"source": "string", "idx": "int64"})
+    w = DatasetWriter(out, layers=list(layers), dim=dim, model_name="test/model", storage=storage,
+                      shard_size=shard_size, logits_k=logits_k, dtype=dtype, **kw)
+    for s in range(0, n, batch):
+        e = min(n, s + batch)
+        if full:
+            hb = {layer: h[tok_start[s]:tok_start[e]] for layer, h in hidden.items()}
+        else:
+            hb = {layer: h[s:e] for layer, h in hidden.items()}
+        extra = {}
+        if logits_k:
+            extra = {"logits_values": lv[s:e], "logits_indices": li[s:e]}
+        w.add_batch(texts=texts[s:e], num_tokens=n_tok[s:e], hidden=hb, labels=labels[s:e].tolist(),
+                    columns={"source": [f"src{i % 2}" for i in range(s, e)], "idx": list(range(s, e))}
+                    if "source" in (kw["columns"] or {}) else None, **extra)
+    w.close()
+    return {"texts": texts, "n_tok": n_tok, "labels": labels, "hidden": hidden, "lv": lv, "li": li,
+            "tok_start": tok_start}

@@ -1,0 +1,201 @@
+"""Third-party readers, the lmprobe 0.10.3 fixture, the dataset card and the validator."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from conftest import FIXTURE_0103, write_dataset
+from safetensors import safe_open
+
+import lmprobe
+from lmprobe.cli import main as cli_main
+from lmprobe.format.validate import validate
+
+DOCS = Path(__file__).parent.parent / "docs"
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def _reading_snippets() -> list[str]:
+    text = (DOCS / "format.md").read_text()
+    section = text.split("## Reading without lmprobe", 1)[1].split("## Files on disk", 1)[0]
+    blocks = _python_blocks(section)
+    assert len(blocks) == 3, "docs/format.md should hold the three reading examples"
+    return blocks
+
+
+@pytest.fixture
+def big_full_sequence(tmp_path_factory):
+    out = tmp_path_factory.mktemp("snip") / "ds"
+    rng = np.random.default_rng(7)
+    src = write_dataset(out, rng, n=50, layers=(0, 16), dim=6, storage="full_sequence", shard_size="1KB",
+                        min_tokens=6, max_tokens=12, logits_k=4)
+    return out, src
+
+
+def test_document_snippets_run_as_written(big_full_sequence, monkeypatch):
+    out, src = big_full_sequence
+    monkeypatch.chdir(out)
+    ns: dict = {}
+    last, per_token, logits = _reading_snippets()
+    exec(last, ns)
+    np.testing.assert_array_equal(ns["vector"].numpy(), src["hidden"][16][src["tok_start"][43] - 1])
+    exec(per_token, ns)
+    np.testing.assert_array_equal(ns["vector"].numpy(), src["hidden"][16][src["tok_start"][42] + 5])
+    exec(logits, ns)
+    np.testing.assert_array_equal(ns["values"].numpy(), src["lv"][42])
+    np.testing.assert_array_equal(ns["indices"].numpy(), src["li"][42])
+
+
+def test_document_snippet_on_pooled_output(tmp_path, rng, monkeypatch):
+    src = write_dataset(tmp_path / "ds", rng, n=45, layers=(16,), dim=4, shard_size="100B")
+    monkeypatch.chdir(tmp_path / "ds")
+    ns: dict = {}
+    exec(_reading_snippets()[0], ns)
+    np.testing.assert_array_equal(ns["vector"].numpy(), src["hidden"][16][42])
+
+
+def test_card_front_matter_and_snippet(big_full_sequence, monkeypatch):
+    out, src = big_full_sequence
+    text = (out / "README.md").read_text()
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert front["configs"][0]["data_files"][0]["path"] == "index/*.parquet"
+    standalone = [b for b in _python_blocks(text) if "safe_open" in b][0]
+    monkeypatch.chdir(out)
+    ns: dict = {}
+    exec(standalone, ns)
+    np.testing.assert_array_equal(ns["vector"], src["hidden"][16][src["tok_start"][1] - 1])
+
+
+def test_datasets_load_dataset_reads_the_index(big_full_sequence):
+    import datasets
+    out, src = big_full_sequence
+    ds = datasets.load_dataset(str(out), split="train")
+    assert ds.num_rows == 50
+    assert ds[3]["text"] == src["texts"][3] and ds[3]["label"] == int(src["labels"][3])
+
+
+def test_reads_the_lmprobe_0_10_3_fixture():
+    ds = lmprobe.load(FIXTURE_0103)
+    assert ds.num_prompts == 10 and ds.layers == [0, 1, 2] and ds.dim == 32 and ds.storage == "pooled"
+    df = pq.read_table(FIXTURE_0103 / "index/train-00000-of-00001.parquet").to_pandas()
+    for layer in ds.layers:
+        got = ds.hidden(layer)
+        for i, row in df.iterrows():
+            path = FIXTURE_0103 / f"tensors/hidden_layer{layer:03d}_shard{row['shard_index']:03d}.safetensors"
+            with safe_open(str(path), "np") as f:
+                np.testing.assert_array_equal(got[i], f.get_tensor(f"hidden.layer_{layer}")[row["row_offset"]])
+    values, indices = ds.logits_topk()
+    assert values.shape == (10, 5) and indices.dtype == np.int32
+    row = df.iloc[7]
+    with safe_open(str(FIXTURE_0103 / f"tensors/logits_topk_{row['shard_index_logits']:03d}.safetensors"), "np") as f:
+        np.testing.assert_array_equal(values[7], f.get_tensor("logits_topk.values")[row["row_offset_logits"]])
+        np.testing.assert_array_equal(indices[7], f.get_tensor("logits_topk.indices")[row["row_offset_logits"]])
+    assert np.all(np.diff(values, axis=1) <= 0)
+    assert ds.token_lengths().tolist() == [len(t) for t in df["token_ids"]]
+    assert ds.labels.tolist() == df["label"].tolist()
+
+
+def test_fixture_validates_with_warnings_for_its_quirks():
+    rep = validate(FIXTURE_0103)
+    assert rep.ok, str(rep)
+    text = "\n".join(rep.warnings)
+    assert "num_tokens is null" in text and "logits_topk.values" in text and "row_bytes is 60" in text
+    assert "lmprobe_info.json" in text
+
+
+def test_reader_does_not_depend_on_the_quirks(tmp_path):
+    """Remove the sidecars and rekey the logits the standard way: still reads the same."""
+    d = tmp_path / "fx"
+    shutil.copytree(FIXTURE_0103, d)
+    (d / "lmprobe_info.json").unlink()
+    (d / "_stage_complete").unlink()
+    before = lmprobe.load(FIXTURE_0103).logits_topk()
+    from safetensors.numpy import save_file
+
+    for p in (d / "tensors").glob("logits_topk_*.safetensors"):
+        with safe_open(str(p), "np") as f:
+            t = {"topk_values": f.get_tensor("logits_topk.values"), "topk_indices": f.get_tensor("logits_topk.indices")}
+        p.chmod(0o644)
+        save_file(t, str(p))
+    after = lmprobe.load(d).logits_topk()
+    np.testing.assert_array_equal(before[0], after[0])
+    np.testing.assert_array_equal(before[1], after[1])
+
+
+# ---------------------------------------------------------------- the validator
+
+
+def test_validator_reports_every_problem_in_one_pass(tmp_path, rng, capsys):
+    write_dataset(tmp_path / "ds", rng, n=20, shard_size="160B", logits_k=2)
+    d = tmp_path / "ds"
+    (d / "tensors/hidden_layer002_shard001.safetensors").unlink()
+    p = d / "tensors/hidden_layer005_shard003.safetensors"
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 0xFF  # same size, different content
+    p.write_bytes(bytes(data))
+    q = d / "tensors/hidden_layer000_shard000.safetensors"
+    q.write_bytes(q.read_bytes()[:-4])  # truncated
+    rep = validate(d)
+    assert not rep.ok
+    text = "\n".join(rep.errors)
+    assert "hidden_layer002_shard001.safetensors: file is missing" in text
+    assert "hidden_layer005_shard003.safetensors: sha256 is" in text
+    assert "hidden_layer000_shard000.safetensors" in text
+    assert len(rep.errors) >= 3
+    assert cli_main(["validate", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "INVALID" in out and "file is missing" in out
+    assert cli_main(["validate", str(d), "--no-checksums"]) == 1
+
+
+def test_validator_checks_addressing_and_counts(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=12, shard_size="160B")
+    d = tmp_path / "ds"
+    index = d / "index/train-00000-of-00001.parquet"
+    table = pq.read_table(index)
+    df = table.to_pandas()
+    df.loc[3, "row_offset"] = 2  # collides with row 2
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pandas(df, schema=table.schema, preserve_index=False), index)
+    rep = validate(d)
+    assert any("more than once" in e for e in rep.errors), str(rep)
+
+
+def test_cli_validate_ok_and_info(tmp_path, rng, capsys):
+    write_dataset(tmp_path / "ds", rng, n=9, storage="full_sequence", logits_k=3)
+    assert cli_main(["validate", str(tmp_path / "ds")]) == 0
+    assert cli_main(["info", str(tmp_path / "ds")]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "prompts      9" in out and "full_sequence" in out and "top-3" in out
+
+
+def test_python_m_lmprobe_runs(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "lmprobe", "validate", str(FIXTURE_0103)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "OK" in r.stdout
+
+
+def test_info_on_a_folder_without_a_dataset(tmp_path, capsys):
+    assert cli_main(["info", str(tmp_path)]) == 2
+    assert "holds no lmprobe dataset" in capsys.readouterr().err
+
+
+def test_metadata_json_is_plain(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=3)
+    meta = pq.read_schema(tmp_path / "ds/index/train-00000-of-00001.parquet").metadata
+    for k, v in meta.items():
+        if k.startswith(b"lmprobe:"):
+            json.loads(v)
