@@ -15,7 +15,19 @@ if TYPE_CHECKING:
     from .format.reader import Dataset
     from .format.writer import DatasetWriter
 
-__all__ = ["Dataset", "DatasetWriter", "load", "validate", "__version__"]
+__all__ = ["Dataset", "DatasetWriter", "extract", "load", "validate", "__version__"]
+
+
+def extract(model: str, prompts: Any, *, out: Any, **kwargs: Any) -> Dataset:
+    """Run ``model`` over ``prompts`` and write an lmprobe dataset to ``out``; returns it loaded.
+
+    >>> ds = lmprobe.extract("lmprobe-tiny", "examples/prompts.jsonl", out="out/tiny")  # doctest: +SKIP
+
+    See ``lmprobe.extraction.runner.extract`` for every option.
+    """
+    from .extraction.runner import extract as _extract
+
+    return _extract(model, prompts, out=out, **kwargs)
 
 
 def load(path: Any, **kwargs: Any) -> Dataset:

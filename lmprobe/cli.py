@@ -82,6 +82,60 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return _cmd_info(argparse.Namespace(path=str(path)))
 
 
+def _cmd_extract(args: argparse.Namespace) -> int:
+    from .extraction.runner import extract
+
+    if args.push:
+        try:
+            from .hub import push_to_hub
+        except ImportError:
+            raise LmprobeError("--push needs lmprobe's Hub support (lmprobe.hub), which this install lacks") from None
+
+    ds = extract(
+        args.model,
+        args.prompts,
+        out=args.out,
+        layers=args.layers,
+        storage=args.storage,
+        logits_topk=args.logits_topk,
+        perplexity=args.perplexity,
+        token_strings=args.token_strings,
+        token_ids=args.token_ids,
+        dtype=args.dtype,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        truncate=args.truncate,
+        shard_size=args.shard_size,
+        device=args.device,
+        compute_dtype=args.compute_dtype,
+        text_column=args.text_column,
+        label_column=args.label_column,
+        revision=args.revision,
+        trust_remote_code=args.trust_remote_code,
+        quiet=args.quiet,
+        overwrite=args.overwrite,
+        block_path=args.block_path,
+    )
+    if not args.quiet:
+        h = ds.info["tensors"]["hidden_layers"]
+        n_files = sum(1 for p in Path(args.out).rglob("*.safetensors"))
+        print(f"wrote {ds.num_prompts} prompts x {len(ds.layers)} layers x {ds.dim} dims ({h['storage']}, {ds.dtype}) "
+              f"to {args.out}: {n_files} shard files + index")
+    if args.push:
+        push_to_hub(args.out, args.push, private=args.private, token=args.token, quiet=args.quiet)
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmprobe",
@@ -90,6 +144,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lmprobe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+
+    p = sub.add_parser(
+        "extract",
+        help="run a model over prompts and write an lmprobe dataset",
+        description="Run MODEL over the prompts in FILE and store hidden states (and optionally top-k logits and "
+        "perplexity) as an lmprobe dataset in DIR. Re-running after an interruption resumes.",
+    )
+    p.add_argument("--model", required=True, help="local model folder, Hub id, or lmprobe-tiny (the embedded model)")
+    p.add_argument("--prompts", required=True, metavar="FILE", help=".jsonl, .csv, .tsv, .parquet or .txt (one per line)")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--layers", default="all", help="'all' (default), '0,3,-1', ranges like '10:20' (Python slice: 10..19)")
+    p.add_argument("--storage", choices=["pooled", "full_sequence"], default="pooled",
+                   help="pooled: last token only (default); full_sequence: every token")
+    p.add_argument("--logits-topk", type=_positive_int, default=None, metavar="K", help="store the top-K logits at the last token")
+    p.add_argument("--perplexity", action="store_true", help="store per-prompt and per-token perplexity")
+    p.add_argument("--token-strings", action="store_true", help="store decoded tokens (and token ids)")
+    p.add_argument("--token-ids", action="store_true", help="store token ids")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32", help="stored dtype")
+    p.add_argument("--compute-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="dtype the model runs in (auto: float32 on CPU, the checkpoint's dtype on GPU)")
+    p.add_argument("--batch-size", type=_positive_int, default=8)
+    p.add_argument("--max-length", type=_positive_int, default=None, help="longest prompt in tokens (default: the model's)")
+    p.add_argument("--truncate", choices=["left", "right"], default=None,
+                   help="cut prompts longer than --max-length (left keeps the end) instead of failing")
+    p.add_argument("--shard-size", default="1GiB", help="shard byte budget, e.g. 512MB, 1GiB (default 1GiB)")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--label-column", default="label", help="label column (int or string); optional when 'label'")
+    p.add_argument("--revision", default=None, help="model revision (branch, tag or commit) on the Hub")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own Python code to run")
+    p.add_argument("--block-path", default=None, help="attribute path of the decoder block list, for unknown architectures")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing or partial output instead of resuming")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.add_argument("--push", default=None, metavar="REPO", help="publish the dataset to this Hub dataset repo when done")
+    p.add_argument("--private", action="store_true", help="with --push: create the repo private")
+    p.add_argument("--token", default=None, help="with --push: Hub token (default: HF_TOKEN or the saved login)")
+    p.set_defaults(func=_cmd_extract)
 
     p = sub.add_parser("validate", help="check datasets against the format document")
     p.add_argument("paths", nargs="+", metavar="PATH", help="dataset folder(s)")

@@ -66,3 +66,36 @@ def write_dataset(out, rng, *, n=23, layers=(0, 2, 5), dim=8, storage="pooled", 
     w.close()
     return {"texts": texts, "n_tok": n_tok, "labels": labels, "hidden": hidden, "lv": lv, "li": li,
             "tok_start": tok_start}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    from tiny_models import build_llama
+
+    return build_llama(tmp_path_factory.mktemp("llama"), padding_side="left")
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory):
+    from tiny_models import build_gpt2
+
+    return build_gpt2(tmp_path_factory.mktemp("gpt2"), padding_side="right")
+
+
+@pytest.fixture(scope="session")
+def bert_dir(tmp_path_factory):
+    from tiny_models import build_bert
+
+    return build_bert(tmp_path_factory.mktemp("bert"))
+
+
+PROMPTS = [
+    {"text": "The cat sat on the mat.", "label": 1, "source": "a"},
+    {"text": "A dog.", "label": 0, "source": "b"},
+    {"text": "Interpretability researchers study the activations of language models every single day.", "label": 1,
+     "source": "a"},
+    {"text": "Hi", "label": 0, "source": "c"},
+    {"text": "This was a terrible meal, cold and far too salty, said she.", "label": 0, "source": "b"},
+    {"text": "Sunny today.", "label": 1, "source": "a"},
+    {"text": "Numbers like 12 and 345 appear in text as well as words.", "label": 1, "source": "c"},
+]

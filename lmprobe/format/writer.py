@@ -416,6 +416,7 @@ class DatasetWriter:
         if self.flags["token_strings"]:
             fields.append(("token_strings", pa.list_(pa.string())))
         fields += [(name, COLUMN_TYPES[t]) for name, t in self.columns.items()]
+        fields.append(("_position", pa.int64()))
         return pa.schema(fields)
 
     def _final_schema(self) -> pa.Schema:
@@ -427,7 +428,7 @@ class DatasetWriter:
                     pa.field("token_shard_ids", pa.list_(pa.int64())),
                     pa.field("token_shard_offsets", pa.list_(pa.int64())),
                 ]
-            elif f.name != "_seq_offset":
+            elif f.name not in ("_seq_offset", "_position"):
                 fields.append(f)
         return pa.schema(fields)
 
@@ -583,8 +584,14 @@ class DatasetWriter:
         token_ids: Sequence[Sequence[int]] | None = None,
         token_strings: Sequence[Sequence[str]] | None = None,
         token_perplexity: Sequence[Sequence[float]] | None = None,
+        positions: Sequence[int] | None = None,
     ) -> None:
-        """Add a batch of prompts. Everything is checked before any byte of the batch is written."""
+        """Add a batch of prompts. Everything is checked before any byte of the batch is written.
+
+        ``positions`` gives each prompt's row in the final index when prompts arrive out of order
+        (extraction sorts them by length); the index is then sorted by it when the dataset closes,
+        and the positions of all batches must form 0..N-1. By default prompts keep arrival order.
+        """
         if self._closed:
             raise RuntimeError("this DatasetWriter is closed")
         if self._phase != "writing":
@@ -601,6 +608,12 @@ class DatasetWriter:
             i = int(np.argmin(counts))
             raise ValueError(f"row {base + i}: num_tokens must be >= 1, got {counts[i]}")
 
+        if positions is None:
+            pos = list(range(base, base + b))
+        else:
+            pos = [int(x) for x in to_numpy(positions).reshape(-1).tolist()]
+            if len(pos) != b or (b and min(pos) < 0):
+                raise ValueError(f"positions must hold {b} non-negative row numbers")
         label_vals = self._check_labels(labels, b, base)
         user = self._check_columns(columns, b, base)
         arrays = self._check_hidden(hidden, counts, base)
@@ -640,6 +653,7 @@ class DatasetWriter:
         cols["text"] += list(texts)
         cols["label"] += label_vals
         cols["num_tokens"] += counts.tolist()
+        cols["_position"] += pos
         for name, vals in {**extras, **user}.items():
             cols[name] += vals
         self.num_prompts += b
@@ -907,18 +921,33 @@ class DatasetWriter:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(final.name + ".tmp")
         parts = sorted((self.staging / "index").glob("part-*.parquet"))
+        positions = [pq.read_table(p, columns=["_position"]).column("_position").to_numpy() for p in parts]
+        all_pos = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
+        in_order = bool(np.array_equal(all_pos, np.arange(len(all_pos))))
+        if not in_order and not np.array_equal(np.sort(all_pos), np.arange(len(all_pos))):
+            raise FormatError(
+                f"the positions given to add_batch do not form 0..{len(all_pos) - 1} (duplicates or gaps); "
+                "the index cannot be ordered"
+            )
         with pq.ParquetWriter(tmp, schema) as pw:
-            batch: list[pa.Table] = []
-            rows = 0
-            for p in parts:
-                t = pq.read_table(p)
-                batch.append(self._finalize_part(t, n_last, schema))
-                rows += t.num_rows
-                if rows >= _ROW_GROUP_ROWS:
+            if not in_order:
+                # prompts arrived out of order: the index (one row per prompt) is sorted in memory
+                whole = pa.concat_tables([self._finalize_part(pq.read_table(p), n_last, schema, keep_position=True)
+                                          for p in parts])
+                whole = whole.take(np.argsort(whole.column("_position").to_numpy(), kind="stable"))
+                pw.write_table(whole.drop_columns(["_position"]), row_group_size=_ROW_GROUP_ROWS)
+            else:
+                batch: list[pa.Table] = []
+                rows = 0
+                for p in parts:
+                    t = pq.read_table(p)
+                    batch.append(self._finalize_part(t, n_last, schema))
+                    rows += t.num_rows
+                    if rows >= _ROW_GROUP_ROWS:
+                        pw.write_table(pa.concat_tables(batch), row_group_size=_ROW_GROUP_ROWS)
+                        batch, rows = [], 0
+                if batch:
                     pw.write_table(pa.concat_tables(batch), row_group_size=_ROW_GROUP_ROWS)
-                    batch, rows = [], 0
-            if batch:
-                pw.write_table(pa.concat_tables(batch), row_group_size=_ROW_GROUP_ROWS)
             if not parts:
                 pw.write_table(schema.empty_table())
         if self.fsync:
@@ -926,7 +955,13 @@ class DatasetWriter:
                 os.fsync(f.fileno())
         os.replace(tmp, final)
 
-    def _finalize_part(self, t: pa.Table, n_last: int, schema: pa.Schema) -> pa.Table:
+    def _finalize_part(self, t: pa.Table, n_last: int, schema: pa.Schema, keep_position: bool = False) -> pa.Table:
+        out = self._finalize_columns(t, n_last, schema)
+        if keep_position:
+            out = out.append_column("_position", t.column("_position"))
+        return out
+
+    def _finalize_columns(self, t: pa.Table, n_last: int, schema: pa.Schema) -> pa.Table:
         if self.storage != "full_sequence":
             return t.select(schema.names).cast(schema.remove_metadata())
         n = t.column("num_tokens").to_numpy().astype(np.int64)

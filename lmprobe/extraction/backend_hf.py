@@ -1,0 +1,150 @@
+"""The transformers backend: forward hooks on the decoder blocks of a local model."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class _StopForward(Exception):
+    """Raised by the hook of the last needed block when nothing after it is needed."""
+
+
+@dataclass
+class BatchOutput:
+    hidden: dict[int, Any]  # layer -> CPU tensor: (B, dim) pooled, or (sum(num_tokens), dim) packed
+    num_tokens: np.ndarray  # (B,)
+    token_ids: list[list[int]]
+    logits_values: np.ndarray | None = None  # (B, k) float32
+    logits_indices: np.ndarray | None = None  # (B, k) int64
+    perplexity: dict[str, list] = field(default_factory=dict)  # mean/min/max per prompt, token lists
+
+
+def last_token_index(attention_mask):
+    """Index of the last real token per row, whatever the padding side: (B,)."""
+    import torch
+
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (attention_mask.long() * (positions + 1)).argmax(dim=1)
+
+
+def position_ids_for(attention_mask):
+    """Positions counted over real tokens only, so left padding does not shift them."""
+    pos = attention_mask.long().cumsum(dim=1) - 1
+    return pos.clamp(min=0)
+
+
+def perplexity_from_logits(logits, input_ids, attention_mask) -> dict[str, list]:
+    """Per-prompt perplexity from (B, T, V) logits, computed row by row on the logits' device.
+
+    mean = exp(mean next-token NLL); min/max over per-token perplexities exp(NLL_t);
+    token = the per-token perplexities of tokens 1..n-1 of the prompt.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    out: dict[str, list] = {"mean": [], "min": [], "max": [], "token": []}
+    mask = attention_mask.bool()
+    for b in range(input_ids.shape[0]):
+        idx = mask[b].nonzero().squeeze(1)  # real positions, in order
+        if len(idx) < 2:
+            out["mean"].append(float("nan"))
+            out["min"].append(float("nan"))
+            out["max"].append(float("nan"))
+            out["token"].append([])
+            continue
+        lg = logits[b, idx[:-1]].float()
+        nll = F.cross_entropy(lg, input_ids[b, idx[1:]], reduction="none").double()
+        ppl = torch.exp(nll)
+        out["mean"].append(float(torch.exp(nll.mean())))
+        out["min"].append(float(ppl.min()))
+        out["max"].append(float(ppl.max()))
+        out["token"].append(ppl.cpu().tolist())
+    return out
+
+
+class TransformersBackend:
+    name = "local"
+
+    def __init__(self, model: Any, blocks: Any, *, causal_lm: bool):
+        self.model = model
+        self.blocks = blocks
+        self.causal_lm = causal_lm
+        params = inspect.signature(model.forward).parameters
+        self._takes_position_ids = "position_ids" in params
+        self._takes_use_cache = "use_cache" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+        self.device = next(model.parameters()).device
+
+    def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
+            logits_k: int | None, perplexity: bool) -> BatchOutput:
+        import torch
+
+        input_ids = input_ids.to(self.device)
+        attention_mask = attention_mask.to(self.device)
+        b = input_ids.shape[0]
+        last = last_token_index(attention_mask)
+        rows = torch.arange(b, device=self.device)
+        real = attention_mask.bool()
+        need_head = bool(logits_k) or perplexity
+        captured: dict[int, Any] = {}
+        stop_at = max(layers)
+
+        def hook_for(layer: int):
+            def hook(_module, _inputs, output):
+                h = output[0] if isinstance(output, (tuple, list)) else output
+                if storage == "pooled":
+                    captured[layer] = h[rows, last].to(out_dtype)
+                else:
+                    captured[layer] = h[real].to(out_dtype)  # real tokens, prompt after prompt
+                if not need_head and layer == stop_at:
+                    raise _StopForward
+            return hook
+
+        handles = [self.blocks[layer].register_forward_hook(hook_for(layer)) for layer in layers]
+        head = self.model.get_output_embeddings() if need_head else None
+        if logits_k and not perplexity and head is not None:
+            # only the last token's logits are needed: feed the head one row per prompt
+            def gather_last(_module, args):
+                hs = args[0]
+                return (hs[rows, last].unsqueeze(1), *args[1:])
+
+            handles.append(head.register_forward_pre_hook(gather_last))
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self._takes_position_ids:
+            kwargs["position_ids"] = position_ids_for(attention_mask)
+        if self._takes_use_cache:
+            kwargs["use_cache"] = False
+        result = None
+        try:
+            result = self.model(**kwargs)
+        except _StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        missing = [layer for layer in layers if layer not in captured]
+        if missing:
+            raise RuntimeError(f"the forward pass never reached blocks {missing}")
+        lengths = attention_mask.sum(dim=1)
+        ids = input_ids[real].cpu()
+        token_ids = [t.tolist() for t in torch.split(ids, lengths.cpu().tolist())]
+        out = BatchOutput(
+            hidden={layer: captured[layer].cpu() for layer in layers},
+            num_tokens=lengths.cpu().numpy().astype(np.int64),
+            token_ids=token_ids,
+        )
+        if need_head:
+            logits = result.logits if hasattr(result, "logits") else result[0]
+            if perplexity:
+                out.perplexity = perplexity_from_logits(logits, input_ids, attention_mask)
+                last_logits = logits[rows, last]
+            else:
+                last_logits = logits[:, -1] if logits.shape[1] == 1 else logits[rows, last]
+            if logits_k:
+                top = torch.topk(last_logits.float(), logits_k, dim=-1)
+                out.logits_values = top.values.cpu().numpy().astype(np.float32)
+                out.logits_indices = top.indices.cpu().numpy()
+        return out

@@ -1,0 +1,200 @@
+"""Resolving a model name, reading its config, loading weights and finding its decoder blocks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import LmprobeError
+
+EMBEDDED_MODELS = {"lmprobe-tiny": "tiny"}
+_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+
+
+class ModelError(LmprobeError, ValueError):
+    """The model cannot do what was asked (no LM head, unknown block layout, bad layer, ...)."""
+
+
+# Where the decoder blocks live, by architecture family. The first path that exists wins.
+BLOCK_PATHS = (
+    "model.layers",  # Llama, Mistral, Qwen, Gemma, Phi-3 (inside *ForCausalLM)
+    "layers",  # the same families loaded as bare models
+    "model.language_model.layers",  # multimodal wrappers (Gemma 3, Llava)
+    "language_model.layers",
+    "transformer.h",  # GPT-2, GPT-J, Falcon, Bloom
+    "h",
+    "gpt_neox.layers",  # GPT-NeoX, Pythia
+    "model.decoder.layers",  # OPT
+    "decoder.layers",
+    "encoder.layer",  # BERT, RoBERTa (bare models)
+    "bert.encoder.layer",
+    "roberta.encoder.layer",
+    "transformer.layer",  # DistilBERT
+)
+
+
+def resolve_model_path(name: str) -> tuple[str, bool]:
+    """(path or Hub id, is_local). Embedded names resolve to the model shipped inside lmprobe."""
+    key = name.removeprefix("builtin:")
+    if key in EMBEDDED_MODELS:
+        path = _MODELS_DIR / EMBEDDED_MODELS[key]
+        if not (path / "config.json").exists():
+            raise ModelError(f"the embedded model {key!r} is missing from {path}; reinstall lmprobe")
+        return str(path), True
+    if os.path.isdir(name):
+        return name, True
+    if os.path.exists(name):
+        raise ModelError(f"--model {name!r} is a file; pass the folder that holds config.json")
+    return name, False
+
+
+@dataclass
+class ModelSpec:
+    name: str  # as recorded in metadata
+    path: str  # what from_pretrained gets
+    local: bool
+    revision: str | None
+    trust_remote_code: bool
+    config: Any
+    num_layers: int
+    hidden_size: int
+    causal_lm: bool
+
+
+def _is_causal_lm(config: Any) -> bool:
+    archs = getattr(config, "architectures", None) or []
+    if archs:
+        return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(config, "is_encoder_decoder", False)
+
+
+def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
+    """Read the config only (no weights): enough to check layers and heads before loading."""
+    from transformers import AutoConfig
+
+    path, local = resolve_model_path(name)
+    try:
+        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        hint = "" if local else " (is it a Hub id you can reach, or a local folder with config.json?)"
+        raise ModelError(f"cannot load the config of model {name!r}{hint}: {exc}") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_layers = next((getattr(text, a) for a in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(text, a)), None)
+    hidden = next((getattr(text, a) for a in ("hidden_size", "n_embd", "d_model") if hasattr(text, a)), None)
+    if not isinstance(n_layers, int) or not isinstance(hidden, int):
+        raise ModelError(f"cannot tell the number of layers or the hidden size of {name!r} from its config")
+    display = name.removeprefix("builtin:") if name.removeprefix("builtin:") in EMBEDDED_MODELS else name
+    return ModelSpec(display, path, local, revision, trust_remote_code, config, n_layers, hidden, _is_causal_lm(config))
+
+
+def parse_layers(spec: str | int | list[int] | None, num_layers: int) -> list[int]:
+    """Resolve ``all``, ``0,3,-1``, ``10:20`` (Python slice: 10..19) or a list to sorted layer indices.
+
+    >>> parse_layers("0,2:4,-1", 12)
+    [0, 2, 3, 11]
+    """
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "all"):
+        return list(range(num_layers))
+    items: list[Any]
+    if isinstance(spec, int):
+        items = [spec]
+    elif isinstance(spec, str):
+        items = [s.strip() for s in spec.split(",") if s.strip()]
+    else:
+        items = list(spec)
+    if not items:
+        raise ModelError(f"no layers in {spec!r}; use 'all', a list like '0,3,-1' or a range like '10:20'")
+    out: set[int] = set()
+    for item in items:
+        if isinstance(item, str) and ":" in item:
+            try:
+                parts = [int(p) if p.strip() else None for p in item.split(":")]
+                rng = range(num_layers)[slice(*parts)]
+            except ValueError:
+                raise ModelError(f"cannot read layer range {item!r}; write START:STOP like '10:20'") from None
+            if len(rng) == 0:
+                raise ModelError(f"layer range {item!r} is empty for a model with {num_layers} layers")
+            out.update(rng)
+            continue
+        try:
+            i = int(item)
+        except (TypeError, ValueError):
+            raise ModelError(f"cannot read layer {item!r}; use integers, ranges like '10:20' or 'all'") from None
+        if not -num_layers <= i < num_layers:
+            raise ModelError(f"layer {i} does not exist: the model has {num_layers} layers (0..{num_layers - 1}, or -1..-{num_layers})")
+        out.add(i % num_layers)
+    return sorted(out)
+
+
+def find_blocks(model: Any, num_layers: int, block_path: str | None = None):
+    """The model's list of decoder blocks (an nn.ModuleList)."""
+    import torch
+
+    def get(path: str):
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return None
+        return obj
+
+    if block_path:
+        blocks = get(block_path)
+        if not isinstance(blocks, torch.nn.ModuleList):
+            raise ModelError(f"--block-path {block_path!r} does not name a list of modules in this model")
+        return blocks
+    for path in BLOCK_PATHS:
+        blocks = get(path)
+        if isinstance(blocks, torch.nn.ModuleList) and len(blocks) == num_layers:
+            return blocks
+    candidates = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
+    if len(candidates) == 1:
+        return get(candidates[0])
+    raise ModelError(
+        f"cannot find the decoder blocks of {type(model).__name__} (looked for {', '.join(BLOCK_PATHS[:6])}, ...); "
+        f"pass the attribute path of its block list, e.g. block_path='model.layers'"
+        + (f" (candidates: {candidates})" if candidates else "")
+    )
+
+
+def pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"--device {device} was asked for but CUDA is not available here; use --device cpu")
+    if device != "cpu" and not device.startswith(("cuda", "mps", "xpu")):
+        raise ModelError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def load_model(spec: ModelSpec, *, device: str, compute_dtype: str = "auto"):
+    """Load the weights onto ``device``. Returns (model, commit hash or None)."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    if compute_dtype == "auto":
+        dtype = torch.float32 if device == "cpu" else "auto"
+    else:
+        dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[compute_dtype]
+    cls = AutoModelForCausalLM if spec.causal_lm else AutoModel
+    model = cls.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code, dtype=dtype)
+    model.to(device).eval()
+    commit = None if spec.local else getattr(model.config, "_commit_hash", None)
+    return model, commit
+
+
+def load_tokenizer(spec: ModelSpec):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    if tok.pad_token is None:
+        raise ModelError(f"the tokenizer of {spec.name!r} has no pad, eos or unk token to pad batches with")
+    return tok

@@ -1,0 +1,326 @@
+"""``lmprobe.extract``: prompts + model -> an lmprobe dataset, resumable, with the writer on a thread."""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from ..errors import LmprobeError, OutputExistsError
+from ..format.spec import HIDDEN_DTYPES, INDEX_PATH, STORAGES
+from ..units import parse_size
+from .model import ModelError, find_blocks, load_model, load_tokenizer, parse_layers, pick_device, read_model_spec
+from .prompts import Prompts, read_prompts
+
+
+class ExtractionError(LmprobeError, ValueError):
+    """An extraction setting is invalid; raised before the model loads."""
+
+
+class _BackgroundWriter:
+    """Runs ``writer.add_batch`` on a thread so the next forward pass overlaps the disk writes."""
+
+    def __init__(self, writer: Any, maxsize: int = 2):
+        self.writer = writer
+        self.q: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._drain, name="lmprobe-writer", daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if self.error is None:
+                try:
+                    self.writer.add_batch(**item)
+                except BaseException as exc:  # handed to the main thread
+                    self.error = exc
+
+    def put(self, item: dict) -> None:
+        if self.error is not None:
+            raise self.error
+        self.q.put(item)
+
+    def stop(self) -> None:
+        """Let the thread finish what it holds and end, without raising its error."""
+        self.q.put(None)
+        self.thread.join()
+
+    def finish(self) -> None:
+        self.stop()
+        if self.error is not None:
+            raise self.error
+
+
+def _tokenize_lengths(tok: Any, texts: list[str], chunk: int = 1024) -> np.ndarray:
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    for s in range(0, len(texts), chunk):
+        enc = tok(texts[s : s + chunk], add_special_tokens=True, truncation=False)["input_ids"]
+        lengths[s : s + chunk] = [len(x) for x in enc]
+    return lengths
+
+
+def _default_max_length(tok: Any, config: Any) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        v = getattr(text, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    m = getattr(tok, "model_max_length", None)
+    return m if isinstance(m, int) and 0 < m < 10**7 else None
+
+
+def _where(prompts: Prompts, i: int) -> str:
+    return f"prompt {i}" if prompts.source in ("prompts", "DataFrame", "<memory>") else f"{prompts.source} prompt {i}"
+
+
+def _check_settings(storage, dtype, compute_dtype, batch_size, logits_topk, truncate, max_length, backend) -> None:
+    if storage not in STORAGES:
+        raise ExtractionError(f"storage must be one of {list(STORAGES)}, got {storage!r}")
+    if dtype not in HIDDEN_DTYPES:
+        raise ExtractionError(f"dtype must be one of {list(HIDDEN_DTYPES)}, got {dtype!r}")
+    if compute_dtype not in ("auto", *HIDDEN_DTYPES):
+        raise ExtractionError(f"compute_dtype must be auto or one of {list(HIDDEN_DTYPES)}, got {compute_dtype!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ExtractionError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if logits_topk is not None and (not isinstance(logits_topk, int) or logits_topk < 1):
+        raise ExtractionError(f"logits_topk must be a positive integer, got {logits_topk!r}")
+    if truncate not in (None, "left", "right"):
+        raise ExtractionError(f"truncate must be 'left', 'right' or None, got {truncate!r}")
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+        raise ExtractionError(f"max_length must be a positive integer, got {max_length!r}")
+    if backend != "transformers":
+        raise ExtractionError(f"unknown backend {backend!r}; use 'transformers'")
+
+
+def extract(
+    model: str,
+    prompts: Any,
+    *,
+    out: str | os.PathLike,
+    layers: str | int | list[int] | None = "all",
+    storage: Literal["pooled", "full_sequence"] = "pooled",
+    logits_topk: int | None = None,
+    perplexity: bool = False,
+    token_strings: bool = False,
+    token_ids: bool = False,
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32",
+    batch_size: int = 8,
+    max_length: int | None = None,
+    truncate: Literal["left", "right"] | None = None,
+    shard_size: int | str = "1GiB",
+    device: str = "auto",
+    compute_dtype: str = "auto",
+    text_column: str = "text",
+    label_column: str | None = "label",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    quiet: bool = False,
+    overwrite: bool = False,
+    backend: Literal["transformers"] = "transformers",
+    block_path: str | None = None,
+    checkpoint_interval: float = 30.0,
+    checksums: bool = True,
+):
+    """Run ``model`` over ``prompts`` and write an lmprobe dataset to ``out``; return it loaded.
+
+    >>> ds = lmprobe.extract("lmprobe-tiny", "examples/prompts.jsonl", out="out/tiny")  # doctest: +SKIP
+    >>> ds.hidden(ds.layers[-1]).shape                                                  # doctest: +SKIP
+
+    Re-running the same call after an interruption continues where it stopped; a different
+    configuration against a partial output is an error unless ``overwrite=True``.
+    """
+    from ..format.reader import load
+    from ..format.writer import DatasetWriter
+
+    # ---- settings, prompts, config and tokenizer: every input error surfaces before the weights load
+    _check_settings(storage, dtype, compute_dtype, batch_size, logits_topk, truncate, max_length, backend)
+    shard_bytes = parse_size(shard_size)
+    p = prompts if isinstance(prompts, Prompts) else read_prompts(prompts, text_column=text_column,
+                                                                   label_column=label_column)
+    spec = read_model_spec(model, revision=revision, trust_remote_code=trust_remote_code)
+    layer_list = parse_layers(layers, spec.num_layers)
+    if (logits_topk or perplexity) and not spec.causal_lm:
+        asked = "--logits-topk" if logits_topk else "--perplexity"
+        kind = ", ".join(spec.config.architectures or [spec.config.model_type])
+        raise ModelError(
+            f"{spec.name} has no language-model head ({kind}); it gives hidden states only, so {asked} "
+            "cannot be computed"
+        )
+    text_cfg = spec.config.get_text_config() if hasattr(spec.config, "get_text_config") else spec.config
+    vocab = getattr(text_cfg, "vocab_size", None)
+    if logits_topk and isinstance(vocab, int) and logits_topk > vocab:
+        raise ExtractionError(f"logits_topk={logits_topk} is larger than the vocabulary ({vocab})")
+    dev = pick_device(device)
+
+    tok = load_tokenizer(spec)
+    lengths = _tokenize_lengths(tok, p.texts)
+    limit = max_length or _default_max_length(tok, spec.config)
+    if lengths.min(initial=1) < 1:
+        i = int(np.argmin(lengths))
+        raise ExtractionError(f"{_where(p, i)} tokenizes to no tokens: {p.texts[i]!r}")
+    if limit is not None and lengths.max(initial=0) > limit:
+        too_long = np.flatnonzero(lengths > limit)
+        if truncate is None:
+            i = int(too_long[0])
+            raise ExtractionError(
+                f"{_where(p, i)} has {lengths[i]} tokens, more than --max-length {limit} "
+                f"({len(too_long)} prompt(s) are too long); pass --truncate left (keep the end) or "
+                "--truncate right (keep the start), or a larger --max-length"
+            )
+        lengths = np.minimum(lengths, limit)
+
+    revision_hash = None if spec.local else (getattr(spec.config, "_commit_hash", None) or revision)
+    settings = {
+        "model": spec.name,
+        "revision": revision_hash,
+        "prompts_sha256": p.fingerprint(),
+        "num_prompts": len(p),
+        "layers": layer_list,
+        "storage": storage,
+        "dtype": dtype,
+        "compute_dtype": compute_dtype,
+        "logits_topk": logits_topk,
+        "perplexity": perplexity,
+        "token_ids": token_ids or token_strings,
+        "token_strings": token_strings,
+        "batch_size": batch_size,
+        "max_length": limit,
+        "truncate": truncate,
+        "backend": backend,
+        "processing_order": "length_descending",
+    }
+    out = Path(out)
+    if (out / INDEX_PATH).exists() and not overwrite:
+        ds = load(out)
+        if (ds.info.get("extraction") or {}).get("settings") == settings:
+            if not quiet:
+                print(f"{out} already holds this extraction; nothing to do", file=sys.stderr)
+            return ds
+        raise OutputExistsError(
+            f"{out} already holds a dataset made with other settings; pass --overwrite to replace it, "
+            "or choose another --out"
+        )
+
+    writer = DatasetWriter(
+        out,
+        layers=layer_list,
+        dim=spec.hidden_size,
+        model_name=spec.name,
+        model_revision=revision_hash,
+        storage=storage,
+        dtype=dtype,
+        shard_size=shard_bytes,
+        logits_k=logits_topk,
+        label_type=p.label_type,
+        columns=p.column_types,
+        perplexity=perplexity,
+        token_ids=token_ids or token_strings,
+        token_strings=token_strings,
+        token_perplexity=perplexity,
+        provenance={"extraction_backend": "local"},
+        extra_info={"extraction": {"settings": settings}},
+        fingerprint=settings,
+        checksums=checksums,
+        overwrite=overwrite,
+        checkpoint_interval=checkpoint_interval,
+    )
+    try:
+        _run(writer, p, spec, tok, lengths, settings, dev=dev, quiet=quiet, block_path=block_path)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    return load(out)
+
+
+def _run(writer: Any, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, settings: dict, *, dev: str,
+         quiet: bool, block_path: str | None) -> None:
+    import torch
+
+    from .backend_hf import TransformersBackend
+
+    n = len(p)
+    # longest first (an out-of-memory batch shows at once), ties in input order; deterministic, so a
+    # resumed run continues in the same order after the writer's num_prompts
+    order = np.lexsort((np.arange(n), -lengths))
+    done = writer.num_prompts
+    if done >= n:
+        return
+    model, _commit = load_model(spec, device=dev, compute_dtype=settings["compute_dtype"])
+    blocks = find_blocks(model, spec.num_layers, block_path)
+    backend = TransformersBackend(model, blocks, causal_lm=spec.causal_lm)
+    out_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[settings["dtype"]]
+    if settings["truncate"]:
+        tok.truncation_side = settings["truncate"]
+    bg = _BackgroundWriter(writer)
+    bar = _progress(n, done, quiet)
+    try:
+        _loop(bg, backend, tok, p, order, done, settings, out_dtype, bar)
+    except KeyboardInterrupt:
+        bg.stop()
+        writer.checkpoint()  # keep every finished batch: the next run resumes after it
+        raise
+    except BaseException:
+        bg.stop()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    bg.finish()
+
+
+def _loop(bg: _BackgroundWriter, backend: Any, tok: Any, p: Prompts, order: np.ndarray, done: int, settings: dict,
+          out_dtype: Any, bar: Any) -> None:
+    import torch
+
+    bs, truncate, limit = settings["batch_size"], settings["truncate"], settings["max_length"]
+    t0, tokens = time.monotonic(), 0
+    with torch.inference_mode():
+        for s in range(done, len(order), bs):
+            idx = order[s : s + bs]
+            texts = [p.texts[i] for i in idx]
+            enc = tok(texts, add_special_tokens=True, padding=True, return_tensors="pt",
+                      truncation=truncate is not None, max_length=limit if truncate else None)
+            res = backend.run(enc["input_ids"], enc["attention_mask"], layers=settings["layers"],
+                              storage=settings["storage"], out_dtype=out_dtype,
+                              logits_k=settings["logits_topk"], perplexity=settings["perplexity"])
+            item: dict[str, Any] = {"texts": texts, "hidden": res.hidden, "num_tokens": res.num_tokens,
+                                    "positions": idx}
+            if p.label_type is not None:
+                item["labels"] = [p.labels[i] for i in idx]
+            if p.columns:
+                item["columns"] = {c: [v[i] for i in idx] for c, v in p.columns.items()}
+            if settings["logits_topk"]:
+                item["logits_values"], item["logits_indices"] = res.logits_values, res.logits_indices
+            if settings["perplexity"]:
+                item["perplexity_mean"] = res.perplexity["mean"]
+                item["perplexity_min"] = res.perplexity["min"]
+                item["perplexity_max"] = res.perplexity["max"]
+                item["token_perplexity"] = res.perplexity["token"]
+            if settings["token_ids"]:
+                item["token_ids"] = res.token_ids
+            if settings["token_strings"]:
+                item["token_strings"] = [tok.batch_decode([[t] for t in ids]) for ids in res.token_ids]
+            bg.put(item)
+            tokens += int(res.num_tokens.sum())
+            if bar is not None:
+                bar.set_postfix_str(f"{tokens / max(time.monotonic() - t0, 1e-9):,.0f} tok/s", refresh=False)
+                bar.update(len(idx))
+
+
+def _progress(total: int, initial: int, quiet: bool):
+    """A tqdm bar (prompts/s, ETA; tokens/s in the postfix), or None when quiet or not on a terminal."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="prompt", desc="extract", dynamic_ncols=True, smoothing=0.1)

@@ -1,0 +1,222 @@
+"""Extraction against an independent reference: hooks on the blocks of an unpadded forward pass."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPTS
+
+import lmprobe
+from lmprobe.cli import main as cli_main
+from lmprobe.extraction import model as model_mod
+from lmprobe.extraction.model import ModelError
+from lmprobe.extraction.prompts import PromptError
+from lmprobe.format.validate import validate
+
+
+def reference(model_dir, texts, *, causal=True):
+    """Block outputs (all tokens), full logits and NLL for each prompt run alone, without padding."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(model_dir, dtype=torch.float32).eval()
+    blocks = model_mod.find_blocks(model, model.config.num_hidden_layers)
+    out = []
+    for text in texts:
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        acts = {}
+        hs = [blocks[i].register_forward_hook(lambda m, a, o, i=i: acts.__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0]))
+              for i in range(len(blocks))]
+        with torch.no_grad():
+            res = model(input_ids=ids)
+        for h in hs:
+            h.remove()
+        item = {"ids": ids[0], "acts": acts}
+        if causal:
+            logits = res.logits[0]
+            nll = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="none").double()
+            item.update(logits=logits, nll=nll)
+        out.append(item)
+    return out
+
+
+@pytest.mark.parametrize("which", ["llama_dir", "gpt2_dir"])
+def test_pooled_matches_reference(request, tmp_path, which):
+    model_dir = request.getfixturevalue(which)
+    ds = lmprobe.extract(str(model_dir), PROMPTS, out=tmp_path / "ds", layers="all", batch_size=3, logits_topk=5,
+                         perplexity=True, token_strings=True, quiet=True)
+    ref = reference(model_dir, [p["text"] for p in PROMPTS])
+    assert ds.layers == list(range(len(ref[0]["acts"])))
+    for layer in ds.layers:
+        got = ds.hidden(layer)
+        for i, r in enumerate(ref):
+            np.testing.assert_allclose(got[i], r["acts"][layer][-1].numpy(), atol=1e-4, rtol=0)
+    values, indices = ds.logits_topk()
+    df = ds.index
+    for i, r in enumerate(ref):
+        top = torch.topk(r["logits"][-1], 5)
+        np.testing.assert_allclose(values[i], top.values.numpy(), atol=1e-4)
+        assert indices[i].tolist() == top.indices.tolist()
+        assert df["perplexity_mean"][i] == pytest.approx(float(torch.exp(r["nll"].mean())), rel=1e-4)
+        assert df["perplexity_max"][i] == pytest.approx(float(torch.exp(r["nll"]).max()), rel=1e-4)
+        np.testing.assert_allclose(df["token_perplexity"][i], torch.exp(r["nll"]).numpy(), rtol=1e-4)
+        assert df["num_tokens"][i] == len(r["ids"]) and list(df["token_ids"][i]) == r["ids"].tolist()
+        assert len(df["token_strings"][i]) == len(r["ids"])
+    assert df["text"].tolist() == [p["text"] for p in PROMPTS]
+    assert df["label"].tolist() == [p["label"] for p in PROMPTS]
+    assert df["source"].tolist() == [p["source"] for p in PROMPTS]
+    assert ds.info["provenance"]["extraction_backend"] == "local"
+    assert ds.info["model"]["revision"] is None
+    assert validate(tmp_path / "ds").ok
+
+
+def test_full_sequence_matches_reference(llama_dir, tmp_path):
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "ds", layers="0,-1", storage="full_sequence",
+                         batch_size=4, shard_size="2KB", quiet=True)
+    assert ds.layers == [0, 3]
+    ref = reference(llama_dir, [p["text"] for p in PROMPTS])
+    for i, r in enumerate(ref):
+        for layer in ds.layers:
+            np.testing.assert_allclose(ds.token_hidden(i, layer), r["acts"][layer].numpy(), atol=1e-4, rtol=0)
+    assert validate(tmp_path / "ds").ok
+
+
+def test_left_padding_alone_equals_batched(llama_dir, tmp_path):
+    short = "A dog."
+    batch = [short, PROMPTS[2]["text"], PROMPTS[4]["text"]]
+    alone = lmprobe.extract(str(llama_dir), [short], out=tmp_path / "a", layers="all", quiet=True)
+    mixed = lmprobe.extract(str(llama_dir), batch, out=tmp_path / "b", layers="all", batch_size=3, quiet=True)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(llama_dir).padding_side == "left"
+    for layer in alone.layers:
+        np.testing.assert_allclose(mixed.hidden(layer)[0], alone.hidden(layer)[0], atol=1e-5, rtol=0)
+
+
+def test_half_precision_storage(gpt2_dir, tmp_path):
+    ds = lmprobe.extract(str(gpt2_dir), PROMPTS, out=tmp_path / "ds", layers="1", dtype="bfloat16", quiet=True)
+    ref = reference(gpt2_dir, [p["text"] for p in PROMPTS])
+    assert ds.dtype == "bfloat16" and ds.hidden(1, as_torch=True).dtype == torch.bfloat16
+    want = np.stack([r["acts"][1][-1].to(torch.bfloat16).float().numpy() for r in ref])
+    np.testing.assert_allclose(ds.hidden(1), want, atol=2e-2, rtol=1e-2)
+
+
+def test_encoder_without_lm_head(bert_dir, tmp_path, monkeypatch):
+    ds = lmprobe.extract(str(bert_dir), PROMPTS, out=tmp_path / "ds", layers="all", batch_size=3, quiet=True)
+    ref = reference(bert_dir, [p["text"] for p in PROMPTS], causal=False)
+    for i, r in enumerate(ref):
+        np.testing.assert_allclose(ds.hidden(1)[i], r["acts"][1][-1].numpy(), atol=1e-4, rtol=0)
+    monkeypatch.setattr(model_mod, "load_model", lambda *a, **k: pytest.fail("weights loaded before the error"))
+    with pytest.raises(ModelError, match="no language-model head.*--logits-topk"):
+        lmprobe.extract(str(bert_dir), PROMPTS, out=tmp_path / "x", logits_topk=3)
+    with pytest.raises(ModelError, match="--perplexity"):
+        lmprobe.extract(str(bert_dir), PROMPTS, out=tmp_path / "x", perplexity=True)
+
+
+def test_forward_stops_after_the_last_needed_block(llama_dir, tmp_path, monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    calls = {"late": 0, "head": 0}
+    real = LlamaForCausalLM.from_pretrained.__func__
+
+    def spy(cls, *a, **k):
+        m = real(cls, *a, **k)
+        m.model.layers[3].register_forward_hook(lambda *_: calls.__setitem__("late", calls["late"] + 1))
+        m.lm_head.register_forward_hook(lambda *_: calls.__setitem__("head", calls["head"] + 1))
+        return m
+
+    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(spy))
+    lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "a", layers="0:2", quiet=True)
+    assert calls == {"late": 0, "head": 0}
+    lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "b", layers="1", logits_topk=2, quiet=True)
+    assert calls["late"] > 0 and calls["head"] > 0
+
+
+@pytest.mark.parametrize("layers,msg", [("7", "layer 7 does not exist"), ("0,x", "cannot read layer 'x'"),
+                                        ("9:12", "empty"), ("-5", "layer -5 does not exist")])
+def test_invalid_layers_fail_before_weights_load(llama_dir, tmp_path, monkeypatch, layers, msg):
+    monkeypatch.setattr(model_mod, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ModelError, match=msg):
+        lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "ds", layers=layers)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_prompt_errors_name_the_line_before_weights_load(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(model_mod, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"text": "fine", "label": 1}\n\n{"text": "   ", "label": 0}\n')
+    with pytest.raises(PromptError, match=r"line 3: 'text' is empty"):
+        lmprobe.extract(str(llama_dir), f, out=tmp_path / "ds")
+    f.write_text('{"text": "a", "label": 1}\n{"text": "b", "label": "pos"}\n')
+    with pytest.raises(PromptError, match=r"line 2: label 'pos' is a string but line 1 has a int label"):
+        lmprobe.extract(str(llama_dir), f, out=tmp_path / "ds")
+    f.write_text('{"prompt": "a"}\n')
+    with pytest.raises(PromptError, match=r"no 'text' column.*--text-column"):
+        lmprobe.extract(str(llama_dir), f, out=tmp_path / "ds")
+    with pytest.raises(PromptError, match=r"no label column 'y'"):
+        lmprobe.extract(str(llama_dir), f, out=tmp_path / "ds", text_column="prompt", label_column="y")
+    f.write_text('{"text": 5}\n')
+    with pytest.raises(PromptError, match=r"line 1: 'text' must be a string"):
+        lmprobe.extract(str(llama_dir), f, out=tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_prompt_file_formats(llama_dir, tmp_path):
+    import pandas as pd
+
+    rows = [{"text": "one two", "label": "pos", "year": 2020}, {"text": "three", "label": "neg", "year": None}]
+    pd.DataFrame(rows).to_csv(tmp_path / "p.csv", index=False)
+    pd.DataFrame(rows).to_parquet(tmp_path / "p.parquet")
+    (tmp_path / "p.txt").write_text("one two\nthree\n")
+    for f in ("p.csv", "p.parquet"):
+        ds = lmprobe.extract(str(llama_dir), tmp_path / f, out=tmp_path / f"o-{f}", layers="0", quiet=True)
+        assert ds.labels.tolist() == ["pos", "neg"] and ds.index["year"].tolist()[0] == 2020
+    ds = lmprobe.extract(str(llama_dir), tmp_path / "p.txt", out=tmp_path / "o-txt", layers="0", quiet=True)
+    assert ds.texts == ["one two", "three"] and ds.labels is None
+    df = pd.DataFrame(rows)
+    ds = lmprobe.extract(str(llama_dir), df, out=tmp_path / "o-df", layers="0", quiet=True)
+    assert ds.num_prompts == 2
+
+
+def test_max_length_and_truncation(llama_dir, tmp_path):
+    long = PROMPTS[2]["text"]
+    with pytest.raises(ValueError, match=r"prompt 0 has \d+ tokens, more than --max-length 5.*--truncate"):
+        lmprobe.extract(str(llama_dir), [long], out=tmp_path / "x", max_length=5)
+    ds = lmprobe.extract(str(llama_dir), [long], out=tmp_path / "l", max_length=5, truncate="left", layers="3",
+                         token_ids=True, quiet=True)
+    assert ds.index["num_tokens"][0] == 5
+    assert ds.info["extraction"]["settings"]["truncate"] == "left"
+    from transformers import AutoTokenizer
+
+    full = AutoTokenizer.from_pretrained(llama_dir)(long)["input_ids"]
+    assert list(ds.index["token_ids"][0]) == full[:1] + full[-4:]  # the BOS the tokenizer adds stays
+
+
+def test_cli_extract_and_rerun_is_a_no_op(llama_dir, tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    args = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", str(tmp_path / "ds"),
+            "--layers", "0,2", "--logits-topk", "3", "--shard-size", "1KB", "--batch-size", "2"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "wrote 7 prompts x 2 layers" in out
+    before = (tmp_path / "ds/index/train-00000-of-00001.parquet").stat().st_mtime_ns
+    assert cli_main(args) == 0
+    assert "already holds this extraction" in capsys.readouterr().err
+    assert (tmp_path / "ds/index/train-00000-of-00001.parquet").stat().st_mtime_ns == before
+    assert cli_main(args[:-2] + ["--batch-size", "3"]) == 2
+    assert "other settings" in capsys.readouterr().err
+    assert cli_main(args[:-2] + ["--batch-size", "3", "--overwrite", "--quiet"]) == 0
+    assert lmprobe.load(tmp_path / "ds").info["extraction"]["settings"]["batch_size"] == 3
+
+
+def test_cli_errors_are_one_line(tmp_path, llama_dir, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text("hello\n")
+    assert cli_main(["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", str(tmp_path / "o"),
+                     "--layers", "99"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lmprobe extract: error: layer 99 does not exist") and "Traceback" not in err

@@ -1,0 +1,99 @@
+"""Kill an extraction at any point; re-running the same command continues and matches an uninterrupted run."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import PROMPTS
+
+import lmprobe
+
+PROMPT_LIST = [dict(p, text=p["text"] + f" (variant {i})") for i in range(4) for p in PROMPTS]  # 28 prompts
+KW = dict(layers="0,2", storage="full_sequence", batch_size=3, shard_size="3KB", logits_topk=3, perplexity=True,
+          quiet=True)
+
+CHILD = r"""
+import json, os, sys
+import lmprobe
+from lmprobe.extraction import backend_hf
+prompts, model, out, die_after, kw = json.loads(sys.argv[1])
+real, calls = backend_hf.TransformersBackend.run, [0]
+def run(self, *a, **k):
+    calls[0] += 1
+    if calls[0] > die_after:
+        os._exit(9)          # like kill -9: no cleanup, the writer thread dies mid-batch
+    return real(self, *a, **k)
+backend_hf.TransformersBackend.run = run
+lmprobe.extract(model, prompts, out=out, checkpoint_interval=0, **kw)
+"""
+
+
+def _files(root):
+    return sorted(p.relative_to(root).as_posix() for p in Path(root).rglob("*") if p.is_file())
+
+
+def assert_same(a, b):
+    assert _files(a) == _files(b)
+    for rel in _files(a):
+        if rel.endswith(".parquet") or rel == "README.md":
+            continue
+        assert filecmp.cmp(Path(a) / rel, Path(b) / rel, shallow=False), rel
+    ta = pq.read_table(Path(a) / "index/train-00000-of-00001.parquet")
+    tb = pq.read_table(Path(b) / "index/train-00000-of-00001.parquet")
+    assert ta.equals(tb)
+    ma, mb = lmprobe.load(a).info, lmprobe.load(b).info
+    for m in (ma, mb):
+        m["provenance"].pop("created_at")
+    assert ma == mb
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "ds"
+    lmprobe.extract(str(llama_dir), PROMPT_LIST, out=out, **KW)
+    return out
+
+
+@pytest.mark.parametrize("die_after", [0, 1, 4, 7, 9])
+def test_killed_then_rerun_equals_uninterrupted(llama_dir, tmp_path, reference, die_after):
+    out = tmp_path / "ds"
+    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps([PROMPT_LIST, str(llama_dir), str(out), die_after, KW])],
+                       capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    assert not (out / "index").exists()
+    lmprobe.extract(str(llama_dir), PROMPT_LIST, out=out, **KW)
+    assert_same(reference, out)
+
+
+def test_sigkill_of_the_cli_then_rerun(llama_dir, tmp_path, reference):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in PROMPT_LIST) + "\n")
+    out = tmp_path / "ds"
+    cmd = [sys.executable, "-m", "lmprobe", "extract", "--model", str(llama_dir), "--prompts", str(f), "--out", str(out),
+           "--layers", "0,2", "--storage", "full_sequence", "--batch-size", "3", "--shard-size", "3KB",
+           "--logits-topk", "3", "--perplexity", "--quiet"]
+    p = subprocess.Popen(cmd)
+    deadline = time.time() + 60
+    while not list((out / ".lmprobe-staging").glob("*.safetensors")) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert subprocess.run(cmd).returncode == 0
+    assert_same(reference, out)
+
+
+def test_changed_configuration_against_partial_output(llama_dir, tmp_path):
+    out = tmp_path / "ds"
+    subprocess.run([sys.executable, "-c", CHILD, json.dumps([PROMPT_LIST, str(llama_dir), str(out), 3, KW])])
+    with pytest.raises(ValueError, match=r"different configuration.*layers: was \[0, 2\], now \[0, 1\]"):
+        lmprobe.extract(str(llama_dir), PROMPT_LIST, out=out, **dict(KW, layers="0,1"))
+    ds = lmprobe.extract(str(llama_dir), PROMPT_LIST, out=out, overwrite=True, **dict(KW, layers="0,1"))
+    assert ds.layers == [0, 1] and ds.num_prompts == 28
