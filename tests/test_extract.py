@@ -28,8 +28,9 @@ def reference(model_dir, texts, *, causal=True):
     for text in texts:
         ids = tok(text, return_tensors="pt")["input_ids"]
         acts = {}
-        hs = [blocks[i].register_forward_hook(lambda m, a, o, i=i: acts.__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0]))
-              for i in range(len(blocks))]
+        hs = [blocks[i].register_forward_hook(
+            lambda m, a, o, i=i, acts=acts: acts.__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0]))
+            for i in range(len(blocks))]
         with torch.no_grad():
             res = model(input_ids=ids)
         for h in hs:

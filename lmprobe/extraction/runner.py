@@ -15,7 +15,15 @@ import numpy as np
 from ..errors import LmprobeError, OutputExistsError
 from ..format.spec import HIDDEN_DTYPES, INDEX_PATH, STORAGES
 from ..units import parse_size
-from .model import ModelError, find_blocks, load_model, load_tokenizer, parse_layers, pick_device, read_model_spec
+from .model import (
+    ModelError,
+    find_blocks,
+    load_model,
+    load_tokenizer,
+    parse_layers,
+    pick_device,
+    read_model_spec,
+)
 from .prompts import Prompts, read_prompts
 
 
