@@ -173,17 +173,26 @@ def pick_device(device: str) -> str:
     return device
 
 
-def load_model(spec: ModelSpec, *, device: str, compute_dtype: str = "auto"):
+def load_model(spec: ModelSpec, *, device: str, compute_dtype: str = "auto", quiet: bool = False):
     """Load the weights onto ``device``. Returns (model, commit hash or None)."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if quiet:
+        hf_logging.disable_progress_bar()
 
     if compute_dtype == "auto":
         dtype = torch.float32 if device == "cpu" else "auto"
     else:
         dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[compute_dtype]
     cls = AutoModelForCausalLM if spec.causal_lm else AutoModel
-    model = cls.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code, dtype=dtype)
+    try:
+        model = cls.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code,
+                                    dtype=dtype)
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
     model.to(device).eval()
     commit = None if spec.local else getattr(model.config, "_commit_hash", None)
     return model, commit

@@ -263,7 +263,7 @@ def _run(writer: Any, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, sett
     done = writer.num_prompts
     if done >= n:
         return
-    model, _commit = load_model(spec, device=dev, compute_dtype=settings["compute_dtype"])
+    model, _commit = load_model(spec, device=dev, compute_dtype=settings["compute_dtype"], quiet=quiet)
     blocks = find_blocks(model, spec.num_layers, block_path)
     backend = TransformersBackend(model, blocks, causal_lm=spec.causal_lm)
     out_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[settings["dtype"]]

@@ -1,0 +1,83 @@
+"""The embedded model and the README's commands, run as a user would run them."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import numpy as np
+
+import lmprobe
+from lmprobe.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_embedded_model_is_small_and_meaningful(tmp_path):
+    size = sum(p.stat().st_size for p in (ROOT / "lmprobe/models/tiny").iterdir())
+    assert size < 10 * 2**20
+    prompts = ["The capital of France is", "The capital of Japan is", "one two three four", "Monday, Tuesday,"]
+    from transformers import AutoTokenizer
+
+    from lmprobe.extraction.model import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("lmprobe-tiny")[0])
+    texts = list(prompts)
+    for step in range(6):  # greedy decoding, one lmprobe extraction per step
+        ds = lmprobe.extract("lmprobe-tiny", texts, out=tmp_path / f"s{step}", layers="-1", logits_topk=3, quiet=True)
+        _, idx = ds.logits_topk()
+        texts = [t + tok.decode([int(i[0])]) for t, i in zip(texts, idx)]
+    continuations = [re.findall(r"\w+", t[len(p):])[0] for t, p in zip(texts, prompts)]
+    assert continuations == ["Paris", "Tokyo", "five", "Wednesday"], texts
+    assert ds.info["model"] == {"name": "lmprobe-tiny", "revision": None}
+
+
+def test_example_prompts_have_low_perplexity_and_a_readable_label(tmp_path):
+    ds = lmprobe.extract("lmprobe-tiny", ROOT / "examples/prompts.jsonl", out=tmp_path / "ds", layers="all",
+                         perplexity=True, quiet=True)
+    assert ds.num_prompts >= 40 and set(ds.labels.tolist()) == {0, 1}
+    assert float(np.median(ds.index["perplexity_mean"])) < 10  # vocabulary of 512: a random model is ~500
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import cross_val_score
+
+    accs = [cross_val_score(LogisticRegression(max_iter=5000), ds.hidden(layer), ds.labels, cv=4).mean()
+            for layer in ds.layers]
+    assert max(accs) >= 0.8, accs  # chance is 0.5
+
+
+def _readme_commands() -> list[list[str]]:
+    text = (ROOT / "README.md").read_text()
+    quick = text.split("## Quickstart", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    cmds = []
+    for part in quick.strip().split("&&"):
+        argv = shlex.split(part)
+        if argv and argv[0].endswith("bin/lmprobe"):
+            cmds.append(argv[1:])
+    return cmds
+
+
+def test_readme_quickstart_commands_work(tmp_path, monkeypatch, capsys):
+    cmds = _readme_commands()
+    assert [c[0] for c in cmds] == ["extract", "info"]
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "tiny-demo"
+    for argv in cmds:
+        argv = [str(out) if a == "out/tiny-demo" else a for a in argv]
+        assert cli_main(argv) == 0, argv
+    text = capsys.readouterr().out
+    assert "wrote 48 prompts" in text and "top-5" in text and "lmprobe-tiny" in text
+
+
+def test_readme_python_snippets_run(tmp_path, monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples/prompts.jsonl").write_text((ROOT / "examples/prompts.jsonl").read_text())
+    lmprobe.extract("lmprobe-tiny", "examples/prompts.jsonl", out="out/tiny-demo", logits_topk=5, perplexity=True,
+                    quiet=True)
+    for block in blocks:
+        if "meta-llama" in block:
+            continue
+        exec(block, {})
