@@ -27,8 +27,8 @@ def test_embedded_model_is_small_and_meaningful(tmp_path):
     for step in range(6):  # greedy decoding, one lmprobe extraction per step
         ds = lmprobe.extract("lmprobe-tiny", texts, out=tmp_path / f"s{step}", layers="-1", logits_topk=3, quiet=True)
         _, idx = ds.logits_topk()
-        texts = [t + tok.decode([int(i[0])]) for t, i in zip(texts, idx)]
-    continuations = [re.findall(r"\w+", t[len(p):])[0] for t, p in zip(texts, prompts)]
+        texts = [t + tok.decode([int(i[0])]) for t, i in zip(texts, idx, strict=False)]
+    continuations = [re.findall(r"\w+", t[len(p):])[0] for t, p in zip(texts, prompts, strict=False)]
     assert continuations == ["Paris", "Tokyo", "five", "Wednesday"], texts
     assert ds.info["model"] == {"name": "lmprobe-tiny", "revision": None}
 
