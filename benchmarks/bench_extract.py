@@ -45,7 +45,7 @@ def make_model(out: Path, hidden: int, layers: int, vocab: int) -> Path:
 
 def make_prompts(n: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(mean=3.2, sigma=0.9, size=n), 4, 400).astype(int)  # skewed: most short, a few long
+    lengths = np.clip(rng.lognormal(mean=3.2, sigma=0.9, size=n), 4, 250).astype(int)  # skewed: most short, a few long
     return [" ".join(rng.choice(WORDS, size=int(k))) for k in lengths]
 
 

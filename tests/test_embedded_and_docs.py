@@ -81,3 +81,9 @@ def test_readme_python_snippets_run(tmp_path, monkeypatch):
         if "meta-llama" in block:
             continue
         exec(block, {})
+
+
+def test_ci_runs_the_readme_test_command():
+    text = (ROOT / "README.md").read_text()
+    test_cmd = text.split("Set up and run the whole test suite", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
+    assert test_cmd in (ROOT / ".ci/run").read_text()

@@ -34,7 +34,7 @@ class ExtractionError(LmprobeError, ValueError):
 class _BackgroundWriter:
     """Runs ``writer.add_batch`` on a thread so the next forward pass overlaps the disk writes."""
 
-    def __init__(self, writer: Any, maxsize: int = 2):
+    def __init__(self, writer: Any, maxsize: int = 1):
         self.writer = writer
         self.q: queue.Queue = queue.Queue(maxsize=maxsize)
         self.error: BaseException | None = None
@@ -51,6 +51,7 @@ class _BackgroundWriter:
                     self.writer.add_batch(**item)
                 except BaseException as exc:  # handed to the main thread
                     self.error = exc
+            del item  # do not hold this batch while waiting for the next one
 
     def put(self, item: dict) -> None:
         if self.error is not None:
@@ -319,7 +320,9 @@ def _loop(bg: _BackgroundWriter, backend: Any, tok: Any, p: Prompts, order: np.n
             if settings["token_strings"]:
                 item["token_strings"] = [tok.batch_decode([[t] for t in ids]) for ids in res.token_ids]
             bg.put(item)
-            tokens += int(res.num_tokens.sum())
+            n_tokens = int(res.num_tokens.sum())
+            del item, res  # the writer owns the batch now; free it while the next one computes
+            tokens += n_tokens
             if bar is not None:
                 bar.set_postfix_str(f"{tokens / max(time.monotonic() - t0, 1e-9):,.0f} tok/s", refresh=False)
                 bar.update(len(idx))

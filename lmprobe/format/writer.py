@@ -166,9 +166,17 @@ class _Stream:
             seg.row_hi = cursor
         return shard_of, offset_of, segments
 
-    def write(self, segments: list[_Segment], arrays: dict[str, list[np.ndarray]], counts: np.ndarray) -> None:
-        """Write planned segments; ``arrays[slot]`` lists one array per tensor spec."""
+    def write(self, segments: list[_Segment], arrays: dict[str, list[np.ndarray]], counts: np.ndarray,
+              skip_last_of: np.ndarray | None = None) -> None:
+        """Write planned segments; ``arrays[slot]`` lists one array per tensor spec.
+
+        ``skip_last_of``: the arrays hold ``skip_last_of[i]`` rows per prompt, of which all but the
+        last are this stream's (sequence shards): rows are written prompt by prompt, without a copy.
+        """
         prompt_rows = np.cumsum(counts[counts > 0])
+        if skip_last_of is not None:
+            src_start = np.concatenate([[0], np.cumsum(skip_last_of)[:-1]])[counts > 0]
+            dst_start = np.concatenate([[0], prompt_rows[:-1]])
         for seg in segments:
             if seg.close_before:
                 self.close_shard()
@@ -180,7 +188,14 @@ class _Stream:
                         metadata=self.metadata,
                     )
             for slot in self.slots:
-                self.writers[slot].append([a[seg.row_lo : seg.row_hi] for a in arrays[slot]])
+                if skip_last_of is None:
+                    self.writers[slot].append([a[seg.row_lo : seg.row_hi] for a in arrays[slot]])
+                    continue
+                first = int(np.searchsorted(dst_start, seg.row_lo))
+                last = int(np.searchsorted(dst_start, seg.row_hi))
+                for j in range(first, last):
+                    n_rows = int(prompt_rows[j] - dst_start[j])
+                    self.writers[slot].append([a[src_start[j] : src_start[j] + n_rows] for a in arrays[slot]])
             n_prompts = int(np.searchsorted(prompt_rows, seg.row_hi, "right")) - int(
                 np.searchsorted(prompt_rows, seg.row_lo, "right")
             )
@@ -638,11 +653,9 @@ class DatasetWriter:
         cols["row_offset"] += offset_of.tolist()
         if self._seq is not None:
             seq_counts = counts - 1
-            keep = np.ones(int(counts.sum()), dtype=bool)
-            keep[np.cumsum(counts) - 1] = False
-            seq_rows = {str(layer): [a[keep]] for layer, a in arrays.items()}
             sshard, soff, ssegs = self._seq.plan(seq_counts)
-            self._seq.write(ssegs, seq_rows, seq_counts)
+            self._seq.write(ssegs, {str(layer): [a] for layer, a in arrays.items()}, seq_counts,
+                            skip_last_of=counts)
             cols["_seq_shard"] += sshard.tolist()
             cols["_seq_offset"] += soff.tolist()
         if self._logits is not None:
