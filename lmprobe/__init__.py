@@ -15,7 +15,14 @@ if TYPE_CHECKING:
     from .format.reader import Dataset
     from .format.writer import DatasetWriter
 
-__all__ = ["Dataset", "DatasetWriter", "extract", "load", "validate", "__version__"]
+__all__ = ["Dataset", "DatasetWriter", "extract", "load", "push_to_hub", "validate", "__version__"]
+
+
+def push_to_hub(path: Any, repo_id: str, **kwargs: Any) -> str:
+    """Publish a dataset folder to a Hub dataset repo (resumable). See ``lmprobe.hub.push_to_hub``."""
+    from .hub import push_to_hub as _push
+
+    return _push(path, repo_id, **kwargs)
 
 
 def extract(model: str, prompts: Any, *, out: Any, **kwargs: Any) -> Dataset:
@@ -31,7 +38,7 @@ def extract(model: str, prompts: Any, *, out: Any, **kwargs: Any) -> Dataset:
 
 
 def load(path: Any, **kwargs: Any) -> Dataset:
-    """Open an lmprobe dataset (a local folder). See ``lmprobe.format.reader.load``."""
+    """Open an lmprobe dataset: a local folder or a Hub repo. See ``lmprobe.format.reader.load``."""
     from .format.reader import load as _load
 
     return _load(path, **kwargs)

@@ -126,6 +126,29 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    from .hub import push_to_hub
+
+    push_to_hub(args.path, args.repo, private=args.private, revision=args.revision, token=args.token, quiet=args.quiet)
+    return 0
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from .extraction.model import parse_layers
+    from .hub import load_from_hub, parse_repo_ref, pull
+
+    layers = None
+    if args.layers not in (None, "all"):
+        ref = parse_repo_ref(args.repo, args.revision)
+        if ref is None:
+            raise LmprobeError(f"{args.repo!r} is not a Hub repo id (OWNER/NAME or hf://datasets/OWNER/NAME)")
+        stored = load_from_hub(ref, token=args.token).layers
+        layers = [x for x in parse_layers(args.layers, max(stored) + 1)]
+    pull(args.repo, args.out, layers=layers, logits=not args.no_logits, revision=args.revision, token=args.token,
+         quiet=args.quiet)
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -181,6 +204,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="with --push: create the repo private")
     p.add_argument("--token", default=None, help="with --push: Hub token (default: HF_TOKEN or the saved login)")
     p.set_defaults(func=_cmd_extract)
+
+    p = sub.add_parser("push", help="publish a dataset folder to a Hub dataset repo (resumable)")
+    p.add_argument("path", metavar="DIR")
+    p.add_argument("repo", metavar="REPO", help="OWNER/NAME of the dataset repo (created if needed)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--revision", default=None, metavar="BRANCH", help="push to this branch (created if needed)")
+    p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login); never printed")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_push)
+
+    p = sub.add_parser("pull", help="copy the index and some layers of a Hub dataset to a local folder")
+    p.add_argument("repo", metavar="REPO", help="OWNER/NAME or hf://datasets/OWNER/NAME")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--layers", default="all", help="layers to fetch: all (default), '16', '0,8,-1', '10:20'")
+    p.add_argument("--no-logits", action="store_true", help="do not fetch the logits shards")
+    p.add_argument("--revision", default=None)
+    p.add_argument("--token", default=None)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_pull)
 
     p = sub.add_parser("validate", help="check datasets against the format document")
     p.add_argument("paths", nargs="+", metavar="PATH", help="dataset folder(s)")

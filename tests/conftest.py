@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import os
+
+# Set before huggingface_hub/datasets/transformers are imported by any test module.
+import socket  # noqa: E402
 import tempfile
 from pathlib import Path
 
-# Set before huggingface_hub/datasets/transformers are imported by any test module.
 _HF_HOME = tempfile.mkdtemp(prefix="lmprobe-test-hf-")
 os.environ["HF_HOME"] = _HF_HOME
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# Every Hub request goes to the test server on 127.0.0.1 (tests/hub_server.py), never out.
+with socket.socket() as _s:
+    _s.bind(("127.0.0.1", 0))
+    HUB_PORT = _s.getsockname()[1]
+os.environ["HF_ENDPOINT"] = f"http://127.0.0.1:{HUB_PORT}"
+os.environ["HF_HUB_DISABLE_XET"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
-os.environ.pop("HF_TOKEN", None)
-os.environ.pop("HUGGING_FACE_HUB_TOKEN", None)
+os.environ["HF_HUB_DISABLE_IMPLICIT_TOKEN"] = "1"
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+    os.environ.pop(_var, None)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -99,3 +105,23 @@ PROMPTS = [
     {"text": "Sunny today.", "label": 1, "source": "a"},
     {"text": "Numbers like 12 and 345 appear in text as well as words.", "label": 1, "source": "c"},
 ]
+
+
+@pytest.fixture(scope="session")
+def hub(tmp_path_factory):
+    """The local Hub server; HF_ENDPOINT already points at it."""
+    from hub_server import HubServer
+
+    server = HubServer(tmp_path_factory.mktemp("hub"), port=HUB_PORT).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_hf_cache(tmp_path, monkeypatch):
+    """A cache of its own, so that a test sees exactly the downloads it causes."""
+    import huggingface_hub.constants as c
+
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    return cache

@@ -354,12 +354,23 @@ class Dataset:
 
 
 def load(path: str | os.PathLike, *, revision: str | None = None, **kwargs: Any) -> Dataset:
-    """Open an lmprobe dataset from a local folder.
+    """Open an lmprobe dataset: a local folder, ``owner/name`` or ``hf://datasets/owner/name`` on the Hub.
+
+    From the Hub, the index is fetched first and shard files only when a call reads them (through
+    the Hugging Face cache, all from the commit the revision pointed at when the dataset was opened).
 
     >>> ds = lmprobe.load("out/my-dataset")     # doctest: +SKIP
+    >>> ds = lmprobe.load("hf://datasets/me/acts", revision="main")  # doctest: +SKIP
     >>> ds.hidden(ds.layers[-1]).shape          # doctest: +SKIP
     (1000, 4096)
     """
+    from ..hub import load_from_hub, parse_repo_ref
+
+    ref = parse_repo_ref(path, revision)
+    if ref is not None:
+        return load_from_hub(ref, token=kwargs.pop("token", None))
+    if revision is not None:
+        raise ValueError(f"revision= applies to Hub repos; {path} is a local folder")
     root = Path(path)
     if root.is_file() and root.suffix == ".parquet":
         index_path, root = root, root.parent.parent

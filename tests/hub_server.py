@@ -1,0 +1,503 @@
+"""A Hub-compatible HTTP server for tests (stdlib only), on 127.0.0.1.
+
+It implements what huggingface_hub's client uses to publish and read repos over the plain LFS path
+(HF_HUB_DISABLE_XET=1): create repo, preupload, LFS batch / upload / verify, NDJSON commit, tree
+listing, paths-info, repo and revision info, resolve (HEAD, GET, Range) and validate-yaml. It
+rejects what the Hub rejects where it matters here: a commit naming an LFS object that was never
+uploaded, an upload whose bytes do not match its sha256.
+
+Faults for tests: ``server.fail(method, path_regex, status, times)`` answers matching requests with
+an error; ``server.cut_upload(times, after_bytes)`` drops the connection in the middle of LFS uploads.
+``server.log`` records every (method, path) served.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import yaml
+
+LFS_SUFFIXES = (".safetensors", ".parquet", ".bin", ".npz", ".npy", ".pt")
+
+
+def git_blob_oid(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@dataclass
+class Entry:
+    size: int
+    oid: str  # git blob oid (of the content, or of the LFS pointer)
+    sha256: str | None = None  # LFS files
+    data: bytes | None = None  # regular files
+
+
+@dataclass
+class Repo:
+    repo_type: str
+    repo_id: str
+    private: bool
+    branches: dict[str, str] = field(default_factory=dict)  # branch -> commit
+    commits: dict[str, dict[str, Entry]] = field(default_factory=dict)  # commit -> tree
+
+
+@dataclass
+class Fault:
+    method: str
+    pattern: re.Pattern
+    status: int
+    times: int
+    skip: int = 0  # let this many matching requests through first
+
+
+class HubState:
+    def __init__(self, root: Path):
+        self.root = root
+        (root / "lfs").mkdir(parents=True, exist_ok=True)
+        self.repos: dict[tuple[str, str], Repo] = {}
+        self.lock = threading.Lock()
+        self.faults: list[Fault] = []
+        self.cuts = 0
+        self.cut_after = 0
+        self.lost_commit_answers = 0  # commits applied whose answer is then dropped
+        self.log: list[tuple[str, str]] = []
+        self.auth_headers: list[str] = []
+
+    def lfs_path(self, oid: str) -> Path:
+        return self.root / "lfs" / oid
+
+    def has_lfs(self, oid: str) -> bool:
+        return self.lfs_path(oid).exists()
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    state: HubState  # set on the subclass
+    base_url: str
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    # ------------------------------------------------------------------ helpers
+    def _send(self, status: int, body: bytes = b"", headers: dict | None = None, ctype="application/json"):
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, obj, headers: dict | None = None):
+        self._send(status, json.dumps(obj).encode(), headers)
+
+    def _error(self, status: int, message: str, code: str | None = None):
+        headers = {"X-Error-Message": message}
+        if code:
+            headers["X-Error-Code"] = code
+        self._json(status, {"error": message}, headers)
+
+    def _body(self) -> bytes:
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _fault(self) -> bool:
+        st = self.state
+        with st.lock:
+            for f in st.faults:
+                if f.times > 0 and f.method in (self.command, "*") and f.pattern.search(self.path):
+                    if f.skip > 0:
+                        f.skip -= 1
+                        continue
+                    f.times -= 1
+                    status = f.status
+                    break
+            else:
+                return False
+        self._body() if self.command in ("POST", "PUT") else None
+        self._error(status, f"injected {status}")
+        return True
+
+    def _repo(self, repo_type: str, repo_id: str) -> Repo | None:
+        return self.state.repos.get((repo_type, repo_id))
+
+    def _tree(self, repo: Repo, rev: str) -> tuple[str, dict[str, Entry]] | None:
+        rev = unquote(rev)
+        commit = repo.branches.get(rev, rev if rev in repo.commits else None)
+        if commit is None:
+            return None
+        return commit, repo.commits[commit]
+
+    # ------------------------------------------------------------------ dispatch
+    def do_HEAD(self):
+        self._dispatch()
+
+    def do_GET(self):
+        self._dispatch()
+
+    def do_POST(self):
+        self._dispatch()
+
+    def do_PUT(self):
+        self._dispatch()
+
+    def _dispatch(self):
+        if auth := self.headers.get("Authorization"):
+            self.state.auth_headers.append(auth)
+        self.state.log.append((self.command, self.path))
+        if self._fault():
+            return
+        url = urlsplit(self.path)
+        path = url.path
+        routes = [
+            ("POST", r"^/api/repos/create$", self.create_repo),
+            ("POST", r"^/api/validate-yaml$", self.validate_yaml),
+            ("POST", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)/preupload/(?P<rev>[^/]+)$", self.preupload),
+            ("POST", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)/commit/(?P<rev>[^/]+)$", self.commit),
+            ("POST", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)/paths-info/(?P<rev>[^/]+)$", self.paths_info),
+            ("GET", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?P<sub>/.*)?$", self.tree),
+            ("GET", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)/revision/(?P<rev>[^/]+)$", self.info),
+            ("GET", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)$", self.info),
+            ("POST", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)/branch/(?P<rev>[^/]+)$", self.create_branch),
+            ("POST", r"^/(?:(?P<t>dataset|space)s/)?(?P<id>[^/]+/[^/]+)\.git/info/lfs/objects/batch$", self.lfs_batch),
+            ("PUT", r"^/lfs-upload/(?P<oid>[0-9a-f]{64})$", self.lfs_upload),
+            ("POST", r"^/lfs-verify/(?P<oid>[0-9a-f]{64})$", self.lfs_verify),
+            ("GET", r"^/(?:(?P<t>dataset|space)s/)?(?P<id>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", self.resolve),
+            ("HEAD", r"^/(?:(?P<t>dataset|space)s/)?(?P<id>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", self.resolve),
+        ]
+        for method, pattern, fn in routes:
+            m = re.match(pattern, path)
+            if m and method == self.command:
+                kw = {k: v for k, v in m.groupdict().items()}
+                if "t" in kw:
+                    kw["t"] = kw["t"] or "model"
+                return fn(query=parse_qs(url.query), **kw)
+        self._error(404, f"no route for {self.command} {path}")
+
+    # ------------------------------------------------------------------ repos
+    def create_repo(self, query):
+        body = json.loads(self._body() or b"{}")
+        repo_type = body.get("type") or "model"
+        repo_id = f"{body.get('organization')}/{body['name']}" if body.get("organization") else f"user/{body['name']}"
+        prefix = "" if repo_type == "model" else f"{repo_type}s/"
+        url = f"{self.base_url}/{prefix}{repo_id}"
+        with self.state.lock:
+            if (repo_type, repo_id) in self.state.repos:
+                return self._json(409, {"error": "You already created this repo", "url": url})
+            repo = Repo(repo_type, repo_id, body.get("visibility") == "private")
+            initial = uuid.uuid4().hex + "00000000"
+            attrs = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.parquet filter=lfs diff=lfs merge=lfs -text\n"
+            repo.commits[initial] = {".gitattributes": Entry(len(attrs), git_blob_oid(attrs), data=attrs)}
+            repo.branches["main"] = initial
+            self.state.repos[(repo_type, repo_id)] = repo
+        self._json(200, {"url": url, "name": repo_id})
+
+    def create_branch(self, query, t, id, rev):
+        self._body()
+        repo = self._repo(t, id)
+        if repo is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        with self.state.lock:
+            if unquote(rev) in repo.branches:
+                return self._error(409, "Reference already exists")
+            repo.branches[unquote(rev)] = repo.branches["main"]
+        self._json(200, {})
+
+    def validate_yaml(self, query):
+        body = json.loads(self._body() or b"{}")
+        content = body.get("content", "")
+        if content.startswith("---"):
+            try:
+                yaml.safe_load(content.split("---", 2)[1])
+            except yaml.YAMLError as exc:
+                return self._json(400, {"errors": [{"message": f"invalid YAML: {exc}"}], "warnings": []})
+        self._json(200, {"errors": [], "warnings": []})
+
+    def info(self, query, t, id, rev="main"):
+        repo = self._repo(t, id)
+        if repo is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        found = self._tree(repo, rev)
+        if found is None:
+            return self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+        commit, tree = found
+        self._json(200, {
+            "id": repo.repo_id, "_id": repo.repo_id, "author": repo.repo_id.split("/")[0], "sha": commit,
+            "private": repo.private, "disabled": False, "gated": False, "downloads": 0, "likes": 0, "tags": [],
+            "lastModified": "2026-01-01T00:00:00.000Z", "createdAt": "2026-01-01T00:00:00.000Z",
+            "siblings": [{"rfilename": p} for p in sorted(tree)], "cardData": {},
+        })
+
+    # ------------------------------------------------------------------ upload
+    def preupload(self, query, t, id, rev):
+        body = json.loads(self._body())
+        repo = self._repo(t, id)
+        if repo is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        found = self._tree(repo, rev)
+        tree = found[1] if found else {}
+        files = []
+        for f in body["files"]:
+            lfs = f["path"].endswith(LFS_SUFFIXES) or f["size"] > 10 * 2**20
+            existing = tree.get(f["path"])
+            oid = None
+            if existing is not None:
+                oid = existing.sha256 if existing.sha256 else existing.oid
+            files.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
+        self._json(200, {"files": files, "commitOid": found[0] if found else None})
+
+    def lfs_batch(self, query, t, id):
+        body = json.loads(self._body())
+        if self._repo(t or "model", id) is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        objects = []
+        for obj in body["objects"]:
+            oid, size = obj["oid"], obj["size"]
+            if self.state.has_lfs(oid):
+                objects.append({"oid": oid, "size": size})
+            else:
+                objects.append({"oid": oid, "size": size, "authenticated": True, "actions": {
+                    "upload": {"href": f"{self.base_url}/lfs-upload/{oid}"},
+                    "verify": {"href": f"{self.base_url}/lfs-verify/{oid}"},
+                }})
+        self._send(200, json.dumps({"transfer": "basic", "objects": objects}).encode(),
+                   ctype="application/vnd.git-lfs+json")
+
+    def lfs_upload(self, query, oid):
+        n = int(self.headers.get("Content-Length") or 0)
+        st = self.state
+        with st.lock:
+            cut = st.cuts > 0
+            if cut:
+                st.cuts -= 1
+        if cut:
+            self.rfile.read(min(n, st.cut_after))
+            self.close_connection = True
+            self.connection.shutdown(2)  # drop the connection mid-upload
+            return
+        data = self.rfile.read(n)
+        if hashlib.sha256(data).hexdigest() != oid:
+            return self._error(400, "sha256 of the uploaded bytes does not match the oid")
+        tmp = st.lfs_path(oid).with_suffix(".tmp" + uuid.uuid4().hex)
+        tmp.write_bytes(data)
+        tmp.replace(st.lfs_path(oid))
+        self._send(200, b"", ctype="text/plain")
+
+    def lfs_verify(self, query, oid):
+        body = json.loads(self._body())
+        path = self.state.lfs_path(oid)
+        if not path.exists() or path.stat().st_size != body.get("size"):
+            return self._error(404, "object not found")
+        self._json(200, {})
+
+    def commit(self, query, t, id, rev):
+        lines = [json.loads(x) for x in self._body().splitlines() if x.strip()]
+        repo = self._repo(t, id)
+        if repo is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        rev = unquote(rev)
+        with self.state.lock:
+            if rev not in repo.branches:
+                return self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+            tree = dict(repo.commits[repo.branches[rev]])
+            for item in lines:
+                key, value = item["key"], item["value"]
+                if key == "header":
+                    parent = value.get("parentCommit")
+                    if parent and parent != repo.branches[rev]:
+                        return self._error(412, "A commit has happened since. Please refresh and try again.")
+                elif key == "file":
+                    data = base64.b64decode(value["content"])
+                    tree[value["path"]] = Entry(len(data), git_blob_oid(data), data=data)
+                elif key == "lfsFile":
+                    oid = value["oid"]
+                    if not self.state.has_lfs(oid):
+                        return self._error(
+                            422, f"Your push was rejected because an LFS pointer pointed to a file that does not exist ({value['path']})")
+                    size = self.state.lfs_path(oid).stat().st_size
+                    pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {size}\n".encode()
+                    tree[value["path"]] = Entry(size, git_blob_oid(pointer), sha256=oid)
+                elif key == "deletedFile":
+                    if value["path"] not in tree:
+                        return self._error(404, "A file with this name doesn't exist", "EntryNotFound")
+                    del tree[value["path"]]
+                elif key == "deletedFolder":
+                    prefix = value["path"].rstrip("/") + "/"
+                    for p in [p for p in tree if p.startswith(prefix)]:
+                        del tree[p]
+            commit = hashlib.sha1(f"{time.time_ns()}{uuid.uuid4()}".encode()).hexdigest()
+            repo.commits[commit] = tree
+            repo.branches[rev] = commit
+            lose = self.state.lost_commit_answers > 0
+            if lose:
+                self.state.lost_commit_answers -= 1
+        if lose:
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        prefix = "" if t == "model" else f"{t}s/"
+        self._json(200, {"commitUrl": f"{self.base_url}/{prefix}{id}/commit/{commit}", "commitOid": commit,
+                         "pullRequestUrl": None})
+
+    # ------------------------------------------------------------------ listing and reading
+    def _entry_json(self, path: str, e: Entry) -> dict:
+        d = {"type": "file", "oid": e.oid, "size": e.size, "path": path}
+        if e.sha256:
+            d["lfs"] = {"oid": e.sha256, "size": e.size, "pointerSize": 130}
+        return d
+
+    def _listing(self, tree: dict[str, Entry], sub: str, recursive: bool) -> list[dict]:
+        sub = sub.strip("/")
+        prefix = sub + "/" if sub else ""
+        out, folders = [], set()
+        for path in sorted(tree):
+            if not path.startswith(prefix):
+                continue
+            rest = path[len(prefix):]
+            parts = rest.split("/")
+            for i in range(1, len(parts)):
+                folder = prefix + "/".join(parts[:i])
+                if (recursive or i == 1) and folder not in folders:
+                    folders.add(folder)
+                    out.append({"type": "directory", "oid": hashlib.sha1(folder.encode()).hexdigest(), "size": 0,
+                                "path": folder})
+            if recursive or len(parts) == 1:
+                out.append(self._entry_json(path, tree[path]))
+        return out
+
+    def tree(self, query, t, id, rev, sub=None):
+        repo = self._repo(t, id)
+        if repo is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        found = self._tree(repo, rev)
+        if found is None:
+            return self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+        sub = unquote(sub or "")
+        listing = self._listing(found[1], sub, query.get("recursive", ["false"])[0].lower() in ("true", "1"))
+        if sub.strip("/") and not listing:
+            return self._error(404, f"{sub} does not exist", "EntryNotFound")
+        self._json(200, listing)
+
+    def paths_info(self, query, t, id, rev):
+        raw = self._body().decode()
+        form = parse_qs(raw) if "application/json" not in (self.headers.get("Content-Type") or "") else json.loads(raw)
+        paths = form.get("paths", [])
+        repo = self._repo(t, id)
+        if repo is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        found = self._tree(repo, rev)
+        if found is None:
+            return self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+        tree = found[1]
+        out = []
+        for p in paths:
+            p = p.strip("/")
+            if p in tree:
+                out.append(self._entry_json(p, tree[p]))
+            elif any(q.startswith(p + "/") for q in tree) or p == "":
+                out.append({"type": "directory", "oid": hashlib.sha1(p.encode()).hexdigest(), "size": 0, "path": p})
+        self._json(200, out)
+
+    def resolve(self, query, t, id, rev, file):
+        repo = self._repo(t or "model", id)
+        if repo is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        found = self._tree(repo, rev)
+        if found is None:
+            return self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+        commit, tree = found
+        file = unquote(file)
+        e = tree.get(file)
+        if e is None:
+            self.send_response(404)
+            self.send_header("X-Error-Code", "EntryNotFound")
+            self.send_header("X-Repo-Commit", commit)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        etag = e.sha256 or e.oid
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+        if e.sha256:
+            headers["X-Linked-Etag"] = f'"{e.sha256}"'
+            headers["X-Linked-Size"] = str(e.size)
+        data = e.data if e.data is not None else self.state.lfs_path(e.sha256).read_bytes()
+        rng = self.headers.get("Range")
+        if rng and self.command == "GET":
+            m = re.match(r"bytes=(\d*)-(\d*)", rng)
+            start = int(m.group(1)) if m.group(1) else max(0, len(data) - int(m.group(2)))
+            end = int(m.group(2)) if m.group(1) and m.group(2) else len(data) - 1
+            end = min(end, len(data) - 1)
+            if start >= len(data):
+                return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})
+            headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+            return self._send(206, data[start : end + 1], headers, ctype="application/octet-stream")
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(data)
+
+
+class HubServer:
+    """Start with ``HubServer(root, port).start()``; ``url`` is the endpoint for HF_ENDPOINT."""
+
+    def __init__(self, root: Path, port: int = 0):
+        self.state = HubState(Path(root))
+        handler = type("BoundHandler", (Handler,), {"state": self.state})
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        handler.base_url = self.url
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def start(self) -> HubServer:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # faults and inspection
+    def fail(self, method: str, pattern: str, status: int, times: int = 1, skip: int = 0) -> None:
+        with self.state.lock:
+            self.state.faults.append(Fault(method, re.compile(pattern), status, times, skip))
+
+    def cut_upload(self, times: int = 1, after_bytes: int = 100) -> None:
+        with self.state.lock:
+            self.state.cuts, self.state.cut_after = times, after_bytes
+
+    def lose_commit_answers(self, times: int = 1) -> None:
+        with self.state.lock:
+            self.state.lost_commit_answers = times
+
+    def clear_faults(self) -> None:
+        with self.state.lock:
+            self.state.faults.clear()
+            self.state.cuts = 0
+            self.state.lost_commit_answers = 0
+
+    @property
+    def log(self) -> list[tuple[str, str]]:
+        return self.state.log
+
+    def files(self, repo_id: str, repo_type: str = "dataset", rev: str = "main") -> dict[str, Entry]:
+        repo = self.state.repos[(repo_type, repo_id)]
+        return repo.commits[repo.branches[rev]]
+
+    def commits(self, repo_id: str, repo_type: str = "dataset") -> int:
+        return len(self.state.repos[(repo_type, repo_id)].commits)

@@ -1,0 +1,190 @@
+"""Publishing and loading against a Hub-compatible server on 127.0.0.1, with the real huggingface_hub client."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import numpy as np
+import pytest
+from conftest import PROMPTS, write_dataset
+
+import lmprobe
+from lmprobe.cli import main as cli_main
+from lmprobe.hub import PushError, push_to_hub
+
+TOKEN = "hf_testSECRETtoken1234567890"
+
+
+def repo_name():
+    return f"tester/acts-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def dataset(tmp_path, rng):
+    src = write_dataset(tmp_path / "ds", rng, n=30, layers=(0, 2, 5), dim=8, shard_size="160B", logits_k=3)
+    return tmp_path / "ds", src
+
+
+def test_push_then_load_only_fetches_what_a_call_needs(hub, dataset, fresh_hf_cache):
+    path, src = dataset
+    repo = repo_name()
+    url = push_to_hub(path, repo, token=TOKEN, quiet=True)
+    assert url.endswith(f"/datasets/{repo}")
+    files = hub.files(repo)
+    assert "index/train-00000-of-00001.parquet" in files and "README.md" in files
+    assert not any(".lmprobe-staging" in p for p in files)
+    start = len(hub.log)
+    ds = lmprobe.load(repo)
+    np.testing.assert_array_equal(ds.hidden(2), src["hidden"][2])
+    fetched = [p for m, p in hub.log[start:] if m == "GET" and "/resolve/" in p]
+    shards = [p for p in fetched if "tensors/" in p]
+    assert shards and all("hidden_layer002" in p for p in shards), fetched
+    assert len(shards) == len(ds.info["tensors"]["hidden_layers"]["shards"])
+    values, _ = lmprobe.load(f"hf://datasets/{repo}", revision="main").logits_topk()
+    np.testing.assert_array_equal(values, src["lv"])
+
+
+def test_token_is_sent_but_never_printed_or_stored(hub, dataset, capsys, tmp_path):
+    path, _ = dataset
+    repo = repo_name()
+    assert cli_main(["push", str(path), repo, "--token", TOKEN]) == 0
+    assert any(TOKEN in h for h in hub.state.auth_headers)
+    out = capsys.readouterr()
+    assert TOKEN not in out.out + out.err and "pushed" in out.out
+    for p in list(path.rglob("*")) + list(tmp_path.rglob("*")):
+        if p.is_file() and p.stat().st_size < 50_000_000:
+            assert TOKEN.encode() not in p.read_bytes(), p
+
+
+def test_commits_are_bounded_and_the_index_comes_last(hub, dataset):
+    path, _ = dataset
+    repo = repo_name()
+    n_shard_files = sum(1 for _ in (path / "tensors").iterdir())
+    before = len(hub.log)
+    push_to_hub(path, repo, commit_files=4, quiet=True)
+    commits = [p for m, p in hub.log[before:] if m == "POST" and "/commit/" in p]
+    assert len(commits) == -(-n_shard_files // 4) + 1
+    assert hub.commits(repo) == len(commits) + 1  # + the repo's initial commit
+    # every commit before the last one holds shards only: never an index pointing at missing shards
+    repo_state = hub.state.repos[("dataset", repo)]
+    order = list(repo_state.commits)
+    for c in order[:-1]:
+        assert "index/train-00000-of-00001.parquet" not in repo_state.commits[c]
+
+
+def test_rerun_skips_files_already_there(hub, dataset):
+    path, _ = dataset
+    repo = repo_name()
+    push_to_hub(path, repo, quiet=True)
+    before = len(hub.log)
+    push_to_hub(path, repo, quiet=True)
+    assert not [p for m, p in hub.log[before:] if "/commit/" in p or "lfs" in p]
+
+
+def test_transient_errors_are_retried(hub, dataset):
+    path, src = dataset
+    repo = repo_name()
+    hub.fail("POST", r"/commit/", 500, times=1)
+    hub.fail("POST", r"/preupload/", 429, times=1)
+    hub.cut_upload(times=1, after_bytes=50)
+    push_to_hub(path, repo, quiet=True, base_wait=0.05)
+    hub.clear_faults()
+    ds = lmprobe.load(repo)
+    np.testing.assert_array_equal(ds.hidden(5), src["hidden"][5])
+
+
+def test_a_failed_push_leaves_shards_only_and_a_second_run_completes(hub, dataset, capsys):
+    path, src = dataset
+    repo = repo_name()
+    n = sum(1 for _ in (path / "tensors").iterdir())
+    hub.fail("POST", r"/commit/", 503, times=1000, skip=1)  # the first commit lands, then the Hub is down
+    with pytest.raises(PushError, match="Run the same push again to resume"):
+        push_to_hub(path, repo, commit_files=5, quiet=True, base_wait=0.01, max_retries=2)
+    hub.clear_faults()
+    files = hub.files(repo)
+    assert "index/train-00000-of-00001.parquet" not in files and 0 < sum(p.startswith("tensors/") for p in files) < n
+    before = len(hub.log)
+    push_to_hub(path, repo, commit_files=5, quiet=True)
+    commits = [p for m, p in hub.log[before:] if m == "POST" and "/commit/" in p]
+    assert len(commits) == -(-(n - 5) // 5) + 1  # the first commit's 5 shards are skipped, the rest go up
+    assert len(hub.files(repo)) == n + 3  # shards, index, card, .gitattributes
+    np.testing.assert_array_equal(lmprobe.load(repo).hidden(0), src["hidden"][0])
+
+
+def test_commit_naming_a_missing_lfs_object_is_rejected_by_the_server(hub):
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    repo = repo_name()
+    api = HfApi()
+    api.create_repo(repo, repo_type="dataset")
+    import httpx2
+
+    body = (json.dumps({"key": "header", "value": {"summary": "x"}}) + "\n"
+            + json.dumps({"key": "lfsFile", "value": {"path": "a.safetensors", "algo": "sha256", "oid": "0" * 64,
+                                                      "size": 3}}) + "\n")
+    r = httpx2.post(f"{hub.url}/api/datasets/{repo}/commit/main", content=body.encode(),
+                    headers={"Content-Type": "application/x-ndjson"})
+    assert r.status_code == 422 and "does not exist" in r.text
+    with pytest.raises(HfHubHTTPError):
+        list(api.list_repo_tree(repo, repo_type="dataset", path_in_repo="a.safetensors"))
+
+
+def test_a_commit_whose_answer_is_lost_is_not_made_twice(hub, dataset):
+    path, src = dataset
+    repo = repo_name()
+    hub.lose_commit_answers(1)
+    push_to_hub(path, repo, commit_files=100, quiet=True, base_wait=0.01)
+    hub.clear_faults()
+    assert hub.commits(repo) == 3  # initial, shards, index + card
+    np.testing.assert_array_equal(lmprobe.load(repo).hidden(0), src["hidden"][0])
+
+
+def test_pull_copies_only_one_layer(hub, dataset, tmp_path, capsys):
+    path, src = dataset
+    repo = repo_name()
+    push_to_hub(path, repo, quiet=True)
+    assert cli_main(["pull", repo, "--layers", "2", "--out", str(tmp_path / "local"), "--no-logits"]) == 0
+    local = tmp_path / "local"
+    names = sorted(p.name for p in (local / "tensors").iterdir())
+    assert names and all(n.startswith("hidden_layer002") for n in names)
+    np.testing.assert_array_equal(lmprobe.load(local).hidden(2), src["hidden"][2])
+    with pytest.raises(FileNotFoundError, match="hidden_layer000"):
+        lmprobe.load(local).hidden(0)
+
+
+def test_missing_repo_is_a_clear_error(hub):
+    with pytest.raises(FileNotFoundError, match="no dataset repo 'nobody/nothing'"):
+        lmprobe.load("nobody/nothing")
+
+
+def test_index_reads_with_pandas_pyarrow_and_datasets(hub, dataset):
+    path, src = dataset
+    repo = repo_name()
+    push_to_hub(path, repo, quiet=True)
+    import pandas as pd
+
+    df = pd.read_parquet(f"hf://datasets/{repo}/index/train-00000-of-00001.parquet")
+    assert df["text"].tolist() == src["texts"]
+    import pyarrow.parquet as pq
+    from huggingface_hub import HfFileSystem
+
+    t = pq.read_table(f"datasets/{repo}/index/train-00000-of-00001.parquet", filesystem=HfFileSystem())
+    assert b"lmprobe:tensors" in t.schema.metadata
+    import datasets
+
+    d = datasets.load_dataset(repo, split="train")
+    assert d.num_rows == 30 and d[4]["text"] == src["texts"][4]
+
+
+def test_extract_push_round_trip(hub, llama_dir, tmp_path, fresh_hf_cache):
+    repo = repo_name()
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    assert cli_main(["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", str(tmp_path / "ds"),
+                     "--layers", "1,3", "--logits-topk", "4", "--push", repo, "--quiet"]) == 0
+    local, remote = lmprobe.load(tmp_path / "ds"), lmprobe.load(repo)
+    for layer in (1, 3):
+        np.testing.assert_array_equal(local.hidden(layer), remote.hidden(layer))
+    np.testing.assert_array_equal(local.logits_topk()[1], remote.logits_topk()[1])
