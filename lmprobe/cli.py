@@ -149,6 +149,37 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export_sae(args: argparse.Namespace) -> int:
+    from .sae.export import export_sae
+
+    report = export_sae(
+        args.source,
+        layer=args.layer,
+        root=args.root,
+        dictionary=args.dict,
+        threshold=args.threshold,
+        topk_per_feature=args.topk_per_feature,
+        weight_key=args.weight_key,
+        bias_key=args.bias_key,
+        orientation=args.orientation,
+        model_revision=args.model_revision,
+        model_config=args.model_config,
+        file_format=args.file_format,
+    )
+    print(report)
+    if args.push:
+        from .sae.publish import push_dictionary
+
+        print(push_dictionary(args.root, args.dict, args.push, token=args.token, quiet=False))
+    return 0
+
+
+def _cmd_sae_topk(args: argparse.Namespace) -> int:
+    from .sae.cli import run_topk
+
+    return run_topk(args)
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -224,6 +255,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_pull)
 
+    p = sub.add_parser("export-sae", help="export a trained SAE encoder layer as a sparse dictionary")
+    p.add_argument("source", metavar="SOURCE", help="SAELens folder (cfg.json + sae_weights.safetensors), or a .safetensors/.npz file")
+    p.add_argument("--layer", required=True, type=int)
+    p.add_argument("--root", required=True, help="folder that holds dictionaries")
+    p.add_argument("--dict", required=True, help="dictionary name (created if needed; other layers are kept)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--threshold", type=float, default=None, help="keep weights with |w| >= X")
+    group.add_argument("--topk-per-feature", type=int, default=None, metavar="N", help="keep the N largest |w| per feature")
+    p.add_argument("--weight-key", default=None, help="encoder tensor name in a .safetensors/.npz file")
+    p.add_argument("--bias-key", default=None, help="encoder bias tensor name")
+    p.add_argument("--orientation", choices=["auto", "in_out", "out_in"], default="auto",
+                   help="in_out: [hidden, features] (SAELens); out_in: [features, hidden] (nn.Linear); auto: from the bias")
+    p.add_argument("--model-revision", default=None, help="commit hash of the model (recorded as model_hash)")
+    p.add_argument("--model-config", default=None, help="config.json of the model (its sha256 becomes model_hash)")
+    p.add_argument("--file-format", choices=["npz", "safetensors"], default="npz")
+    p.add_argument("--push", default=None, metavar="REPO", help="publish the dictionary to this Hub model repo")
+    p.add_argument("--token", default=None)
+    p.set_defaults(func=_cmd_export_sae)
+
+    p = sub.add_parser("sae-topk", help="print the top SAE features of a probe vector (smoke test)")
+    from .sae.cli import add_topk_arguments
+
+    add_topk_arguments(p)
+    p.set_defaults(func=_cmd_sae_topk)
+
     p = sub.add_parser("validate", help="check datasets against the format document")
     p.add_argument("paths", nargs="+", metavar="PATH", help="dataset folder(s)")
     p.add_argument("--no-checksums", action="store_true", help="skip sha256 checks (faster on large datasets)")
@@ -246,8 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except LmprobeError as exc:
-        print(f"lmprobe {args.command}: error: {exc}", file=sys.stderr)
+    except (LmprobeError, ValueError, KeyError) as exc:
+        # LmprobeError covers our own; ValueError/KeyError are bad input (a layer, a key, a setting)
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"lmprobe {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"lmprobe {args.command}: interrupted", file=sys.stderr)

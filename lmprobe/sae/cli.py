@@ -1,0 +1,61 @@
+"""``lmprobe sae-topk`` / ``python -m lmprobe.sae``: load one layer and print its top features for a probe vector."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Sequence
+
+
+def add_topk_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", required=True, help="folder holding dictionaries, or hf://OWNER/NAME (a model repo)")
+    p.add_argument("--dict", required=True, dest="dictionary", help="dictionary name (a folder under --root)")
+    p.add_argument("--layer", required=True, type=int)
+    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--dataset", default=None, help="take the probe vector from this lmprobe dataset (path or repo)")
+    p.add_argument("--prompt", type=int, default=0, help="with --dataset: the prompt (index row) to use")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random probe vector")
+    p.add_argument("--device", default="auto")
+
+
+def run_topk(args: argparse.Namespace) -> int:
+    from .loader import SAEConfig, load_dictionary, project_topk
+
+    t0 = time.perf_counter()
+    dct = load_dictionary(SAEConfig(root_path=args.root, dictionary_name=args.dictionary, device=args.device))
+    layer = dct.get_layer(args.layer)
+    t_load = time.perf_counter() - t0
+    if args.dataset:
+        import lmprobe
+
+        ds = lmprobe.load(args.dataset)
+        if args.layer not in ds.layers:
+            raise ValueError(f"layer {args.layer} is not in {args.dataset} (layers {ds.layers})")
+        vec = ds.hidden(args.layer, rows=[args.prompt])[0]
+        what = f"prompt {args.prompt} of {args.dataset}: {ds.texts[args.prompt][:60]!r}"
+    else:
+        rng = random.Random(args.seed)
+        vec = [rng.gauss(0.0, 1.0) for _ in range(layer.hidden_dim)]
+        what = f"a random probe vector (seed {args.seed})"
+    t1 = time.perf_counter()
+    top = project_topk(layer, vec, k=args.topk)
+    t_proj = time.perf_counter() - t1
+    print(f"dictionary {args.dictionary!r} layer {args.layer}: {layer.feature_count} features x {layer.hidden_dim} "
+          f"dims, {layer.nnz} weights (loaded in {t_load * 1000:.0f} ms, device {dct.device})")
+    print(f"top {len(top)} features for {what} ({t_proj * 1000:.1f} ms):")
+    for idx, score in top:
+        print(f"  feat_{idx}\t{score:.6f}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lmprobe.sae", description="Print the top SAE features of a probe vector.")
+    add_topk_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run_topk(args)
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        print(f"lmprobe sae-topk: error: {exc}", file=sys.stderr)
+        return 2

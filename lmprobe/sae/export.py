@@ -1,0 +1,254 @@
+"""Exporting trained SAE encoders as sparse dictionaries (``lmprobe export-sae``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .loader import SAEConfig, load_dictionary, validate_dictionary
+
+DICT_VERSION = "1.0.0"
+
+
+@dataclass
+class ExportReport:
+    layer: int
+    features: int
+    hidden_dim: int
+    nnz: int
+    mass_kept: float  # fraction of the encoder's L1 weight mass kept by sparsification
+    path: Path
+
+    def __str__(self) -> str:
+        density = self.nnz / (self.features * self.hidden_dim)
+        return (f"layer {self.layer}: {self.features} features x {self.hidden_dim} dims, {self.nnz} weights kept "
+                f"({density:.1%} dense), {self.mass_kept:.1%} of the weight mass -> {self.path}")
+
+
+def read_encoder(source: str | os.PathLike, *, weight_key: str | None = None, bias_key: str | None = None,
+                 orientation: str = "auto") -> tuple[np.ndarray, np.ndarray | None, dict]:
+    """(W_enc as [features, hidden_dim] float32, bias or None, config dict) from a file or SAELens folder.
+
+    SAELens folders hold cfg.json and sae_weights.safetensors with W_enc [d_in, d_sae] and b_enc.
+    Other .safetensors/.npz files need ``weight_key`` (and ``bias_key`` when there is a bias).
+    ``orientation``: "in_out" ([hidden, features], SAELens), "out_in" ([features, hidden], nn.Linear),
+    or "auto" (decided by the bias length, which is the feature count).
+    """
+    src = Path(source)
+    cfg: dict = {}
+    if src.is_dir():
+        weights = src / "sae_weights.safetensors"
+        if not weights.exists():
+            raise ValueError(f"{src} is not a SAELens folder: sae_weights.safetensors is missing")
+        if (src / "cfg.json").exists():
+            cfg = json.loads((src / "cfg.json").read_text())
+        src, weight_key, bias_key = weights, weight_key or "W_enc", bias_key or "b_enc"
+        orientation = "in_out" if orientation == "auto" else orientation
+    if not src.exists():
+        raise ValueError(f"{src} does not exist")
+    if src.suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        tensors = load_file(str(src))
+    elif src.suffix == ".npz":
+        with np.load(src, allow_pickle=False) as z:
+            tensors = {k: z[k] for k in z.files}
+    else:
+        raise ValueError(f"{src}: expected a .safetensors or .npz file, or a SAELens folder")
+    if weight_key is None:
+        raise ValueError(f"{src}: pass --weight-key (the file holds {sorted(tensors)})")
+    if weight_key not in tensors:
+        raise ValueError(f"{src}: no tensor {weight_key!r} (the file holds {sorted(tensors)})")
+    W = np.asarray(tensors[weight_key], dtype=np.float32)
+    if W.ndim != 2:
+        raise ValueError(f"{src}: {weight_key} must be 2-D, got shape {W.shape}")
+    b = None
+    if bias_key is not None:
+        if bias_key not in tensors:
+            raise ValueError(f"{src}: no tensor {bias_key!r} (the file holds {sorted(tensors)})")
+        b = np.asarray(tensors[bias_key], dtype=np.float32).reshape(-1)
+    return orient(W, b, orientation), b, cfg
+
+
+def orient(W: np.ndarray, b: np.ndarray | None, orientation: str) -> np.ndarray:
+    if orientation == "in_out":
+        W = W.T
+    elif orientation == "auto":
+        if b is None or W.shape[0] == W.shape[1]:
+            raise ValueError(
+                f"cannot tell which axis of the {W.shape} encoder holds the features; pass orientation "
+                "'in_out' ([hidden, features], as SAELens) or 'out_in' ([features, hidden], as nn.Linear)"
+            )
+        if W.shape[1] == len(b):
+            W = W.T
+        elif W.shape[0] != len(b):
+            raise ValueError(f"the bias has {len(b)} entries, matching neither axis of the {W.shape} encoder")
+    elif orientation != "out_in":
+        raise ValueError(f"orientation must be 'auto', 'in_out' or 'out_in', got {orientation!r}")
+    if b is not None and len(b) != W.shape[0]:
+        raise ValueError(f"the bias has {len(b)} entries for {W.shape[0]} features")
+    return np.ascontiguousarray(W)
+
+
+def sparsify(W: np.ndarray, *, threshold: float | None = None, topk_per_feature: int | None = None):
+    """CSR (data, indices, indptr) of W [features, hidden], keeping weights by magnitude; + mass kept."""
+    if threshold is not None and topk_per_feature is not None:
+        raise ValueError("pass either threshold or topk_per_feature, not both")
+    absW = np.abs(W)
+    if topk_per_feature is not None:
+        if topk_per_feature < 1:
+            raise ValueError("topk_per_feature must be >= 1")
+        k = min(topk_per_feature, W.shape[1])
+        top = np.argpartition(-absW, k - 1, axis=1)[:, :k]
+        keep = np.zeros(W.shape, dtype=bool)
+        np.put_along_axis(keep, top, True, axis=1)
+        keep &= W != 0
+    else:
+        if threshold is not None and threshold < 0:
+            raise ValueError("threshold must be >= 0")
+        keep = absW >= threshold if threshold else W != 0
+    total = float(absW.sum(dtype=np.float64))
+    kept = float(absW[keep].sum(dtype=np.float64))
+    rows, cols = np.nonzero(keep)  # row-major order: CSR
+    data = W[rows, cols]
+    if data.size and np.abs(data).max() > np.finfo(np.float16).max:
+        raise ValueError("a weight does not fit in float16 (|w| > 65504); rescale the encoder first")
+    if data.size >= 2**31:
+        raise ValueError("more than 2^31 weights kept: int32 indptr cannot address them; sparsify further")
+    indptr = np.zeros(W.shape[0] + 1, dtype=np.int32)
+    np.cumsum(np.bincount(rows, minlength=W.shape[0]), out=indptr[1:])
+    return data.astype(np.float16), cols.astype(np.int32), indptr, (kept / total if total else 1.0)
+
+
+def model_hash_of(revision: str | None = None, config: dict | str | os.PathLike | None = None) -> str:
+    """The model's revision when known, else sha256 of its canonical config JSON, else 'unknown'."""
+    if revision:
+        return revision
+    if config is not None:
+        if not isinstance(config, dict):
+            config = json.loads(Path(config).read_text())
+        canon = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(canon).hexdigest()
+    return "unknown"
+
+
+def export_sae(
+    source: Any = None,
+    *,
+    layer: int,
+    root: str | os.PathLike,
+    dictionary: str,
+    W_enc: Any = None,
+    b_enc: Any = None,
+    orientation: str = "auto",
+    weight_key: str | None = None,
+    bias_key: str | None = None,
+    threshold: float | None = None,
+    topk_per_feature: int | None = None,
+    model_revision: str | None = None,
+    model_config: dict | str | os.PathLike | None = None,
+    file_format: str = "npz",
+) -> ExportReport:
+    """Add one layer's encoder to dictionary ``root/dictionary`` (created if needed); returns a report.
+
+    >>> export_sae("sae-folder/", layer=12, root="sae", dictionary="my-sae", topk_per_feature=64)  # doctest: +SKIP
+    >>> export_sae(layer=3, root="sae", dictionary="d", W_enc=w, b_enc=b, threshold=0.01)        # doctest: +SKIP
+
+    Layers already in the dictionary are replaced; meta.json's feature_count and layer_ranges are
+    rewritten to match. Every file is written under a temporary name and renamed into place, the
+    metadata last, and the result is validated.
+    """
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer must be a non-negative integer, got {layer!r}")
+    if file_format not in ("npz", "safetensors"):
+        raise ValueError("file_format must be 'npz' or 'safetensors'")
+    if (source is None) == (W_enc is None):
+        raise ValueError("pass either a source (file or SAELens folder) or W_enc arrays")
+    cfg: dict = {}
+    if source is not None:
+        W, b, cfg = read_encoder(source, weight_key=weight_key, bias_key=bias_key, orientation=orientation)
+    else:
+        from ..format.values import to_numpy
+
+        b = None if b_enc is None else to_numpy(b_enc).astype(np.float32).reshape(-1)
+        W = orient(to_numpy(W_enc).astype(np.float32), b, orientation)
+    data, indices, indptr, mass = sparsify(W, threshold=threshold, topk_per_feature=topk_per_feature)
+    fmt = "csr.npz" if file_format == "npz" else "csr.safetensors"
+    ddir = Path(root) / dictionary
+    ddir.mkdir(parents=True, exist_ok=True)
+    meta_path = ddir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
+    if meta is not None and meta.get("format") != fmt:
+        raise ValueError(f"{meta_path} says format {meta.get('format')!r}; this export writes {fmt!r}")
+
+    # write the layer folder next to its final place, then swap it in
+    tmp = ddir / f".tmp-layer_{layer}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    shape = np.array(W.shape, dtype=np.int64)
+    if file_format == "npz":
+        with open(tmp / "encoder.npz", "wb") as f:
+            np.savez(f, data=data, indices=indices, indptr=indptr, shape=shape)
+        if b is not None:
+            np.save(tmp / "bias.npy", b.astype(np.float16))
+    else:
+        from safetensors.numpy import save_file
+
+        save_file({"data": data, "indices": indices, "indptr": indptr, "shape": shape}, str(tmp / "encoder.safetensors"))
+        if b is not None:
+            save_file({"bias": b.astype(np.float16)}, str(tmp / "bias.safetensors"))
+    final = ddir / f"layer_{layer}"
+    old = None
+    if final.exists():
+        old = ddir / f".old-layer_{layer}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old)
+
+    # meta.json last: feature ranges in layer order
+    sizes = {}
+    for p in ddir.iterdir():
+        if p.is_dir() and p.name.startswith("layer_") and p.name[6:].isdigit():
+            n = W.shape[0] if int(p.name[6:]) == layer else _features_of(ddir, int(p.name[6:]), meta)
+            sizes[int(p.name[6:])] = n
+    ranges, start = {}, 0
+    for lyr in sorted(sizes):
+        ranges[str(lyr)] = [start, start + sizes[lyr]]
+        start += sizes[lyr]
+    new_hash = model_hash_of(model_revision, model_config)
+    if meta is not None and meta.get("model_hash") not in (None, "unknown", new_hash) and new_hash != "unknown":
+        raise ValueError(
+            f"{meta_path} belongs to model {meta['model_hash']!r}, this encoder to {new_hash!r}; use another dictionary"
+        )
+    new_meta = {
+        "version": (meta or {}).get("version", DICT_VERSION),
+        "model_hash": new_hash if new_hash != "unknown" else (meta or {}).get("model_hash", "unknown"),
+        "feature_count": start,
+        "dtype": "fp16",
+        "format": fmt,
+        "layer_ranges": ranges,
+    }
+    tmp_meta = meta_path.with_name(f".meta-{uuid.uuid4().hex[:8]}.json")
+    tmp_meta.write_text(json.dumps(new_meta, indent=2) + "\n")
+    os.replace(tmp_meta, meta_path)
+    problems = validate_dictionary(root, dictionary)
+    if problems:
+        raise ValueError("the exported dictionary does not validate: " + "; ".join(problems))
+    return ExportReport(layer, W.shape[0], W.shape[1], int(data.size), mass, final)
+
+
+def _features_of(ddir: Path, layer: int, meta: dict | None) -> int:
+    ranges = (meta or {}).get("layer_ranges") or {}
+    if str(layer) in ranges:
+        a, b = ranges[str(layer)]
+        return b - a
+    dct = load_dictionary(SAEConfig(root_path=ddir.parent, dictionary_name=ddir.name, device="cpu"))
+    return dct.get_layer(layer).feature_count

@@ -1,0 +1,474 @@
+"""SAE dictionaries: lazy loading of per-layer CSR encoders, and top-k feature projection.
+
+Layout (docs/sae.md):
+
+    <root>/<name>/meta.json                 version, model_hash, feature_count, dtype, format[, layer_ranges]
+    <root>/<name>/layer_<L>/encoder.npz     CSR of W_enc [features, hidden_dim]: data f16, indices i32, indptr i32, shape
+    <root>/<name>/layer_<L>/bias.npy        optional f16 bias, one per feature
+    (or encoder.safetensors / bias.safetensors with the same tensors, format "csr.safetensors")
+
+numpy is optional: without it, arrays are read by a small pure-Python parser and projections use
+a bounded heap; both paths give the same features and scores (float32 accumulation on the numpy
+path, rounded to float32 on the pure-Python one). torch is never needed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import importlib
+import json
+import os
+import re
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REQUIRED_META = {"version": str, "model_hash": str, "feature_count": int, "dtype": str, "format": str}
+FORMATS = ("csr.npz", "csr.safetensors")
+SEMVER_RE = re.compile(r"^\d+\.\d+\.\d+(?:[-+][0-9A-Za-z.-]+)?$")
+
+
+def _numpy():
+    """numpy if importable, else None (the pure-Python path)."""
+    try:
+        return importlib.import_module("numpy")
+    except ImportError:
+        return None
+
+
+def detect_device(device: str = "auto") -> str:
+    """'cuda' or 'cpu'. 'auto' looks for CUDA through torch when it is installed, else the driver library."""
+    if device != "auto":
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+        return device
+    try:
+        torch = importlib.import_module("torch")
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        pass
+    try:
+        import ctypes
+        import ctypes.util
+
+        name = ctypes.util.find_library("cuda")
+        if name:
+            lib = ctypes.CDLL(name)
+            count = ctypes.c_int(0)
+            if lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0:
+                return "cuda"
+    except OSError:
+        pass
+    return "cpu"
+
+
+@dataclass
+class SAEConfig:
+    """Where a dictionary lives and how to hold it.
+
+    ``root_path`` is a folder holding dictionaries, or a Hub model repo (``hf://owner/name`` or
+    ``hf://models/owner/name``) holding ``<dictionary_name>/...``.
+    """
+
+    root_path: str | os.PathLike
+    dictionary_name: str
+    device: str = "auto"
+    dtype: str = "fp16"
+    prefer_sparse: bool = True
+    cache_layers: int = 2
+    revision: str | None = None
+    token: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.dictionary_name, str) or not re.fullmatch(r"[A-Za-z0-9][\w.\-]*", self.dictionary_name):
+            raise ValueError(f"dictionary_name {self.dictionary_name!r} must be a plain folder name")
+        if not isinstance(self.cache_layers, int) or self.cache_layers < 1:
+            raise ValueError(f"cache_layers must be a positive integer, got {self.cache_layers!r}")
+        if self.dtype not in ("fp16", "fp32"):
+            raise ValueError(f"dtype must be 'fp16' or 'fp32', got {self.dtype!r}")
+        self.device = detect_device(self.device)
+
+
+@dataclass
+class SAELayerWeights:
+    """One layer's encoder in CSR form: row i is feature i, columns are hidden dimensions."""
+
+    layer: int
+    data: Any  # float16 values (numpy array or list)
+    indices: Any  # int32 column of each value
+    indptr: Any  # int32 row starts, features + 1 entries
+    shape: tuple[int, int]  # (features, hidden_dim)
+    bias: Any = None  # float16, one per feature
+    _dense: Any = field(default=None, repr=False)
+    _data32: Any = field(default=None, repr=False)
+
+    @property
+    def feature_count(self) -> int:
+        return self.shape[0]
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nnz(self) -> int:
+        return len(self.data)
+
+
+def _check_meta(meta: Any, path: Path) -> dict:
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: meta.json must hold a JSON object")
+    problems = []
+    for key, typ in REQUIRED_META.items():
+        if key not in meta:
+            problems.append(f"missing required field {key!r}")
+        elif not isinstance(meta[key], typ) or isinstance(meta[key], bool):
+            problems.append(f"field {key!r} must be a {typ.__name__}, got {type(meta[key]).__name__}")
+    if not problems:
+        if not SEMVER_RE.match(meta["version"]):
+            problems.append(f"version {meta['version']!r} is not semver (MAJOR.MINOR.PATCH)")
+        if meta["feature_count"] < 1:
+            problems.append("feature_count must be positive")
+        if meta["format"] not in FORMATS:
+            problems.append(f"format {meta['format']!r} is not one of {list(FORMATS)}")
+    ranges = meta.get("layer_ranges")
+    if ranges is not None:
+        items = ranges.items() if isinstance(ranges, dict) else enumerate(ranges) if isinstance(ranges, list) else None
+        if items is None:
+            problems.append("layer_ranges must be a dict {layer: [start, end]} or a list")
+        else:
+            for k, v in items:
+                if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v) and 0 <= v[0] <= v[1]):
+                    problems.append(f"layer_ranges[{k!r}] must be [start, end] with 0 <= start <= end")
+    if problems:
+        raise ValueError(f"{path}: " + "; ".join(problems))
+    return meta
+
+
+def _load_arrays(files: dict[str, Path], fmt: str, layer: int) -> tuple[dict, Any]:
+    """Read encoder (and bias) arrays: numpy arrays when numpy is there, else (list, shape) pairs."""
+    np = _numpy()
+    enc_path, bias_path = files["encoder"], files.get("bias")
+    if fmt == "csr.npz":
+        if np is not None:
+            with np.load(enc_path, allow_pickle=False) as z:
+                enc = {k: z[k] for k in z.files}
+            bias = np.load(bias_path, allow_pickle=False) if bias_path else None
+        else:
+            from .npyio import load_npy, load_npz
+
+            enc = load_npz(enc_path)
+            bias = load_npy(bias_path) if bias_path else None
+    else:
+        if np is not None:
+            from safetensors.numpy import load_file
+
+            enc = load_file(str(enc_path))
+            bias = load_file(str(bias_path)).get("bias") if bias_path else enc.pop("bias", None)
+        else:
+            from .npyio import load_safetensors
+
+            enc = load_safetensors(enc_path)
+            bias = load_safetensors(bias_path).get("bias") if bias_path else enc.pop("bias", None)
+    return enc, bias
+
+
+def _to_layer(enc: dict, bias: Any, layer: int, where: str) -> SAELayerWeights:
+    np = _numpy()
+    missing = [k for k in ("data", "indices", "indptr", "shape") if k not in enc]
+    if missing:
+        raise ValueError(f"{where}: encoder is missing key(s) {missing} (needs data, indices, indptr, shape)")
+
+    def flat(v):
+        return v if np is not None and hasattr(v, "dtype") else v[0]
+
+    data, indices, indptr, shape = (flat(enc[k]) for k in ("data", "indices", "indptr", "shape"))
+    shape = tuple(int(x) for x in (shape.tolist() if hasattr(shape, "tolist") else shape))
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"{where}: shape must be [features, hidden_dim], got {list(shape)}")
+    if np is not None:
+        for name, arr, want in (("data", data, ("float16", "float32")), ("indices", indices, ("int32",)),
+                                ("indptr", indptr, ("int32", "int64"))):
+            if str(arr.dtype) not in want or arr.ndim != 1:
+                raise ValueError(f"{where}: {name} must be a 1-D {want[0]} array, got {arr.dtype} {arr.shape}")
+    rows, cols = shape
+    if len(indptr) != rows + 1:
+        raise ValueError(f"{where}: indptr has {len(indptr)} entries, expected features + 1 = {rows + 1}")
+    if len(data) != len(indices) or int(indptr[-1]) != len(data) or int(indptr[0]) != 0:
+        raise ValueError(f"{where}: inconsistent CSR: {len(data)} values, {len(indices)} indices, indptr ends at {indptr[-1]}")
+    if np is not None:
+        if np.any(np.diff(indptr) < 0):
+            raise ValueError(f"{where}: indptr must not decrease")
+        if len(indices) and (indices.min() < 0 or indices.max() >= cols):
+            raise ValueError(f"{where}: a column index is outside 0..{cols - 1}")
+    else:
+        if any(b < a for a, b in zip(indptr[:-1], indptr[1:], strict=True)):
+            raise ValueError(f"{where}: indptr must not decrease")
+        if indices and (min(indices) < 0 or max(indices) >= cols):
+            raise ValueError(f"{where}: a column index is outside 0..{cols - 1}")
+    if bias is not None:
+        b = bias if np is not None and hasattr(bias, "dtype") else bias[0]
+        if len(b) != rows:
+            raise ValueError(f"{where}: bias has {len(b)} entries, expected one per feature ({rows})")
+        bias = b
+    return SAELayerWeights(layer, data, indices, indptr, (rows, cols), bias)
+
+
+class SAEDictionary:
+    """A dictionary whose layers load on first use and stay in an LRU of ``cache_layers`` layers."""
+
+    def __init__(self, cfg: SAEConfig):
+        self.cfg = cfg
+        self._source = _DictSource(cfg)
+        meta_path = self._source.fetch("meta.json")
+        try:
+            meta = json.loads(Path(meta_path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{meta_path}: cannot read meta.json ({exc})") from None
+        self.meta = _check_meta(meta, Path(meta_path))
+        self._cache: OrderedDict[int, SAELayerWeights] = OrderedDict()
+
+    @property
+    def device(self) -> str:
+        return self.cfg.device
+
+    @property
+    def layers(self) -> list[int]:
+        ranges = self.meta.get("layer_ranges")
+        if isinstance(ranges, dict):
+            return sorted(int(k) for k in ranges)
+        return self._source.list_layers()
+
+    def _files(self, layer: int) -> dict[str, Path]:
+        fmt = self.meta["format"]
+        ext = "npz" if fmt == "csr.npz" else "safetensors"
+        bias_ext = "npy" if fmt == "csr.npz" else "safetensors"
+        d = f"layer_{layer}"
+        enc = self._source.fetch(f"{d}/encoder.{ext}", required=False)
+        if enc is None:
+            raise ValueError(
+                f"{self._source.describe(d)}/encoder.{ext} is missing: layer {layer} is not in dictionary "
+                f"{self.cfg.dictionary_name!r} (layers: {self.layers})"
+            )
+        files = {"encoder": Path(enc)}
+        bias = self._source.fetch(f"{d}/bias.{bias_ext}", required=False)
+        if bias is not None:
+            files["bias"] = Path(bias)
+        return files
+
+    def get_layer(self, layer: int) -> SAELayerWeights:
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"layer must be a non-negative integer, got {layer!r}")
+        if layer in self._cache:
+            self._cache.move_to_end(layer)
+            return self._cache[layer]
+        files = self._files(layer)
+        try:
+            enc, bias = _load_arrays(files, self.meta["format"], layer)
+        except (OSError, KeyError, ValueError, struct.error) as exc:
+            if isinstance(exc, ValueError) and str(files["encoder"]) in str(exc):
+                raise
+            raise ValueError(f"{files['encoder']}: cannot read the encoder ({exc})") from exc
+        weights = _to_layer(enc, bias, layer, str(files["encoder"]))
+        ranges = self.meta.get("layer_ranges")
+        if isinstance(ranges, dict) and str(layer) in ranges:
+            start, end = ranges[str(layer)]
+            if end - start != weights.feature_count:
+                raise ValueError(
+                    f"{files['encoder']}: {weights.feature_count} features but meta.json layer_ranges gives "
+                    f"[{start}, {end}]"
+                )
+        if not self.cfg.prefer_sparse and _numpy() is not None:
+            dense_encoder(weights)  # expand now: batched projections are then a matrix product
+        self._cache[layer] = weights
+        while len(self._cache) > self.cfg.cache_layers:
+            self._cache.popitem(last=False)
+        return weights
+
+    def cached_layers(self) -> list[int]:
+        return list(self._cache)
+
+
+class _DictSource:
+    """Dictionary files in a local folder or a Hub model repo (downloaded on first use)."""
+
+    def __init__(self, cfg: SAEConfig):
+        root = os.fspath(cfg.root_path)
+        self.name = cfg.dictionary_name
+        self.hub = None
+        if root.startswith("hf://"):
+            rest = root[len("hf://") :].removeprefix("models/").strip("/")
+            self.hub = (rest, cfg.revision, cfg.token)
+        else:
+            self.dir = Path(root) / self.name
+            if not self.dir.is_dir():
+                raise ValueError(f"no dictionary {self.name!r} in {root} ({self.dir} is not a folder)")
+
+    def describe(self, sub: str) -> str:
+        return f"hf://{self.hub[0]}/{self.name}/{sub}" if self.hub else str(self.dir / sub)
+
+    def fetch(self, rel: str, required: bool = True) -> Path | None:
+        if self.hub is None:
+            p = self.dir / rel
+            if not p.exists():
+                if required:
+                    raise ValueError(f"{p} is missing")
+                return None
+            return p
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        repo, revision, token = self.hub
+        try:
+            return Path(hf_hub_download(repo, f"{self.name}/{rel}", revision=revision, token=token))
+        except EntryNotFoundError:
+            if required:
+                raise ValueError(f"{self.describe(rel)} is missing") from None
+            return None
+
+    def list_layers(self) -> list[int]:
+        if self.hub is None:
+            names = [p.name for p in self.dir.iterdir()]
+        else:
+            from huggingface_hub import HfApi
+
+            repo, revision, token = self.hub
+            names = [f.split("/")[1] for f in HfApi(token=token).list_repo_files(repo, revision=revision)
+                     if f.startswith(self.name + "/") and f.count("/") >= 2]
+        return sorted({int(n[6:]) for n in names if re.fullmatch(r"layer_\d+", n)})
+
+
+def load_dictionary(cfg: SAEConfig) -> SAEDictionary:
+    """Open a dictionary (reads meta.json only; layers load on first ``get_layer``).
+
+    >>> dct = load_dictionary(SAEConfig(root_path="sae", dictionary_name="my-sae"))  # doctest: +SKIP
+    >>> project_topk(dct.get_layer(12), vector, k=10)                                 # doctest: +SKIP
+    """
+    return SAEDictionary(cfg)
+
+
+# ------------------------------------------------------------------------------------------ projection
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _check_vec_len(n: int, layer: SAELayerWeights) -> None:
+    if n != layer.hidden_dim:
+        raise ValueError(f"probe vector has length {n}, but layer {layer.layer} expects hidden_dim {layer.hidden_dim}")
+
+
+def _scores_numpy(np, layer: SAELayerWeights, x):
+    """(features,) float32 scores: a gather-dot per CSR row, float32 accumulation."""
+    if layer._dense is not None:  # expanded already (prefer_sparse=False, or a batched call): one matvec
+        scores = layer._dense @ x
+        return scores + np.asarray(layer.bias, dtype=np.float32) if layer.bias is not None else scores
+    if layer._data32 is None:
+        layer._data32 = layer.data.astype(np.float32)
+    prod = layer._data32 * x[layer.indices]
+    indptr = np.asarray(layer.indptr, dtype=np.int64)
+    scores = np.zeros(layer.feature_count, dtype=np.float32)
+    nonempty = indptr[:-1] < indptr[1:]
+    if prod.size:
+        sums = np.add.reduceat(prod, indptr[:-1][nonempty]) if nonempty.any() else np.zeros(0, np.float32)
+        scores[nonempty] = sums
+    if layer.bias is not None:
+        scores += np.asarray(layer.bias, dtype=np.float32)
+    return scores
+
+
+def _topk_from_scores(np, scores, k: int) -> list[tuple[int, float]]:
+    k = min(k, len(scores))
+    if k <= 0:
+        return []
+    idx = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
+    order = np.lexsort((idx, -scores[idx]))  # score descending, then feature index
+    return [(int(i), float(scores[i])) for i in idx[order]]
+
+
+def project_topk(layer: SAELayerWeights, dense_vec: Any, k: int = 256) -> list[tuple[int, float]]:
+    """Top-``k`` features of one dense vector: ``[(feature_index, score)]`` by descending score.
+
+    score_i = sum_j W_enc[i, j] * x[j] (+ bias[i]). No ReLU or normalisation is applied.
+    """
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    np = _numpy()
+    if np is not None and hasattr(layer.data, "dtype"):
+        x = np.asarray(dense_vec, dtype=np.float32).reshape(-1)
+        _check_vec_len(x.shape[0], layer)
+        return _topk_from_scores(np, _scores_numpy(np, layer, x), k)
+    x = [float(v) for v in dense_vec]
+    _check_vec_len(len(x), layer)
+    heap: list[tuple[float, int]] = []  # min-heap of (score, -index): the k best so far
+    data, indices, indptr, bias = layer.data, layer.indices, layer.indptr, layer.bias
+    for i in range(layer.feature_count):
+        s = 0.0
+        for p in range(indptr[i], indptr[i + 1]):
+            s += data[p] * x[indices[p]]
+        if bias is not None:
+            s += bias[i]
+        s = _f32(s)
+        item = (s, -i)
+        if len(heap) < k:
+            heapq.heappush(heap, item)
+        elif item > heap[0]:
+            heapq.heapreplace(heap, item)
+    return [(-neg, s) for s, neg in sorted(heap, key=lambda t: (-t[0], -t[1]))]
+
+
+def project_topk_batch(layer: SAELayerWeights, vectors: Any, k: int = 256, *, chunk: int = 256) -> list[list[tuple[int, float]]]:
+    """``project_topk`` for many vectors at once (``vectors``: (batch, hidden_dim)).
+
+    With numpy, the layer is expanded once to a dense float32 matrix (cached on the layer, so
+    it costs features x hidden_dim x 4 bytes) and scores are one matrix product per chunk.
+    """
+    np = _numpy()
+    if np is None or not hasattr(layer.data, "dtype"):
+        return [project_topk(layer, v, k) for v in vectors]
+    X = np.asarray(vectors, dtype=np.float32)
+    if X.ndim != 2:
+        raise ValueError(f"vectors must be 2-D (batch, hidden_dim), got shape {X.shape}")
+    _check_vec_len(X.shape[1], layer)
+    W = dense_encoder(layer)
+    out = []
+    for s in range(0, len(X), chunk):
+        S = X[s : s + chunk] @ W.T  # (chunk, features)
+        if layer.bias is not None:
+            S += np.asarray(layer.bias, dtype=np.float32)
+        out.extend(_topk_from_scores(np, row, k) for row in S)
+    return out
+
+
+def dense_encoder(layer: SAELayerWeights):
+    """The layer's W_enc as a dense float32 (features, hidden_dim) array, built once and cached."""
+    np = _numpy()
+    if layer._dense is None:
+        W = np.zeros(layer.shape, dtype=np.float32)
+        rows = np.repeat(np.arange(layer.feature_count), np.diff(np.asarray(layer.indptr, dtype=np.int64)))
+        W[rows, layer.indices] = layer.data.astype(np.float32)
+        layer._dense = W
+    return layer._dense
+
+
+def validate_dictionary(root: str | os.PathLike, name: str) -> list[str]:
+    """Every problem of a local dictionary, in one pass (empty list: valid)."""
+    problems = []
+    try:
+        dct = load_dictionary(SAEConfig(root_path=root, dictionary_name=name, device="cpu", cache_layers=1))
+    except ValueError as exc:
+        return [str(exc)]
+    total = 0
+    for layer in dct.layers:
+        try:
+            total += dct.get_layer(layer).feature_count
+        except ValueError as exc:
+            problems.append(str(exc))
+    if not problems and dct.meta["feature_count"] != total:
+        problems.append(f"meta.json feature_count is {dct.meta['feature_count']}, the layers hold {total} features")
+    if not dct.layers:
+        problems.append(f"{Path(root) / name}: no layer_<L> folders")
+    return problems

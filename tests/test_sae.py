@@ -1,0 +1,212 @@
+"""SAE dictionaries: export, validation, loading (with and without numpy), projection, CLI, Hub."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from lmprobe.cli import main as cli_main
+from lmprobe.sae import SAEConfig, load_dictionary, project_topk, project_topk_batch, validate_dictionary
+from lmprobe.sae.export import export_sae
+
+
+def make_encoder(rng, d_in=24, d_sae=40):
+    W = rng.normal(size=(d_in, d_sae)).astype(np.float32)  # SAELens orientation
+    b = rng.normal(size=d_sae).astype(np.float32) * 0.1
+    return W, b
+
+
+def reference_topk(W_feat, b, x, k):
+    scores = W_feat.astype(np.float32) @ x.astype(np.float32) + (b if b is not None else 0)
+    order = np.lexsort((np.arange(len(scores)), -scores))[:k]
+    return order.tolist(), scores[order]
+
+
+def test_export_from_arrays_and_project(tmp_path, rng):
+    W, b = make_encoder(rng)
+    rep = export_sae(layer=3, root=tmp_path, dictionary="d", W_enc=W, b_enc=b, topk_per_feature=8)
+    assert rep.features == 40 and rep.hidden_dim == 24 and rep.nnz == 40 * 8
+    absw = np.abs(W.T)
+    want_mass = np.sort(absw, axis=1)[:, -8:].sum() / absw.sum()
+    assert rep.mass_kept == pytest.approx(want_mass, rel=1e-6)
+    dct = load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d"))
+    assert dct.device == "cpu" and dct.layers == [3]
+    layer = dct.get_layer(3)
+    assert layer.data.dtype == np.float16 and layer.indices.dtype == np.int32 and layer.indptr.dtype == np.int32
+    # reference: the same sparsified matrix, dense, in float16 as stored
+    Wf = np.zeros((40, 24), np.float32)
+    for i in range(40):
+        top = np.argsort(-absw[i])[:8]
+        Wf[i, top] = W.T[i, top].astype(np.float16)
+    x = rng.normal(size=24).astype(np.float32)
+    got = project_topk(layer, x, k=5)
+    idx, scores = reference_topk(Wf, b.astype(np.float16).astype(np.float32), x, 5)
+    assert [i for i, _ in got] == idx
+    np.testing.assert_allclose([s for _, s in got], scores, rtol=1e-5, atol=1e-5)
+    assert [s for _, s in got] == sorted([s for _, s in got], reverse=True)
+    batch = project_topk_batch(layer, np.stack([x, -x]), k=5)
+    assert [i for i, _ in batch[0]] == idx
+    assert [i for i, _ in batch[1]] == [i for i, _ in project_topk(layer, -x, k=5)]
+    with pytest.raises(ValueError, match="length 23.*hidden_dim 24"):
+        project_topk(layer, x[:23])
+
+
+def test_saelens_folder_threshold_and_several_layers(tmp_path, rng):
+    from safetensors.numpy import save_file
+
+    for L in (2, 7):
+        W, b = make_encoder(rng, d_in=16, d_sae=32 + L)
+        src = tmp_path / f"saelens-{L}"
+        src.mkdir()
+        save_file({"W_enc": W, "b_enc": b, "W_dec": W.T.copy()}, str(src / "sae_weights.safetensors"))
+        (src / "cfg.json").write_text(json.dumps({"d_in": 16, "d_sae": 32 + L, "hook_layer": L}))
+        rep = export_sae(src, layer=L, root=tmp_path / "root", dictionary="s", threshold=0.5,
+                         model_revision="abc123")
+        assert rep.nnz == int((np.abs(W) >= 0.5).sum())
+    meta = json.loads((tmp_path / "root/s/meta.json").read_text())
+    assert meta["layer_ranges"] == {"2": [0, 34], "7": [34, 73]} and meta["feature_count"] == 73
+    assert meta["model_hash"] == "abc123" and meta["version"] == "1.0.0" and meta["format"] == "csr.npz"
+    # replacing a layer keeps the metadata consistent
+    W, b = make_encoder(rng, d_in=16, d_sae=10)
+    export_sae(layer=2, root=tmp_path / "root", dictionary="s", W_enc=W, b_enc=b)
+    meta = json.loads((tmp_path / "root/s/meta.json").read_text())
+    assert meta["layer_ranges"] == {"2": [0, 10], "7": [10, 49]} and meta["feature_count"] == 49
+    assert validate_dictionary(tmp_path / "root", "s") == []
+    assert not [p for p in (tmp_path / "root/s").iterdir() if p.name.startswith(".")]
+
+
+def test_lru_cache_of_hot_layers(tmp_path, rng):
+    for L in range(4):
+        W, b = make_encoder(rng, d_in=8, d_sae=9 + L)
+        export_sae(layer=L, root=tmp_path, dictionary="d", W_enc=W, b_enc=b)
+    dct = load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d", cache_layers=2))
+    dct.get_layer(0)
+    dct.get_layer(1)
+    dct.get_layer(0)
+    dct.get_layer(2)
+    assert dct.cached_layers() == [0, 2]
+    with pytest.raises(ValueError, match="layer 9 is not in dictionary"):
+        dct.get_layer(9)
+
+
+def test_safetensors_variant(tmp_path, rng):
+    W, b = make_encoder(rng)
+    export_sae(layer=0, root=tmp_path, dictionary="st", W_enc=W, b_enc=b, file_format="safetensors", threshold=0.3)
+    export_sae(layer=0, root=tmp_path, dictionary="np", W_enc=W, b_enc=b, threshold=0.3)
+    x = rng.normal(size=24)
+    a = project_topk(load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="st")).get_layer(0), x, k=7)
+    c = project_topk(load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="np")).get_layer(0), x, k=7)
+    assert a == c
+
+
+HIDDEN_NUMPY = r"""
+import json, sys
+sys.modules["numpy"] = None            # numpy cannot be imported in this process
+from lmprobe.sae import SAEConfig, load_dictionary, project_topk
+root, name, layer, vec, k = json.loads(sys.argv[1])
+layer_w = load_dictionary(SAEConfig(root_path=root, dictionary_name=name, device="cpu")).get_layer(layer)
+assert isinstance(layer_w.data, list)
+print(json.dumps(project_topk(layer_w, vec, k=k)))
+"""
+
+
+@pytest.mark.parametrize("fmt", ["npz", "safetensors"])
+def test_pure_python_fallback_gives_the_same_answer(tmp_path, rng, fmt):
+    W, b = make_encoder(rng, d_in=32, d_sae=64)
+    export_sae(layer=1, root=tmp_path, dictionary="d", W_enc=W, b_enc=b, topk_per_feature=10, file_format=fmt)
+    x = rng.normal(size=32).tolist()
+    r = subprocess.run([sys.executable, "-c", HIDDEN_NUMPY, json.dumps([str(tmp_path), "d", 1, x, 12])],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    pure = json.loads(r.stdout)
+    fast = project_topk(load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d")).get_layer(1), x, k=12)
+    assert [i for i, _ in pure] == [i for i, _ in fast]
+    np.testing.assert_allclose([s for _, s in pure], [s for _, s in fast], rtol=1e-5, atol=1e-6)
+
+
+def test_validation_errors_name_the_file(tmp_path, rng):
+    W, b = make_encoder(rng)
+    export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W, b_enc=b)
+    meta_path = tmp_path / "d/meta.json"
+    good = json.loads(meta_path.read_text())
+    for broken, msg in [({**good, "version": "one"}, "not semver"), ({k: v for k, v in good.items() if k != "dtype"},
+                        "missing required field 'dtype'"), ({**good, "feature_count": "40"}, "must be a int")]:
+        meta_path.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=f"meta.json.*{msg}"):
+            load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d"))
+    meta_path.write_text(json.dumps(good))
+    np.save(tmp_path / "d/layer_0/bias.npy", np.zeros(3, np.float16))
+    with pytest.raises(ValueError, match=r"encoder.npz: bias has 3 entries, expected one per feature \(40\)"):
+        load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d")).get_layer(0)
+    with np.load(tmp_path / "d/layer_0/encoder.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    np.savez(tmp_path / "d/layer_0/encoder.npz", **{**arrays, "indptr": arrays["indptr"][:-2]})
+    with pytest.raises(ValueError, match=r"encoder.npz: indptr has 39 entries"):
+        load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d")).get_layer(0)
+    np.savez(tmp_path / "d/layer_0/encoder.npz", data=arrays["data"])
+    with pytest.raises(ValueError, match=r"encoder.npz: encoder is missing key\(s\) \['indices', 'indptr', 'shape'\]"):
+        load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d")).get_layer(0)
+    (tmp_path / "d/layer_0/encoder.npz").unlink()
+    assert "encoder.npz is missing" in " ".join(validate_dictionary(tmp_path, "d"))
+    with pytest.raises(ValueError, match="plain folder name"):
+        SAEConfig(root_path=tmp_path, dictionary_name="../etc")
+
+
+def test_export_errors(tmp_path, rng):
+    W, b = make_encoder(rng)
+    with pytest.raises(ValueError, match="either threshold or topk_per_feature"):
+        export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W, b_enc=b, threshold=0.1, topk_per_feature=3)
+    with pytest.raises(ValueError, match="cannot tell which axis"):
+        export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W)
+    with pytest.raises(ValueError, match="float16"):
+        export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W * 1e6, b_enc=b)
+
+
+def test_cli_export_and_topk(tmp_path, rng, capsys, llama_dir):
+    from safetensors.numpy import save_file
+
+    import lmprobe
+
+    ds = lmprobe.extract(str(llama_dir), ["The cat sat.", "A dog ran far away."], out=tmp_path / "ds", layers="2",
+                         quiet=True)
+    W = rng.normal(size=(32, 64)).astype(np.float32)
+    save_file({"enc.weight": W.T.copy(), "enc.bias": np.zeros(64, np.float32)}, str(tmp_path / "sae.safetensors"))
+    assert cli_main(["export-sae", str(tmp_path / "sae.safetensors"), "--layer", "2", "--root", str(tmp_path / "r"),
+                     "--dict", "tiny", "--weight-key", "enc.weight", "--bias-key", "enc.bias",
+                     "--topk-per-feature", "16"]) == 0
+    assert "of the weight mass" in capsys.readouterr().out
+    assert cli_main(["sae-topk", "--root", str(tmp_path / "r"), "--dict", "tiny", "--layer", "2", "--topk", "3",
+                     "--dataset", str(tmp_path / "ds"), "--prompt", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("feat_") == 3 and "prompt 1" in out
+    x = ds.hidden(2)[1]
+    want = project_topk(load_dictionary(SAEConfig(root_path=tmp_path / "r", dictionary_name="tiny")).get_layer(2), x, 3)
+    assert [f"feat_{i}" for i, _ in want] == [line.split()[0] for line in out.splitlines() if "feat_" in line]
+    r = subprocess.run([sys.executable, "-m", "lmprobe.sae", "--root", str(tmp_path / "r"), "--dict", "tiny",
+                        "--layer", "2", "--topk", "4"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.count("feat_") == 4
+    assert cli_main(["sae-topk", "--root", str(tmp_path / "r"), "--dict", "tiny", "--layer", "5"]) == 2
+    assert "layer 5 is not in dictionary" in capsys.readouterr().err
+
+
+def test_dictionary_push_and_load_from_the_hub(hub, tmp_path, rng, fresh_hf_cache):
+    from lmprobe.sae import push_dictionary
+
+    for L in (0, 4):
+        W, b = make_encoder(rng)
+        export_sae(layer=L, root=tmp_path, dictionary="hubdict", W_enc=W, b_enc=b, threshold=0.2)
+    repo = f"tester/sae-{uuid.uuid4().hex[:8]}"
+    push_dictionary(tmp_path, "hubdict", repo, quiet=True)
+    assert "hubdict/meta.json" in hub.files(repo, repo_type="model")
+    start = len(hub.log)
+    dct = load_dictionary(SAEConfig(root_path=f"hf://{repo}", dictionary_name="hubdict"))
+    x = rng.normal(size=24)
+    local = load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="hubdict"))
+    assert project_topk(dct.get_layer(4), x, 6) == project_topk(local.get_layer(4), x, 6)
+    fetched = [p for m, p in hub.log[start:] if m == "GET" and "/resolve/" in p]
+    assert not any("layer_0" in p for p in fetched)  # only what the call touched
