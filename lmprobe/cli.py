@@ -13,9 +13,17 @@ from .errors import LmprobeError
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from .format.validate import validate
+    from .saev import is_saev_folder, validate_saev
 
     worst = 0
     for path in args.paths:
+        if is_saev_folder(path):
+            problems = validate_saev(path, check_sizes=True)
+            print(f"{path}: saev {'OK' if not problems else 'INVALID'} ({len(problems)} problem(s))")
+            for p in problems:
+                print(f"  error: {p}")
+            worst = max(worst, 1 if problems else 0)
+            continue
         report = validate(path, checksums=not args.no_checksums)
         print(report)
         if not report.ok or (args.strict and report.warnings):
@@ -174,6 +182,21 @@ def _cmd_export_sae(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export_saev(args: argparse.Namespace) -> int:
+    from .extraction.model import parse_layers
+    from .format.reader import load
+    from .saev import export_saev
+
+    ds = load(args.source)
+    layers = None
+    if args.layers not in (None, "all"):
+        layers = parse_layers(args.layers, max(ds.layers) + 1)
+    export_saev(args.source, args.out, layers=layers, context_len=args.context_len,
+                patches_per_shard=args.patches_per_shard, drop_first_token=args.drop_first_token,
+                tokens=not args.no_tokens, quiet=args.quiet)
+    return 0
+
+
 def _cmd_sae_topk(args: argparse.Namespace) -> int:
     from .sae.cli import run_topk
 
@@ -254,6 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=None)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_pull)
+
+    p = sub.add_parser("export-saev", help="export a full_sequence dataset to the saev sharded activation protocol")
+    p.add_argument("source", metavar="SOURCE", help="lmprobe full_sequence dataset (folder or Hub repo)")
+    p.add_argument("--out", required=True, metavar="DUMP_TO", help="writes DUMP_TO/<HASH>/")
+    p.add_argument("--layers", default="all", help="layers to export (default: all stored)")
+    p.add_argument("--context-len", type=_positive_int, default=128, metavar="T", help="tokens per example (default 128)")
+    p.add_argument("--patches-per-shard", type=_positive_int, default=2_400_000, metavar="N",
+                   help="vectors per shard budget (default 2,400,000: ~10 GiB at d_model 1024)")
+    p.add_argument("--drop-first-token", action="store_true", help="leave out each prompt's first token (e.g. BOS)")
+    p.add_argument("--no-tokens", action="store_true", help="do not write tokens.bin (needed when the source has no token_ids)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_export_saev)
 
     p = sub.add_parser("export-sae", help="export a trained SAE encoder layer as a sparse dictionary")
     p.add_argument("source", metavar="SOURCE", help="SAELens folder (cfg.json + sae_weights.safetensors), or a .safetensors/.npz file")

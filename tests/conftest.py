@@ -66,6 +66,8 @@ def write_dataset(out, rng, *, n=23, layers=(0, 2, 5), dim=8, storage="pooled", 
         extra = {}
         if logits_k:
             extra = {"logits_values": lv[s:e], "logits_indices": li[s:e]}
+        if kw.get("token_ids"):
+            extra["token_ids"] = [list(range(int(t))) for t in n_tok[s:e]]  # token j of a prompt has id j
         w.add_batch(texts=texts[s:e], num_tokens=n_tok[s:e], hidden=hb, labels=labels[s:e].tolist(),
                     columns={"source": [f"src{i % 2}" for i in range(s, e)], "idx": list(range(s, e))}
                     if "source" in (kw["columns"] or {}) else None, **extra)

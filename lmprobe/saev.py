@@ -1,0 +1,523 @@
+"""Export to the saev sharded activation protocol 2.0, and read it back (docs/saev.md).
+
+    <dump_to>/<HASH>/metadata.json  shards.json  acts000000.bin ...  [labels.bin]  [tokens.bin]
+
+An example is a window of ``context_len`` (T) consecutive tokens. The prompts of a full_sequence
+lmprobe dataset are concatenated in index order (optionally without each prompt's first token),
+cut into windows of T tokens, and the final partial window is dropped. Each shard holds
+(n_ex, L, T, D) float32, C order, little-endian. HASH is the sha256 of the canonical JSON of
+metadata.json, so identical configurations share a folder and different ones never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import LmprobeError
+
+PROTOCOL = "2.0"
+METADATA_KEYS = ("family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model", "n_ex", "patches_per_shard",
+                 "data", "dataset", "dtype", "protocol")
+DEFAULT_PATCHES_PER_SHARD = 2_400_000
+_CHUNK_BYTES = 64 * 2**20
+
+
+class SaevError(LmprobeError, ValueError):
+    """A saev export or folder is invalid."""
+
+
+def metadata_hash(metadata: dict) -> str:
+    """The protocol's HASH: sha256 of json.dumps(metadata, sort_keys=True, separators=(',', ':'))."""
+    return hashlib.sha256(json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def ex_per_shard(patches_per_shard: int, tokens_per_ex: int, n_layers: int) -> int:
+    """Section 3: floor(patches_per_shard / (tokens_per_ex * len(layers)))."""
+    return patches_per_shard // (tokens_per_ex * n_layers)
+
+
+def shard_sizes(n_ex: int, per_shard: int) -> list[int]:
+    """Examples per shard: full shards, then the remainder; never a shard of zero examples."""
+    if per_shard < 1:
+        raise SaevError("patches_per_shard is smaller than one example (context_len x layers)")
+    full, rest = divmod(n_ex, per_shard)
+    return [per_shard] * full + ([rest] if rest else [])
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 * 2**20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class _Plan:
+    metadata: dict
+    hash: str
+    shard_sizes: list[int]
+    prompt_of: np.ndarray  # (n_ex * T,) index row of each stored position
+    token_in_prompt: np.ndarray  # (n_ex * T,) token index within that prompt
+
+
+def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, patches_per_shard: int,
+          drop_first_token: bool, with_tokens: bool) -> _Plan:
+    if ds.storage != "full_sequence":
+        raise SaevError(
+            f"{source_desc} stores only the last token of each prompt (pooled); the saev protocol needs token "
+            "sequences: extract with --storage full_sequence"
+        )
+    bad = [x for x in layers if x not in ds.layers]
+    if bad:
+        raise SaevError(f"layers {bad} are not in {source_desc} (it stores {ds.layers})")
+    if context_len < 1:
+        raise SaevError("context_len must be >= 1")
+    if with_tokens and "token_ids" not in ds.table.column_names:
+        raise SaevError(
+            f"{source_desc} has no token_ids column, so tokens.bin cannot be written: extract with --token-ids "
+            "(or pass tokens=False / --no-tokens)"
+        )
+    per = ex_per_shard(patches_per_shard, context_len, len(layers))
+    if per < 1:
+        raise SaevError(
+            f"--patches-per-shard {patches_per_shard} is smaller than one example ({context_len} tokens x "
+            f"{len(layers)} layers = {context_len * len(layers)}); raise it or use fewer layers / a shorter context"
+        )
+    lengths = ds.token_lengths()
+    start = 1 if drop_first_token else 0
+    kept = np.maximum(lengths - start, 0)
+    total = int(kept.sum())
+    n_ex = total // context_len
+    if n_ex == 0:
+        raise SaevError(f"{source_desc} holds {total} usable tokens, fewer than one window of {context_len}")
+    n_pos = n_ex * context_len
+    prompt_of = np.repeat(np.arange(len(lengths)), kept)[:n_pos]
+    first = np.concatenate([[0], np.cumsum(kept)[:-1]])
+    token_in_prompt = (np.arange(n_pos) - first[prompt_of]) + start
+    info = ds.info
+    model = info.get("model") or {}
+    ckpt = model.get("name") or "unknown"
+    if model.get("revision"):
+        ckpt = f"{ckpt}@{model['revision']}"
+    index_sha = getattr(ds, "_index_sha256", None)
+    data = {
+        "__class__": "LmprobeTokenWindows",
+        "source": source_desc,
+        "source_index_sha256": index_sha,
+        "num_prompts": int(len(lengths)),
+        "context_len": int(context_len),
+        "packing": "concatenate",
+        "drop_first_token": bool(drop_first_token),
+        "dropped_tail_tokens": int(total - n_pos),
+        "source_dtype": ds.dtype,
+        "tokens_file": "tokens.bin" if with_tokens else None,
+    }
+    labels_ok = _int_labels(ds) is not None
+    data["labels_file"] = "labels.bin" if labels_ok else None
+    metadata = {
+        "family": "llm",
+        "ckpt": ckpt,
+        "layers": [int(x) for x in layers],
+        "patches_per_ex": int(context_len),
+        "cls_token": False,
+        "d_model": int(ds.dim),
+        "n_ex": int(n_ex),
+        "patches_per_shard": int(patches_per_shard),
+        "data": data,
+        "dataset": source_desc,
+        "dtype": "float32",
+        "protocol": PROTOCOL,
+    }
+    return _Plan(metadata, metadata_hash(metadata), shard_sizes(n_ex, per), prompt_of, token_in_prompt)
+
+
+def _int_labels(ds: Any) -> np.ndarray | None:
+    labels = ds.labels
+    if labels is None or labels.dtype == object or labels.dtype.kind not in "iu":
+        return None
+    if labels.min() < 0 or labels.max() > 255:
+        return None
+    return labels.astype(np.uint8)
+
+
+def export_saev(
+    source: Any,
+    out: str | os.PathLike,
+    *,
+    layers: Sequence[int] | None = None,
+    context_len: int = 128,
+    patches_per_shard: int = DEFAULT_PATCHES_PER_SHARD,
+    drop_first_token: bool = False,
+    tokens: bool = True,
+    quiet: bool = False,
+) -> Path:
+    """Export a full_sequence lmprobe dataset (path, repo id or Dataset) to ``out/<HASH>/``; returns that folder.
+
+    >>> export_saev("out/acts", "saev-dumps", layers=[6], context_len=64)  # doctest: +SKIP
+
+    A folder that already exists for the same configuration is verified and kept (a no-op). An
+    interrupted export resumes: finished shards are kept and the rest are written.
+    """
+    from .format.reader import Dataset, load
+
+    ds = source if isinstance(source, Dataset) else load(source)
+    source_desc = str(ds._files) if not isinstance(source, (str, os.PathLike)) else str(source)
+    if isinstance(source, (str, os.PathLike)) and Path(source).exists():
+        source_desc = str(Path(source).resolve())
+    layer_list = list(ds.layers) if layers is None else [int(x) for x in layers]
+    if not layer_list:
+        raise SaevError("no layers to export")
+    ds._index_sha256 = _index_hash(ds)
+    plan = _plan(ds, source_desc, layers=layer_list, context_len=context_len, patches_per_shard=patches_per_shard,
+                 drop_first_token=drop_first_token, with_tokens=tokens)
+    out = Path(out)
+    final = out / plan.hash
+    if (final / "metadata.json").exists():
+        problems = validate_saev(final)
+        if problems:
+            raise SaevError(f"{final} exists but does not validate ({'; '.join(problems)}); delete it and re-run")
+        if not quiet:
+            print(f"{final} already holds this export; nothing to do")
+        return final
+    partial = out / f".{plan.hash}.partial"
+    partial.mkdir(parents=True, exist_ok=True)
+    T, L, D = context_len, len(layer_list), ds.dim
+    vec_bytes = D * 4
+    h = ds._info.hidden
+    import pyarrow.compute as pc
+
+    ids_col = ds.table.column("token_shard_ids")
+    flat_ids = pc.list_flatten(ids_col).to_numpy().astype(np.int64)
+    flat_offs = pc.list_flatten(ds.table.column("token_shard_offsets")).to_numpy().astype(np.int64)
+    list_start = np.concatenate([[0], np.cumsum(pc.list_value_length(ids_col).to_numpy())[:-1]]).astype(np.int64)
+    src_pos = list_start[plan.prompt_of] + plan.token_in_prompt
+    shard_of, offset_of = flat_ids[src_pos], flat_offs[src_pos]
+    del flat_ids, flat_offs, src_pos
+    n_pos = plan.metadata["n_ex"] * T
+    # runs of stored positions that are consecutive rows of one source shard, cut at example boundaries:
+    # each run is one memcpy out of a memory-mapped source shard
+    cut = np.zeros(n_pos, dtype=bool)
+    cut[0] = True
+    cut[1:] = (np.diff(shard_of) != 0) | (np.diff(offset_of) != 1)
+    cut[::T] = True
+    run_start = np.flatnonzero(cut)
+    run_len = np.diff(np.append(run_start, n_pos))
+    run_shard, run_off = shard_of[run_start], offset_of[run_start]
+    del cut, shard_of, offset_of
+    maps: dict[tuple[int, int], np.ndarray] = {}
+    fds: dict[tuple[int, int], tuple[int, int]] = {}  # float32 sources: (fd, data start), read with preadv
+
+    def source(layer: int, shard: int) -> np.ndarray:
+        if (layer, shard) not in maps:
+            path, entry = ds._entry(h.file(layer, shard), h.key(layer), h.dtype, (D,), h.shard_rows(shard))
+            storage = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}[h.dtype]
+            maps[(layer, shard)] = np.memmap(path, dtype=storage, mode="r", offset=entry.start, shape=entry.shape)
+        return maps[(layer, shard)]
+
+    def source_fd(layer: int, shard: int) -> tuple[int, int]:
+        if (layer, shard) not in fds:
+            path, entry = ds._entry(h.file(layer, shard), h.key(layer), h.dtype, (D,), h.shard_rows(shard))
+            fds[(layer, shard)] = (os.open(path, os.O_RDONLY), entry.start)
+        return fds[(layer, shard)]
+
+    direct = h.dtype == "float32" and hasattr(os, "preadv")
+
+
+    ex_chunk = max(1, _CHUNK_BYTES // (L * T * vec_bytes))
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=plan.metadata["n_ex"], unit="ex", desc="export-saev", disable=quiet)
+    shards_json = []
+    block = np.empty((min(ex_chunk, max(plan.shard_sizes)), L, T, D), dtype="<f4")
+    try:
+        _write_shards(plan, partial, L, T, D, vec_bytes, ex_chunk, block, run_start, run_len, run_shard, run_off,
+                      layer_list, source, source_fd, direct, h, bar, shards_json)
+    finally:
+        bar.close()
+        for fd, _ in fds.values():
+            os.close(fd)
+    maps.clear()
+    if tokens:
+        tok = pc.list_flatten(ds.table.column("token_ids")).to_numpy()
+        _atomic(partial / "tokens.bin", np.ascontiguousarray(tok[list_start[plan.prompt_of] + plan.token_in_prompt],
+                                                               dtype="<u4").tobytes())
+    labels = _int_labels(ds)
+    if labels is not None:
+        _atomic(partial / "labels.bin", labels[plan.prompt_of][:n_pos].tobytes())
+    _atomic(partial / "shards.json", (json.dumps(shards_json, indent=2) + "\n").encode())
+    _atomic(partial / "metadata.json", (json.dumps(plan.metadata, indent=2) + "\n").encode())  # last
+    os.replace(partial, final)
+    if not quiet:
+        print(f"wrote {plan.metadata['n_ex']} examples x {L} layers x {T} tokens x {D} dims "
+              f"in {len(shards_json)} shard(s) to {final}")
+    return final
+
+
+def _write_shards(plan, partial, L, T, D, vec_bytes, ex_chunk, block, run_start, run_len, run_shard, run_off,
+                  layer_list, source, source_fd, direct, h, bar, shards_json) -> None:
+    """Write every shard not finished by an earlier run: acts*.bin.tmp, then renamed."""
+    from .format.values import bfloat16_bits_to_float32
+
+    first_ex = 0
+    for i, n in enumerate(plan.shard_sizes):
+        name = f"acts{i:06d}.bin"
+        shards_json.append({"name": name, "n_ex": n})
+        path = partial / name
+        if path.exists() and path.stat().st_size == n * L * T * vec_bytes:
+            first_ex += n
+            bar.update(n)
+            continue  # finished by an earlier, interrupted run
+        tmp = path.with_name(name + ".tmp")
+        with open(tmp, "wb") as f:
+            for a in range(first_ex, first_ex + n, ex_chunk):
+                b = min(first_ex + n, a + ex_chunk)
+                r0, r1 = np.searchsorted(run_start, [a * T, b * T])
+                for li, layer in enumerate(layer_list):
+                    for r in range(r0, r1):
+                        pos, m = int(run_start[r]), int(run_len[r])
+                        e, t = divmod(pos, T)
+                        if direct:  # one read from the source file straight into the output block
+                            fd, base = source_fd(layer, int(run_shard[r]))
+                            dst = memoryview(block[e - a, li, t : t + m]).cast("B")
+                            if os.preadv(fd, [dst], base + int(run_off[r]) * vec_bytes) != len(dst):
+                                raise SaevError(f"{h.file(layer, int(run_shard[r]))} ended early; is the source complete?")
+                            continue
+                        rows = source(layer, int(run_shard[r]))[run_off[r] : run_off[r] + m]
+                        block[e - a, li, t : t + m] = bfloat16_bits_to_float32(rows) if h.dtype == "bfloat16" else rows
+                f.write(memoryview(block[: b - a]).cast("B"))
+                bar.update(b - a)
+        os.replace(tmp, path)
+        first_ex += n
+
+
+def _index_hash(ds: Any) -> str:
+    """Identifies the source data: its tensor descriptors (with per-file sha256 when recorded) and texts."""
+    h = hashlib.sha256()
+    h.update(json.dumps(ds.info.get("tensors"), sort_keys=True).encode())
+    for t in ds.texts:
+        h.update(t.encode() + b"\0")
+    return h.hexdigest()
+
+
+def _atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------- reader
+
+
+class SaevDataset:
+    """A saev folder (``<dump_to>/<HASH>``): random access and shuffled batches over memory-mapped shards.
+
+    >>> sv = SaevDataset("saev-dumps/0f3a...")          # doctest: +SKIP
+    >>> sv.get(12, layer=6, token=3).shape              # doctest: +SKIP
+    (1024,)
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify_hash: bool = True):
+        self.path = Path(path)
+        problems = validate_saev(self.path, check_hash=verify_hash, check_sizes=True)
+        if problems:
+            raise SaevError(f"{self.path}: " + "; ".join(problems))
+        self.metadata = json.loads((self.path / "metadata.json").read_text())
+        self.shards = json.loads((self.path / "shards.json").read_text())
+        m = self.metadata
+        self.layers: list[int] = list(m["layers"])
+        self.tokens_per_ex = m["patches_per_ex"] + (1 if m["cls_token"] else 0)
+        self.d_model = m["d_model"]
+        self.n_ex = m["n_ex"]
+        self.ex_per_shard = self.shards[0]["n_ex"]
+        self._maps: dict[int, np.memmap] = {}
+
+    def __len__(self) -> int:
+        return self.n_ex
+
+    def shard(self, i: int) -> np.memmap:
+        """Shard ``i`` as a read-only (n_ex, L, T, D) float32 memory map."""
+        if i not in self._maps:
+            n = self.shards[i]["n_ex"]
+            self._maps[i] = np.memmap(self.path / self.shards[i]["name"], dtype="<f4", mode="r",
+                                      shape=(n, len(self.layers), self.tokens_per_ex, self.d_model))
+        return self._maps[i]
+
+    def layer_index(self, layer: int) -> int:
+        if layer not in self.layers:
+            raise SaevError(f"layer {layer} is not recorded in {self.path} (layers {self.layers})")
+        return self.layers.index(layer)
+
+    def locate(self, ex: int, layer: int, token: int) -> tuple[Path, int]:
+        """Section 4.2: (shard file, byte offset) of the vector at (example, layer, token)."""
+        if not 0 <= ex < self.n_ex:
+            raise IndexError(f"example {ex} is outside 0..{self.n_ex - 1}")
+        if not 0 <= token < self.tokens_per_ex:
+            raise IndexError(f"token {token} is outside 0..{self.tokens_per_ex - 1}")
+        li = self.layer_index(layer)
+        shard_idx, ex_in_shard = divmod(ex, self.ex_per_shard)
+        L, T = len(self.layers), self.tokens_per_ex
+        offset_vectors = ex_in_shard * L * T + li * T + token
+        return self.path / f"acts{shard_idx:06d}.bin", offset_vectors * self.d_model * 4
+
+    def get(self, ex: int, layer: int, token: int) -> np.ndarray:
+        """The (d_model,) vector at (example, layer, token), from the shard's memory map."""
+        self.locate(ex, layer, token)  # checks the coordinate
+        shard_idx, ex_in_shard = divmod(ex, self.ex_per_shard)
+        return np.array(self.shard(shard_idx)[ex_in_shard, self.layer_index(layer), token])
+
+    def tokens(self) -> np.ndarray | None:
+        p = self.path / "tokens.bin"
+        return np.memmap(p, dtype="<u4", mode="r", shape=(self.n_ex, self.tokens_per_ex)) if p.exists() else None
+
+    def labels(self) -> np.ndarray | None:
+        p = self.path / "labels.bin"
+        return np.memmap(p, dtype="u1", mode="r", shape=(self.n_ex, self.tokens_per_ex)) if p.exists() else None
+
+    def batches(self, layer: int, batch_size: int, *, seed: int = 0, shuffle: bool = True, run_examples: int = 64,
+                buffer_runs: int = 16, drop_last: bool = False, worker: tuple[int, int] = (0, 1)) -> Iterator[np.ndarray]:
+        """Yield (batch_size, d_model) float32 batches of one layer's token vectors.
+
+        Reads contiguous runs of ``run_examples`` examples (one slice of a memory map each), pools
+        ``buffer_runs`` runs, shuffles the pooled vectors and yields them: memory stays at about
+        run_examples x buffer_runs x T x D x 4 bytes. Each vector appears once per pass.
+        ``worker=(i, n)`` takes every n-th run, for DataLoader workers.
+        """
+        li = self.layer_index(layer)
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        rng = np.random.default_rng(seed)
+        runs = []
+        for s, sh in enumerate(self.shards):
+            for a in range(0, sh["n_ex"], run_examples):
+                runs.append((s, a, min(sh["n_ex"], a + run_examples)))
+        if shuffle:
+            rng.shuffle(runs)
+        runs = runs[worker[0] :: worker[1]]
+        carry = np.zeros((0, self.d_model), dtype=np.float32)
+        T, D = self.tokens_per_ex, self.d_model
+        for g in range(0, len(runs), buffer_runs):
+            group = runs[g : g + buffer_runs]
+            pool = np.empty((len(carry) + sum(b - a for _, a, b in group) * T, D), dtype=np.float32)
+            pool[: len(carry)] = carry
+            at = len(carry)
+            for s, a, b in group:  # one strided copy per run, straight into the pool
+                n = (b - a) * T
+                np.copyto(pool[at : at + n].reshape(b - a, T, D), self.shard(s)[a:b, li])
+                at += n
+            order = rng.permutation(len(pool)) if shuffle else np.arange(len(pool))
+            n_full = len(pool) // batch_size * batch_size
+            for i in range(0, n_full, batch_size):
+                yield pool[order[i : i + batch_size]]
+            carry = pool[order[n_full:]]
+        if len(carry) and not drop_last:
+            yield carry
+
+    def torch_dataset(self, layer: int, batch_size: int, **kwargs: Any):
+        """A torch IterableDataset of (batch_size, d_model) tensors; splits runs across DataLoader workers.
+
+        Use ``DataLoader(ds, batch_size=None, num_workers=N)``; the epoch seed is ``seed + epoch``
+        after ``set_epoch(epoch)``.
+        """
+        import torch
+
+        parent = self
+
+        class _Iterable(torch.utils.data.IterableDataset):
+            def __init__(self):
+                self.epoch = 0
+
+            def set_epoch(self, epoch: int) -> None:
+                self.epoch = epoch
+
+            def __iter__(self):
+                info = torch.utils.data.get_worker_info()
+                worker = (info.id, info.num_workers) if info else (0, 1)
+                kw = dict(kwargs)
+                kw["seed"] = kw.get("seed", 0) + self.epoch
+                for batch in parent.batches(layer, batch_size, worker=worker, **kw):
+                    yield torch.from_numpy(batch)
+
+        return _Iterable()
+
+
+def validate_saev(path: str | os.PathLike, *, check_hash: bool = True, check_sizes: bool = True) -> list[str]:
+    """Every problem of a saev folder against the protocol (empty list: valid)."""
+    p = Path(path)
+    problems: list[str] = []
+    try:
+        m = json.loads((p / "metadata.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return [f"metadata.json cannot be read: {exc}"]
+    if not isinstance(m, dict):
+        return ["metadata.json must hold an object"]
+    keys = set(m)
+    if keys != set(METADATA_KEYS):
+        missing, extra = sorted(set(METADATA_KEYS) - keys), sorted(keys - set(METADATA_KEYS))
+        problems.append(f"metadata.json keys differ from the protocol's (missing {missing}, extra {extra})")
+    types = {"family": str, "ckpt": str, "layers": list, "patches_per_ex": int, "cls_token": bool, "d_model": int,
+             "n_ex": int, "patches_per_shard": int, "data": dict, "dataset": str, "dtype": str, "protocol": str}
+    bad_types = [f"metadata.json {k!r} must be a {t.__name__}" for k, t in types.items()
+                 if k in m and (not isinstance(m[k], t) or (t is int and isinstance(m[k], bool)))]
+    if bad_types or not set(types) <= keys:
+        return problems + bad_types  # the checks below need every key, well typed
+    if m["protocol"].split(".")[0] != PROTOCOL.split(".")[0]:
+        problems.append(f"protocol {m['protocol']!r} is not {PROTOCOL} (a different major version)")
+    if m["dtype"] != "float32":
+        problems.append(f"dtype {m['dtype']!r}: the protocol fixes float32")
+    if check_hash and p.name != metadata_hash(m):
+        problems.append(f"folder name {p.name} is not the sha256 of metadata.json ({metadata_hash(m)})")
+    if not m["layers"] or not all(isinstance(x, int) for x in m["layers"]):
+        problems.append("layers must be a non-empty list of integers")
+        return problems
+    T = m["patches_per_ex"] + (1 if m["cls_token"] else 0)
+    L, D = len(m["layers"]), m["d_model"]
+    try:
+        shards = json.loads((p / "shards.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return problems + [f"shards.json cannot be read: {exc}"]
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and isinstance(s.get("name"), str)
+                                               and isinstance(s.get("n_ex"), int) for s in shards):
+        return problems + ["shards.json must be a list of {name, n_ex}"]
+    per = ex_per_shard(m["patches_per_shard"], T, L)
+    try:
+        want = shard_sizes(m["n_ex"], per)
+    except SaevError as exc:
+        return problems + [str(exc)]
+    got = [s["n_ex"] for s in shards]
+    if got != want:
+        problems.append(f"shards.json n_ex {got} differ from the protocol's sizing {want}")
+    for i, s in enumerate(shards):
+        if s["name"] != f"acts{i:06d}.bin":
+            problems.append(f"shard {i} is named {s['name']!r}, expected acts{i:06d}.bin")
+            continue
+        f = p / s["name"]
+        if not f.exists():
+            problems.append(f"{s['name']} is missing")
+        elif check_sizes and f.stat().st_size != s["n_ex"] * L * T * D * 4:
+            problems.append(f"{s['name']} is {f.stat().st_size} bytes, expected {s['n_ex'] * L * T * D * 4}")
+    for name, item in (("labels.bin", 1), ("tokens.bin", 4)):
+        f = p / name
+        if f.exists() and f.stat().st_size != m["n_ex"] * T * item:
+            problems.append(f"{name} is {f.stat().st_size} bytes, expected {m['n_ex'] * T * item}")
+    return problems
+
+
+def is_saev_folder(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    if not (p / "metadata.json").exists() or not (p / "shards.json").exists():
+        return False
+    try:
+        return "protocol" in json.loads((p / "metadata.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+

@@ -1,0 +1,207 @@
+"""saev protocol 2.0 export and reader: sizing, hash, offsets against the source, determinism, batches."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import write_dataset
+
+import lmprobe
+from lmprobe.cli import main as cli_main
+from lmprobe.saev import SaevDataset, SaevError, export_saev, metadata_hash, shard_sizes, validate_saev
+
+
+@pytest.fixture
+def source(tmp_path, rng):
+    src = write_dataset(tmp_path / "ds", rng, n=20, layers=(1, 4), dim=6, storage="full_sequence", shard_size="2KB",
+                        min_tokens=3, max_tokens=12, token_ids=True)
+    return tmp_path / "ds", src
+
+
+def _source_tokens(src, layer, drop_first=False):
+    """The packed token stream of the source, the obvious slow way."""
+    rows = []
+    for i in range(len(src["n_tok"])):
+        a, b = src["tok_start"][i], src["tok_start"][i + 1]
+        a += 1 if drop_first else 0
+        rows.append(src["hidden"][layer][a:b])
+    return np.concatenate(rows)
+
+
+def test_export_layout_offsets_and_hash(tmp_path, source):
+    path, src = source
+    T = 5
+    out = export_saev(path, tmp_path / "dump", context_len=T, patches_per_shard=4 * T * 2, quiet=True)
+    meta = json.loads((out / "metadata.json").read_text())
+    assert list(meta) == ["family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model", "n_ex",
+                          "patches_per_shard", "data", "dataset", "dtype", "protocol"]
+    assert out.name == metadata_hash(meta)
+    total = int(src["n_tok"].sum())
+    assert meta["n_ex"] == total // T and meta["layers"] == [1, 4] and meta["protocol"] == "2.0"
+    shards = json.loads((out / "shards.json").read_text())
+    assert [s["n_ex"] for s in shards] == shard_sizes(meta["n_ex"], 4)
+    stream = {layer: _source_tokens(src, layer) for layer in (1, 4)}
+    sv = SaevDataset(out)
+    for ex in (0, 3, meta["n_ex"] - 1):
+        for li, layer in enumerate((1, 4)):
+            for t in (0, T - 1):
+                want = stream[layer][ex * T + t]
+                # section 4.2 by hand: seek and read
+                shard_idx, ex_in = divmod(ex, 4)
+                off = ((ex_in * 2 * T) + li * T + t) * 6 * 4
+                with open(out / f"acts{shard_idx:06d}.bin", "rb") as f:
+                    f.seek(off)
+                    got = np.frombuffer(f.read(24), dtype="<f4")
+                np.testing.assert_array_equal(got, want)
+                np.testing.assert_array_equal(sv.get(ex, layer, t), want)
+                assert sv.locate(ex, layer, t) == (out / f"acts{shard_idx:06d}.bin", off)
+    with pytest.raises(SaevError, match="layer 2 is not recorded"):
+        sv.get(0, 2, 0)
+    toks = sv.tokens()
+    packed_ids = np.concatenate([list(range(int(n))) for n in src["n_tok"]])[: meta["n_ex"] * T]
+    np.testing.assert_array_equal(np.asarray(toks).reshape(-1), packed_ids)
+    labels = np.asarray(sv.labels()).reshape(-1)
+    np.testing.assert_array_equal(labels, np.repeat(src["labels"], src["n_tok"])[: meta["n_ex"] * T])
+    assert validate_saev(out) == []
+    assert cli_main(["validate", str(out)]) == 0
+
+
+@pytest.mark.parametrize("n_ex,per,want", [(8, 4, [4, 4]), (9, 4, [4, 4, 1]), (1, 4, [1]), (3, 3, [3])])
+def test_shard_sizing(n_ex, per, want):
+    assert shard_sizes(n_ex, per) == want
+
+
+def test_exact_multiple_has_no_empty_trailing_shard(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=8, layers=(0,), dim=4, storage="full_sequence", min_tokens=4, max_tokens=4,
+                  token_ids=True)
+    out = export_saev(tmp_path / "ds", tmp_path / "d", context_len=4, patches_per_shard=16, quiet=True)
+    shards = json.loads((out / "shards.json").read_text())
+    assert [s["n_ex"] for s in shards] == [4, 4] and sorted(p.name for p in out.glob("acts*")) == [
+        "acts000000.bin", "acts000001.bin"]
+
+
+def test_one_example_and_budget_errors(tmp_path, source, capsys):
+    path, src = source
+    total = int(src["n_tok"].sum())
+    out = export_saev(path, tmp_path / "d", context_len=total, patches_per_shard=10**6, quiet=True)
+    assert SaevDataset(out).n_ex == 1
+    with pytest.raises(SaevError, match="smaller than one example"):
+        export_saev(path, tmp_path / "d", context_len=5, patches_per_shard=9, quiet=True)
+    with pytest.raises(SaevError, match="fewer than one window"):
+        export_saev(path, tmp_path / "d", context_len=total + 1, quiet=True)
+    assert cli_main(["export-saev", str(path), "--out", str(tmp_path / "d"), "--context-len", "5",
+                     "--patches-per-shard", "9"]) == 2
+    assert "smaller than one example" in capsys.readouterr().err
+
+
+def test_deterministic_and_second_export_is_a_no_op(tmp_path, source):
+    path, _ = source
+    a = export_saev(path, tmp_path / "d1", context_len=4, patches_per_shard=40, quiet=True)
+    b = export_saev(path, tmp_path / "d2", context_len=4, patches_per_shard=40, quiet=True)
+    assert a.name == b.name
+    for f in a.iterdir():
+        assert f.read_bytes() == (b / f.name).read_bytes()
+    mtimes = {f.name: f.stat().st_mtime_ns for f in a.iterdir()}
+    assert export_saev(path, tmp_path / "d1", context_len=4, patches_per_shard=40, quiet=True) == a
+    assert mtimes == {f.name: f.stat().st_mtime_ns for f in a.iterdir()}
+    c = export_saev(path, tmp_path / "d1", context_len=4, patches_per_shard=40, drop_first_token=True, quiet=True)
+    assert c != a  # a different configuration never collides
+
+
+def test_drop_first_token_and_layer_subset(tmp_path, source):
+    path, src = source
+    out = export_saev(path, tmp_path / "d", layers=[4], context_len=3, drop_first_token=True, quiet=True)
+    sv = SaevDataset(out)
+    stream = _source_tokens(src, 4, drop_first=True)
+    np.testing.assert_array_equal(sv.get(2, 4, 1), stream[2 * 3 + 1])
+
+
+def test_interrupted_export_resumes(tmp_path, source, monkeypatch):
+    path, _ = source
+    ref = export_saev(path, tmp_path / "ref", context_len=4, patches_per_shard=24, quiet=True)
+    import lmprobe.saev as saev_mod
+
+    real, calls = saev_mod.os.replace, {"n": 0}
+
+    def dying(a, b):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        real(a, b)
+
+    monkeypatch.setattr(saev_mod.os, "replace", dying)
+    with pytest.raises(KeyboardInterrupt):
+        export_saev(path, tmp_path / "d", context_len=4, patches_per_shard=24, quiet=True)
+    monkeypatch.setattr(saev_mod.os, "replace", real)
+    assert not (tmp_path / "d" / ref.name).exists()
+    out = export_saev(path, tmp_path / "d", context_len=4, patches_per_shard=24, quiet=True)
+    for f in ref.iterdir():
+        assert f.read_bytes() == (out / f.name).read_bytes()
+
+
+def test_validate_catches_tampering(tmp_path, source):
+    path, _ = source
+    out = export_saev(path, tmp_path / "d", context_len=4, patches_per_shard=40, quiet=True)
+    (out / "acts000001.bin").write_bytes(b"\0" * 10)
+    meta = json.loads((out / "metadata.json").read_text())
+    meta["extra"] = 1
+    (out / "metadata.json").write_text(json.dumps(meta))
+    problems = validate_saev(out)
+    text = " ".join(problems)
+    assert "extra ['extra']" in text and "not the sha256" in text and "acts000001.bin is 10 bytes" in text
+
+
+def test_shuffled_batches_cover_every_vector_once(tmp_path, source):
+    path, src = source
+    out = export_saev(path, tmp_path / "d", context_len=4, patches_per_shard=40, quiet=True)
+    sv = SaevDataset(out)
+    batches = list(sv.batches(1, 7, seed=3, run_examples=2, buffer_runs=3))
+    assert all(len(b) == 7 for b in batches[:-1])
+    got = np.concatenate(batches)
+    want = _source_tokens(src, 1)[: sv.n_ex * 4]
+    assert len(got) == len(want)
+    np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(want, axis=0))
+    assert not np.array_equal(got, want)  # shuffled
+    again = np.concatenate(list(sv.batches(1, 7, seed=3, run_examples=2, buffer_runs=3)))
+    np.testing.assert_array_equal(got, again)
+    import torch
+
+    loader = torch.utils.data.DataLoader(sv.torch_dataset(1, 5, run_examples=2), batch_size=None, num_workers=0)
+    assert sum(len(b) for b in loader) == len(want)
+
+
+def test_pooled_source_and_missing_token_ids_are_clear_errors(tmp_path, rng):
+    write_dataset(tmp_path / "p", rng, n=4)
+    with pytest.raises(SaevError, match="--storage full_sequence"):
+        export_saev(tmp_path / "p", tmp_path / "d")
+    write_dataset(tmp_path / "f", rng, n=4, storage="full_sequence")
+    with pytest.raises(SaevError, match="--token-ids"):
+        export_saev(tmp_path / "f", tmp_path / "d", context_len=2)
+    assert export_saev(tmp_path / "f", tmp_path / "d", context_len=2, tokens=False, quiet=True).exists()
+    assert lmprobe.load(tmp_path / "f").num_prompts == 4
+
+
+def test_export_from_a_hub_repo(hub, tmp_path, source, fresh_hf_cache):
+    import uuid
+
+    path, src = source
+    repo = f"tester/seq-{uuid.uuid4().hex[:8]}"
+    lmprobe.push_to_hub(path, repo, quiet=True)
+    out = export_saev(repo, tmp_path / "d", layers=[1], context_len=4, quiet=True)
+    local = export_saev(path, tmp_path / "l", layers=[1], context_len=4, quiet=True)
+    assert (out / "acts000000.bin").read_bytes() == (local / "acts000000.bin").read_bytes()
+    assert json.loads((out / "metadata.json").read_text())["dataset"] == repo
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_sources_export_as_float32(tmp_path, rng, dtype):
+    write_dataset(tmp_path / "ds", rng, n=6, layers=(0,), dim=4, storage="full_sequence", dtype=dtype,
+                  min_tokens=4, max_tokens=8, token_ids=True)
+    ds = lmprobe.load(tmp_path / "ds")
+    out = export_saev(tmp_path / "ds", tmp_path / "d", context_len=3, quiet=True)
+    sv = SaevDataset(out)
+    want = np.concatenate([ds.token_hidden(i, 0) for i in range(6)]).astype(np.float32)
+    got = np.concatenate([np.asarray(sv.shard(i)).reshape(-1, 4) for i in range(len(sv.shards))])
+    np.testing.assert_array_equal(got, want[: len(got)])
