@@ -197,6 +197,25 @@ def _cmd_export_saev(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from .extraction.model import parse_layers
+    from .format.reader import load
+    from .probe import plot_sweep, sweep
+
+    ds = load(args.dataset)
+    layers = None if args.layers in (None, "all") else parse_layers(args.layers, max(ds.layers) + 1)
+    table = sweep(ds, layers=layers, label_column=args.label_column, classifier=args.classifier, cv=args.cv,
+                  pooling=args.pooling, seed=args.seed)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    best = table.loc[table["accuracy"].idxmax()]
+    print(f"best layer {int(best['layer'])}: accuracy {best['accuracy']:.3f} +- {best['accuracy_std']:.3f} "
+          f"({args.cv}-fold, {args.classifier}, {args.pooling})")
+    if args.plot:
+        plot_sweep(table, args.plot, title=f"{ds.model.get('name')}: {args.label_column} probe")
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _cmd_sae_topk(args: argparse.Namespace) -> int:
     from .sae.cli import run_topk
 
@@ -277,6 +296,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=None)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_pull)
+
+    p = sub.add_parser("probe", help="cross-validated linear probes per layer, as a table and a plot")
+    p.add_argument("dataset", metavar="DATASET", help="dataset folder or Hub repo")
+    p.add_argument("--layers", default="all")
+    p.add_argument("--label-column", default="label")
+    p.add_argument("--classifier", choices=["logistic", "ridge"], default="logistic")
+    p.add_argument("--cv", type=_positive_int, default=5, help="folds (default 5)")
+    p.add_argument("--pooling", choices=["last_token", "mean"], default="last_token",
+                   help="mean needs a full_sequence dataset")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write accuracy against layer to this image")
+    p.set_defaults(func=_cmd_probe)
 
     p = sub.add_parser("export-saev", help="export a full_sequence dataset to the saev sharded activation protocol")
     p.add_argument("source", metavar="SOURCE", help="lmprobe full_sequence dataset (folder or Hub repo)")

@@ -1,0 +1,133 @@
+"""Notebook probing: features per layer, sweeps, saved probes, the CLI, the examples."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import write_dataset
+
+import lmprobe
+import lmprobe.probe as probe
+from lmprobe.cli import main as cli_main
+from lmprobe.format.writer import DatasetWriter
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def separable(out, rng, *, n=60, dim=8, layers=(0, 1, 2), classes=2, storage="pooled"):
+    """Layer i carries the label with strength i: later layers probe better."""
+    y = np.arange(n) % classes
+    direction = rng.normal(size=(classes, dim))
+    n_tok = rng.integers(1, 5, size=n) if storage == "full_sequence" else np.ones(n, dtype=int)
+    with DatasetWriter(out, layers=list(layers), dim=dim, model_name="m", label_type="int", storage=storage) as w:
+        hidden = {}
+        for layer in layers:
+            rows = rng.normal(size=(int(n_tok.sum()), dim)).astype(np.float32)
+            ends = np.cumsum(n_tok) - 1
+            rows[ends] += 1.5 * layer * direction[y]
+            hidden[layer] = rows
+        w.add_batch(texts=[f"t{i}" for i in range(n)], num_tokens=n_tok, labels=y.tolist(), hidden=hidden)
+    return y
+
+
+def test_sweep_table_is_deterministic_and_finds_the_signal(tmp_path, rng):
+    separable(tmp_path / "ds", rng)
+    table = probe.sweep(tmp_path / "ds", cv=5, seed=1)
+    assert list(table.columns[:4]) == ["layer", "accuracy", "accuracy_std", "auroc"]
+    assert table["layer"].tolist() == [0, 1, 2]
+    assert table["accuracy"][0] < 0.75 and table["accuracy"][2] > 0.95 and table["auroc"][2] > 0.95
+    again = probe.sweep(tmp_path / "ds", cv=5, seed=1)
+    assert table.equals(again)
+    ridge = probe.sweep(tmp_path / "ds", cv=3, classifier="ridge", layers=[2])
+    assert len(ridge) == 1 and ridge["accuracy"][0] > 0.9
+
+
+def test_multiclass_has_no_auroc(tmp_path, rng):
+    separable(tmp_path / "ds", rng, classes=3)
+    table = probe.sweep(tmp_path / "ds", cv=3)
+    assert table["auroc"].isna().all() and table["accuracy"].iloc[-1] > 0.9
+
+
+def test_features_and_mean_pooling(tmp_path, rng):
+    src = write_dataset(tmp_path / "ds", rng, n=9, layers=(0, 3), dim=4, storage="full_sequence")
+    ds = lmprobe.load(tmp_path / "ds")
+    X = probe.mean_hidden(ds, 3, chunk_bytes=64)  # tiny chunks: several passes
+    for i in range(9):
+        a, b = src["tok_start"][i], src["tok_start"][i + 1]
+        np.testing.assert_allclose(X[i], src["hidden"][3][a:b].mean(axis=0), rtol=1e-6, atol=1e-6)
+    feats, y = probe.layer_features(ds, pooling="mean")
+    assert sorted(feats) == [0, 3] and feats[0].shape == (9, 4) and len(y) == 9
+    np.testing.assert_array_equal(probe.features(ds, 0), ds.hidden(0))
+
+
+def test_probe_errors(tmp_path, rng):
+    write_dataset(tmp_path / "p", rng, n=10)
+    with pytest.raises(probe.ProbeError, match="--storage full_sequence"):
+        probe.features(tmp_path / "p", 0, pooling="mean")
+    with pytest.raises(probe.ProbeError, match="no column 'sentiment'"):
+        probe.sweep(tmp_path / "p", label_column="sentiment")
+    with pytest.raises(probe.ProbeError, match="cv=50 folds"):
+        probe.sweep(tmp_path / "p", cv=50)
+
+
+def test_saved_probe_loads_without_pickle_and_predicts_the_same(tmp_path, rng):
+    y = separable(tmp_path / "ds", rng, classes=3)
+    ds = lmprobe.load(tmp_path / "ds")
+    p = probe.train_probe(ds, layer=2)
+    weights, meta = p.save(tmp_path / "probe")
+    assert weights.suffix == ".safetensors" and json.loads(meta.read_text())["layer"] == 2
+    assert sorted(x.name for x in tmp_path.iterdir() if x.name.startswith("probe")) == ["probe.json", "probe.safetensors"]
+    q = probe.LinearProbe.load(tmp_path / "probe")
+    X = ds.hidden(2)
+    np.testing.assert_array_equal(q.predict(X), p.predict(X))
+    np.testing.assert_allclose(q.predict_proba(X).sum(axis=1), 1, rtol=1e-6)
+    assert q.score(X, y) > 0.95
+    # the same predictions as scikit-learn's own model on the same standardised data
+    from sklearn.linear_model import LogisticRegression
+
+    Z = (X - X.mean(0)) / X.std(0)
+    ref = LogisticRegression(max_iter=5000, random_state=0).fit(Z, y)
+    np.testing.assert_array_equal(q.predict(X), ref.predict(Z))
+    with pytest.raises(probe.ProbeError, match="takes 8-dim"):
+        q.predict(np.zeros((1, 5)))
+
+
+def test_cli_probe_table_and_plot(tmp_path, rng, capsys):
+    separable(tmp_path / "ds", rng)
+    assert cli_main(["probe", str(tmp_path / "ds"), "--cv", "4", "--plot", str(tmp_path / "acc.png")]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy" in out and "best layer" in out and "n_features" in out
+    png = (tmp_path / "acc.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_example_notebook_runs_offline(tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    shutil.copy(ROOT / "examples/probing.ipynb", tmp_path)
+    shutil.copy(ROOT / "examples/prompts.jsonl", tmp_path)
+    nb = nbformat.read(tmp_path / "probing.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert (tmp_path / "out/sweep.png").exists() and (tmp_path / "out/sentiment-probe.safetensors").exists()
+    last = nb.cells[-1].outputs[-1]["data"]["text/plain"]
+    assert "The pizza was wonderful." in last
+
+
+def test_third_party_reader_script_needs_no_lmprobe(tmp_path, rng):
+    src = write_dataset(tmp_path / "ds", rng, n=12, layers=(0, 7), dim=5, shard_size="100B")
+    code = ("import runpy, sys; sys.modules['lmprobe'] = None; sys.argv = sys.argv[1:];"
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples/read_without_lmprobe.py"), str(tmp_path / "ds"),
+                        "7"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "12 prompts, layer 7: X (12, 5)" in r.stdout
+    assert f"|x| = {np.linalg.norm(src['hidden'][7][0]):.4f}" in r.stdout
