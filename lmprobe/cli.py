@@ -137,7 +137,8 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 def _cmd_push(args: argparse.Namespace) -> int:
     from .hub import push_to_hub
 
-    push_to_hub(args.path, args.repo, private=args.private, revision=args.revision, token=args.token, quiet=args.quiet)
+    push_to_hub(args.path, args.repo, private=args.private, revision=args.revision, token=args.token, quiet=args.quiet,
+                saev=args.saev, sae=args.sae)
     return 0
 
 
@@ -146,14 +147,14 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     from .hub import load_from_hub, parse_repo_ref, pull
 
     layers = None
-    if args.layers not in (None, "all"):
+    if args.layers not in (None, "all") and args.only in (None, "dataset"):
         ref = parse_repo_ref(args.repo, args.revision)
         if ref is None:
             raise LmprobeError(f"{args.repo!r} is not a Hub repo id (OWNER/NAME or hf://datasets/OWNER/NAME)")
         stored = load_from_hub(ref, token=args.token).layers
         layers = [x for x in parse_layers(args.layers, max(stored) + 1)]
     pull(args.repo, args.out, layers=layers, logits=not args.no_logits, revision=args.revision, token=args.token,
-         quiet=args.quiet)
+         quiet=args.quiet, only=args.only)
     return 0
 
 
@@ -175,7 +176,14 @@ def _cmd_export_sae(args: argparse.Namespace) -> int:
         file_format=args.file_format,
     )
     print(report)
-    if args.push:
+    if args.push and args.repo_type == "dataset":
+        from pathlib import Path as _Path
+
+        from .extras import publish_extra
+
+        where = publish_extra(args.push, _Path(args.root) / args.dict, "sae", token=args.token)
+        print(f"published dictionary {args.dict} to dataset {args.push} under {where}/ (index and card updated)")
+    elif args.push:
         from .sae.publish import push_dictionary
 
         print(push_dictionary(args.root, args.dict, args.push, token=args.token, quiet=False))
@@ -191,9 +199,15 @@ def _cmd_export_saev(args: argparse.Namespace) -> int:
     layers = None
     if args.layers not in (None, "all"):
         layers = parse_layers(args.layers, max(ds.layers) + 1)
-    export_saev(args.source, args.out, layers=layers, context_len=args.context_len,
-                patches_per_shard=args.patches_per_shard, drop_first_token=args.drop_first_token,
-                tokens=not args.no_tokens, quiet=args.quiet)
+    folder = export_saev(args.source, args.out, layers=layers, context_len=args.context_len,
+                         patches_per_shard=args.patches_per_shard, drop_first_token=args.drop_first_token,
+                         tokens=not args.no_tokens, quiet=args.quiet)
+    if args.push:
+        from .extras import publish_extra
+
+        where = publish_extra(args.push, folder, "saev", token=args.token, quiet=args.quiet)
+        if not args.quiet:
+            print(f"published {folder.name} to {args.push} under {where}/ (index and card updated)")
     return 0
 
 
@@ -284,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--revision", default=None, metavar="BRANCH", help="push to this branch (created if needed)")
     p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login); never printed")
+    p.add_argument("--saev", action="append", default=[], metavar="FOLDER",
+                   help="also publish this saev export (copied into DIR/saev/<HASH>/); repeatable")
+    p.add_argument("--sae", action="append", default=[], metavar="FOLDER",
+                   help="also publish this SAE dictionary folder (copied into DIR/sae/<name>/); repeatable")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_push)
 
@@ -292,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--layers", default="all", help="layers to fetch: all (default), '16', '0,8,-1', '10:20'")
     p.add_argument("--no-logits", action="store_true", help="do not fetch the logits shards")
+    p.add_argument("--only", default=None, metavar="PART",
+                   help="dataset (default), saev, sae, or a path such as saev/<HASH>: fetch just that part")
     p.add_argument("--revision", default=None)
     p.add_argument("--token", default=None)
     p.add_argument("--quiet", action="store_true")
@@ -318,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vectors per shard budget (default 2,400,000: ~10 GiB at d_model 1024)")
     p.add_argument("--drop-first-token", action="store_true", help="leave out each prompt's first token (e.g. BOS)")
     p.add_argument("--no-tokens", action="store_true", help="do not write tokens.bin (needed when the source has no token_ids)")
+    p.add_argument("--push", default=None, metavar="REPO",
+                   help="publish the export into this dataset repo under saev/<HASH>/ (the dataset must be there)")
+    p.add_argument("--token", default=None)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_export_saev)
 
@@ -336,7 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-revision", default=None, help="commit hash of the model (recorded as model_hash)")
     p.add_argument("--model-config", default=None, help="config.json of the model (its sha256 becomes model_hash)")
     p.add_argument("--file-format", choices=["npz", "safetensors"], default="npz")
-    p.add_argument("--push", default=None, metavar="REPO", help="publish the dictionary to this Hub model repo")
+    p.add_argument("--push", default=None, metavar="REPO", help="publish the dictionary to this Hub repo")
+    p.add_argument("--repo-type", choices=["model", "dataset"], default="model",
+                   help="model: REPO/<dict>/ (default); dataset: beside a dataset, under sae/<dict>/, index updated")
     p.add_argument("--token", default=None)
     p.set_defaults(func=_cmd_export_sae)
 

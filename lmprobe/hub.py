@@ -333,8 +333,14 @@ def push_to_hub(
     max_retries: int = 5,
     base_wait: float = 2.0,
     quiet: bool = False,
+    saev: Iterable[str | os.PathLike] = (),
+    sae: Iterable[str | os.PathLike] = (),
 ) -> str:
     """Publish the dataset folder ``path`` to the Hub dataset repo ``repo_id``; returns its URL.
+
+    saev exports in ``path/saev/<HASH>/`` and SAE dictionaries in ``path/sae/<name>/`` go up too
+    (``saev=``/``sae=`` copy more folders in first). The index records them (``lmprobe:extras``)
+    and the card lists them.
 
     >>> lmprobe.push_to_hub("out/tiny-demo", "me/tiny-demo-acts")  # doctest: +SKIP
 
@@ -345,8 +351,17 @@ def push_to_hub(
         raise ValueError(f"{repo_id!r} is not a repo id; use OWNER/NAME")
     if commit_files < 1:
         raise ValueError("commit_files must be >= 1")
+    from .extras import add_extra, attach_extras, extra_files, scan_extras
+
     root = Path(path)
     shards = dataset_files(root)  # loads and checks the metadata before anything is sent
+    for folder in saev:
+        add_extra(root, folder, "saev")
+    for folder in sae:
+        add_extra(root, folder, "sae")
+    extras = scan_extras(root)  # validates every extra before anything is sent
+    attach_extras(root, extras, repo_id)
+    shards += [_File(rel, p, p.stat().st_size, None) for rel, p in extra_files(root, extras)]
     last = [_File(CARD_PATH, root / CARD_PATH, -1, None), _File(INDEX_PATH, root / INDEX_PATH, -1, None)]
     if not (root / CARD_PATH).exists():
         last = last[1:]
@@ -376,11 +391,15 @@ def pull(
     *,
     layers: Iterable[int] | None = None,
     logits: bool = True,
+    only: str | None = None,
     revision: str | None = None,
     token: str | None = None,
     quiet: bool = False,
 ) -> Path:
     """Copy the index, the card and only the shards of ``layers`` (all when None) to a local folder.
+
+    ``only="saev"`` or ``"sae"`` (or a path such as ``"saev/<HASH>"``) copies just those extra
+    parts instead; ``only="dataset"`` (the default) copies the dataset.
 
     >>> lmprobe.hub.pull("me/acts", "acts-16", layers=[16])  # doctest: +SKIP
     """
@@ -389,6 +408,23 @@ def pull(
         raise ValueError(f"{repo!r} is not a Hub repo id (OWNER/NAME or hf://datasets/OWNER/NAME)")
     ds = load_from_hub(ref, token=token)
     files: HubFiles = ds._files
+    out = Path(out)
+    from tqdm.auto import tqdm
+
+    if only not in (None, "dataset"):
+        prefix = only.strip("/") + "/"
+        if not prefix.startswith(("saev/", "sae/")):
+            raise ValueError(f"only must be 'dataset', 'saev', 'sae' or a path under them, got {only!r}")
+        rels = sorted(s for s in files.siblings if s.startswith(prefix))
+        if not rels:
+            raise ShardMissingError(f"{files} has nothing under {prefix}")
+        meta_names = ("metadata.json", "meta.json")
+        rels.sort(key=lambda r: r.rsplit("/", 1)[-1] in meta_names)  # metadata last
+        for rel in tqdm(rels, desc=f"pull {ref.repo_id}", unit="file", disable=quiet):
+            _copy_into(files.fetch(rel), out / rel)
+        if not quiet:
+            print(f"pulled {len(rels)} file(s) under {prefix} of {files} to {out}")
+        return out
     wanted = ds.layers if layers is None else [int(x) for x in layers]
     missing = [x for x in wanted if x not in ds.layers]
     if missing:
@@ -400,16 +436,29 @@ def pull(
     if CARD_PATH in files.siblings:
         rels.append(CARD_PATH)
     rels.append(INDEX_PATH)  # last: a local folder with an index is complete
-    out = Path(out)
-    from tqdm.auto import tqdm
-
     for rel in tqdm(rels, desc=f"pull {ref.repo_id}", unit="file", disable=quiet):
-        src = files.fetch(rel)
-        dst = out / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(dst.name + ".tmp")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+        _copy_into(files.fetch(rel), out / rel)
     if not quiet:
         print(f"pulled {len(rels)} file(s) of {files} (layers {wanted}) to {out}")
     return out
+
+
+def _copy_into(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def parse_hub_path(path: str) -> tuple[str, str, str]:
+    """``hf://[datasets/|models/]OWNER/NAME[/SUB/PATH]`` -> (repo_id, repo_type, sub path)."""
+    rest = path[len("hf://") :]
+    repo_type = "model"
+    for prefix, kind in (("datasets/", "dataset"), ("models/", "model")):
+        if rest.startswith(prefix):
+            rest, repo_type = rest[len(prefix) :], kind
+            break
+    parts = rest.strip("/").split("/")
+    if len(parts) < 2 or not REPO_ID_RE.match("/".join(parts[:2])):
+        raise ValueError(f"{path}: expected hf://[datasets/]OWNER/NAME[/path]")
+    return "/".join(parts[:2]), repo_type, "/".join(parts[2:])

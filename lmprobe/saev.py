@@ -325,9 +325,22 @@ class SaevDataset:
     (1024,)
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify_hash: bool = True):
+    def __init__(self, path: str | os.PathLike, *, verify_hash: bool = True, token: str | None = None):
+        self._hub = None
+        if isinstance(path, str) and path.startswith("hf://"):
+            # a folder in a Hub repo: metadata now, each shard on first use (into the HF cache)
+            from huggingface_hub import HfApi, hf_hub_download
+
+            from .hub import parse_hub_path
+
+            repo, repo_type, sub = parse_hub_path(path)
+            commit = HfApi(token=token).repo_info(repo, repo_type=repo_type).sha
+            self._hub = (repo, repo_type, sub, commit, token)
+            meta = hf_hub_download(repo, f"{sub}/metadata.json", repo_type=repo_type, revision=commit, token=token)
+            hf_hub_download(repo, f"{sub}/shards.json", repo_type=repo_type, revision=commit, token=token)
+            path = Path(meta).parent
         self.path = Path(path)
-        problems = validate_saev(self.path, check_hash=verify_hash, check_sizes=True)
+        problems = validate_saev(self.path, check_hash=verify_hash, check_sizes=self._hub is None)
         if problems:
             raise SaevError(f"{self.path}: " + "; ".join(problems))
         self.metadata = json.loads((self.path / "metadata.json").read_text())
@@ -343,11 +356,31 @@ class SaevDataset:
     def __len__(self) -> int:
         return self.n_ex
 
+    def _file(self, name: str, *, required: bool = True) -> Path | None:
+        """Local path of a file of this folder; from the Hub, downloaded now (and its size checked)."""
+        if self._hub is None:
+            p = self.path / name
+            return p if p.exists() or required else None
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        repo, repo_type, sub, commit, token = self._hub
+        try:
+            return Path(hf_hub_download(repo, f"{sub}/{name}", repo_type=repo_type, revision=commit, token=token))
+        except EntryNotFoundError:
+            if required:
+                raise SaevError(f"{sub}/{name} is missing from {repo}") from None
+            return None
+
     def shard(self, i: int) -> np.memmap:
         """Shard ``i`` as a read-only (n_ex, L, T, D) float32 memory map."""
         if i not in self._maps:
             n = self.shards[i]["n_ex"]
-            self._maps[i] = np.memmap(self.path / self.shards[i]["name"], dtype="<f4", mode="r",
+            path = self._file(self.shards[i]["name"])
+            want = n * len(self.layers) * self.tokens_per_ex * self.d_model * 4
+            if path.stat().st_size != want:
+                raise SaevError(f"{path} is {path.stat().st_size} bytes, expected {want}")
+            self._maps[i] = np.memmap(path, dtype="<f4", mode="r",
                                       shape=(n, len(self.layers), self.tokens_per_ex, self.d_model))
         return self._maps[i]
 
@@ -375,12 +408,12 @@ class SaevDataset:
         return np.array(self.shard(shard_idx)[ex_in_shard, self.layer_index(layer), token])
 
     def tokens(self) -> np.ndarray | None:
-        p = self.path / "tokens.bin"
-        return np.memmap(p, dtype="<u4", mode="r", shape=(self.n_ex, self.tokens_per_ex)) if p.exists() else None
+        p = self._file("tokens.bin", required=False)
+        return np.memmap(p, dtype="<u4", mode="r", shape=(self.n_ex, self.tokens_per_ex)) if p else None
 
     def labels(self) -> np.ndarray | None:
-        p = self.path / "labels.bin"
-        return np.memmap(p, dtype="u1", mode="r", shape=(self.n_ex, self.tokens_per_ex)) if p.exists() else None
+        p = self._file("labels.bin", required=False)
+        return np.memmap(p, dtype="u1", mode="r", shape=(self.n_ex, self.tokens_per_ex)) if p else None
 
     def batches(self, layer: int, batch_size: int, *, seed: int = 0, shuffle: bool = True, run_examples: int = 64,
                 buffer_runs: int = 16, drop_last: bool = False, worker: tuple[int, int] = (0, 1)) -> Iterator[np.ndarray]:
@@ -501,7 +534,8 @@ def validate_saev(path: str | os.PathLike, *, check_hash: bool = True, check_siz
             continue
         f = p / s["name"]
         if not f.exists():
-            problems.append(f"{s['name']} is missing")
+            if check_sizes:  # a folder read from the Hub downloads its shards later
+                problems.append(f"{s['name']} is missing")
         elif check_sizes and f.stat().st_size != s["n_ex"] * L * T * D * 4:
             problems.append(f"{s['name']} is {f.stat().st_size} bytes, expected {s['n_ex'] * L * T * D * 4}")
     for name, item in (("labels.bin", 1), ("tokens.bin", 4)):

@@ -271,6 +271,27 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
     _check_lists(table, "token_strings", lengths, 0, rep)
     _check_lists(table, "token_perplexity", lengths, 1, rep)
 
+    # --- extras recorded beside the dataset (saev exports, SAE dictionaries)
+    extras = raw.get("extras") or {}
+    if isinstance(extras, dict):
+        from ..extras import ExtrasError, describe_sae, describe_saev
+
+        for kind in ("saev", "sae"):
+            for item in extras.get(kind) or []:
+                rel = item.get("path") if isinstance(item, dict) else None
+                try:
+                    folder = resolve_inside(root, rel, f"extras {kind} path")
+                except FormatError as exc:
+                    rep.errors.append(str(exc))
+                    continue
+                if not folder.is_dir():
+                    rep.warnings.append(f"{rel}/ is recorded in lmprobe:extras but not in this folder (a partial copy?)")
+                    continue
+                try:
+                    describe_saev(folder) if kind == "saev" else describe_sae(folder.parent, folder.name)
+                except (ExtrasError, ValueError) as exc:
+                    rep.errors.append(str(exc))
+
     # --- the folder
     for sidecar in ("lmprobe_info.json", "_stage_complete"):
         if (root / sidecar).exists():

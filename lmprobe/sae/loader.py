@@ -299,15 +299,19 @@ class _DictSource:
         self.name = cfg.dictionary_name
         self.hub = None
         if root.startswith("hf://"):
-            rest = root[len("hf://") :].removeprefix("models/").strip("/")
-            self.hub = (rest, cfg.revision, cfg.token)
+            from ..hub import parse_hub_path
+
+            repo, repo_type, sub = parse_hub_path(root)
+            self.hub = (repo, cfg.revision, cfg.token)
+            self.repo_type = repo_type
+            self.prefix = f"{sub}/{self.name}" if sub else self.name
         else:
             self.dir = Path(root) / self.name
             if not self.dir.is_dir():
                 raise ValueError(f"no dictionary {self.name!r} in {root} ({self.dir} is not a folder)")
 
     def describe(self, sub: str) -> str:
-        return f"hf://{self.hub[0]}/{self.name}/{sub}" if self.hub else str(self.dir / sub)
+        return f"hf://{self.hub[0]}/{self.prefix}/{sub}" if self.hub else str(self.dir / sub)
 
     def fetch(self, rel: str, required: bool = True) -> Path | None:
         if self.hub is None:
@@ -322,7 +326,8 @@ class _DictSource:
 
         repo, revision, token = self.hub
         try:
-            return Path(hf_hub_download(repo, f"{self.name}/{rel}", revision=revision, token=token))
+            return Path(hf_hub_download(repo, f"{self.prefix}/{rel}", repo_type=self.repo_type, revision=revision,
+                                        token=token))
         except EntryNotFoundError:
             if required:
                 raise ValueError(f"{self.describe(rel)} is missing") from None
@@ -335,8 +340,10 @@ class _DictSource:
             from huggingface_hub import HfApi
 
             repo, revision, token = self.hub
-            names = [f.split("/")[1] for f in HfApi(token=token).list_repo_files(repo, revision=revision)
-                     if f.startswith(self.name + "/") and f.count("/") >= 2]
+            depth = self.prefix.count("/") + 1
+            names = [f.split("/")[depth] for f in HfApi(token=token).list_repo_files(repo, repo_type=self.repo_type,
+                                                                                      revision=revision)
+                     if f.startswith(self.prefix + "/") and f.count("/") > depth]
         return sorted({int(n[6:]) for n in names if re.fullmatch(r"layer_\d+", n)})
 
 
