@@ -123,6 +123,8 @@ def _cmd_extract(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         overwrite=args.overwrite,
         block_path=args.block_path,
+        backend=args.backend,
+        remote=args.remote,
     )
     if not args.quiet:
         h = ds.info["tensors"]["hidden_layers"]
@@ -285,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None, help="model revision (branch, tag or commit) on the Hub")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own Python code to run")
     p.add_argument("--block-path", default=None, help="attribute path of the decoder block list, for unknown architectures")
+    p.add_argument("--backend", choices=["transformers", "nnsight"], default="transformers",
+                   help="transformers (default): hooks on a local model; nnsight: an nnsight trace")
+    p.add_argument("--remote", action="store_true",
+                   help="with --backend nnsight: run on NDIF (API key from NNSIGHT_API_KEY or nnsight's config)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing or partial output instead of resuming")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("--push", default=None, metavar="REPO", help="publish the dataset to this Hub dataset repo when done")

@@ -37,6 +37,26 @@ def position_ids_for(attention_mask):
     return pos.clamp(min=0)
 
 
+def perplexity_from_nll(nll, valid) -> dict[str, list]:
+    """Per-prompt perplexity from (B, T-1) next-token NLLs and the mask of real predictions."""
+    import torch
+
+    out: dict[str, list] = {"mean": [], "min": [], "max": [], "token": []}
+    for b in range(nll.shape[0]):
+        v = nll[b][valid[b]].double()
+        if len(v) == 0:
+            for key in ("mean", "min", "max"):
+                out[key].append(float("nan"))
+            out["token"].append([])
+            continue
+        ppl = torch.exp(v)
+        out["mean"].append(float(torch.exp(v.mean())))
+        out["min"].append(float(ppl.min()))
+        out["max"].append(float(ppl.max()))
+        out["token"].append(ppl.cpu().tolist())
+    return out
+
+
 def perplexity_from_logits(logits, input_ids, attention_mask) -> dict[str, list]:
     """Per-prompt perplexity from (B, T, V) logits, computed row by row on the logits' device.
 

@@ -132,6 +132,17 @@ def parse_layers(spec: str | int | list[int] | None, num_layers: int) -> list[in
 
 def find_blocks(model: Any, num_layers: int, block_path: str | None = None):
     """The model's list of decoder blocks (an nn.ModuleList)."""
+    return _get_path(model, find_block_path(model, num_layers, block_path))
+
+
+def _get_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def find_block_path(model: Any, num_layers: int, block_path: str | None = None) -> str:
+    """The attribute path of the model's decoder block list, e.g. ``model.layers``."""
     import torch
 
     def get(path: str):
@@ -146,17 +157,17 @@ def find_blocks(model: Any, num_layers: int, block_path: str | None = None):
         blocks = get(block_path)
         if not isinstance(blocks, torch.nn.ModuleList):
             raise ModelError(f"--block-path {block_path!r} does not name a list of modules in this model")
-        return blocks
+        return block_path
     for path in BLOCK_PATHS:
         blocks = get(path)
         if isinstance(blocks, torch.nn.ModuleList) and len(blocks) == num_layers:
-            return blocks
+            return path
     candidates = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
     if len(candidates) == 1:
-        return get(candidates[0])
+        return candidates[0]
     raise ModelError(
         f"cannot find the decoder blocks of {type(model).__name__} (looked for {', '.join(BLOCK_PATHS[:6])}, ...); "
-        f"pass the attribute path of its block list, e.g. block_path='model.layers'"
+        f"pass the attribute path of its block list with --block-path (Python: block_path=), e.g. 'model.layers'"
         + (f" (candidates: {candidates})" if candidates else "")
     )
 

@@ -106,8 +106,8 @@ def _check_settings(storage, dtype, compute_dtype, batch_size, logits_topk, trun
         raise ExtractionError(f"truncate must be 'left', 'right' or None, got {truncate!r}")
     if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
         raise ExtractionError(f"max_length must be a positive integer, got {max_length!r}")
-    if backend != "transformers":
-        raise ExtractionError(f"unknown backend {backend!r}; use 'transformers'")
+    if backend not in ("transformers", "nnsight"):
+        raise ExtractionError(f"unknown backend {backend!r}; use 'transformers' or 'nnsight'")
 
 
 def extract(
@@ -134,7 +134,8 @@ def extract(
     trust_remote_code: bool = False,
     quiet: bool = False,
     overwrite: bool = False,
-    backend: Literal["transformers"] = "transformers",
+    backend: Literal["transformers", "nnsight"] = "transformers",
+    remote: bool | Literal["local"] = False,
     block_path: str | None = None,
     checkpoint_interval: float = 30.0,
     checksums: bool = True,
@@ -152,6 +153,16 @@ def extract(
 
     # ---- settings, prompts, config and tokenizer: every input error surfaces before the weights load
     _check_settings(storage, dtype, compute_dtype, batch_size, logits_topk, truncate, max_length, backend)
+    if remote not in (False, True, "local"):
+        raise ExtractionError(f"remote must be False, True or 'local', got {remote!r}")
+    if remote and backend != "nnsight":
+        raise ExtractionError("remote execution needs backend='nnsight' (--backend nnsight --remote)")
+    if backend == "nnsight":
+        from .backend_nnsight import check_api_key, require_nnsight
+
+        require_nnsight()
+        if remote is True:
+            check_api_key()
     shard_bytes = parse_size(shard_size)
     p = prompts if isinstance(prompts, Prompts) else read_prompts(prompts, text_column=text_column,
                                                                    label_column=label_column)
@@ -205,6 +216,7 @@ def extract(
         "max_length": limit,
         "truncate": truncate,
         "backend": backend,
+        "remote": remote,
         "processing_order": "length_descending",
     }
     out = Path(out)
@@ -235,7 +247,7 @@ def extract(
         token_ids=token_ids or token_strings,
         token_strings=token_strings,
         token_perplexity=perplexity,
-        provenance={"extraction_backend": "local"},
+        provenance=_provenance(backend, remote),
         extra_info={"extraction": {"settings": settings}},
         fingerprint=settings,
         checksums=checksums,
@@ -251,6 +263,14 @@ def extract(
     return load(out)
 
 
+def _provenance(backend: str, remote: bool | str) -> dict:
+    if backend != "nnsight":
+        return {"extraction_backend": "local"}
+    from .backend_nnsight import nnsight_version
+
+    return {"extraction_backend": "nnsight", "nnsight_version": nnsight_version(), "nnsight_remote": remote}
+
+
 def _run(writer: Any, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, settings: dict, *, dev: str,
          quiet: bool, block_path: str | None) -> None:
     import torch
@@ -264,9 +284,17 @@ def _run(writer: Any, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, sett
     done = writer.num_prompts
     if done >= n:
         return
-    model, _commit = load_model(spec, device=dev, compute_dtype=settings["compute_dtype"], quiet=quiet)
-    blocks = find_blocks(model, spec.num_layers, block_path)
-    backend = TransformersBackend(model, blocks, causal_lm=spec.causal_lm)
+    if settings["backend"] == "nnsight":
+        from .backend_nnsight import build_backend
+
+        remote = settings["remote"]
+        model = None if remote is True else load_model(spec, device=dev, compute_dtype=settings["compute_dtype"],
+                                                           quiet=quiet)[0]
+        backend = build_backend(spec, model, tok, block_path=block_path, remote=remote)
+    else:
+        model, _commit = load_model(spec, device=dev, compute_dtype=settings["compute_dtype"], quiet=quiet)
+        blocks = find_blocks(model, spec.num_layers, block_path)
+        backend = TransformersBackend(model, blocks, causal_lm=spec.causal_lm)
     out_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[settings["dtype"]]
     if settings["truncate"]:
         tok.truncation_side = settings["truncate"]
@@ -280,6 +308,8 @@ def _run(writer: Any, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, sett
         raise
     except BaseException:
         bg.stop()
+        if bg.error is None:
+            writer.checkpoint()  # the forward pass failed (a remote error, OOM): keep the finished batches
         raise
     finally:
         if bar is not None:

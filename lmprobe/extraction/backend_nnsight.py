@@ -1,0 +1,174 @@
+"""The nnsight backend: the same extraction through an nnsight trace, locally or on NDIF.
+
+Inside the trace only what the dataset stores is kept and saved: the requested blocks' outputs
+(sliced to the last real token for pooled storage), the top-k of the last token's logits, and the
+(batch, tokens - 1) next-token NLLs for perplexity. A remote run moves nothing else. Transient
+remote failures are retried with backoff; a batch that keeps failing stops the run, which the
+same command then resumes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import LmprobeError
+from .backend_hf import BatchOutput, last_token_index, perplexity_from_nll, position_ids_for
+
+
+class NnsightError(LmprobeError, RuntimeError):
+    """nnsight is missing, not configured, or a remote batch kept failing."""
+
+
+def require_nnsight():
+    try:
+        import nnsight
+    except ImportError:
+        raise NnsightError("the nnsight backend needs nnsight: pip install 'lmprobe[nnsight]'") from None
+    return nnsight
+
+
+def nnsight_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("nnsight")
+    except Exception:
+        return None
+
+
+def check_api_key() -> None:
+    """Remote runs need an NDIF key: NNSIGHT_API_KEY, NDIF_API_KEY, or nnsight's saved config. Never printed."""
+    require_nnsight()
+    from nnsight import CONFIG
+
+    key = os.environ.get("NNSIGHT_API_KEY")
+    if key:
+        CONFIG.API.APIKEY = key
+    if not CONFIG.API.APIKEY:
+        raise NnsightError(
+            "remote extraction needs an NDIF API key: set NNSIGHT_API_KEY (or NDIF_API_KEY), or run "
+            "`python -c \"import nnsight; nnsight.login()\"` once"
+        )
+
+
+def _transient(exc: BaseException) -> bool:
+    name = type(exc).__name__
+    if name in ("RemoteError", "ConnectionError", "TimeoutError", "ConnectError", "ReadTimeout", "RemoteProtocolError"):
+        return True
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+class NnsightBackend:
+    name = "nnsight"
+
+    def __init__(self, nn_model: Any, block_path: str, *, causal_lm: bool, remote: bool | str = False,
+                 max_retries: int = 4, base_wait: float = 2.0):
+        self.model = nn_model
+        self.block_path = block_path
+        self.causal_lm = causal_lm
+        self.remote = remote
+        self.max_retries = max_retries
+        self.base_wait = base_wait
+
+    def _envoy(self, path: str) -> Any:
+        obj = self.model
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def _module(self) -> Any:
+        return self.model.__dict__["_module"]  # the wrapped torch module (real, or meta for remote runs)
+
+    def _head_path(self) -> str:
+        head = self._module().get_output_embeddings()
+        for name, module in self._module().named_modules():
+            if module is head:
+                return name
+        raise NnsightError("cannot find the model's LM head for logits/perplexity")
+
+    def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
+            logits_k: int | None, perplexity: bool) -> BatchOutput:
+        for attempt in range(self.max_retries + 1):
+            try:
+                return self._run_once(input_ids, attention_mask, layers=layers, storage=storage, out_dtype=out_dtype,
+                                      logits_k=logits_k, perplexity=perplexity)
+            except Exception as exc:
+                if not _transient(exc) or attempt == self.max_retries:
+                    if _transient(exc):
+                        raise NnsightError(
+                            f"a batch failed {attempt + 1} times on the nnsight backend ({type(exc).__name__}: {exc}); "
+                            "the batches before it are saved: run the same command again to resume"
+                        ) from exc
+                    raise
+                time.sleep(self.base_wait * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _run_once(self, input_ids, attention_mask, *, layers, storage, out_dtype, logits_k, perplexity) -> BatchOutput:
+        import torch
+
+        b = input_ids.shape[0]
+        last = last_token_index(attention_mask)
+        rows = torch.arange(b)
+        real = attention_mask.bool()
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
+                  "position_ids": position_ids_for(attention_mask)}
+        blocks = self._envoy(self.block_path)
+        need_head = bool(logits_k) or perplexity
+        head = self._envoy(self._head_path()) if need_head else None
+        saved: dict[int, Any] = {}
+        valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+        targets = input_ids[:, 1:]
+        top_values = top_indices = nll = None
+        with self.model.trace(inputs, remote=self.remote) as tracer:
+            for layer in layers:
+                h = blocks[layer].output
+                h = h[0] if isinstance(h, tuple) else h
+                if storage == "pooled":
+                    saved[layer] = h[rows, last].to(out_dtype).save()  # the last token only leaves the trace
+                else:
+                    saved[layer] = h[real].to(out_dtype).save()
+            if need_head:
+                logits = head.output
+                if logits_k:
+                    top = logits[rows, last].float().topk(logits_k, dim=-1)
+                    top_values, top_indices = top.values.save(), top.indices.save()
+                if perplexity:
+                    lg = logits[:, :-1].float()
+                    nll = torch.nn.functional.cross_entropy(lg.transpose(1, 2), targets.to(lg.device),
+                                                            reduction="none").save()
+            else:
+                tracer.stop()  # nothing after the last requested block is needed
+        lengths = attention_mask.sum(dim=1)
+        ids = input_ids[real]
+        out = BatchOutput(
+            hidden={layer: saved[layer].cpu() for layer in layers},
+            num_tokens=lengths.numpy().astype(np.int64),
+            token_ids=[t.tolist() for t in torch.split(ids, lengths.tolist())],
+        )
+        if logits_k:
+            out.logits_values = top_values.cpu().numpy().astype(np.float32)
+            out.logits_indices = top_indices.cpu().numpy()
+        if perplexity:
+            out.perplexity = perplexity_from_nll(nll.cpu(), valid)
+        return out
+
+
+def build_backend(spec: Any, hf_model: Any, tokenizer: Any, *, block_path: str | None, remote: bool | str):
+    """Wrap a loaded model (local runs, and remote="local") or name a remote one (remote=True)."""
+    require_nnsight()
+    from nnsight.modeling.transformers import TransformersModel
+
+    from .model import find_block_path
+
+    if remote is True:
+        nn_model = TransformersModel(spec.path, tokenizer=tokenizer, revision=spec.revision)
+        ref = nn_model.__dict__["_module"]
+    else:
+        nn_model = TransformersModel(hf_model, tokenizer=tokenizer)
+        ref = hf_model
+    path = find_block_path(ref, spec.num_layers, block_path)
+    return NnsightBackend(nn_model, path, causal_lm=spec.causal_lm, remote=remote)
