@@ -125,6 +125,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
         block_path=args.block_path,
         backend=args.backend,
         remote=args.remote,
+        statistics=not args.no_statistics,
     )
     if not args.quiet:
         h = ds.info["tensors"]["hidden_layers"]
@@ -291,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers (default): hooks on a local model; nnsight: an nnsight trace")
     p.add_argument("--remote", action="store_true",
                    help="with --backend nnsight: run on NDIF (API key from NNSIGHT_API_KEY or nnsight's config)")
+    p.add_argument("--no-statistics", action="store_true",
+                   help="skip the running per-layer statistics (count, mean, std, mean norm)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing or partial output instead of resuming")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("--push", default=None, metavar="REPO", help="publish the dataset to this Hub dataset repo when done")

@@ -166,6 +166,9 @@ def dataset_files(root: Path) -> list[_File]:
         for s, d in enumerate(lg.shards):
             rel = lg.file(s)
             out.append(_File(rel, root / rel, d.get("bytes", -1), d.get("sha256")))
+    st = ds._info.statistics
+    if st is not None:
+        out.append(_File(st.file, root / st.file, st.raw.get("bytes", -1), st.raw.get("sha256")))
     return out
 
 

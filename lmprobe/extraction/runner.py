@@ -139,6 +139,7 @@ def extract(
     block_path: str | None = None,
     checkpoint_interval: float = 30.0,
     checksums: bool = True,
+    statistics: bool = True,
 ):
     """Run ``model`` over ``prompts`` and write an lmprobe dataset to ``out``; return it loaded.
 
@@ -217,6 +218,7 @@ def extract(
         "truncate": truncate,
         "backend": backend,
         "remote": remote,
+        "statistics": statistics,
         "processing_order": "length_descending",
     }
     out = Path(out)
@@ -251,6 +253,7 @@ def extract(
         extra_info={"extraction": {"settings": settings}},
         fingerprint=settings,
         checksums=checksums,
+        statistics=statistics,
         overwrite=overwrite,
         checkpoint_interval=checkpoint_interval,
     )

@@ -210,6 +210,7 @@ class DatasetInfo:
     num_prompts: int
     hidden: HiddenDescriptor | None
     logits: LogitsDescriptor | None
+    statistics: StatisticsDescriptor | None = None
 
 
 def parse_info(info: dict[str, Any]) -> DatasetInfo:
@@ -228,4 +229,27 @@ def parse_info(info: dict[str, Any]) -> DatasetInfo:
     tensors = _dict(info.get("tensors", {}), "tensors")
     hidden = parse_hidden(tensors["hidden_layers"]) if "hidden_layers" in tensors else None
     logits = parse_logits(tensors["logits_topk"]) if "logits_topk" in tensors else None
-    return DatasetInfo(info, version, num_prompts, hidden, logits)
+    stats = parse_statistics(tensors["statistics"]) if "statistics" in tensors else None
+    return DatasetInfo(info, version, num_prompts, hidden, logits, stats)
+
+
+@dataclass
+class StatisticsDescriptor:
+    file: str
+    layers: list[int]
+    key_pattern: str
+    raw: dict = field(default_factory=dict, repr=False)
+
+    def key(self, layer: int, stat: str) -> str:
+        return self.key_pattern.format(layer=layer, stat=stat)
+
+
+def parse_statistics(d: Any) -> StatisticsDescriptor:
+    d = _dict(d, "tensors.statistics")
+    file = check_relpath(d.get("file"), "statistics.file")
+    layers = d.get("layers")
+    if not isinstance(layers, list):
+        raise FormatError("statistics.layers must be a list of layers")
+    layers = [_int(x, "statistics.layers[]") for x in layers]
+    key_pattern = check_pattern(d.get("key_pattern"), ("layer", "stat"), "statistics.key_pattern")
+    return StatisticsDescriptor(file, layers, key_pattern, raw=d)

@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 
 from ..errors import UnsafePathError
 
-_SPEC_RE = re.compile(r"^(0?[1-9]\d?)?d?$")
+_SPEC_RE = re.compile(r"^(0?[1-9]\d?)?d?$")  # integer widths such as "03d"
 
 
 def check_pattern(pattern: object, allowed: tuple[str, ...], what: str) -> str:

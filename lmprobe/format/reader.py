@@ -311,6 +311,28 @@ class Dataset:
             return pa.compute.list_value_length(self._table.column("token_ids")).to_numpy().astype(np.int64)
         raise FormatError(f"{self._files}: num_tokens is null and no token list column gives the lengths")
 
+    def statistics(self, layer: int) -> dict[str, Any]:
+        """Running statistics of ``layer`` over every stored vector: count, mean, std (ddof=0), mean_norm."""
+        desc = self._info.statistics
+        if desc is None:
+            raise FormatError("this dataset stores no statistics (extract with statistics on, the default)")
+        if layer not in desc.layers:
+            raise KeyError(f"no statistics for layer {layer}; they cover layers {desc.layers}")
+        from safetensors import safe_open
+
+        path = self._fetch(desc.file, "statistics file")
+        with safe_open(str(path), framework="np") as f:
+            keys = set(f.keys())
+
+            def get(stat):
+                key = desc.key(layer, stat)
+                if key not in keys:
+                    raise FormatError(f"{desc.file}: tensor {key!r} is missing")
+                return f.get_tensor(key)
+
+            return {"count": int(get("count")[0]), "mean": get("mean"), "std": get("std"),
+                    "mean_norm": float(get("mean_norm")[0])}
+
     def logits_topk(self, rows: RowsArg = None, *, as_torch: bool = False):
         """Top-k logits at the last token: (values (N, k) float32, indices (N, k) int) in index order."""
         desc = self._info.logits

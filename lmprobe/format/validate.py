@@ -263,6 +263,19 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
             if lg.row_bytes != want:
                 rep.warnings.append(f"logits_topk.row_bytes is {lg.row_bytes}, but a stored row is {want} bytes")
 
+    # --- statistics
+    st = info.statistics
+    if st is not None:
+        dim = info.hidden.dim if info.hidden else None
+        keys = {}
+        for layer in st.layers:
+            keys[st.key(layer, "count")] = ("int64", (1,))
+            keys[st.key(layer, "mean_norm")] = ("float64", (1,))
+            if dim:
+                keys[st.key(layer, "mean")] = ("float64", (dim,))
+                keys[st.key(layer, "std")] = ("float64", (dim,))
+        _check_file(root, st.file, keys, rep, st.raw, checksums)
+
     # --- optional columns
     for name in ("perplexity_mean", "perplexity_min", "perplexity_max"):
         if name in table.column_names and not pa.types.is_floating(table.column(name).type):

@@ -292,6 +292,7 @@ class DatasetWriter:
         logits_file_pattern: str = DEFAULT_LOGITS_FILE_PATTERN,
         checksums: bool = True,
         fsync: bool = False,
+        statistics: bool = False,
         resume: bool = True,
         overwrite: bool = False,
         checkpoint_interval: float = 30.0,
@@ -349,6 +350,10 @@ class DatasetWriter:
         self.extra_info = dict(extra_info or {})
         self.checksums = checksums
         self.fsync = fsync
+        self.statistics = bool(statistics)
+        from .statistics import RunningStats
+
+        self._stats = {layer: RunningStats.empty(self.dim) for layer in layers} if self.statistics else {}
         self.checkpoint_interval = float(checkpoint_interval)
         self.row_bytes = self.dim * DTYPES[dtype].itemsize
         self.fingerprint = self._fingerprint(fingerprint)
@@ -405,6 +410,7 @@ class DatasetWriter:
             "logits_file_pattern": self.logits_file_pattern,
             "model": self.model,
             **self.flags,
+            "statistics": self.statistics,
         }
         if extra:
             fp["caller"] = json.loads(json.dumps(dict(extra), default=str))
@@ -496,6 +502,9 @@ class DatasetWriter:
                 ]
             if info and info.logits:
                 victims += [out / info.logits.file(s) for s in range(len(info.logits.shards))]
+            stats = (info.raw.get("tensors") or {}).get("statistics") if info else None
+            if isinstance(stats, dict) and isinstance(stats.get("file"), str):
+                victims.append(out / stats["file"])
             victims += [index, out / CARD_PATH]
         state_path = self.staging / "state.json"
         if state_path.exists():
@@ -541,10 +550,18 @@ class DatasetWriter:
             p.unlink()
         for stream in self._streams():
             stream.restore(st["streams"][stream.name])
+        self._stats_file = st.get("statistics_file")
+        if self._stats and self._stats_file:
+            from .statistics import load_accumulators
+
+            self._stats = load_accumulators(self.staging / self._stats_file, self.layers)
+            self._ckpt_id = int(self._stats_file.split("-")[1].split(".")[0])
         # keep staged shards the checkpoint knows about; drop ones closed after it
         known = {f["staging"] for s in self._streams() for d in s.closed for f in d["files"].values()}
         open_names = {s.staging_name(slot, s.shard) for s in self._streams() if s.rows for slot in s.slots}
         known |= open_names | {f"{n}.t1" for n in open_names}
+        if st.get("statistics_file"):
+            known.add(st["statistics_file"])
         for p in self.staging.glob("*.safetensors*"):
             if p.name not in known:
                 p.unlink()
@@ -663,6 +680,13 @@ class DatasetWriter:
             self._logits.write(lsegs, {"all": list(logits)}, ones)
             cols["shard_index_logits"] += lshard.tolist()
             cols["row_offset_logits"] += loff.tolist()
+        if self._stats:
+            from .statistics import RunningStats
+            from .values import bfloat16_bits_to_float32
+
+            for layer, a in arrays.items():  # every stored vector: last tokens, and the others when kept
+                x = bfloat16_bits_to_float32(a) if self.dtype == "bfloat16" else a
+                self._stats[layer] = self._stats[layer].merge(RunningStats.of(x))
         cols["text"] += list(texts)
         cols["label"] += label_vals
         cols["num_tokens"] += counts.tolist()
@@ -801,6 +825,15 @@ class DatasetWriter:
             self._n_parts += 1
             self._pending = {c: [] for c in self._pending}
             self._n_pending = 0
+        stats_name = None
+        if self._stats:
+            from .statistics import save_accumulators
+
+            # named per checkpoint: a crash between this file and state.json must not pair the old
+            # state with newer statistics
+            self._ckpt_id = getattr(self, "_ckpt_id", 0) + 1
+            stats_name = f"statistics-{self._ckpt_id:08d}.safetensors"
+            save_accumulators(self.staging / stats_name, self._stats)
         state = {
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint,
@@ -809,12 +842,16 @@ class DatasetWriter:
             "phase": self._phase,
             "created_at": self.provenance["created_at"],
             "streams": {s.name: s.state() for s in self._streams()},
+            "statistics_file": stats_name,
         }
         _atomic_write_bytes(self.staging / "state.json", json.dumps(state).encode(), self.fsync)
         for s in self._streams():
             for p in s.obsolete:
                 p.unlink(missing_ok=True)
             s.obsolete = []
+        for p in self.staging.glob("statistics-*.safetensors"):
+            if p.name != stats_name:
+                p.unlink(missing_ok=True)
         self._publish_closed()
         self._last_checkpoint = time.monotonic()
 
@@ -864,11 +901,35 @@ class DatasetWriter:
                     os.replace(src, dst)
                 elif not dst.exists():
                     raise FormatError(f"sequence shard {dst} is missing; the partial output is damaged, pass overwrite=True")
+        stats_desc = self._write_statistics() if self._stats else None
         info = self._info(n_last, seq_closed)
+        if stats_desc:
+            info["tensors"]["statistics"] = stats_desc
         card_text = card.render_card(info, self._final_schema())
         _atomic_write_bytes(self.out_dir / CARD_PATH, card_text.encode(), self.fsync)
         self._write_index(info, n_last)
         shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _write_statistics(self) -> dict:
+        from .statistics import KEY_PATTERN, STATS_FILE, save_stats
+
+        final = self.out_dir / STATS_FILE
+        final.parent.mkdir(parents=True, exist_ok=True)
+        save_stats(final, self._stats)
+        desc = {
+            "type": "statistics",
+            "file": STATS_FILE,
+            "layers": self.layers,
+            "key_pattern": KEY_PATTERN,
+            "stats": ["count", "mean", "std", "mean_norm"],
+            "over": "every stored vector" + (" (all tokens)" if self.storage == "full_sequence" else " (last tokens)"),
+            "ddof": 0,
+            "dtype": "float64",
+            "bytes": final.stat().st_size,
+        }
+        if self.checksums:
+            desc["sha256"] = _sha256_file(final)
+        return desc
 
     def _shard_descriptor(self, d: dict, *, tokens: bool, stream: str, shard: int) -> dict:
         out: dict[str, Any] = {"num_prompts": d["num_prompts"]}

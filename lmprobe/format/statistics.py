@@ -1,0 +1,113 @@
+"""Running per-layer statistics over every stored vector: count, mean, population std, mean L2 norm.
+
+Batches are merged with the parallel algorithm of Chan et al. (float64 accumulators), so the result
+does not depend on how the data was batched beyond floating-point rounding, and statistics of
+separately written parts merge exactly the same way (``lmprobe merge``, multi-process extraction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+STATS_FILE = "tensors/statistics.safetensors"
+KEY_PATTERN = "layer_{layer}.{stat}"
+
+
+@dataclass
+class RunningStats:
+    count: int
+    mean: np.ndarray  # float64 (dim,)
+    m2: np.ndarray  # float64 (dim,): sum of squared deviations from the mean
+    norm_sum: float
+
+    @classmethod
+    def empty(cls, dim: int) -> RunningStats:
+        return cls(0, np.zeros(dim), np.zeros(dim), 0.0)
+
+    @classmethod
+    def of(cls, x: np.ndarray) -> RunningStats:
+        x = np.asarray(x, dtype=np.float64)
+        if len(x) == 0:
+            return cls.empty(x.shape[1])
+        mean = x.mean(axis=0)
+        return cls(len(x), mean, ((x - mean) ** 2).sum(axis=0), float(np.linalg.norm(x, axis=1).sum()))
+
+    def merge(self, other: RunningStats) -> RunningStats:
+        if other.count == 0:
+            return self
+        if self.count == 0:
+            return other
+        n = self.count + other.count
+        delta = other.mean - self.mean
+        mean = self.mean + delta * (other.count / n)
+        m2 = self.m2 + other.m2 + delta**2 * (self.count * other.count / n)
+        return RunningStats(n, mean, m2, self.norm_sum + other.norm_sum)
+
+    def result(self) -> dict:
+        if self.count == 0:
+            return {"count": 0, "mean": self.mean, "std": self.m2, "mean_norm": float("nan")}
+        return {"count": self.count, "mean": self.mean, "std": np.sqrt(self.m2 / self.count),
+                "mean_norm": self.norm_sum / self.count}
+
+    def to_tensors(self, layer: int) -> dict[str, np.ndarray]:
+        r = self.result()
+        return {
+            KEY_PATTERN.format(layer=layer, stat="count"): np.array([self.count], dtype=np.int64),
+            KEY_PATTERN.format(layer=layer, stat="mean"): r["mean"].astype(np.float64),
+            KEY_PATTERN.format(layer=layer, stat="std"): r["std"].astype(np.float64),
+            KEY_PATTERN.format(layer=layer, stat="mean_norm"): np.array([r["mean_norm"]], dtype=np.float64),
+        }
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, np.ndarray], layer: int) -> RunningStats:
+        def get(stat):
+            return t[KEY_PATTERN.format(layer=layer, stat=stat)]
+
+        count = int(get("count")[0])
+        std = get("std").astype(np.float64)
+        return cls(count, get("mean").astype(np.float64), std**2 * count,
+                   float(get("mean_norm")[0]) * count if count else 0.0)
+
+
+def save_stats(path: Path, stats: dict[int, RunningStats]) -> None:
+    from safetensors.numpy import save_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for layer, s in stats.items():
+        tensors.update(s.to_tensors(layer))
+    tmp = Path(f"{path}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "np"})
+    tmp.replace(path)
+
+
+def load_stats(path: Path, layers: list[int]) -> dict[int, RunningStats]:
+    from safetensors.numpy import load_file
+
+    t = load_file(str(path))
+    return {layer: RunningStats.from_tensors(t, layer) for layer in layers}
+
+
+def save_accumulators(path: Path, stats: dict[int, RunningStats]) -> None:
+    """Checkpoint the exact accumulators (count, mean, m2, norm sum), so a resumed run ends bit-identical."""
+    from safetensors.numpy import save_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for layer, s in stats.items():
+        tensors[f"{layer}.count"] = np.array([s.count], dtype=np.int64)
+        tensors[f"{layer}.mean"] = s.mean
+        tensors[f"{layer}.m2"] = s.m2
+        tensors[f"{layer}.norm_sum"] = np.array([s.norm_sum], dtype=np.float64)
+    tmp = Path(f"{path}.tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+
+
+def load_accumulators(path: Path, layers: list[int]) -> dict[int, RunningStats]:
+    from safetensors.numpy import load_file
+
+    t = load_file(str(path))
+    return {layer: RunningStats(int(t[f"{layer}.count"][0]), t[f"{layer}.mean"], t[f"{layer}.m2"],
+                                float(t[f"{layer}.norm_sum"][0])) for layer in layers}
