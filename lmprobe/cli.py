@@ -233,6 +233,14 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from .format.merge import merge_datasets
+
+    out = merge_datasets(args.parts, args.out, overwrite=args.overwrite)
+    print(f"merged {len(args.parts)} datasets into {out}")
+    return 0
+
+
 def _cmd_sae_topk(args: argparse.Namespace) -> int:
     from .sae.cli import run_topk
 
@@ -325,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=None)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_pull)
+
+    p = sub.add_parser("merge", help="combine datasets made by independent jobs with the same model and settings")
+    p.add_argument("parts", nargs="+", metavar="PART", help="dataset folders, in the order their prompts should appear")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_cmd_merge)
 
     p = sub.add_parser("probe", help="cross-validated linear probes per layer, as a table and a plot")
     p.add_argument("dataset", metavar="DATASET", help="dataset folder or Hub repo")

@@ -149,8 +149,6 @@ def extract(
     Re-running the same call after an interruption continues where it stopped; a different
     configuration against a partial output is an error unless ``overwrite=True``.
     """
-    from ..format.reader import load
-    from ..format.writer import DatasetWriter
 
     # ---- settings, prompts, config and tokenizer: every input error surfaces before the weights load
     _check_settings(storage, dtype, compute_dtype, batch_size, logits_topk, truncate, max_length, backend)
@@ -222,6 +220,25 @@ def extract(
         "processing_order": "length_descending",
     }
     out = Path(out)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        return _extract_distributed(out, p, spec, tok, lengths, settings, overwrite=overwrite, quiet=quiet, dev=dev,
+                                    block_path=block_path, writer_kwargs=dict(
+                                        shard_bytes=shard_bytes, checksums=checksums, statistics=statistics,
+                                        checkpoint_interval=checkpoint_interval))
+    return _extract_to(out, p, spec, tok, lengths, settings, overwrite=overwrite, quiet=quiet, dev=dev,
+                       block_path=block_path, shard_bytes=shard_bytes, checksums=checksums, statistics=statistics,
+                       checkpoint_interval=checkpoint_interval)
+
+
+def _extract_to(out: Path, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, settings: dict, *, overwrite: bool,
+                quiet: bool, dev: str, block_path: str | None, shard_bytes: int, checksums: bool, statistics: bool,
+                checkpoint_interval: float):
+    from ..format.reader import load
+    from ..format.writer import DatasetWriter
+
+    layer_list, storage, dtype = settings["layers"], settings["storage"], settings["dtype"]
+    logits_topk, perplexity = settings["logits_topk"], settings["perplexity"]
     if (out / INDEX_PATH).exists() and not overwrite:
         ds = load(out)
         if (ds.info.get("extraction") or {}).get("settings") == settings:
@@ -238,7 +255,7 @@ def extract(
         layers=layer_list,
         dim=spec.hidden_size,
         model_name=spec.name,
-        model_revision=revision_hash,
+        model_revision=settings["revision"],
         storage=storage,
         dtype=dtype,
         shard_size=shard_bytes,
@@ -246,10 +263,10 @@ def extract(
         label_type=p.label_type,
         columns=p.column_types,
         perplexity=perplexity,
-        token_ids=token_ids or token_strings,
-        token_strings=token_strings,
+        token_ids=settings["token_ids"],
+        token_strings=settings["token_strings"],
         token_perplexity=perplexity,
-        provenance=_provenance(backend, remote),
+        provenance=_provenance(settings["backend"], settings["remote"]),
         extra_info={"extraction": {"settings": settings}},
         fingerprint=settings,
         checksums=checksums,
@@ -263,6 +280,47 @@ def extract(
         writer.abort()
         raise
     writer.close()
+    return load(out)
+
+
+def _extract_distributed(out: Path, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, settings: dict, *,
+                         overwrite: bool, quiet: bool, dev: str, block_path: str | None, writer_kwargs: dict):
+    """One rank of ``torchrun``: extract a contiguous slice of the prompts into its own part, then rank 0
+    merges the parts into ``out`` (files moved, not copied) and every rank returns the merged dataset."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    from ..format.merge import merge_datasets
+    from ..format.reader import load
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if dev.startswith("cuda") and torch.cuda.device_count() > 1:
+        dev = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % torch.cuda.device_count()}"
+    done = (out / INDEX_PATH).exists() and not overwrite
+    if done and (load(out).info.get("extraction") or {}).get("settings") != settings:
+        raise OutputExistsError(f"{out} already holds a dataset made with other settings; pass --overwrite")
+    if not done:
+        n = len(p)
+        lo, hi = rank * n // world, (rank + 1) * n // world
+        part = Prompts(p.texts[lo:hi], p.labels[lo:hi] if p.labels is not None else None, p.label_type,
+                       {c: v[lo:hi] for c, v in p.columns.items()}, p.column_types, p.source)
+        part_settings = {**settings, "prompts_sha256": part.fingerprint(), "num_prompts": len(part),
+                         "part": [rank, world]}
+        parts_dir = out / ".lmprobe-parts"
+        _extract_to(parts_dir / f"part-{rank:05d}", part, spec, tok, lengths[lo:hi], part_settings,
+                    overwrite=overwrite, quiet=quiet or rank != 0, dev=dev, block_path=block_path,
+                    shard_bytes=writer_kwargs["shard_bytes"], checksums=writer_kwargs["checksums"],
+                    statistics=writer_kwargs["statistics"], checkpoint_interval=writer_kwargs["checkpoint_interval"])
+        dist.barrier()
+        if rank == 0:
+            parts = [parts_dir / f"part-{r:05d}" for r in range(world)]
+            merge_datasets(parts, out, overwrite=overwrite, move=True, settings=settings)
+            shutil.rmtree(parts_dir)
+    dist.barrier()
     return load(out)
 
 

@@ -1,0 +1,190 @@
+"""``lmprobe merge``: combine datasets written by independent jobs into one dataset.
+
+Shards are linked (or copied when linking is impossible), not rewritten: each part's last-token
+shards, then each part's sequence shards, renumbered, with the index's addresses shifted to
+match. Parts must come from the same model with the same settings; anything else is refused
+before a file is touched. Statistics merge exactly (Chan's parallel algorithm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ..errors import FormatError, OutputExistsError
+from .metadata import encode_schema_metadata
+from .reader import Dataset, load
+from .spec import CARD_PATH, INDEX_PATH
+
+# extraction settings that may differ between parts of one job
+_PART_SETTINGS = {"prompts_sha256", "num_prompts", "part"}
+
+
+def _compatible(parts: list[Dataset]) -> list[str]:
+    first = parts[0]
+    problems = []
+    a_h = first.info["tensors"]["hidden_layers"]
+    a_settings = {k: v for k, v in ((first.info.get("extraction") or {}).get("settings") or {}).items()
+                  if k not in _PART_SETTINGS}
+    for i, ds in enumerate(parts[1:], start=1):
+        h = ds.info["tensors"]["hidden_layers"]
+        for key in ("layers", "dim", "dtype", "storage", "key_pattern"):
+            if h.get(key) != a_h.get(key):
+                problems.append(f"part {i}: hidden_layers.{key} is {h.get(key)!r}, part 0 has {a_h.get(key)!r}")
+        if ds.model != first.model:
+            problems.append(f"part {i}: model {ds.model} differs from part 0's {first.model}")
+        la, lb = first.info["tensors"].get("logits_topk"), ds.info["tensors"].get("logits_topk")
+        if (la is None) != (lb is None) or (la and la["k"] != lb["k"]):
+            problems.append(f"part {i}: logits differ from part 0's (k {lb and lb['k']} vs {la and la['k']})")
+        if ds.table.schema.remove_metadata() != first.table.schema.remove_metadata():
+            problems.append(f"part {i}: index columns differ from part 0's")
+        s = {k: v for k, v in ((ds.info.get("extraction") or {}).get("settings") or {}).items()
+             if k not in _PART_SETTINGS}
+        if s != a_settings:
+            diff = sorted(k for k in set(s) | set(a_settings) if s.get(k) != a_settings.get(k))
+            problems.append(f"part {i}: extraction settings differ from part 0's ({', '.join(diff)})")
+        if ("statistics" in ds.info["tensors"]) != ("statistics" in first.info["tensors"]):
+            problems.append(f"part {i}: statistics are {'present' if 'statistics' in ds.info['tensors'] else 'absent'}, "
+                            "unlike part 0")
+    return problems
+
+
+def _link(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".tmp")
+    if tmp.exists():
+        tmp.unlink()
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def merge_datasets(parts: list[Any], out: str | os.PathLike, *, overwrite: bool = False, move: bool = False,
+                   settings: dict | None = None) -> Path:
+    """Merge local datasets ``parts`` (in order) into a new dataset at ``out``; returns ``out``.
+
+    >>> merge_datasets(["job-0", "job-1", "job-2"], "merged")  # doctest: +SKIP
+
+    ``move=True`` moves the part files instead of linking them (used by multi-process extraction).
+    """
+    if len(parts) < 1:
+        raise ValueError("nothing to merge")
+    dss = [p if isinstance(p, Dataset) else load(p) for p in parts]
+    roots = [Path(str(d._files)) for d in dss]
+    problems = _compatible(dss)
+    if problems:
+        raise FormatError("cannot merge these datasets:\n  " + "\n  ".join(problems))
+    out = Path(out)
+    if (out / INDEX_PATH).exists() and not overwrite:
+        raise OutputExistsError(f"{out} already holds a dataset; pass --overwrite to replace it")
+    if out.exists() and any(not c.name.startswith(".lmprobe-") for c in out.iterdir()) and not (out / INDEX_PATH).exists():
+        raise OutputExistsError(f"{out} is not empty; choose an empty or new folder")
+    if (out / INDEX_PATH).exists():
+        (out / INDEX_PATH).unlink()  # the index goes first, so a half-replaced folder never looks complete
+
+    first = dss[0]
+    h0 = first._info.hidden
+    full = h0.storage == "full_sequence"
+    n_lts = [d._info.hidden.last_token_shards for d in dss]
+    n_seq = [len(d._info.hidden.shards) - d._info.hidden.last_token_shards for d in dss]
+    lt_off = np.concatenate([[0], np.cumsum(n_lts)]).astype(int)
+    seq_off = (sum(n_lts) + np.concatenate([[0], np.cumsum(n_seq)])).astype(int)
+    lg0 = first._info.logits
+    lg_off = np.concatenate([[0], np.cumsum([len(d._info.logits.shards) if lg0 else 0 for d in dss])]).astype(int)
+    transfer = (lambda s, d: (d.parent.mkdir(parents=True, exist_ok=True), os.replace(s, d))) if move else _link
+
+    shards_lt, shards_seq, logits_shards, tables = [], [], [], []
+    for k, (ds, root) in enumerate(zip(dss, roots, strict=True)):
+        h = ds._info.hidden
+        for s, desc in enumerate(h.shards):
+            new = (lt_off[k] + s) if s < h.last_token_shards else (seq_off[k] + s - h.last_token_shards)
+            for layer in h.layers:
+                transfer(root / h.file(layer, s), out / h0.file(layer, int(new)))
+            (shards_lt if s < h.last_token_shards else shards_seq).append(desc)
+        if lg0:
+            lg = ds._info.logits
+            for s, desc in enumerate(lg.shards):
+                new_rel = _logits_rel(lg0, int(lg_off[k] + s))
+                transfer(root / lg.file(s), out / new_rel)
+                logits_shards.append({**desc, "file": new_rel})
+        t = ds.table
+        cols = {name: t.column(name) for name in t.column_names}
+        cols["shard_index"] = pc.add(t.column("shard_index"), int(lt_off[k])).cast(pa.int32())
+        if full:
+            ids = t.column("token_shard_ids").combine_chunks()
+            flat = ids.values.to_numpy().astype(np.int64)
+            new_flat = np.where(flat < h.last_token_shards, flat + lt_off[k], flat - h.last_token_shards + seq_off[k])
+            cols["token_shard_ids"] = pa.ListArray.from_arrays(ids.offsets, pa.array(new_flat, pa.int64()))
+        if lg0:
+            cols["shard_index_logits"] = pc.add(t.column("shard_index_logits"), int(lg_off[k])).cast(pa.int32())
+        tables.append(pa.table(cols).cast(t.schema.remove_metadata()))
+
+    info = json.loads(json.dumps(first.info))
+    hidden = info["tensors"]["hidden_layers"]
+    hidden["shards"] = shards_lt + shards_seq
+    if full:
+        hidden["last_token_shards"] = len(shards_lt)
+    if lg0:
+        info["tensors"]["logits_topk"]["shards"] = logits_shards
+        info["tensors"]["logits_topk"]["file_pattern"] = lg0.file_pattern
+    info["num_prompts"] = int(sum(d.num_prompts for d in dss))
+    info["merged_from"] = [str(r) for r in roots]
+    ext = info.get("extraction") or {}
+    if settings is not None:
+        info["extraction"] = {**ext, "settings": settings}
+    elif "settings" in ext:
+        ext["settings"] = {k: v for k, v in ext["settings"].items() if k not in _PART_SETTINGS}
+        ext["settings"]["num_prompts"] = info["num_prompts"]
+    if "statistics" in info["tensors"]:
+        info["tensors"]["statistics"] = _merge_statistics(dss, roots, out, info["tensors"]["statistics"])
+    info.pop("extras", None)
+
+    from . import card
+
+    table = pa.concat_tables(tables)
+    schema = table.schema.with_metadata(encode_schema_metadata(info))
+    (out / CARD_PATH).write_text(card.render_card(info, schema))
+    (out / "index").mkdir(parents=True, exist_ok=True)
+    tmp = out / (INDEX_PATH + ".tmp")
+    pq.write_table(table.replace_schema_metadata(schema.metadata), tmp, row_group_size=65536)
+    os.replace(tmp, out / INDEX_PATH)  # last
+    return out
+
+
+def _logits_rel(lg0: Any, shard: int) -> str:
+    from .paths import format_relpath
+
+    if lg0.file_pattern:
+        return format_relpath(lg0.file_pattern, "logits_topk.file_pattern", shard=shard)
+    return f"tensors/logits_topk_{shard:03d}.safetensors"
+
+
+def _merge_statistics(dss: list[Dataset], roots: list[Path], out: Path, desc: dict) -> dict:
+    import hashlib
+
+    from .statistics import STATS_FILE, RunningStats, save_stats
+
+    layers = desc["layers"]
+    merged = {layer: RunningStats.empty(dss[0].dim) for layer in layers}
+    for ds in dss:
+        for layer in layers:
+            r = ds.statistics(layer)
+            part = RunningStats(r["count"], np.asarray(r["mean"]), np.asarray(r["std"]) ** 2 * r["count"],
+                                r["mean_norm"] * r["count"] if r["count"] else 0.0)
+            merged[layer] = merged[layer].merge(part)
+    (out / STATS_FILE).parent.mkdir(parents=True, exist_ok=True)
+    save_stats(out / STATS_FILE, merged)
+    new = {**desc, "file": STATS_FILE, "bytes": (out / STATS_FILE).stat().st_size}
+    if "sha256" in desc:
+        new["sha256"] = hashlib.sha256((out / STATS_FILE).read_bytes()).hexdigest()
+    return new

@@ -1,0 +1,82 @@
+"""lmprobe merge and multi-process extraction with torch.distributed (2 CPU processes, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import PROMPTS, write_dataset
+
+import lmprobe
+from lmprobe.cli import main as cli_main
+from lmprobe.format.merge import merge_datasets
+from lmprobe.format.validate import validate
+
+MANY = [dict(p, text=p["text"] + f" #{i}") for i in range(3) for p in PROMPTS]  # 21 prompts
+
+
+@pytest.mark.parametrize("storage", ["pooled", "full_sequence"])
+def test_merge_of_parts_equals_the_whole(tmp_path, rng, storage):
+    parts = []
+    for k in range(3):
+        parts.append(write_dataset(tmp_path / f"p{k}", rng, n=7 + k, layers=(0, 2), dim=4, storage=storage,
+                                   shard_size="64B", logits_k=2, statistics=True))
+    out = merge_datasets([tmp_path / f"p{k}" for k in range(3)], tmp_path / "m")
+    ds = lmprobe.load(out)
+    assert ds.num_prompts == 7 + 8 + 9
+    assert validate(out).ok, str(validate(out))
+    ends = [src["tok_start"][1:] - 1 for src in parts]
+    want = np.concatenate([src["hidden"][2][e] if storage == "full_sequence" else src["hidden"][2]
+                           for src, e in zip(parts, ends, strict=True)])
+    np.testing.assert_array_equal(ds.hidden(2), want)
+    np.testing.assert_array_equal(ds.logits_topk()[0], np.concatenate([s["lv"] for s in parts]))
+    if storage == "full_sequence":
+        src = parts[2]
+        np.testing.assert_array_equal(ds.token_hidden(7 + 8 + 4, 0),
+                                      src["hidden"][0][src["tok_start"][4] : src["tok_start"][5]])
+        stored = np.concatenate([ds.token_hidden(i, 0) for i in range(ds.num_prompts)])
+    else:
+        stored = ds.hidden(0)
+    stored = stored.astype(np.float64)
+    stats = ds.statistics(0)
+    assert stats["count"] == len(stored)
+    np.testing.assert_allclose(stats["mean"], stored.mean(0), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(stats["std"], stored.std(0), rtol=1e-9, atol=1e-12)
+
+
+def test_merge_refuses_mismatched_parts(tmp_path, rng, capsys):
+    write_dataset(tmp_path / "a", rng, n=4, layers=(0,), dim=4)
+    write_dataset(tmp_path / "b", rng, n=4, layers=(0,), dim=5)
+    assert cli_main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")]) == 2
+    assert "hidden_layers.dim is 5, part 0 has 4" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+    assert cli_main(["merge", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "m")]) == 0
+
+
+def test_torchrun_two_processes_equal_one(llama_dir, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in MANY) + "\n")
+    args = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--layers", "0,3", "--storage",
+            "full_sequence", "--logits-topk", "3", "--batch-size", "4", "--quiet"]
+    single = lmprobe.extract(str(llama_dir), f, out=tmp_path / "one", layers="0,3", storage="full_sequence",
+                             logits_topk=3, batch_size=4, quiet=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "lmprobe", *args, "--out", str(tmp_path / "two")], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = lmprobe.load(tmp_path / "two")
+    assert two.texts == single.texts and two.num_prompts == 21
+    for layer in (0, 3):
+        np.testing.assert_allclose(two.hidden(layer), single.hidden(layer), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(two.token_hidden(20, layer), single.token_hidden(20, layer), atol=1e-5, rtol=0)
+        s1, s2 = single.statistics(layer), two.statistics(layer)
+        assert s1["count"] == s2["count"]
+        np.testing.assert_allclose(s2["mean"], s1["mean"], atol=1e-5)
+    np.testing.assert_array_equal(two.logits_topk()[1], single.logits_topk()[1])
+    assert validate(tmp_path / "two").ok
+    assert not (tmp_path / "two/.lmprobe-parts").exists()
