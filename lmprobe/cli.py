@@ -126,6 +126,8 @@ def _cmd_extract(args: argparse.Namespace) -> int:
         backend=args.backend,
         remote=args.remote,
         statistics=not args.no_statistics,
+        drop_special_tokens=args.drop_special_tokens,
+        chat_template=args.chat_template,
     )
     if not args.quiet:
         h = ds.info["tensors"]["hidden_layers"]
@@ -300,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers (default): hooks on a local model; nnsight: an nnsight trace")
     p.add_argument("--remote", action="store_true",
                    help="with --backend nnsight: run on NDIF (API key from NNSIGHT_API_KEY or nnsight's config)")
+    p.add_argument("--drop-special-tokens", action="store_true",
+                   help="do not store the tokenizer's special tokens (BOS, EOS, ...); the model still sees them")
+    p.add_argument("--chat-template", action="store_true",
+                   help="wrap each prompt in the tokenizer's chat template; store only the prompt's own tokens")
     p.add_argument("--no-statistics", action="store_true",
                    help="skip the running per-layer statistics (count, mean, std, mean norm)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing or partial output instead of resuming")

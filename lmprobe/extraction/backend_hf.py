@@ -37,13 +37,19 @@ def position_ids_for(attention_mask):
     return pos.clamp(min=0)
 
 
-def perplexity_from_nll(nll, valid) -> dict[str, list]:
-    """Per-prompt perplexity from (B, T-1) next-token NLLs and the mask of real predictions."""
+def prediction_positions(keep, b: int):
+    """Positions t-1 whose logits predict the stored tokens t of row b (every stored token but the first)."""
+    idx = keep[b].nonzero().squeeze(1)
+    return idx[1:] - 1, idx[1:]
+
+
+def perplexity_from_nll(nll, keep) -> dict[str, list]:
+    """Per-prompt perplexity from (B, T-1) next-token NLLs (nll[b, t] predicts token t+1)."""
     import torch
 
     out: dict[str, list] = {"mean": [], "min": [], "max": [], "token": []}
     for b in range(nll.shape[0]):
-        v = nll[b][valid[b]].double()
+        v = nll[b][prediction_positions(keep, b)[0]].double()
         if len(v) == 0:
             for key in ("mean", "min", "max"):
                 out[key].append(float("nan"))
@@ -57,27 +63,27 @@ def perplexity_from_nll(nll, valid) -> dict[str, list]:
     return out
 
 
-def perplexity_from_logits(logits, input_ids, attention_mask) -> dict[str, list]:
+def perplexity_from_logits(logits, input_ids, keep) -> dict[str, list]:
     """Per-prompt perplexity from (B, T, V) logits, computed row by row on the logits' device.
 
     mean = exp(mean next-token NLL); min/max over per-token perplexities exp(NLL_t);
-    token = the per-token perplexities of tokens 1..n-1 of the prompt.
+    token = the per-token perplexities of the stored tokens after the first, each predicted from
+    everything before it (``keep`` marks the stored tokens; by default every real token).
     """
     import torch
     import torch.nn.functional as F
 
     out: dict[str, list] = {"mean": [], "min": [], "max": [], "token": []}
-    mask = attention_mask.bool()
     for b in range(input_ids.shape[0]):
-        idx = mask[b].nonzero().squeeze(1)  # real positions, in order
-        if len(idx) < 2:
+        pred, target = prediction_positions(keep, b)
+        if len(target) < 1:
             out["mean"].append(float("nan"))
             out["min"].append(float("nan"))
             out["max"].append(float("nan"))
             out["token"].append([])
             continue
-        lg = logits[b, idx[:-1]].float()
-        nll = F.cross_entropy(lg, input_ids[b, idx[1:]], reduction="none").double()
+        lg = logits[b, pred].float()
+        nll = F.cross_entropy(lg, input_ids[b, target], reduction="none").double()
         ppl = torch.exp(nll)
         out["mean"].append(float(torch.exp(nll.mean())))
         out["min"].append(float(ppl.min()))
@@ -99,15 +105,16 @@ class TransformersBackend:
         self.device = next(model.parameters()).device
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
-            logits_k: int | None, perplexity: bool) -> BatchOutput:
+            logits_k: int | None, perplexity: bool, keep=None) -> BatchOutput:
+        """``keep`` marks the tokens to store (default: every real token); the model sees them all."""
         import torch
 
         input_ids = input_ids.to(self.device)
         attention_mask = attention_mask.to(self.device)
+        real = (attention_mask.bool() if keep is None else keep.to(self.device))
         b = input_ids.shape[0]
-        last = last_token_index(attention_mask)
+        last = last_token_index(real)
         rows = torch.arange(b, device=self.device)
-        real = attention_mask.bool()
         need_head = bool(logits_k) or perplexity
         captured: dict[int, Any] = {}
         stop_at = max(layers)
@@ -148,7 +155,7 @@ class TransformersBackend:
         missing = [layer for layer in layers if layer not in captured]
         if missing:
             raise RuntimeError(f"the forward pass never reached blocks {missing}")
-        lengths = attention_mask.sum(dim=1)
+        lengths = real.sum(dim=1)
         ids = input_ids[real].cpu()
         token_ids = [t.tolist() for t in torch.split(ids, lengths.cpu().tolist())]
         out = BatchOutput(
@@ -159,7 +166,7 @@ class TransformersBackend:
         if need_head:
             logits = result.logits if hasattr(result, "logits") else result[0]
             if perplexity:
-                out.perplexity = perplexity_from_logits(logits, input_ids, attention_mask)
+                out.perplexity = perplexity_from_logits(logits, input_ids, real)
                 last_logits = logits[rows, last]
             else:
                 last_logits = logits[:, -1] if logits.shape[1] == 1 else logits[rows, last]

@@ -91,11 +91,11 @@ class NnsightBackend:
         raise NnsightError("cannot find the model's LM head for logits/perplexity")
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
-            logits_k: int | None, perplexity: bool) -> BatchOutput:
+            logits_k: int | None, perplexity: bool, keep=None) -> BatchOutput:
         for attempt in range(self.max_retries + 1):
             try:
                 return self._run_once(input_ids, attention_mask, layers=layers, storage=storage, out_dtype=out_dtype,
-                                      logits_k=logits_k, perplexity=perplexity)
+                                      logits_k=logits_k, perplexity=perplexity, keep=keep)
             except Exception as exc:
                 if not _transient(exc) or attempt == self.max_retries:
                     if _transient(exc):
@@ -107,20 +107,20 @@ class NnsightBackend:
                 time.sleep(self.base_wait * 2**attempt)
         raise AssertionError("unreachable")
 
-    def _run_once(self, input_ids, attention_mask, *, layers, storage, out_dtype, logits_k, perplexity) -> BatchOutput:
+    def _run_once(self, input_ids, attention_mask, *, layers, storage, out_dtype, logits_k, perplexity,
+                  keep=None) -> BatchOutput:
         import torch
 
         b = input_ids.shape[0]
-        last = last_token_index(attention_mask)
+        real = attention_mask.bool() if keep is None else keep
+        last = last_token_index(real)
         rows = torch.arange(b)
-        real = attention_mask.bool()
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
                   "position_ids": position_ids_for(attention_mask)}
         blocks = self._envoy(self.block_path)
         need_head = bool(logits_k) or perplexity
         head = self._envoy(self._head_path()) if need_head else None
         saved: dict[int, Any] = {}
-        valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
         targets = input_ids[:, 1:]
         top_values = top_indices = nll = None
         with self.model.trace(inputs, remote=self.remote) as tracer:
@@ -142,7 +142,7 @@ class NnsightBackend:
                                                             reduction="none").save()
             else:
                 tracer.stop()  # nothing after the last requested block is needed
-        lengths = attention_mask.sum(dim=1)
+        lengths = real.sum(dim=1)
         ids = input_ids[real]
         out = BatchOutput(
             hidden={layer: saved[layer].cpu() for layer in layers},
@@ -153,7 +153,7 @@ class NnsightBackend:
             out.logits_values = top_values.cpu().numpy().astype(np.float32)
             out.logits_indices = top_indices.cpu().numpy()
         if perplexity:
-            out.perplexity = perplexity_from_nll(nll.cpu(), valid)
+            out.perplexity = perplexity_from_nll(nll.cpu(), real)
         return out
 
 

@@ -69,14 +69,6 @@ class _BackgroundWriter:
             raise self.error
 
 
-def _tokenize_lengths(tok: Any, texts: list[str], chunk: int = 1024) -> np.ndarray:
-    lengths = np.zeros(len(texts), dtype=np.int64)
-    for s in range(0, len(texts), chunk):
-        enc = tok(texts[s : s + chunk], add_special_tokens=True, truncation=False)["input_ids"]
-        lengths[s : s + chunk] = [len(x) for x in enc]
-    return lengths
-
-
 def _default_max_length(tok: Any, config: Any) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
@@ -140,6 +132,8 @@ def extract(
     checkpoint_interval: float = 30.0,
     checksums: bool = True,
     statistics: bool = True,
+    drop_special_tokens: bool = False,
+    chat_template: bool = False,
 ):
     """Run ``model`` over ``prompts`` and write an lmprobe dataset to ``out``; return it loaded.
 
@@ -181,11 +175,15 @@ def extract(
     dev = pick_device(device)
 
     tok = load_tokenizer(spec)
-    lengths = _tokenize_lengths(tok, p.texts)
     limit = max_length or _default_max_length(tok, spec.config)
-    if lengths.min(initial=1) < 1:
-        i = int(np.argmin(lengths))
-        raise ExtractionError(f"{_where(p, i)} tokenizes to no tokens: {p.texts[i]!r}")
+    from .tokens import Encoder
+
+    encoder = Encoder(tok, chat_template=chat_template, drop_special_tokens=drop_special_tokens, max_length=limit,
+                      truncate=truncate)
+    lengths, stored = encoder.lengths(p.texts)
+    if lengths.min(initial=1) < 1 or stored.min(initial=1) < 1:
+        i = int(np.argmin(np.minimum(lengths, stored)))
+        raise ExtractionError(f"{_where(p, i)} leaves no token to store: {p.texts[i]!r}")
     if limit is not None and lengths.max(initial=0) > limit:
         too_long = np.flatnonzero(lengths > limit)
         if truncate is None:
@@ -217,6 +215,8 @@ def extract(
         "backend": backend,
         "remote": remote,
         "statistics": statistics,
+        "drop_special_tokens": drop_special_tokens,
+        "chat_template": chat_template,
         "processing_order": "length_descending",
     }
     out = Path(out)
@@ -359,10 +359,15 @@ def _run(writer: Any, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, sett
     out_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[settings["dtype"]]
     if settings["truncate"]:
         tok.truncation_side = settings["truncate"]
+    from .tokens import Encoder
+
+    encoder = Encoder(tok, chat_template=settings.get("chat_template", False),
+                      drop_special_tokens=settings.get("drop_special_tokens", False),
+                      max_length=settings["max_length"], truncate=settings["truncate"])
     bg = _BackgroundWriter(writer)
     bar = _progress(n, done, quiet)
     try:
-        _loop(bg, backend, tok, p, order, done, settings, out_dtype, bar)
+        _loop(bg, backend, tok, encoder, p, order, done, settings, out_dtype, bar)
     except KeyboardInterrupt:
         bg.stop()
         writer.checkpoint()  # keep every finished batch: the next run resumes after it
@@ -378,21 +383,21 @@ def _run(writer: Any, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, sett
     bg.finish()
 
 
-def _loop(bg: _BackgroundWriter, backend: Any, tok: Any, p: Prompts, order: np.ndarray, done: int, settings: dict,
-          out_dtype: Any, bar: Any) -> None:
+def _loop(bg: _BackgroundWriter, backend: Any, tok: Any, encoder: Any, p: Prompts, order: np.ndarray, done: int,
+          settings: dict, out_dtype: Any, bar: Any) -> None:
     import torch
 
-    bs, truncate, limit = settings["batch_size"], settings["truncate"], settings["max_length"]
+    bs = settings["batch_size"]
     t0, tokens = time.monotonic(), 0
     with torch.inference_mode():
         for s in range(done, len(order), bs):
             idx = order[s : s + bs]
             texts = [p.texts[i] for i in idx]
-            enc = tok(texts, add_special_tokens=True, padding=True, return_tensors="pt",
-                      truncation=truncate is not None, max_length=limit if truncate else None)
-            res = backend.run(enc["input_ids"], enc["attention_mask"], layers=settings["layers"],
+            input_ids, attention_mask, keep = encoder.batch(texts)
+            res = backend.run(input_ids, attention_mask, layers=settings["layers"],
                               storage=settings["storage"], out_dtype=out_dtype,
-                              logits_k=settings["logits_topk"], perplexity=settings["perplexity"])
+                              logits_k=settings["logits_topk"], perplexity=settings["perplexity"],
+                              keep=None if encoder.plain else keep)
             item: dict[str, Any] = {"texts": texts, "hidden": res.hidden, "num_tokens": res.num_tokens,
                                     "positions": idx}
             if p.label_type is not None:
