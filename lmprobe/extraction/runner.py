@@ -219,6 +219,14 @@ def extract(
         "chat_template": chat_template,
         "processing_order": "length_descending",
     }
+    from ..remote import is_remote_url
+
+    if is_remote_url(out):
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ExtractionError("multi-process extraction writes to a local folder; push or copy it afterwards")
+        return _extract_remote(str(out), p, spec, tok, lengths, settings, overwrite=overwrite, quiet=quiet, dev=dev,
+                               block_path=block_path, shard_bytes=shard_bytes, checksums=checksums,
+                               statistics=statistics, checkpoint_interval=checkpoint_interval)
     out = Path(out)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -231,9 +239,39 @@ def extract(
                        checkpoint_interval=checkpoint_interval)
 
 
+def _extract_remote(url: str, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, settings: dict, **kw: Any):
+    """Extract into a local staging folder while a background thread uploads finished shards to ``url``."""
+    from ..errors import DatasetNotFoundError
+    from ..remote import UploadSink, cache_dir, load_remote
+
+    if not kw["overwrite"]:
+        try:
+            ds = load_remote(url)
+        except DatasetNotFoundError:
+            ds = None
+        if ds is not None:
+            if (ds.info.get("extraction") or {}).get("settings") == settings:
+                if not kw["quiet"]:
+                    print(f"{url} already holds this extraction; nothing to do", file=sys.stderr)
+                return ds
+            raise OutputExistsError(f"{url} already holds a dataset made with other settings; pass --overwrite")
+    local = cache_dir(url, "outputs")
+    sink = UploadSink(url, local)
+    sink.submit_existing()  # shards an interrupted run finished but may not have uploaded
+    try:
+        _extract_to(local, p, spec, tok, lengths, settings, on_file_complete=sink.submit, **kw)
+    except BaseException:
+        sink.abort()
+        raise
+    sink.finish()
+    if not kw["quiet"]:
+        print(f"uploaded the dataset to {url}", file=sys.stderr)
+    return load_remote(url)
+
+
 def _extract_to(out: Path, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, settings: dict, *, overwrite: bool,
                 quiet: bool, dev: str, block_path: str | None, shard_bytes: int, checksums: bool, statistics: bool,
-                checkpoint_interval: float):
+                checkpoint_interval: float, on_file_complete: Any = None):
     from ..format.reader import load
     from ..format.writer import DatasetWriter
 
@@ -273,6 +311,7 @@ def _extract_to(out: Path, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray,
         statistics=statistics,
         overwrite=overwrite,
         checkpoint_interval=checkpoint_interval,
+        on_file_complete=on_file_complete,
     )
     try:
         _run(writer, p, spec, tok, lengths, settings, dev=dev, quiet=quiet, block_path=block_path)

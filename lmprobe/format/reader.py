@@ -387,6 +387,10 @@ def load(path: str | os.PathLike, *, revision: str | None = None, **kwargs: Any)
     (1000, 4096)
     """
     from ..hub import load_from_hub, parse_repo_ref
+    from ..remote import is_remote_url, load_remote
+
+    if is_remote_url(path):
+        return load_remote(str(path))
 
     ref = parse_repo_ref(path, revision)
     if ref is not None:

@@ -293,6 +293,7 @@ class DatasetWriter:
         checksums: bool = True,
         fsync: bool = False,
         statistics: bool = False,
+        on_file_complete: Callable[[str], None] | None = None,
         resume: bool = True,
         overwrite: bool = False,
         checkpoint_interval: float = 30.0,
@@ -351,6 +352,7 @@ class DatasetWriter:
         self.checksums = checksums
         self.fsync = fsync
         self.statistics = bool(statistics)
+        self.on_file_complete = on_file_complete  # called with each shard's path once it is final
         from .statistics import RunningStats
 
         self._stats = {layer: RunningStats.empty(self.dim) for layer in layers} if self.statistics else {}
@@ -864,9 +866,12 @@ class DatasetWriter:
                 for slot, f in d["files"].items():
                     src = self.staging / f["staging"]
                     if src.exists():
-                        dst = self.out_dir / self._final_name(s.name, slot, shard)
+                        rel = self._final_name(s.name, slot, shard)
+                        dst = self.out_dir / rel
                         dst.parent.mkdir(parents=True, exist_ok=True)
                         os.replace(src, dst)
+                        if self.on_file_complete is not None:
+                            self.on_file_complete(rel)
 
     def close(self) -> Path:
         """Finish every shard, write the card and, last, the index. Returns the dataset folder."""
@@ -895,13 +900,18 @@ class DatasetWriter:
         for j, d in enumerate(seq_closed):
             for slot, f in d["files"].items():
                 src = self.staging / f["staging"]
-                dst = self.out_dir / self._final_name("seq", slot, n_last + j)
+                rel = self._final_name("seq", slot, n_last + j)
+                dst = self.out_dir / rel
                 if src.exists():
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(src, dst)
+                    if self.on_file_complete is not None:
+                        self.on_file_complete(rel)
                 elif not dst.exists():
                     raise FormatError(f"sequence shard {dst} is missing; the partial output is damaged, pass overwrite=True")
         stats_desc = self._write_statistics() if self._stats else None
+        if stats_desc and self.on_file_complete is not None:
+            self.on_file_complete(stats_desc["file"])
         info = self._info(n_last, seq_closed)
         if stats_desc:
             info["tensors"]["statistics"] = stats_desc

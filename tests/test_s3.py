@@ -1,0 +1,115 @@
+"""Object storage: extract to s3:// while shards upload in the background, and load back, against moto on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import numpy as np
+import pytest
+from conftest import PROMPTS
+
+import lmprobe
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    os.environ["LMPROBE_CACHE"] = str(tmp_path_factory.mktemp("lmprobe-cache"))
+    import boto3
+
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="acts")
+    yield env["AWS_ENDPOINT_URL"]
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _s3fs():
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    return s3fs.S3FileSystem()
+
+
+def test_extract_to_s3_and_load_back(s3, llama_dir, tmp_path):
+    url = f"s3://acts/run-{uuid.uuid4().hex[:6]}"
+    local = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "local", layers="0,2", storage="full_sequence",
+                            shard_size="2KB", logits_topk=3, quiet=True)
+    _s3fs()
+    remote = lmprobe.extract(str(llama_dir), PROMPTS, out=url, layers="0,2", storage="full_sequence",
+                             shard_size="2KB", logits_topk=3, quiet=True)
+    fs = _s3fs()
+    keys = sorted(k.split("/", 2)[2] for k in fs.find(url))
+    local_files = sorted(p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")
+                         if p.is_file())
+    assert keys == local_files
+    fresh = lmprobe.load(url)
+    for layer in (0, 2):
+        np.testing.assert_array_equal(fresh.hidden(layer), local.hidden(layer))
+        np.testing.assert_array_equal(fresh.token_hidden(3, layer), local.token_hidden(3, layer))
+    np.testing.assert_array_equal(remote.logits_topk()[1], local.logits_topk()[1])
+    s1, s2 = local.statistics(2), fresh.statistics(2)
+    np.testing.assert_allclose(s1["mean"], s2["mean"])
+    # uploaded shards do not stay in the local staging folder
+    from lmprobe.remote import cache_dir
+
+    staged = cache_dir(url, "outputs")
+    assert not list((staged / "tensors").glob("hidden_*.safetensors"))
+    # a second run is a no-op
+    again = lmprobe.extract(str(llama_dir), PROMPTS, out=url, layers="0,2", storage="full_sequence",
+                            shard_size="2KB", logits_topk=3, quiet=True)
+    assert again.num_prompts == len(PROMPTS)
+
+
+def test_upload_failures_are_retried(s3, llama_dir, monkeypatch):
+    from lmprobe import remote
+
+    url = f"s3://acts/flaky-{uuid.uuid4().hex[:6]}"
+    real_put = remote.UploadSink._put
+    fails = {"n": 0}
+
+    def flaky_fs_put(self, rel):
+        real = self.fs.put_file
+
+        def put(src, dst):
+            fails["n"] += 1
+            if fails["n"] in (1, 3):
+                raise ConnectionError("connection reset by peer")
+            return real(src, dst)
+
+        self.fs.put_file = put
+        try:
+            return real_put(self, rel)
+        finally:
+            self.fs.put_file = real
+
+    monkeypatch.setattr(remote.UploadSink, "_put", flaky_fs_put)
+    monkeypatch.setattr(remote.UploadSink, "__init__",
+                        lambda self, *a, **k: real_init(self, *a, **{**k, "base_wait": 0.0}))
+    _s3fs()
+    lmprobe.extract(str(llama_dir), PROMPTS, out=url, layers="1", quiet=True)
+    assert fails["n"] >= 3
+    assert lmprobe.load(url).num_prompts == len(PROMPTS)
+
+
+real_init = __import__("lmprobe.remote", fromlist=["UploadSink"]).UploadSink.__init__
+
+
+def test_missing_remote_dataset_is_a_clear_error(s3):
+    _s3fs()
+    with pytest.raises(FileNotFoundError, match="holds no complete lmprobe dataset"):
+        lmprobe.load("s3://acts/nothing-here")
+    json.dumps({})
