@@ -13,7 +13,6 @@ through the normal Hugging Face cache, all from one pinned commit.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -26,6 +25,7 @@ from typing import Any
 from .errors import DatasetNotFoundError, LmprobeError, ShardMissingError
 from .format.paths import check_relpath
 from .format.spec import CARD_PATH, INDEX_PATH
+from .hashing import sha256_file
 
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 DEFAULT_COMMIT_FILES = 50
@@ -172,13 +172,6 @@ def dataset_files(root: Path) -> list[_File]:
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * 1024 * 1024):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def _status(exc: BaseException) -> int | None:
     resp = getattr(exc, "response", None)
@@ -297,7 +290,7 @@ class _Pusher:
             if not f.local.is_file():
                 raise PushError(f"{f.local} is missing; the local dataset is incomplete, nothing was pushed")
             if f.sha256 is None:
-                f.sha256 = _sha256(f.local)
+                f.sha256 = sha256_file(f.local)
             f.size = f.local.stat().st_size
         remote = self.retry(f"listing {self.repo_id}", self.remote_files)
         todo = [f for f in files if remote.get(f.rel) != f.sha256]

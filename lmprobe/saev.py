@@ -52,13 +52,6 @@ def shard_sizes(n_ex: int, per_shard: int) -> list[int]:
     return [per_shard] * full + ([rest] if rest else [])
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * 2**20):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 @dataclass
 class _Plan:

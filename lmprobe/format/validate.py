@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import FormatError
+from ..hashing import sha256_file
 from .metadata import DatasetInfo, decode_schema_metadata, parse_info
 from .paths import resolve_inside
 from .reader import find_index
@@ -38,13 +38,6 @@ class Report:
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * 1024 * 1024):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _int_col(table: pa.Table, name: str, rep: Report, *, expected: str = "int32") -> np.ndarray | None:
@@ -96,7 +89,7 @@ def _check_file(root: Path, rel: str, key_types: dict[str, tuple[str | None, tup
         if "bytes" in recorded and recorded["bytes"] != header.file_size:
             rep.errors.append(f"{rel}: size is {header.file_size} bytes, the metadata records {recorded['bytes']}")
         if checksums and "sha256" in recorded:
-            actual = _sha256(path)
+            actual = sha256_file(path)
             if actual != recorded["sha256"]:
                 rep.errors.append(f"{rel}: sha256 is {actual}, the metadata records {recorded['sha256']}")
 

@@ -13,7 +13,6 @@ to continue. The index is written last, so a folder with an index is a complete 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ColumnTypeError, FormatError, OutputExistsError, ResumeMismatchError
+from ..hashing import sha256_file
 from ..units import parse_size
 from . import card
 from .metadata import decode_schema_metadata, encode_schema_metadata, parse_info
@@ -66,15 +66,6 @@ def _atomic_write_bytes(path: Path, data: bytes, fsync: bool = False) -> None:
             os.fsync(f.fileno())
     os.replace(tmp, path)
 
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(8 * 1024 * 1024)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def default_provenance() -> dict[str, Any]:
@@ -212,7 +203,7 @@ class _Stream:
             staged = self.staging / self.staging_name(slot, self.shard)
             files[slot] = {"bytes": size, "staging": staged.name}
             if self.checksums:
-                self.futures[(self.shard, slot)] = self.executor.submit(_sha256_file, staged)
+                self.futures[(self.shard, slot)] = self.executor.submit(sha256_file, staged)
         self.closed.append({"num_prompts": self.prompts, "num_tokens": self.rows, "files": files})
         self.writers = {}
         self.shard += 1
@@ -938,7 +929,7 @@ class DatasetWriter:
             "bytes": final.stat().st_size,
         }
         if self.checksums:
-            desc["sha256"] = _sha256_file(final)
+            desc["sha256"] = sha256_file(final)
         return desc
 
     def _shard_descriptor(self, d: dict, *, tokens: bool, stream: str, shard: int) -> dict:
