@@ -94,10 +94,10 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     from .extraction.runner import extract
 
     if args.push:
-        try:
-            from .hub import push_to_hub
-        except ImportError:
-            raise LmprobeError("--push needs lmprobe's Hub support (lmprobe.hub), which this install lacks") from None
+        from .hub import REPO_ID_RE, push_to_hub
+
+        if not REPO_ID_RE.match(args.push):  # before hours of extraction, not after
+            raise LmprobeError(f"--push {args.push!r} is not a repo id; use OWNER/NAME")
 
     ds = extract(
         args.model,
@@ -148,7 +148,6 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from .extraction.model import parse_layers
     from .hub import load_from_hub, parse_repo_ref, pull
 
     layers = None
@@ -156,8 +155,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
         ref = parse_repo_ref(args.repo, args.revision)
         if ref is None:
             raise LmprobeError(f"{args.repo!r} is not a Hub repo id (OWNER/NAME or hf://datasets/OWNER/NAME)")
-        stored = load_from_hub(ref, token=args.token).layers
-        layers = [x for x in parse_layers(args.layers, max(stored) + 1)]
+        layers = _stored_layers(args.layers, load_from_hub(ref, token=args.token).layers)
     pull(args.repo, args.out, layers=layers, logits=not args.no_logits, revision=args.revision, token=args.token,
          quiet=args.quiet, only=args.only)
     return 0
@@ -196,14 +194,10 @@ def _cmd_export_sae(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_saev(args: argparse.Namespace) -> int:
-    from .extraction.model import parse_layers
     from .format.reader import load
     from .saev import export_saev
 
-    ds = load(args.source)
-    layers = None
-    if args.layers not in (None, "all"):
-        layers = parse_layers(args.layers, max(ds.layers) + 1)
+    layers = _stored_layers(args.layers, load(args.source).layers)
     folder = export_saev(args.source, args.out, layers=layers, context_len=args.context_len,
                          patches_per_shard=args.patches_per_shard, drop_first_token=args.drop_first_token,
                          tokens=not args.no_tokens, quiet=args.quiet)
@@ -217,12 +211,11 @@ def _cmd_export_saev(args: argparse.Namespace) -> int:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    from .extraction.model import parse_layers
     from .format.reader import load
     from .probe import plot_sweep, sweep
 
     ds = load(args.dataset)
-    layers = None if args.layers in (None, "all") else parse_layers(args.layers, max(ds.layers) + 1)
+    layers = _stored_layers(args.layers, ds.layers)
     table = sweep(ds, layers=layers, label_column=args.label_column, classifier=args.classifier, cv=args.cv,
                   pooling=args.pooling, seed=args.seed)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
@@ -247,6 +240,15 @@ def _cmd_sae_topk(args: argparse.Namespace) -> int:
     from .sae.cli import run_topk
 
     return run_topk(args)
+
+
+def _stored_layers(spec: str | None, stored: list[int]) -> list[int] | None:
+    """--layers against the layers a dataset stores (negative indices count from the last one); None: all."""
+    from .extraction.model import parse_layers
+
+    if spec in (None, "all"):
+        return None
+    return parse_layers(spec, max(stored) + 1)
 
 
 def _positive_int(text: str) -> int:

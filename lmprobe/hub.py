@@ -113,8 +113,6 @@ class HubFiles:
         except EntryNotFoundError:
             raise ShardMissingError(self.missing_hint(rel)) from None
 
-    def fetch_many(self, rels: list[str]) -> list[Path]:
-        return [self.fetch(r) for r in rels]
 
     def missing_hint(self, rel: str) -> str:
         return f"{rel} is not in {self}; the repo is incomplete (was its push interrupted? re-run `lmprobe push`)"

@@ -155,8 +155,6 @@ class RemoteFiles:
         os.replace(tmp, dst)
         return dst
 
-    def fetch_many(self, rels: list[str]) -> list[Path]:
-        return [self.fetch(r) for r in rels]
 
     def missing_hint(self, rel: str) -> str:
         return f"{rel} is missing from {self.url}; the upload may be incomplete (re-run the extraction to resume)"

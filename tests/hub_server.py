@@ -139,6 +139,18 @@ class Handler(BaseHTTPRequestHandler):
             return None
         return commit, repo.commits[commit]
 
+    def _lookup(self, t: str, id: str, rev: str) -> tuple[Repo, str, dict[str, Entry]] | None:
+        """(repo, commit, tree) at ``rev``, or None after answering 404 as the Hub does."""
+        repo = self._repo(t, id)
+        if repo is None:
+            self._error(404, "Repository not found", "RepoNotFound")
+            return None
+        found = self._tree(repo, rev)
+        if found is None:
+            self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+            return None
+        return repo, found[0], found[1]
+
     # ------------------------------------------------------------------ dispatch
     def do_HEAD(self):
         self._dispatch()
@@ -225,13 +237,9 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, {"errors": [], "warnings": []})
 
     def info(self, query, t, id, rev="main"):
-        repo = self._repo(t, id)
-        if repo is None:
-            return self._error(404, "Repository not found", "RepoNotFound")
-        found = self._tree(repo, rev)
-        if found is None:
-            return self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
-        commit, tree = found
+        if (found := self._lookup(t, id, rev)) is None:
+            return
+        repo, commit, tree = found
         self._json(200, {
             "id": repo.repo_id, "_id": repo.repo_id, "author": repo.repo_id.split("/")[0], "sha": commit,
             "private": repo.private, "disabled": False, "gated": False, "downloads": 0, "likes": 0, "tags": [],
@@ -377,14 +385,10 @@ class Handler(BaseHTTPRequestHandler):
         return out
 
     def tree(self, query, t, id, rev, sub=None):
-        repo = self._repo(t, id)
-        if repo is None:
-            return self._error(404, "Repository not found", "RepoNotFound")
-        found = self._tree(repo, rev)
-        if found is None:
-            return self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+        if (found := self._lookup(t, id, rev)) is None:
+            return
         sub = unquote(sub or "")
-        listing = self._listing(found[1], sub, query.get("recursive", ["false"])[0].lower() in ("true", "1"))
+        listing = self._listing(found[2], sub, query.get("recursive", ["false"])[0].lower() in ("true", "1"))
         if sub.strip("/") and not listing:
             return self._error(404, f"{sub} does not exist", "EntryNotFound")
         self._json(200, listing)
@@ -393,13 +397,9 @@ class Handler(BaseHTTPRequestHandler):
         raw = self._body().decode()
         form = parse_qs(raw) if "application/json" not in (self.headers.get("Content-Type") or "") else json.loads(raw)
         paths = form.get("paths", [])
-        repo = self._repo(t, id)
-        if repo is None:
-            return self._error(404, "Repository not found", "RepoNotFound")
-        found = self._tree(repo, rev)
-        if found is None:
-            return self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
-        tree = found[1]
+        if (found := self._lookup(t, id, rev)) is None:
+            return
+        tree = found[2]
         out = []
         for p in paths:
             p = p.strip("/")
@@ -410,13 +410,9 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, out)
 
     def resolve(self, query, t, id, rev, file):
-        repo = self._repo(t or "model", id)
-        if repo is None:
-            return self._error(404, "Repository not found", "RepoNotFound")
-        found = self._tree(repo, rev)
-        if found is None:
-            return self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
-        commit, tree = found
+        if (found := self._lookup(t, id, rev)) is None:
+            return
+        _, commit, tree = found
         file = unquote(file)
         e = tree.get(file)
         if e is None:

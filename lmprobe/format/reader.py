@@ -23,7 +23,7 @@ RowsArg = None | int | slice | Iterable[int] | np.ndarray
 
 
 class LocalFiles:
-    """Dataset files in a local folder. Other sources (the Hub, object storage) offer the same two calls."""
+    """Dataset files in a local folder. Other sources (the Hub, object storage) offer the same calls."""
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
@@ -35,8 +35,6 @@ class LocalFiles:
         """Local path of the dataset file ``rel``, refused if it lies outside the root."""
         return resolve_inside(self.root, rel, what)
 
-    def fetch_many(self, rels: list[str]) -> list[Path]:
-        return [self.fetch(r) for r in rels]
 
     def missing_hint(self, rel: str) -> str:
         return f"{rel} is missing from {self.root}; the dataset is incomplete (re-copy or re-download it)"
