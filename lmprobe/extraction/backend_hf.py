@@ -43,14 +43,13 @@ def prediction_positions(keep, b: int):
     return idx[1:] - 1, idx[1:]
 
 
-def perplexity_from_nll(nll, keep) -> dict[str, list]:
-    """Per-prompt perplexity from (B, T-1) next-token NLLs (nll[b, t] predicts token t+1)."""
+def _summarise(rows: list) -> dict[str, list]:
+    """mean = exp(mean NLL); min/max over per-token perplexities exp(NLL_t); token = those perplexities."""
     import torch
 
     out: dict[str, list] = {"mean": [], "min": [], "max": [], "token": []}
-    for b in range(nll.shape[0]):
-        v = nll[b][prediction_positions(keep, b)[0]].double()
-        if len(v) == 0:
+    for v in rows:  # one float64 NLL vector per prompt
+        if len(v) == 0:  # a prompt with a single stored token has no prediction
             for key in ("mean", "min", "max"):
                 out[key].append(float("nan"))
             out["token"].append([])
@@ -63,33 +62,24 @@ def perplexity_from_nll(nll, keep) -> dict[str, list]:
     return out
 
 
+def perplexity_from_nll(nll, keep) -> dict[str, list]:
+    """Per-prompt perplexity from (B, T-1) next-token NLLs (nll[b, t] predicts token t+1)."""
+    return _summarise([nll[b][prediction_positions(keep, b)[0]].double() for b in range(nll.shape[0])])
+
+
 def perplexity_from_logits(logits, input_ids, keep) -> dict[str, list]:
     """Per-prompt perplexity from (B, T, V) logits, computed row by row on the logits' device.
 
-    mean = exp(mean next-token NLL); min/max over per-token perplexities exp(NLL_t);
-    token = the per-token perplexities of the stored tokens after the first, each predicted from
-    everything before it (``keep`` marks the stored tokens; by default every real token).
+    Per-token values cover the stored tokens after the first, each predicted from everything before
+    it (``keep`` marks the stored tokens; by default every real token). See ``_summarise``.
     """
-    import torch
     import torch.nn.functional as F
 
-    out: dict[str, list] = {"mean": [], "min": [], "max": [], "token": []}
+    rows = []
     for b in range(input_ids.shape[0]):
         pred, target = prediction_positions(keep, b)
-        if len(target) < 1:
-            out["mean"].append(float("nan"))
-            out["min"].append(float("nan"))
-            out["max"].append(float("nan"))
-            out["token"].append([])
-            continue
-        lg = logits[b, pred].float()
-        nll = F.cross_entropy(lg, input_ids[b, target], reduction="none").double()
-        ppl = torch.exp(nll)
-        out["mean"].append(float(torch.exp(nll.mean())))
-        out["min"].append(float(ppl.min()))
-        out["max"].append(float(ppl.max()))
-        out["token"].append(ppl.cpu().tolist())
-    return out
+        rows.append(F.cross_entropy(logits[b, pred].float(), input_ids[b, target], reduction="none").double())
+    return _summarise(rows)
 
 
 class TransformersBackend:
