@@ -90,16 +90,19 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+def part_files(base: Path) -> list[Path]:
+    """The files of one extra part, its top-level metadata after the data it describes (metadata.json last)."""
+    files = sorted(p for p in base.rglob("*") if p.is_file() and not p.name.endswith(".tmp"))
+    meta = {"metadata.json", "shards.json", "meta.json"}
+    return sorted(files, key=lambda p: (p.name in meta and p.parent == base, p.name == "metadata.json"))
+
+
 def extra_files(root: Path, extras: dict[str, list[dict]]) -> list[tuple[str, Path]]:
-    """(repo path, local path) of every file of every extra; metadata files come after the data they describe."""
+    """(repo path, local path) of every file of every extra, each part's metadata after its data."""
     out = []
     for kind in ("saev", "sae"):
         for item in extras.get(kind, []):
-            base = root / item["path"]
-            files = sorted(p for p in base.rglob("*") if p.is_file() and not p.name.endswith(".tmp"))
-            last = {"metadata.json", "shards.json", "meta.json"}
-            files.sort(key=lambda p: (p.name in last and p.parent == base, p.name == "metadata.json"))
-            out += [(p.relative_to(root).as_posix(), p) for p in files]
+            out += [(p.relative_to(root).as_posix(), p) for p in part_files(root / item["path"])]
     return out
 
 
@@ -184,18 +187,14 @@ def publish_extra(repo_id: str, local: str | os.PathLike, kind: str, *, token: s
     import tempfile
 
     from .format.reader import load
-    from .hub import _File, _Pusher
+    from .hub import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, _File, _Pusher
 
     local = Path(local)
     item = describe_saev(local) if kind == SAEV_DIR else describe_sae(local.parent, local.name)
     ds = load(repo_id, token=token)  # the dataset must be there: it is the entry point
     pusher = _Pusher(repo_id, token=token, revision=None, max_retries=5, base_wait=base_wait, quiet=quiet)
-    files: list[_File] = []
-    base = local
-    for p in sorted((q for q in base.rglob("*") if q.is_file() and not q.name.endswith(".tmp")),
-                    key=lambda q: (q.name in ("metadata.json", "shards.json", "meta.json") and q.parent == base,
-                                   q.name == "metadata.json")):
-        files.append(_File(f"{item['path']}/{p.relative_to(base).as_posix()}", p, p.stat().st_size, None))
+    files = [_File(f"{item['path']}/{p.relative_to(local).as_posix()}", p, p.stat().st_size, None)
+             for p in part_files(local)]
     extras = extras_of(ds)
     extras[kind] = [x for x in extras[kind] if x["path"] != item["path"]] + [item]
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,5 +203,6 @@ def publish_extra(repo_id: str, local: str | os.PathLike, kind: str, *, token: s
         shutil.copyfile(ds._files.fetch(INDEX_PATH), root / INDEX_PATH)
         attach_extras(root, extras, repo_id)
         last = [_File(CARD_PATH, root / CARD_PATH, -1, None), _File(INDEX_PATH, root / INDEX_PATH, -1, None)]
-        pusher.push_files(files, last, commit_files=50, commit_bytes=20 * 1024**3, label=item["path"])
+        pusher.push_files(files, last, commit_files=DEFAULT_COMMIT_FILES, commit_bytes=DEFAULT_COMMIT_BYTES,
+                          label=item["path"])
     return item["path"]

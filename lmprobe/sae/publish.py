@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..hub import REPO_ID_RE, _File, _Pusher
+from ..hub import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, REPO_ID_RE, _File, _Pusher
 from .loader import validate_dictionary
 
 
@@ -21,7 +21,7 @@ def dictionary_files(root: str | os.PathLike, name: str, prefix: str | None = No
 
 def push_dictionary(root: str | os.PathLike, name: str, repo_id: str, *, private: bool = False,
                     revision: str | None = None, token: str | None = None, repo_type: str = "model",
-                    prefix: str | None = None, commit_files: int = 50, max_retries: int = 5, base_wait: float = 2.0,
+                    prefix: str | None = None, commit_files: int = DEFAULT_COMMIT_FILES, max_retries: int = 5, base_wait: float = 2.0,
                     quiet: bool = False) -> str:
     """Upload a validated dictionary; layer files in bounded commits, meta.json last. Resumable."""
     if not REPO_ID_RE.match(repo_id):
@@ -33,6 +33,6 @@ def push_dictionary(root: str | os.PathLike, name: str, repo_id: str, *, private
     pusher = _Pusher(repo_id, token=token, revision=revision, max_retries=max_retries, base_wait=base_wait,
                      repo_type=repo_type, quiet=quiet)
     pusher.prepare(private)
-    pusher.push_files(files, last, commit_files=commit_files, commit_bytes=20 * 1024**3, label=f"SAE {name}")
+    pusher.push_files(files, last, commit_files=commit_files, commit_bytes=DEFAULT_COMMIT_BYTES, label=f"SAE {name}")
     kind = "" if repo_type == "model" else f"{repo_type}s/"
     return f"{pusher.api.endpoint.rstrip('/')}/{kind}{repo_id}"
