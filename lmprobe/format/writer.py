@@ -137,6 +137,8 @@ class _Stream:
 
     def plan(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[_Segment]]:
         """Assign each prompt's ``counts[i]`` rows to (shard, offset); prompts never straddle shards."""
+        if len(counts) and bool(np.all(counts == 1)):
+            return self._plan_one_row_each(len(counts))
         shard_of = np.full(len(counts), -1, dtype=np.int64)
         offset_of = np.zeros(len(counts), dtype=np.int64)
         segments: list[_Segment] = []
@@ -155,6 +157,19 @@ class _Stream:
             rows += c
             cursor += c
             seg.row_hi = cursor
+        return shard_of, offset_of, segments
+
+    def _plan_one_row_each(self, n: int) -> tuple[np.ndarray, np.ndarray, list[_Segment]]:
+        """``plan`` when every prompt has one row (last-token and logits streams), without a Python loop."""
+        cap = self.cap_rows
+        room = cap - self.rows  # rows left in the open shard (the whole cap when none is open)
+        first = min(room, n)
+        rest = np.arange(n - first, dtype=np.int64)
+        shard_of = np.concatenate([np.full(first, self.shard, dtype=np.int64), self.shard + 1 + rest // cap])
+        offset_of = np.concatenate([self.rows + np.arange(first, dtype=np.int64), rest % cap])
+        segments = [_Segment(False, 0, first)] if first else []
+        for lo in range(first, n, cap):
+            segments.append(_Segment(True, lo, min(n, lo + cap)))
         return shard_of, offset_of, segments
 
     def write(self, segments: list[_Segment], arrays: dict[str, list[np.ndarray]], counts: np.ndarray,
