@@ -375,8 +375,10 @@ def _run(writer: Any, p: Prompts, spec: Any, tok: Any, lengths: np.ndarray, sett
          quiet: bool, block_path: str | None) -> None:
     import torch
 
+    from .._alloc import bound_allocator_cache
     from .backend_hf import TransformersBackend
 
+    bound_allocator_cache()  # batch buffers go back to the system when freed: memory stays bounded
     n = len(p)
     # longest first (an out-of-memory batch shows at once), ties in input order; deterministic, so a
     # resumed run continues in the same order after the writer's num_prompts
