@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lmprobe.format.reader import load  # noqa: E402
+from lmprobe import load  # noqa: E402
 from lmprobe.format.safetensors_io import read_header  # noqa: E402
 from lmprobe.format.writer import DatasetWriter  # noqa: E402
 

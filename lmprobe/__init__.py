@@ -3,62 +3,49 @@
 >>> import lmprobe
 >>> ds = lmprobe.load("path/or/owner/name")   # doctest: +SKIP
 >>> X, y = ds.hidden(ds.layers[-1]), ds.labels  # doctest: +SKIP
+
+The API lives in ``lmprobe.api`` (and ``lmprobe.format`` for ``Dataset``/``DatasetWriter``); its
+names load on first use, so that ``import lmprobe.sae`` stays free of numpy, pyarrow and torch.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+import importlib
 from typing import TYPE_CHECKING, Any
 
+from .errors import LmprobeError
+from .version import __version__
+
 if TYPE_CHECKING:
+    from .api import extract, load, merge, pull, push_to_hub, validate
+    from .extraction.config import ExtractionConfig
     from .format.reader import Dataset
     from .format.writer import DatasetWriter
 
-__all__ = ["Dataset", "DatasetWriter", "extract", "load", "push_to_hub", "validate", "__version__"]
+_LAZY = {
+    "extract": "api",
+    "load": "api",
+    "merge": "api",
+    "pull": "api",
+    "push_to_hub": "api",
+    "validate": "api",
+    "ExtractionConfig": "extraction.config",
+    "Dataset": "format.reader",
+    "DatasetWriter": "format.writer",
+}
 
-
-def push_to_hub(path: Any, repo_id: str, **kwargs: Any) -> str:
-    """Publish a dataset folder to a Hub dataset repo (resumable). See ``lmprobe.hub.push_to_hub``."""
-    from .hub import push_to_hub as _push
-
-    return _push(path, repo_id, **kwargs)
-
-
-def extract(model: str, prompts: Any, *, out: Any, **kwargs: Any) -> Dataset:
-    """Run ``model`` over ``prompts`` and write an lmprobe dataset to ``out``; returns it loaded.
-
-    >>> ds = lmprobe.extract("lmprobe-tiny", "examples/prompts.jsonl", out="out/tiny")  # doctest: +SKIP
-
-    See ``lmprobe.extraction.runner.extract`` for every option.
-    """
-    from .extraction.runner import extract as _extract
-
-    return _extract(model, prompts, out=out, **kwargs)
-
-
-def load(path: Any, **kwargs: Any) -> Dataset:
-    """Open an lmprobe dataset: a local folder or a Hub repo. See ``lmprobe.format.reader.load``."""
-    from .format.reader import load as _load
-
-    return _load(path, **kwargs)
-
-
-def validate(path: Any, **kwargs: Any):
-    """Check a dataset against the format document; returns a report (see ``lmprobe.format.validate``)."""
-    from .format.validate import validate as _validate
-
-    return _validate(path, **kwargs)
+__all__ = ["Dataset", "DatasetWriter", "ExtractionConfig", "LmprobeError", "__version__", "extract", "load", "merge",
+           "pull", "push_to_hub", "validate"]
 
 
 def __getattr__(name: str) -> Any:
-    # torch, transformers and pyarrow load only when a name that needs them is used
-    if name == "Dataset":
-        from .format.reader import Dataset
-
-        return Dataset
-    if name == "DatasetWriter":
-        from .format.writer import DatasetWriter
-
-        return DatasetWriter
+    # PEP 562: the API's modules import numpy and pyarrow, so they load when a name is first used
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'lmprobe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

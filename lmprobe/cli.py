@@ -7,14 +7,25 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import __version__
+from . import api
+from .demo import write_demo
 from .errors import LmprobeError
+from .extraction.config import ExtractionConfig
+from .extraction.model import parse_layers
+from .extraction.runner import run
+from .opening import load
+from .probe import plot_sweep, sweep
+from .publish.attachments import publish_attachment
+from .publish.dictionary import push_dictionary
+from .sae.cli import add_topk_arguments, run_topk
+from .sae.export import export_sae
+from .saev import export_saev, is_saev_folder, validate_saev
+from .storage.hub import check_repo_id
+from .units import format_size
+from .version import __version__
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from .format.validate import validate
-    from .saev import is_saev_folder, validate_saev
-
     worst = 0
     for path in args.paths:
         if is_saev_folder(path):
@@ -24,7 +35,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 print(f"  error: {p}")
             worst = max(worst, 1 if problems else 0)
             continue
-        report = validate(path, checksums=not args.no_checksums)
+        report = api.validate(path, checksums=not args.no_checksums)
         print(report)
         if not report.ok or (args.strict and report.warnings):
             worst = 1
@@ -32,9 +43,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .format.reader import load
-    from .units import format_size
-
     ds = load(args.path)
     info = ds.info
     h = info["tensors"].get("hidden_layers", {})
@@ -83,87 +91,43 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import write_demo
-
     path = write_demo(args.out, overwrite=args.overwrite)
     print(f"wrote a synthetic demo dataset to {path}")
     return _cmd_info(argparse.Namespace(path=str(path)))
 
 
 def _cmd_extract(args: argparse.Namespace) -> int:
-    from .extraction.runner import extract
-
     if args.push:
-        from .hub import REPO_ID_RE, push_to_hub
-
-        if not REPO_ID_RE.match(args.push):  # before hours of extraction, not after
-            raise LmprobeError(f"--push {args.push!r} is not a repo id; use OWNER/NAME")
-
-    ds = extract(
-        args.model,
-        args.prompts,
-        out=args.out,
-        layers=args.layers,
-        storage=args.storage,
-        logits_topk=args.logits_topk,
-        perplexity=args.perplexity,
-        token_strings=args.token_strings,
-        token_ids=args.token_ids,
-        dtype=args.dtype,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        truncate=args.truncate,
-        shard_size=args.shard_size,
-        device=args.device,
-        compute_dtype=args.compute_dtype,
-        text_column=args.text_column,
-        label_column=args.label_column,
-        revision=args.revision,
-        trust_remote_code=args.trust_remote_code,
-        quiet=args.quiet,
-        overwrite=args.overwrite,
-        block_path=args.block_path,
-        backend=args.backend,
-        remote=args.remote,
-        statistics=not args.no_statistics,
-        drop_special_tokens=args.drop_special_tokens,
-        chat_template=args.chat_template,
-    )
+        check_repo_id(args.push)  # before hours of extraction, not after
+    settings = {name: getattr(args, name) for name in ExtractionConfig.field_names() if hasattr(args, name)}
+    cfg = ExtractionConfig(**settings, statistics=not args.no_statistics)
+    ds = run(cfg)
     if not args.quiet:
         h = ds.info["tensors"]["hidden_layers"]
         n_files = sum(1 for p in Path(args.out).rglob("*.safetensors"))
         print(f"wrote {ds.num_prompts} prompts x {len(ds.layers)} layers x {ds.dim} dims ({h['storage']}, {ds.dtype}) "
               f"to {args.out}: {n_files} shard files + index")
     if args.push:
-        push_to_hub(args.out, args.push, private=args.private, token=args.token, quiet=args.quiet)
+        api.push_to_hub(args.out, args.push, private=args.private, token=args.token, quiet=args.quiet)
     return 0
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
-    from .hub import push_to_hub
-
-    push_to_hub(args.path, args.repo, private=args.private, revision=args.revision, token=args.token, quiet=args.quiet,
+    api.push_to_hub(args.path, args.repo, private=args.private, revision=args.revision, token=args.token, quiet=args.quiet,
                 saev=args.saev, sae=args.sae)
     return 0
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from .hub import load_from_hub, parse_repo_ref, pull
-
     layers = None
     if args.layers not in (None, "all") and args.only in (None, "dataset"):
-        ref = parse_repo_ref(args.repo, args.revision)
-        if ref is None:
-            raise LmprobeError(f"{args.repo!r} is not a Hub repo id (OWNER/NAME or hf://datasets/OWNER/NAME)")
-        layers = _stored_layers(args.layers, load_from_hub(ref, token=args.token).layers)
-    pull(args.repo, args.out, layers=layers, logits=not args.no_logits, revision=args.revision, token=args.token,
+        layers = _stored_layers(args.layers, load(args.repo, revision=args.revision, token=args.token).layers)
+    api.pull(args.repo, args.out, layers=layers, logits=not args.no_logits, revision=args.revision, token=args.token,
          quiet=args.quiet, only=args.only)
     return 0
 
 
 def _cmd_export_sae(args: argparse.Namespace) -> int:
-    from .sae.export import export_sae
-
     report = export_sae(
         args.source,
         layer=args.layer,
@@ -180,40 +144,26 @@ def _cmd_export_sae(args: argparse.Namespace) -> int:
     )
     print(report)
     if args.push and args.repo_type == "dataset":
-        from pathlib import Path as _Path
-
-        from .extras import publish_extra
-
-        where = publish_extra(args.push, _Path(args.root) / args.dict, "sae", token=args.token)
+        where = publish_attachment(args.push, Path(args.root) / args.dict, "sae", token=args.token)
         print(f"published dictionary {args.dict} to dataset {args.push} under {where}/ (index and card updated)")
     elif args.push:
-        from .sae.publish import push_dictionary
-
         print(push_dictionary(args.root, args.dict, args.push, token=args.token, quiet=False))
     return 0
 
 
 def _cmd_export_saev(args: argparse.Namespace) -> int:
-    from .format.reader import load
-    from .saev import export_saev
-
     layers = _stored_layers(args.layers, load(args.source).layers)
     folder = export_saev(args.source, args.out, layers=layers, context_len=args.context_len,
                          patches_per_shard=args.patches_per_shard, drop_first_token=args.drop_first_token,
                          tokens=not args.no_tokens, quiet=args.quiet)
     if args.push:
-        from .extras import publish_extra
-
-        where = publish_extra(args.push, folder, "saev", token=args.token, quiet=args.quiet)
+        where = publish_attachment(args.push, folder, "saev", token=args.token, quiet=args.quiet)
         if not args.quiet:
             print(f"published {folder.name} to {args.push} under {where}/ (index and card updated)")
     return 0
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    from .format.reader import load
-    from .probe import plot_sweep, sweep
-
     ds = load(args.dataset)
     layers = _stored_layers(args.layers, ds.layers)
     table = sweep(ds, layers=layers, label_column=args.label_column, classifier=args.classifier, cv=args.cv,
@@ -229,23 +179,17 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    from .format.merge import merge_datasets
-
-    out = merge_datasets(args.parts, args.out, overwrite=args.overwrite)
-    print(f"merged {len(args.parts)} datasets into {out}")
+    api.merge(args.parts, args.out, overwrite=args.overwrite)
+    print(f"merged {len(args.parts)} datasets into {args.out}")
     return 0
 
 
 def _cmd_sae_topk(args: argparse.Namespace) -> int:
-    from .sae.cli import run_topk
-
     return run_topk(args)
 
 
 def _stored_layers(spec: str | None, stored: list[int]) -> list[int] | None:
     """--layers against the layers a dataset stores (negative indices count from the last one); None: all."""
-    from .extraction.model import parse_layers
-
     if spec in (None, "all"):
         return None
     return parse_layers(spec, max(stored) + 1)
@@ -397,8 +341,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_export_sae)
 
     p = sub.add_parser("sae-topk", help="print the top SAE features of a probe vector (smoke test)")
-    from .sae.cli import add_topk_arguments
-
     add_topk_arguments(p)
     p.set_defaults(func=_cmd_sae_topk)
 
@@ -424,10 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (LmprobeError, ValueError, KeyError) as exc:
-        # LmprobeError covers our own; ValueError/KeyError are bad input (a layer, a key, a setting)
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"lmprobe {args.command}: error: {msg}", file=sys.stderr)
+    except LmprobeError as exc:
+        # the user's input or environment: one line that says what to do; anything else is a bug
+        # and keeps its traceback
+        print(f"lmprobe {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"lmprobe {args.command}: interrupted", file=sys.stderr)

@@ -21,18 +21,16 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .errors import LmprobeError
+from .atomic import atomic_write
+from .errors import ProbeError
+from .format.reader import Dataset
+from .opening import load
+from .tensors import load_file, save_file
 
 Pooling = Literal["last_token", "mean"]
 
 
-class ProbeError(LmprobeError, ValueError):
-    """A probing request that cannot work (no labels, one class, pooling not possible, ...)."""
-
-
-def _dataset(ds: Any):
-    from .format.reader import Dataset, load
-
+def _dataset(ds: Any) -> Dataset:
     return ds if isinstance(ds, Dataset) else load(ds)
 
 
@@ -45,15 +43,11 @@ def _sklearn():
 
 def mean_hidden(ds: Any, layer: int, *, chunk_bytes: int = 64 * 2**20) -> np.ndarray:
     """Mean over each prompt's tokens of ``layer`` (full_sequence datasets): (num_prompts, dim) float32."""
-    import pyarrow.compute as pc
 
     ds = _dataset(ds)
     if ds.storage != "full_sequence":
         raise ProbeError("mean pooling needs every token: this dataset is pooled (extract with --storage full_sequence)")
-    lengths = ds.token_lengths()
-    ids_col, offs_col = ds.table.column("token_shard_ids"), ds.table.column("token_shard_offsets")
-    ids = pc.list_flatten(ids_col).to_numpy().astype(np.int64)
-    offs = pc.list_flatten(offs_col).to_numpy().astype(np.int64)
+    ids, offs, lengths = ds.token_addresses()
     starts = np.concatenate([[0], np.cumsum(lengths)])
     out = np.empty((len(lengths), ds.dim), dtype=np.float32)
     per_chunk = max(1, chunk_bytes // (ds.dim * 4))
@@ -62,7 +56,7 @@ def mean_hidden(ds: Any, layer: int, *, chunk_bytes: int = 64 * 2**20) -> np.nda
         j = int(np.searchsorted(starts, starts[i] + per_chunk, side="right")) - 1
         j = max(j, i + 1)
         a, b = starts[i], starts[j]
-        rows = np.asarray(ds._read_hidden(layer, ids[a:b], offs[a:b], as_torch=False), dtype=np.float32)
+        rows = np.asarray(ds.read_hidden_rows(layer, ids[a:b], offs[a:b]), dtype=np.float32)
         sums = np.add.reduceat(rows, starts[i:j] - a, axis=0)
         out[i:j] = sums / lengths[i:j, None]
         i = j
@@ -77,7 +71,7 @@ def features(ds: Any, layer: int, *, pooling: Pooling = "last_token", rows: Any 
     elif pooling == "mean":
         X = mean_hidden(ds, layer)
         if rows is not None:
-            X = X[ds._rows(rows)]
+            X = X[ds.row_indices(rows)]
     else:
         raise ProbeError(f"pooling must be 'last_token' or 'mean', got {pooling!r}")
     return np.asarray(X, dtype=np.float32)
@@ -224,23 +218,17 @@ class LinearProbe:
         return float(np.mean(self.predict(X) == np.asarray(y)))
 
     def save(self, path: str | os.PathLike) -> tuple[Path, Path]:
-        from .tensors import save_file
-
         base = Path(path)
         weights, meta = base.with_suffix(".safetensors"), base.with_suffix(".json")
         save_file({"probe": {"mean": self.mean, "scale": self.scale, "coef": self.coef, "intercept": self.intercept}},
                   weights)
         classes = [c.item() if hasattr(c, "item") else c for c in self.classes]
-        tmp = meta.with_name(meta.name + ".tmp")
-        tmp.write_text(json.dumps({"format": "lmprobe-linear-probe/1", "layer": self.layer, "classes": classes,
-                                   "settings": self.settings}, indent=2) + "\n")
-        os.replace(tmp, meta)
+        atomic_write(meta, json.dumps({"format": "lmprobe-linear-probe/1", "layer": self.layer, "classes": classes,
+                                       "settings": self.settings}, indent=2) + "\n")
         return weights, meta
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> LinearProbe:
-        from .tensors import load_file
-
         base = Path(path)
         meta = json.loads(base.with_suffix(".json").read_text())
         if meta.get("format") != "lmprobe-linear-probe/1":
@@ -262,6 +250,6 @@ def train_probe(ds: Any, layer: int, *, label_column: str = "label", pooling: Po
     scale[scale == 0] = 1.0
     clf = LogisticRegression(C=C, max_iter=5000, random_state=seed).fit((X - mean) / scale, y)
     settings = {"label_column": label_column, "pooling": pooling, "C": C, "seed": seed,
-                "model": ds.model, "trained_on": str(ds._files), "n_samples": int(len(y))}
+                "model": ds.model, "trained_on": ds.source, "n_samples": int(len(y))}
     return LinearProbe(int(layer), list(clf.classes_), mean.astype(np.float32), scale.astype(np.float32),
                        clf.coef_.astype(np.float32), clf.intercept_.astype(np.float32), settings)

@@ -21,17 +21,19 @@ from typing import Any
 
 import numpy as np
 
-from .errors import LmprobeError
+from .atomic import atomic_output, atomic_write
+from .errors import SaevError
+from .format.reader import Dataset
+from .format.spec import DTYPES
+from .format.values import bfloat16_bits_to_float32
+from .opening import load
+from .storage.hub import HubFiles, parse_hf_url
 
 PROTOCOL = "2.0"
 METADATA_KEYS = ("family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model", "n_ex", "patches_per_shard",
                  "data", "dataset", "dtype", "protocol")
 DEFAULT_PATCHES_PER_SHARD = 2_400_000
 _CHUNK_BYTES = 64 * 2**20
-
-
-class SaevError(LmprobeError, ValueError):
-    """A saev export or folder is invalid."""
 
 
 def metadata_hash(metadata: dict) -> str:
@@ -63,7 +65,7 @@ class _Plan:
 
 
 def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, patches_per_shard: int,
-          drop_first_token: bool, with_tokens: bool) -> _Plan:
+          drop_first_token: bool, with_tokens: bool, index_sha256: str) -> _Plan:
     if ds.storage != "full_sequence":
         raise SaevError(
             f"{source_desc} stores only the last token of each prompt (pooled); the saev protocol needs token "
@@ -101,11 +103,10 @@ def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, pat
     ckpt = model.get("name") or "unknown"
     if model.get("revision"):
         ckpt = f"{ckpt}@{model['revision']}"
-    index_sha = getattr(ds, "_index_sha256", None)
     data = {
         "__class__": "LmprobeTokenWindows",
         "source": source_desc,
-        "source_index_sha256": index_sha,
+        "source_index_sha256": index_sha256,
         "num_prompts": int(len(lengths)),
         "context_len": int(context_len),
         "packing": "concatenate",
@@ -160,18 +161,15 @@ def export_saev(
     A folder that already exists for the same configuration is verified and kept (a no-op). An
     interrupted export resumes: finished shards are kept and the rest are written.
     """
-    from .format.reader import Dataset, load
-
     ds = source if isinstance(source, Dataset) else load(source)
-    source_desc = str(ds._files) if not isinstance(source, (str, os.PathLike)) else str(source)
+    source_desc = ds.source if not isinstance(source, (str, os.PathLike)) else str(source)
     if isinstance(source, (str, os.PathLike)) and Path(source).exists():
         source_desc = str(Path(source).resolve())
     layer_list = list(ds.layers) if layers is None else [int(x) for x in layers]
     if not layer_list:
         raise SaevError("no layers to export")
-    ds._index_sha256 = _index_hash(ds)
     plan = _plan(ds, source_desc, layers=layer_list, context_len=context_len, patches_per_shard=patches_per_shard,
-                 drop_first_token=drop_first_token, with_tokens=tokens)
+                 drop_first_token=drop_first_token, with_tokens=tokens, index_sha256=_index_hash(ds))
     out = Path(out)
     final = out / plan.hash
     if (final / "metadata.json").exists():
@@ -185,13 +183,11 @@ def export_saev(
     partial.mkdir(parents=True, exist_ok=True)
     T, L, D = context_len, len(layer_list), ds.dim
     vec_bytes = D * 4
-    h = ds._info.hidden
+    h = ds.meta.hidden
     import pyarrow.compute as pc
 
-    ids_col = ds.table.column("token_shard_ids")
-    flat_ids = pc.list_flatten(ids_col).to_numpy().astype(np.int64)
-    flat_offs = pc.list_flatten(ds.table.column("token_shard_offsets")).to_numpy().astype(np.int64)
-    list_start = np.concatenate([[0], np.cumsum(pc.list_value_length(ids_col).to_numpy())[:-1]]).astype(np.int64)
+    flat_ids, flat_offs, list_lengths = ds.token_addresses()
+    list_start = np.concatenate([[0], np.cumsum(list_lengths)[:-1]]).astype(np.int64)
     src_pos = list_start[plan.prompt_of] + plan.token_in_prompt
     shard_of, offset_of = flat_ids[src_pos], flat_offs[src_pos]
     del flat_ids, flat_offs, src_pos
@@ -211,14 +207,14 @@ def export_saev(
 
     def source(layer: int, shard: int) -> np.ndarray:
         if (layer, shard) not in maps:
-            path, entry = ds._entry(h.file(layer, shard), h.key(layer), h.dtype, (D,), h.shard_rows(shard))
-            storage = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}[h.dtype]
-            maps[(layer, shard)] = np.memmap(path, dtype=storage, mode="r", offset=entry.start, shape=entry.shape)
+            path, entry = ds.hidden_shard(layer, shard)
+            maps[(layer, shard)] = np.memmap(path, dtype=DTYPES[h.dtype].np_storage, mode="r", offset=entry.start,
+                                             shape=entry.shape)
         return maps[(layer, shard)]
 
     def source_fd(layer: int, shard: int) -> tuple[int, int]:
         if (layer, shard) not in fds:
-            path, entry = ds._entry(h.file(layer, shard), h.key(layer), h.dtype, (D,), h.shard_rows(shard))
+            path, entry = ds.hidden_shard(layer, shard)
             fds[(layer, shard)] = (os.open(path, os.O_RDONLY), entry.start)
         return fds[(layer, shard)]
 
@@ -241,13 +237,13 @@ def export_saev(
     maps.clear()
     if tokens:
         tok = pc.list_flatten(ds.table.column("token_ids")).to_numpy()
-        _atomic(partial / "tokens.bin", np.ascontiguousarray(tok[list_start[plan.prompt_of] + plan.token_in_prompt],
-                                                               dtype="<u4").tobytes())
+        atomic_write(partial / "tokens.bin", np.ascontiguousarray(tok[list_start[plan.prompt_of] + plan.token_in_prompt],
+                                                                  dtype="<u4").tobytes())
     labels = _int_labels(ds)
     if labels is not None:
-        _atomic(partial / "labels.bin", labels[plan.prompt_of][:n_pos].tobytes())
-    _atomic(partial / "shards.json", (json.dumps(shards_json, indent=2) + "\n").encode())
-    _atomic(partial / "metadata.json", (json.dumps(plan.metadata, indent=2) + "\n").encode())  # last
+        atomic_write(partial / "labels.bin", labels[plan.prompt_of][:n_pos].tobytes())
+    atomic_write(partial / "shards.json", json.dumps(shards_json, indent=2) + "\n")
+    atomic_write(partial / "metadata.json", json.dumps(plan.metadata, indent=2) + "\n")  # last
     os.replace(partial, final)
     if not quiet:
         print(f"wrote {plan.metadata['n_ex']} examples x {L} layers x {T} tokens x {D} dims "
@@ -258,8 +254,6 @@ def export_saev(
 def _write_shards(plan, partial, L, T, D, vec_bytes, ex_chunk, block, run_start, run_len, run_shard, run_off,
                   layer_list, source, source_fd, direct, h, bar, shards_json) -> None:
     """Write every shard not finished by an earlier run: acts*.bin.tmp, then renamed."""
-    from .format.values import bfloat16_bits_to_float32
-
     first_ex = 0
     for i, n in enumerate(plan.shard_sizes):
         name = f"acts{i:06d}.bin"
@@ -269,8 +263,7 @@ def _write_shards(plan, partial, L, T, D, vec_bytes, ex_chunk, block, run_start,
             first_ex += n
             bar.update(n)
             continue  # finished by an earlier, interrupted run
-        tmp = path.with_name(name + ".tmp")
-        with open(tmp, "wb") as f:
+        with atomic_output(path) as tmp, open(tmp, "wb") as f:
             for a in range(first_ex, first_ex + n, ex_chunk):
                 b = min(first_ex + n, a + ex_chunk)
                 r0, r1 = np.searchsorted(run_start, [a * T, b * T])
@@ -288,7 +281,6 @@ def _write_shards(plan, partial, L, T, D, vec_bytes, ex_chunk, block, run_start,
                         block[e - a, li, t : t + m] = bfloat16_bits_to_float32(rows) if h.dtype == "bfloat16" else rows
                 f.write(memoryview(block[: b - a]).cast("B"))
                 bar.update(b - a)
-        os.replace(tmp, path)
         first_ex += n
 
 
@@ -299,12 +291,6 @@ def _index_hash(ds: Any) -> str:
     for t in ds.texts:
         h.update(t.encode() + b"\0")
     return h.hexdigest()
-
-
-def _atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------- reader
@@ -319,19 +305,13 @@ class SaevDataset:
     """
 
     def __init__(self, path: str | os.PathLike, *, verify_hash: bool = True, token: str | None = None):
-        self._hub = None
+        self._hub: HubFiles | None = None
         if isinstance(path, str) and path.startswith("hf://"):
             # a folder in a Hub repo: metadata now, each shard on first use (into the HF cache)
-            from huggingface_hub import HfApi, hf_hub_download
-
-            from .hub import parse_hub_path
-
-            repo, repo_type, sub = parse_hub_path(path)
-            commit = HfApi(token=token).repo_info(repo, repo_type=repo_type).sha
-            self._hub = (repo, repo_type, sub, commit, token)
-            meta = hf_hub_download(repo, f"{sub}/metadata.json", repo_type=repo_type, revision=commit, token=token)
-            hf_hub_download(repo, f"{sub}/shards.json", repo_type=repo_type, revision=commit, token=token)
-            path = Path(meta).parent
+            self._hub = HubFiles(parse_hf_url(path), token=token)
+            meta = self._hub.fetch("metadata.json", what="saev metadata")
+            self._hub.fetch("shards.json", what="saev shard list")
+            path = meta.parent
         self.path = Path(path)
         problems = validate_saev(self.path, check_hash=verify_hash, check_sizes=self._hub is None)
         if problems:
@@ -350,20 +330,16 @@ class SaevDataset:
         return self.n_ex
 
     def _file(self, name: str, *, required: bool = True) -> Path | None:
-        """Local path of a file of this folder; from the Hub, downloaded now (and its size checked)."""
+        """Local path of a file of this folder; from the Hub, downloaded now."""
         if self._hub is None:
             p = self.path / name
             return p if p.exists() or required else None
-        from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError
-
-        repo, repo_type, sub, commit, token = self._hub
-        try:
-            return Path(hf_hub_download(repo, f"{sub}/{name}", repo_type=repo_type, revision=commit, token=token))
-        except EntryNotFoundError:
-            if required:
-                raise SaevError(f"{sub}/{name} is missing from {repo}") from None
+        if not required and name not in self._hub.repo_files:
             return None
+        try:
+            return self._hub.fetch(name, what="saev file")
+        except FileNotFoundError:
+            raise SaevError(f"{name} is missing from {self._hub}") from None
 
     def shard(self, i: int) -> np.memmap:
         """Shard ``i`` as a read-only (n_ex, L, T, D) float32 memory map."""

@@ -10,16 +10,18 @@ background thread while the consumer trains on the current pool.
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from .errors import InvalidArgumentError
+from .format.reader import Dataset
 from .format.safetensors_io import read_rows_into
 from .format.spec import DTYPES
 from .format.values import bfloat16_bits_to_float32
+from .opening import load
+from .worker import prefetched
 
 
 class ShardStream:
@@ -33,25 +35,23 @@ class ShardStream:
 
     def __init__(self, dataset: Any, layer: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
                  pool_shards: int = 2, prefetch: int = 2, drop_last: bool = False):
-        from .format.reader import Dataset, load
-
         self.ds = dataset if isinstance(dataset, Dataset) else load(dataset)
-        self.layer = self.ds._check_layer(layer)
+        self.layer = self.ds.check_layer(layer)
         if batch_size < 1 or pool_shards < 1 or prefetch < 0:
-            raise ValueError("batch_size and pool_shards must be >= 1, prefetch >= 0")
+            raise InvalidArgumentError("batch_size and pool_shards must be >= 1, prefetch >= 0")
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.pool_shards, self.prefetch, self.drop_last = pool_shards, prefetch, drop_last
         self.epoch = 0
 
     def __len__(self) -> int:
         """Vectors per pass."""
-        h = self.ds._info.hidden
+        h = self.ds.meta.hidden
         return sum(h.shard_rows(s) for s in range(len(h.shards)))
 
     def _read_shard(self, shard: int) -> np.ndarray:
-        h = self.ds._info.hidden
+        h = self.ds.meta.hidden
         rows = h.shard_rows(shard)
-        path, entry = self.ds._entry(h.file(self.layer, shard), h.key(self.layer), h.dtype, (h.dim,), rows)
+        path, entry = self.ds.hidden_shard(self.layer, shard)
         out = np.empty((rows, h.dim), dtype=DTYPES[h.dtype].np_storage)
         read_rows_into(path, entry, np.arange(rows), out)
         if h.dtype == "bfloat16":
@@ -59,7 +59,7 @@ class ShardStream:
         return out.astype(np.float32, copy=False)
 
     def _shards(self, worker: tuple[int, int]) -> list[int]:
-        order = np.arange(len(self.ds._info.hidden.shards))
+        order = np.arange(len(self.ds.meta.hidden.shards))
         if self.shuffle:
             np.random.default_rng((self.seed, self.epoch)).shuffle(order)
         return [int(s) for s in order[worker[0] :: worker[1]]]
@@ -67,33 +67,17 @@ class ShardStream:
     def iterate(self, worker: tuple[int, int] = (0, 1)) -> Iterator[np.ndarray]:
         shards = self._shards(worker)
         rng = np.random.default_rng((self.seed, self.epoch, worker[0]))
-        q: queue.Queue = queue.Queue(maxsize=max(1, self.prefetch))
-        stop = threading.Event()
-
-        def producer():
-            try:
-                for s in shards:
-                    if stop.is_set():
-                        return
-                    q.put(self._read_shard(s))
-                q.put(None)
-            except BaseException as exc:  # handed to the consumer
-                q.put(exc)
-
-        thread = threading.Thread(target=producer, name="lmprobe-prefetch", daemon=True)
-        thread.start()
+        reads = prefetched(self._read_shard, shards, depth=max(1, self.prefetch), name="lmprobe-prefetch")
         try:
             carry = np.zeros((0, self.ds.dim), dtype=np.float32)
             finished = False
             while not finished:
                 parts = [carry]
                 for _ in range(self.pool_shards):
-                    item = q.get()
+                    item = next(reads, None)
                     if item is None:
                         finished = True
                         break
-                    if isinstance(item, BaseException):
-                        raise item
                     parts.append(item)
                 pool = np.concatenate(parts) if len(parts) > 1 else carry
                 order = rng.permutation(len(pool)) if self.shuffle else np.arange(len(pool))
@@ -104,12 +88,7 @@ class ShardStream:
             if len(carry) and not self.drop_last:
                 yield carry
         finally:
-            stop.set()
-            while thread.is_alive():  # unblock the producer if it waits on a full queue
-                try:
-                    q.get_nowait()
-                except queue.Empty:
-                    thread.join(timeout=0.05)
+            reads.close()
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self.iterate()

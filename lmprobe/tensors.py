@@ -14,11 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import LmprobeError
-
-
-class TensorDictError(LmprobeError, TypeError):
-    """A dict of tensors holds something that is not an array, or a key that cannot be flattened."""
+from .atomic import atomic_output
+from .errors import TensorDictError
 
 
 def _as_numpy(value: Any, path: str) -> np.ndarray:
@@ -108,7 +105,7 @@ def save_file(tree: Mapping[str, Any], path: str | os.PathLike, *, metadata: Map
     >>> save_file({"probe": {"weight": np.ones((2, 3)), "bias": np.zeros(2)}}, "probe.safetensors")  # doctest: +SKIP
     """
     flat = flatten(tree)
-    tmp = f"{os.fspath(path)}.tmp"
+    meta = dict(metadata) if metadata else None
     if framework == "pt":
         import torch
         from safetensors.torch import save_file as st_save
@@ -116,12 +113,12 @@ def save_file(tree: Mapping[str, Any], path: str | os.PathLike, *, metadata: Map
         tensors = {}
         for k, v in flat.items():
             tensors[k] = v.detach().cpu().contiguous() if isinstance(v, torch.Tensor) else torch.from_numpy(_as_numpy(v, k))
-        st_save(tensors, tmp, metadata=dict(metadata) if metadata else None)
     else:
         from safetensors.numpy import save_file as st_save
 
-        st_save({k: _as_numpy(v, k) for k, v in flat.items()}, tmp, metadata=dict(metadata) if metadata else None)
-    os.replace(tmp, path)
+        tensors = {k: _as_numpy(v, k) for k, v in flat.items()}
+    with atomic_output(path) as tmp:
+        st_save(tensors, str(tmp), metadata=meta)
 
 
 def load_file(path: str | os.PathLike, *, framework: str = "np", nested: bool = True) -> dict[str, Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from .errors import InvalidArgumentError
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -33,20 +35,20 @@ def parse_size(value: int | str) -> int:
     (512000000, 1073741824, 2048)
     """
     if isinstance(value, bool):
-        raise ValueError(f"size must be a number of bytes or a string like '512MB', got {value!r}")
+        raise InvalidArgumentError(f"size must be a number of bytes or a string like '512MB', got {value!r}")
     if isinstance(value, int):
         n = value
     else:
         match = _SIZE_RE.match(str(value))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"cannot read {value!r} as a size: use a number of bytes or a number with a unit "
                 "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '512MB'"
             )
         n = int(float(match.group(1)) * _UNITS[unit])
     if n <= 0:
-        raise ValueError(f"size must be positive, got {value!r}")
+        raise InvalidArgumentError(f"size must be positive, got {value!r}")
     return n
 
 

@@ -10,8 +10,9 @@ import pytest
 from conftest import PROMPTS, write_dataset
 
 import lmprobe
+from lmprobe import push_to_hub
 from lmprobe.cli import main as cli_main
-from lmprobe.hub import PushError, push_to_hub
+from lmprobe.errors import PushError
 
 TOKEN = "hf_testSECRETtoken1234567890"
 

@@ -66,10 +66,15 @@ def test_remote_without_a_key_fails_before_any_work(llama_dir, tmp_path, monkeyp
 
 
 def test_transient_remote_failures_are_retried_and_persistent_ones_stop_resumably(llama_dir, tmp_path, monkeypatch):
+    from lmprobe.retry import RetryPolicy
+
     class RemoteError(Exception):
         pass
 
-    real = backend_nnsight.NnsightBackend._run_once
+    # the injected fault is transient because the retry policy names it; retries do not wait
+    monkeypatch.setattr(backend_nnsight, "default_retry",
+                        lambda: RetryPolicy(retry_on_exceptions=(RemoteError,), max_retries=3, base_wait=0.0))
+    real = backend_nnsight.NnsightBackend.run_once
     calls = {"n": 0}
 
     def flaky(self, *a, **k):
@@ -78,11 +83,10 @@ def test_transient_remote_failures_are_retried_and_persistent_ones_stop_resumabl
             raise RemoteError("503 from NDIF")
         return real(self, *a, **k)
 
-    monkeypatch.setattr(backend_nnsight.NnsightBackend, "_run_once", flaky)
-    monkeypatch.setattr(backend_nnsight.NnsightBackend, "__init__",
-                        lambda self, *a, **k: real_init(self, *a, **{**k, "base_wait": 0.0}))
+    monkeypatch.setattr(backend_nnsight.NnsightBackend, "run_once", flaky)
     ref = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "ref", **KW)
     ds = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "a", backend="nnsight", **KW)
+    assert calls["n"] == 3 + 2  # three batches, two of the tries failed
     _compare(ref, ds)
 
     def down_after_first(self, *a, **k):
@@ -92,19 +96,28 @@ def test_transient_remote_failures_are_retried_and_persistent_ones_stop_resumabl
         return real(self, *a, **k)
 
     calls["n"] = 0
-    monkeypatch.setattr(backend_nnsight.NnsightBackend, "_run_once", down_after_first)
+    monkeypatch.setattr(backend_nnsight.NnsightBackend, "run_once", down_after_first)
     with pytest.raises(backend_nnsight.NnsightError, match="run the same command again to resume"):
         lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "b", backend="nnsight", checkpoint_interval=1e9, **KW)
-    monkeypatch.setattr(backend_nnsight.NnsightBackend, "_run_once", real)
     done = []
-    monkeypatch.setattr(backend_nnsight.NnsightBackend, "_run_once",
+    monkeypatch.setattr(backend_nnsight.NnsightBackend, "run_once",
                         lambda self, ids, *a, **k: (done.append(len(ids)), real(self, ids, *a, **k))[1])
     ds = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "b", backend="nnsight", **KW)
     assert sum(done) == len(PROMPTS) - 3  # the first batch was kept
     _compare(ref, ds)
 
 
-real_init = backend_nnsight.NnsightBackend.__init__
+def test_a_bug_in_a_batch_is_not_retried(llama_dir, tmp_path, monkeypatch):
+    calls = {"n": 0}
+
+    def buggy(self, *a, **k):
+        calls["n"] += 1
+        raise TypeError("unsupported operand")
+
+    monkeypatch.setattr(backend_nnsight.NnsightBackend, "run_once", buggy)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "c", backend="nnsight", **KW)
+    assert calls["n"] == 1
 
 
 def test_unknown_block_layout_names_the_fix():

@@ -64,7 +64,7 @@ def test_extract_to_s3_and_load_back(s3, llama_dir, tmp_path):
     s1, s2 = local.statistics(2), fresh.statistics(2)
     np.testing.assert_allclose(s1["mean"], s2["mean"])
     # uploaded shards do not stay in the local staging folder
-    from lmprobe.remote import cache_dir
+    from lmprobe.storage.objectstore import cache_dir
 
     staged = cache_dir(url, "outputs")
     assert not list((staged / "tensors").glob("hidden_*.safetensors"))
@@ -75,37 +75,32 @@ def test_extract_to_s3_and_load_back(s3, llama_dir, tmp_path):
 
 
 def test_upload_failures_are_retried(s3, llama_dir, monkeypatch):
-    from lmprobe import remote
+    import s3fs
+
+    from lmprobe.retry import RetryPolicy
+    from lmprobe.storage import objectstore
+
+    class InjectedReset(ConnectionError):
+        pass
 
     url = f"s3://acts/flaky-{uuid.uuid4().hex[:6]}"
-    real_put = remote.UploadSink._put
+    real_put = s3fs.S3FileSystem.put_file
     fails = {"n": 0}
 
-    def flaky_fs_put(self, rel):
-        real = self.fs.put_file
+    def flaky_put(self, *args, **kwargs):
+        fails["n"] += 1
+        if fails["n"] in (1, 3):
+            raise InjectedReset("connection reset by peer")
+        return real_put(self, *args, **kwargs)
 
-        def put(src, dst):
-            fails["n"] += 1
-            if fails["n"] in (1, 3):
-                raise ConnectionError("connection reset by peer")
-            return real(src, dst)
-
-        self.fs.put_file = put
-        try:
-            return real_put(self, rel)
-        finally:
-            self.fs.put_file = real
-
-    monkeypatch.setattr(remote.UploadSink, "_put", flaky_fs_put)
-    monkeypatch.setattr(remote.UploadSink, "__init__",
-                        lambda self, *a, **k: real_init(self, *a, **{**k, "base_wait": 0.0}))
+    monkeypatch.setattr(s3fs.S3FileSystem, "put_file", flaky_put)
+    # the fault is transient because the policy says so, and the retries do not wait
+    monkeypatch.setattr(objectstore, "object_store_policy",
+                        lambda **kw: RetryPolicy(retry_on_exceptions=(InjectedReset,), max_retries=3, base_wait=0.0))
     _s3fs()
     lmprobe.extract(str(llama_dir), PROMPTS, out=url, layers="1", quiet=True)
     assert fails["n"] >= 3
     assert lmprobe.load(url).num_prompts == len(PROMPTS)
-
-
-real_init = __import__("lmprobe.remote", fromlist=["UploadSink"]).UploadSink.__init__
 
 
 def test_missing_remote_dataset_is_a_clear_error(s3):

@@ -195,7 +195,7 @@ def test_cli_export_and_topk(tmp_path, rng, capsys, llama_dir):
 
 
 def test_dictionary_push_and_load_from_the_hub(hub, tmp_path, rng, fresh_hf_cache):
-    from lmprobe.sae import push_dictionary
+    from lmprobe.publish.dictionary import push_dictionary
 
     for L in (0, 4):
         W, b = make_encoder(rng)

@@ -1,5 +1,6 @@
-"""Extraction: prompt sources, model loading, backends, and the resumable runner."""
+"""Extraction: prompt sources, model loading, backends, the configuration and the resumable runner."""
 
-from .runner import ExtractionError, extract
+from .config import ExtractionConfig
+from .runner import run
 
-__all__ = ["ExtractionError", "extract"]
+__all__ = ["ExtractionConfig", "run"]

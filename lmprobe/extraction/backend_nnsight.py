@@ -10,17 +10,13 @@ same command then resumes.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import numpy as np
 
-from ..errors import LmprobeError
+from ..errors import NnsightError
+from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
 from .backend_hf import BatchOutput, last_token_index, perplexity_from_nll, position_ids_for
-
-
-class NnsightError(LmprobeError, RuntimeError):
-    """nnsight is missing, not configured, or a remote batch kept failing."""
 
 
 def require_nnsight():
@@ -55,24 +51,39 @@ def check_api_key() -> None:
         )
 
 
-def _transient(exc: BaseException) -> bool:
-    name = type(exc).__name__
-    if name in ("RemoteError", "ConnectionError", "TimeoutError", "ConnectError", "ReadTimeout", "RemoteProtocolError"):
-        return True
-    return isinstance(exc, (ConnectionError, TimeoutError))
+def remote_errors() -> tuple[type[BaseException], ...]:
+    """What a failed NDIF request raises: nnsight's RemoteError, and dropped or timed-out connections."""
+    classes: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        from nnsight.intervention.backends.remote import RemoteError
+
+        classes.append(RemoteError)
+    except ImportError:  # another nnsight layout: connection errors only
+        pass
+    for module in ("httpx2", "httpx"):
+        try:
+            classes.append(__import__(module).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(classes)
+
+
+def default_retry() -> RetryPolicy:
+    """Remote batches retry NDIF's errors, dropped connections and 429/5xx answers, never a bug."""
+    return RetryPolicy(retry_on_exceptions=remote_errors(), retry_on_status_codes=TRANSIENT_HTTP_STATUS,
+                       max_retries=4, base_wait=2.0)
 
 
 class NnsightBackend:
     name = "nnsight"
 
     def __init__(self, nn_model: Any, block_path: str, *, causal_lm: bool, remote: bool | str = False,
-                 max_retries: int = 4, base_wait: float = 2.0):
+                 retry: RetryPolicy | None = None):
         self.model = nn_model
         self.block_path = block_path
         self.causal_lm = causal_lm
         self.remote = remote
-        self.max_retries = max_retries
-        self.base_wait = base_wait
+        self.retry = retry or default_retry()
 
     def _envoy(self, path: str) -> Any:
         obj = self.model
@@ -92,22 +103,20 @@ class NnsightBackend:
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
             logits_k: int | None, perplexity: bool, keep=None) -> BatchOutput:
-        for attempt in range(self.max_retries + 1):
-            try:
-                return self._run_once(input_ids, attention_mask, layers=layers, storage=storage, out_dtype=out_dtype,
-                                      logits_k=logits_k, perplexity=perplexity, keep=keep)
-            except Exception as exc:
-                if not _transient(exc) or attempt == self.max_retries:
-                    if _transient(exc):
-                        raise NnsightError(
-                            f"a batch failed {attempt + 1} times on the nnsight backend ({type(exc).__name__}: {exc}); "
-                            "the batches before it are saved: run the same command again to resume"
-                        ) from exc
-                    raise
-                time.sleep(self.base_wait * 2**attempt)
-        raise AssertionError("unreachable")
+        try:
+            return call_with_retry(
+                lambda: self.run_once(input_ids, attention_mask, layers=layers, storage=storage, out_dtype=out_dtype,
+                                      logits_k=logits_k, perplexity=perplexity, keep=keep),
+                policy=self.retry)
+        except Exception as exc:
+            if self.retry.is_transient(exc):
+                raise NnsightError(
+                    f"a batch failed {self.retry.max_retries + 1} times on the nnsight backend ({describe(exc)}); "
+                    "the batches before it are saved: run the same command again to resume"
+                ) from exc
+            raise
 
-    def _run_once(self, input_ids, attention_mask, *, layers, storage, out_dtype, logits_k, perplexity,
+    def run_once(self, input_ids, attention_mask, *, layers, storage, out_dtype, logits_k, perplexity,
                   keep=None) -> BatchOutput:
         import torch
 
@@ -157,7 +166,8 @@ class NnsightBackend:
         return out
 
 
-def build_backend(spec: Any, hf_model: Any, tokenizer: Any, *, block_path: str | None, remote: bool | str):
+def build_backend(spec: Any, hf_model: Any, tokenizer: Any, *, block_path: str | None, remote: bool | str,
+                  retry: RetryPolicy | None = None):
     """Wrap a loaded model (local runs, and remote="local") or name a remote one (remote=True)."""
     require_nnsight()
     from nnsight.modeling.transformers import TransformersModel
@@ -171,4 +181,4 @@ def build_backend(spec: Any, hf_model: Any, tokenizer: Any, *, block_path: str |
         nn_model = TransformersModel(hf_model, tokenizer=tokenizer)
         ref = hf_model
     path = find_block_path(ref, spec.num_layers, block_path)
-    return NnsightBackend(nn_model, path, causal_lm=spec.causal_lm, remote=remote)
+    return NnsightBackend(nn_model, path, causal_lm=spec.causal_lm, remote=remote, retry=retry)

@@ -7,14 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import LmprobeError
+from ..errors import ModelError
+from ..format.values import torch_dtype
 
 EMBEDDED_MODELS = {"lmprobe-tiny": "tiny"}
 _MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
-
-
-class ModelError(LmprobeError, ValueError):
-    """The model cannot do what was asked (no LM head, unknown block layout, bad layer, ...)."""
 
 
 # Where the decoder blocks live, by architecture family. The first path that exists wins.
@@ -196,7 +193,7 @@ def load_model(spec: ModelSpec, *, device: str, compute_dtype: str = "auto", qui
     if compute_dtype == "auto":
         dtype = torch.float32 if device == "cpu" else "auto"
     else:
-        dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[compute_dtype]
+        dtype = torch_dtype(compute_dtype)
     cls = AutoModelForCausalLM if spec.causal_lm else AutoModel
     try:
         model = cls.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code,

@@ -14,13 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import LmprobeError
+from ..errors import PromptError
 from ..format.spec import RESERVED_COLUMNS
 from ..format.values import infer_column_type, is_null
-
-
-class PromptError(LmprobeError, ValueError):
-    """The prompts cannot be used as given; the message names the line and what to fix."""
 
 
 @dataclass

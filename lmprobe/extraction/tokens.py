@@ -14,11 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LmprobeError
-
-
-class TokenError(LmprobeError, ValueError):
-    """Prompts cannot be encoded as asked."""
+from ..errors import TokenError
 
 
 class Encoder:
@@ -32,9 +28,6 @@ class Encoder:
         self.special = set(tok.all_special_ids) if drop_special_tokens else set()
         if chat_template and not getattr(tok, "chat_template", None):
             raise TokenError("--chat-template was asked for, but this tokenizer has no chat template")
-        if chat_template and truncate:
-            raise TokenError("--truncate cannot be combined with --chat-template (it would cut the template); "
-                             "shorten the prompts or raise --max-length")
         if chat_template and not getattr(tok, "is_fast", False):
             raise TokenError("--chat-template needs a fast tokenizer (character offsets locate the prompt's tokens)")
 

@@ -1,7 +1,13 @@
-"""The lmprobe dataset format 2.0: writer, reader, validator (docs/format.md is the document)."""
+"""The lmprobe dataset format 2.0: writer, reader, validator (docs/format.md is the document).
 
-from .reader import Dataset, LocalFiles, load
-from .spec import FORMAT_VERSION
+This layer knows local folders only; ``lmprobe.load`` opens datasets anywhere (the Hub, object storage).
+"""
+
+from .files import DatasetFiles, LocalFiles
+from .reader import Dataset, open_local
+from .spec import FORMAT_VERSION, DatasetSpec
+from .validate import Report, validate
 from .writer import DatasetWriter
 
-__all__ = ["Dataset", "DatasetWriter", "FORMAT_VERSION", "LocalFiles", "load"]
+__all__ = ["Dataset", "DatasetFiles", "DatasetSpec", "DatasetWriter", "FORMAT_VERSION", "LocalFiles", "Report",
+           "open_local", "validate"]

@@ -19,10 +19,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..errors import FormatError, OutputExistsError
+from ..atomic import atomic_output, atomic_write, move_into_place
+from ..errors import FormatError, InvalidArgumentError, OutputExistsError
+from ..paths import format_relpath
+from . import card
 from .metadata import encode_schema_metadata
-from .reader import Dataset, load
+from .reader import Dataset, open_local
 from .spec import CARD_PATH, INDEX_PATH
+from .statistics import RunningStats, write_statistics
 
 # extraction settings that may differ between parts of one job
 _PART_SETTINGS = {"prompts_sha256", "num_prompts", "part"}
@@ -59,28 +63,27 @@ def _compatible(parts: list[Dataset]) -> list[str]:
 
 def _link(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + ".tmp")
-    if tmp.exists():
-        tmp.unlink()
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    with atomic_output(dst) as tmp:
+        if tmp.exists():
+            tmp.unlink()
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
 
 
 def merge_datasets(parts: list[Any], out: str | os.PathLike, *, overwrite: bool = False, move: bool = False,
                    settings: dict | None = None) -> Path:
-    """Merge local datasets ``parts`` (in order) into a new dataset at ``out``; returns ``out``.
+    """Merge datasets ``parts`` (in order; Datasets or local folders) into a new dataset at ``out``; returns ``out``.
 
     >>> merge_datasets(["job-0", "job-1", "job-2"], "merged")  # doctest: +SKIP
 
     ``move=True`` moves the part files instead of linking them (used by multi-process extraction).
     """
     if len(parts) < 1:
-        raise ValueError("nothing to merge")
-    dss = [p if isinstance(p, Dataset) else load(p) for p in parts]
-    roots = [Path(str(d._files)) for d in dss]
+        raise InvalidArgumentError("nothing to merge")
+    dss = [p if isinstance(p, Dataset) else open_local(p) for p in parts]
+    sources = [d.source for d in dss]
     problems = _compatible(dss)
     if problems:
         raise FormatError("cannot merge these datasets:\n  " + "\n  ".join(problems))
@@ -93,29 +96,29 @@ def merge_datasets(parts: list[Any], out: str | os.PathLike, *, overwrite: bool 
         (out / INDEX_PATH).unlink()  # the index goes first, so a half-replaced folder never looks complete
 
     first = dss[0]
-    h0 = first._info.hidden
+    h0 = first.meta.hidden
     full = h0.storage == "full_sequence"
-    n_lts = [d._info.hidden.last_token_shards for d in dss]
-    n_seq = [len(d._info.hidden.shards) - d._info.hidden.last_token_shards for d in dss]
+    n_lts = [d.meta.hidden.last_token_shards for d in dss]
+    n_seq = [len(d.meta.hidden.shards) - d.meta.hidden.last_token_shards for d in dss]
     lt_off = np.concatenate([[0], np.cumsum(n_lts)]).astype(int)
     seq_off = (sum(n_lts) + np.concatenate([[0], np.cumsum(n_seq)])).astype(int)
-    lg0 = first._info.logits
-    lg_off = np.concatenate([[0], np.cumsum([len(d._info.logits.shards) if lg0 else 0 for d in dss])]).astype(int)
-    transfer = (lambda s, d: (d.parent.mkdir(parents=True, exist_ok=True), os.replace(s, d))) if move else _link
+    lg0 = first.meta.logits
+    lg_off = np.concatenate([[0], np.cumsum([len(d.meta.logits.shards) if lg0 else 0 for d in dss])]).astype(int)
+    transfer = move_into_place if move else _link
 
     shards_lt, shards_seq, logits_shards, tables = [], [], [], []
-    for k, (ds, root) in enumerate(zip(dss, roots, strict=True)):
-        h = ds._info.hidden
+    for k, ds in enumerate(dss):
+        h = ds.meta.hidden
         for s, desc in enumerate(h.shards):
             new = (lt_off[k] + s) if s < h.last_token_shards else (seq_off[k] + s - h.last_token_shards)
             for layer in h.layers:
-                transfer(root / h.file(layer, s), out / h0.file(layer, int(new)))
+                transfer(ds.fetch(h.file(layer, s), "shard file"), out / h0.file(layer, int(new)))
             (shards_lt if s < h.last_token_shards else shards_seq).append(desc)
         if lg0:
-            lg = ds._info.logits
+            lg = ds.meta.logits
             for s, desc in enumerate(lg.shards):
                 new_rel = _logits_rel(lg0, int(lg_off[k] + s))
-                transfer(root / lg.file(s), out / new_rel)
+                transfer(ds.fetch(lg.file(s), "logits shard"), out / new_rel)
                 logits_shards.append({**desc, "file": new_rel})
         t = ds.table
         cols = {name: t.column(name) for name in t.column_names}
@@ -138,7 +141,7 @@ def merge_datasets(parts: list[Any], out: str | os.PathLike, *, overwrite: bool 
         info["tensors"]["logits_topk"]["shards"] = logits_shards
         info["tensors"]["logits_topk"]["file_pattern"] = lg0.file_pattern
     info["num_prompts"] = int(sum(d.num_prompts for d in dss))
-    info["merged_from"] = [str(r) for r in roots]
+    info["merged_from"] = sources
     ext = info.get("extraction") or {}
     if settings is not None:
         info["extraction"] = {**ext, "settings": settings}
@@ -146,45 +149,30 @@ def merge_datasets(parts: list[Any], out: str | os.PathLike, *, overwrite: bool 
         ext["settings"] = {k: v for k, v in ext["settings"].items() if k not in _PART_SETTINGS}
         ext["settings"]["num_prompts"] = info["num_prompts"]
     if "statistics" in info["tensors"]:
-        info["tensors"]["statistics"] = _merge_statistics(dss, roots, out, info["tensors"]["statistics"])
+        info["tensors"]["statistics"] = _merge_statistics(dss, out, info["tensors"]["statistics"])
     info.pop("extras", None)
-
-    from . import card
+    info.pop("attachments", None)
 
     table = pa.concat_tables(tables)
     schema = table.schema.with_metadata(encode_schema_metadata(info))
-    (out / CARD_PATH).write_text(card.render_card(info, schema))
+    atomic_write(out / CARD_PATH, card.render_card(info, schema))
     (out / "index").mkdir(parents=True, exist_ok=True)
-    tmp = out / (INDEX_PATH + ".tmp")
-    pq.write_table(table.replace_schema_metadata(schema.metadata), tmp, row_group_size=65536)
-    os.replace(tmp, out / INDEX_PATH)  # last
+    with atomic_output(out / INDEX_PATH) as tmp:  # last
+        pq.write_table(table.replace_schema_metadata(schema.metadata), tmp, row_group_size=65536)
     return out
 
 
 def _logits_rel(lg0: Any, shard: int) -> str:
-    from .paths import format_relpath
-
     if lg0.file_pattern:
         return format_relpath(lg0.file_pattern, "logits_topk.file_pattern", shard=shard)
     return f"tensors/logits_topk_{shard:03d}.safetensors"
 
 
-def _merge_statistics(dss: list[Dataset], roots: list[Path], out: Path, desc: dict) -> dict:
-    import hashlib
-
-    from .statistics import STATS_FILE, RunningStats, save_stats
-
+def _merge_statistics(dss: list[Dataset], out: Path, desc: dict) -> dict:
     layers = desc["layers"]
     merged = {layer: RunningStats.empty(dss[0].dim) for layer in layers}
     for ds in dss:
         for layer in layers:
-            r = ds.statistics(layer)
-            part = RunningStats(r["count"], np.asarray(r["mean"]), np.asarray(r["std"]) ** 2 * r["count"],
-                                r["mean_norm"] * r["count"] if r["count"] else 0.0)
-            merged[layer] = merged[layer].merge(part)
-    (out / STATS_FILE).parent.mkdir(parents=True, exist_ok=True)
-    save_stats(out / STATS_FILE, merged)
-    new = {**desc, "file": STATS_FILE, "bytes": (out / STATS_FILE).stat().st_size}
-    if "sha256" in desc:
-        new["sha256"] = hashlib.sha256((out / STATS_FILE).read_bytes()).hexdigest()
-    return new
+            merged[layer] = merged[layer].merge(RunningStats.from_result(ds.statistics(layer)))
+    new = write_statistics(out, merged, storage=dss[0].storage, checksums="sha256" in desc)
+    return {**desc, **{k: new[k] for k in ("file", "bytes", "sha256") if k in new}}

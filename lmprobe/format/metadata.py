@@ -1,7 +1,8 @@
-"""Reading and checking the ``lmprobe:`` schema metadata of an index.
+"""The ``lmprobe:`` schema metadata of an index: parsing and checking it, and building it.
 
-Everything here treats metadata as untrusted input: types are checked, numbers bounded and
-patterns vetted (paths.py) before anything uses them to open a file.
+Parsing treats metadata as untrusted input: types are checked, numbers bounded and patterns
+vetted (paths.py) before anything uses them to open a file. The ``build_*`` functions are the
+writer's side of the same keys.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError
-from .paths import check_pattern, check_relpath, format_relpath
+from ..paths import check_pattern, check_relpath, format_relpath
+from ..version import __version__
 from .spec import (
     DTYPES,
+    FORMAT_VERSION,
     HIDDEN_DTYPES,
     LEGACY_LOGITS_KEYS,
     LOGITS_INDICES_KEY,
     LOGITS_VALUES_KEY,
     META_PREFIX,
     STORAGES,
+    DatasetSpec,
 )
 
 
@@ -253,3 +257,99 @@ def parse_statistics(d: Any) -> StatisticsDescriptor:
     layers = [_int(x, "statistics.layers[]") for x in layers]
     key_pattern = check_pattern(d.get("key_pattern"), ("layer", "stat"), "statistics.key_pattern")
     return StatisticsDescriptor(file, layers, key_pattern, raw=d)
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+
+def default_provenance() -> dict[str, Any]:
+    """Versions of the build environment, read from installed package metadata (no heavy imports)."""
+    import platform
+    from datetime import datetime, timezone
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {
+        "lmprobe_version": __version__,
+        "extraction_backend": None,
+        "nnsight_version": None,
+        "torch_version": v("torch"),
+        "transformers_version": v("transformers"),
+        "python_version": platform.python_version(),
+        "created_at": datetime.now(timezone.utc).isoformat(),
+    }
+
+
+def _recorded_files(d: dict) -> dict[str, dict]:
+    """A closed shard's per-slot file records, without the writer's staging names."""
+    return {slot: {k: v for k, v in f.items() if k != "staging"} for slot, f in d["files"].items()}
+
+
+def build_hidden_descriptor(spec: DatasetSpec, last_closed: list[dict], seq_closed: list[dict]) -> dict[str, Any]:
+    """The ``hidden_layers`` descriptor from the closed last-token and sequence shards."""
+    full = spec.full_sequence
+    shards = []
+    for d in last_closed:
+        s: dict[str, Any] = {"num_prompts": d["num_prompts"]}
+        if full:
+            s["num_tokens"] = d["num_tokens"]
+        s["files"] = _recorded_files(d)
+        shards.append(s)
+    for d in seq_closed:
+        shards.append({"num_prompts": d["num_prompts"], "num_tokens": d["num_tokens"], "files": _recorded_files(d)})
+    hidden: dict[str, Any] = {
+        "type": "hidden",
+        "layers": list(spec.layers),
+        "dim": spec.dim,
+        "dtype": spec.dtype,
+        "layout": "per_layer",
+        "file_pattern": spec.file_pattern,
+        "key_pattern": spec.key_pattern,
+        "storage": spec.storage,
+    }
+    if full:
+        hidden["last_token_shards"] = len(last_closed)
+    else:
+        hidden["pooling"] = "last_token"
+    hidden["row_bytes"] = spec.row_bytes
+    hidden["shards"] = shards
+    return hidden
+
+
+def build_logits_descriptor(spec: DatasetSpec, closed: list[dict]) -> dict[str, Any]:
+    """The ``logits_topk`` descriptor from the closed logits shards."""
+    shards = []
+    for i, d in enumerate(closed):
+        rel = format_relpath(spec.logits_file_pattern, "logits_file_pattern", shard=i)
+        shards.append({"file": rel, "num_prompts": d["num_prompts"], **_recorded_files(d)["all"]})
+    return {
+        "type": "logits_topk",
+        "k": spec.logits_k,
+        "dtype": "float32",
+        "indices_dtype": "int32",
+        "keys": {"values": LOGITS_VALUES_KEY, "indices": LOGITS_INDICES_KEY},
+        "pooling": "last_token",
+        "file_pattern": spec.logits_file_pattern,
+        "row_bytes": 8 * spec.logits_k,
+        "shards": shards,
+    }
+
+
+def build_info(spec: DatasetSpec, *, num_prompts: int, tensors: dict[str, Any], provenance: dict[str, Any],
+               prompt_ordering: str = "input", extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The decoded ``lmprobe:`` metadata of a dataset (encode_schema_metadata turns it into schema keys)."""
+    info = {
+        "format_version": FORMAT_VERSION,
+        "model": {"name": spec.model_name, "revision": spec.model_revision},
+        "num_prompts": num_prompts,
+        "prompt_ordering": prompt_ordering,
+        "tensors": tensors,
+        "provenance": provenance,
+    }
+    info.update(extra or {})
+    return info

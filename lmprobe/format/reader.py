@@ -1,4 +1,16 @@
-"""Reading lmprobe format 2.0 datasets (ours, the reference implementation's, anyone's that conforms)."""
+"""Reading lmprobe format 2.0 datasets (ours, the reference implementation's, anyone's that conforms).
+
+A ``Dataset`` reads through a files object (``files.DatasetFiles``: a local folder here; the Hub
+and object storage in ``lmprobe.storage``). Besides the user-facing calls it offers a small,
+documented internal API that lmprobe's other modules use (docs/architecture.md):
+
+- ``files``, ``meta`` (the parsed descriptors), ``source`` (a name for messages);
+- ``row_indices(rows)``, ``check_layer(layer)``;
+- ``tensor(rel, key, dtype, row_shape, min_rows)`` and ``hidden_shard(layer, shard)``: a checked
+  shard file and tensor entry;
+- ``read_hidden_rows(layer, shard_ids, offsets)``: rows gathered from shards, one pass per shard;
+- ``token_addresses(rows)``: the per-token (shard, offset) lists of some prompts.
+"""
 
 from __future__ import annotations
 
@@ -10,37 +22,21 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..errors import DatasetNotFoundError, FormatError, ShardMissingError
+from ..errors import DatasetNotFoundError, FormatError, LayerNotFoundError, ShardMissingError
+from .files import LocalFiles
 from .metadata import DatasetInfo, decode_schema_metadata, parse_info
-from .paths import resolve_inside
 from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into
-from .spec import DTYPES, INDEX_PATH
+from .spec import DTYPES, INDEX_PATH, STAGING_DIR
 from .values import bfloat16_bits_to_float32
 
 RowsArg = None | int | slice | Iterable[int] | np.ndarray
 
 
-class LocalFiles:
-    """Dataset files in a local folder. Other sources (the Hub, object storage) offer the same calls."""
-
-    def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
-
-    def __str__(self) -> str:
-        return str(self.root)
-
-    def fetch(self, rel: str, *, what: str = "file") -> Path:
-        """Local path of the dataset file ``rel``, refused if it lies outside the root."""
-        return resolve_inside(self.root, rel, what)
-
-
-    def missing_hint(self, rel: str) -> str:
-        return f"{rel} is missing from {self.root}; the dataset is incomplete (re-copy or re-download it)"
-
-
 def find_index(root: Path) -> Path:
+    """The index file of a local dataset folder (the standard name, or the single parquet file in index/)."""
     std = root / INDEX_PATH
     if std.exists():
         return std
@@ -49,7 +45,7 @@ def find_index(root: Path) -> Path:
         return found[0]
     if not root.exists():
         raise DatasetNotFoundError(f"{root} does not exist")
-    if (root / ".lmprobe-staging").exists():
+    if (root / STAGING_DIR).exists():
         raise DatasetNotFoundError(
             f"{root} holds an unfinished dataset (no index yet); re-run the command that wrote it to resume"
         )
@@ -64,25 +60,30 @@ class Dataset:
     """
 
     def __init__(self, files: Any, index_table: pa.Table):
-        self._files = files
+        self.files = files
         raw = decode_schema_metadata(index_table.schema.metadata)
         if not raw:
             raise FormatError(f"{files}: the index has no 'lmprobe:' schema metadata; it is not an lmprobe dataset")
-        self._info: DatasetInfo = parse_info(raw)
+        self.meta: DatasetInfo = parse_info(raw)
         self._table = index_table
         self._headers: dict[Path, SafetensorsHeader] = {}
-        if self._info.num_prompts != index_table.num_rows:
+        if self.meta.num_prompts != index_table.num_rows:
             raise FormatError(
-                f"{files}: metadata says num_prompts={self._info.num_prompts} but the index has "
+                f"{files}: metadata says num_prompts={self.meta.num_prompts} but the index has "
                 f"{index_table.num_rows} rows"
             )
 
     # ---------------------------------------------------------------- description
 
     @property
+    def source(self) -> str:
+        """Where the dataset is read from, for messages (a folder, hf://..., s3://...)."""
+        return str(self.files)
+
+    @property
     def info(self) -> dict[str, Any]:
         """The decoded ``lmprobe:`` metadata (format_version, model, num_prompts, tensors, provenance, ...)."""
-        return self._info.raw
+        return self.meta.raw
 
     @cached_property
     def index(self):
@@ -96,9 +97,9 @@ class Dataset:
 
     @property
     def _hidden_desc(self):
-        if self._info.hidden is None:
-            raise FormatError(f"{self._files}: this dataset stores no hidden states")
-        return self._info.hidden
+        if self.meta.hidden is None:
+            raise FormatError(f"{self.files}: this dataset stores no hidden states")
+        return self.meta.hidden
 
     @property
     def layers(self) -> list[int]:
@@ -118,14 +119,14 @@ class Dataset:
 
     @property
     def num_prompts(self) -> int:
-        return self._info.num_prompts
+        return self.meta.num_prompts
 
     def __len__(self) -> int:
         return self.num_prompts
 
     @property
     def model(self) -> dict[str, Any]:
-        return dict(self.info.get("model") or {})
+        return dict(self.info.get("model") or {}) if isinstance(self.info.get("model"), dict) else {}
 
     @property
     def labels(self) -> np.ndarray | None:
@@ -143,18 +144,15 @@ class Dataset:
     def texts(self) -> list[str]:
         return self._table.column("text").to_pylist()
 
-    @property
-    def has_logits(self) -> bool:
-        return self._info.logits is not None
-
     def __repr__(self) -> str:
-        h = self._info.hidden
+        h = self.meta.hidden
         desc = f"layers={h.layers}, dim={h.dim}, dtype={h.dtype!r}, storage={h.storage!r}" if h else "no hidden states"
-        return f"<lmprobe.Dataset {self.model.get('name')!r}: {self.num_prompts} prompts, {desc}, source={self._files}>"
+        return f"<lmprobe.Dataset {self.model.get('name')!r}: {self.num_prompts} prompts, {desc}, source={self.files}>"
 
-    # ---------------------------------------------------------------- reading
+    # ---------------------------------------------------------------- the internal API
 
-    def _rows(self, rows: RowsArg) -> np.ndarray:
+    def row_indices(self, rows: RowsArg) -> np.ndarray:
+        """``rows`` (None, an int, a slice, ints or a boolean mask) as int64 index rows, checked."""
         n = self.num_prompts
         if rows is None:
             return np.arange(n, dtype=np.int64)
@@ -177,18 +175,21 @@ class Dataset:
             raise IndexError(f"row out of range for a dataset of {n} prompts")
         return arr
 
-    def _check_layer(self, layer: int) -> int:
+    def check_layer(self, layer: int) -> int:
+        """``layer`` as an int if the dataset stores it; else LayerNotFoundError naming the stored layers."""
         h = self._hidden_desc
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in h.layers:
-            raise KeyError(f"layer {layer!r} is not stored in this dataset; stored layers: {h.layers}")
+            raise LayerNotFoundError(f"layer {layer!r} is not stored in this dataset; stored layers: {h.layers}",
+                                     layer=layer, available=list(h.layers))
         return int(layer)
 
-    def _column(self, name: str) -> np.ndarray:
+    def column(self, name: str) -> np.ndarray:
+        """A non-null integer column of the index as int64."""
         if name not in self._table.column_names:
-            raise FormatError(f"{self._files}: the index has no {name!r} column")
+            raise FormatError(f"{self.files}: the index has no {name!r} column")
         col = self._table.column(name)
         if col.null_count:
-            raise FormatError(f"{self._files}: column {name!r} has null values")
+            raise FormatError(f"{self.files}: column {name!r} has null values")
         return col.to_numpy().astype(np.int64)
 
     def _header(self, path: Path) -> SafetensorsHeader:
@@ -197,14 +198,16 @@ class Dataset:
             h = self._headers[path] = read_header(path)
         return h
 
-    def _fetch(self, rel: str, what: str) -> Path:
-        path = self._files.fetch(rel, what=what)
+    def fetch(self, rel: str, what: str) -> Path:
+        """Local path of the dataset file ``rel`` (downloaded when remote); missing: ShardMissingError."""
+        path = self.files.fetch(rel, what=what)
         if not path.exists():
-            raise ShardMissingError(self._files.missing_hint(rel))
+            raise ShardMissingError(self.files.missing_hint(rel))
         return path
 
-    def _entry(self, rel: str, key: str, dtype: str, row_shape: tuple[int, ...], min_rows: int) -> tuple[Path, TensorEntry]:
-        path = self._fetch(rel, "shard file")
+    def tensor(self, rel: str, key: str, dtype: str, row_shape: tuple[int, ...], min_rows: int) -> tuple[Path, TensorEntry]:
+        """The shard file ``rel`` and its tensor ``key``, checked against what the metadata says."""
+        path = self.fetch(rel, "shard file")
         header = self._header(path)
         entry = header.tensors.get(key)
         if entry is None:
@@ -217,20 +220,18 @@ class Dataset:
             raise FormatError(f"{rel}: tensor {key!r} has {entry.shape[0]} rows, the index needs {min_rows}")
         return path, entry
 
-    def _gather(
-        self,
-        shard_ids: np.ndarray,
-        offsets: np.ndarray,
-        out: np.ndarray,
-        locate,  # shard -> (path, entry)
-        n_shards: int,
-    ) -> None:
+    def hidden_shard(self, layer: int, shard: int) -> tuple[Path, TensorEntry]:
+        """Shard ``shard`` of ``layer``: local path and tensor entry, checked."""
+        h = self._hidden_desc
+        return self.tensor(h.file(layer, shard), h.key(layer), h.dtype, (h.dim,), h.shard_rows(shard))
+
+    def _gather(self, shard_ids: np.ndarray, offsets: np.ndarray, out: np.ndarray, locate, n_shards: int) -> None:
         """Fill ``out[i]`` with row ``offsets[i]`` of shard ``shard_ids[i]``: one pass per shard."""
         if len(shard_ids) == 0:
             return
         if shard_ids.min() < 0 or shard_ids.max() >= n_shards:
             bad = int(shard_ids.max() if shard_ids.max() >= n_shards else shard_ids.min())
-            raise FormatError(f"{self._files}: the index points at shard {bad}, but only {n_shards} are listed")
+            raise FormatError(f"{self.files}: the index points at shard {bad}, but only {n_shards} are listed")
         order = np.argsort(shard_ids, kind="stable")
         sorted_ids = shard_ids[order]
         bounds = np.flatnonzero(np.diff(sorted_ids)) + 1
@@ -246,7 +247,8 @@ class Dataset:
                 read_rows_into(path, entry, offs, tmp)
                 out[group] = tmp
 
-    def _finish(self, arr: np.ndarray, dtype: str, as_torch: bool):
+    @staticmethod
+    def _finish(arr: np.ndarray, dtype: str, as_torch: bool):
         if as_torch:
             import torch
 
@@ -257,16 +259,31 @@ class Dataset:
             return bfloat16_bits_to_float32(arr)
         return arr
 
-    def _read_hidden(self, layer: int, shard_ids: np.ndarray, offsets: np.ndarray, as_torch: bool):
+    def read_hidden_rows(self, layer: int, shard_ids: np.ndarray, offsets: np.ndarray, *, as_torch: bool = False):
+        """Rows ``offsets[i]`` of shards ``shard_ids[i]`` of ``layer``: (N, dim), one read pass per shard."""
         h = self._hidden_desc
-        key = h.key(layer)
         out = np.empty((len(shard_ids), h.dim), dtype=DTYPES[h.dtype].np_storage)
-
-        def locate(shard: int):
-            return self._entry(h.file(layer, shard), key, h.dtype, (h.dim,), h.shard_rows(shard))
-
-        self._gather(shard_ids, offsets, out, locate, len(h.shards))
+        self._gather(shard_ids, offsets, out, lambda shard: self.hidden_shard(layer, shard), len(h.shards))
         return self._finish(out, h.dtype, as_torch)
+
+    def token_addresses(self, rows: RowsArg = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-token addresses of the prompts ``rows``: (shard ids, offsets, tokens per prompt), flattened."""
+        if self.storage != "full_sequence":
+            raise FormatError(
+                "this dataset is pooled: it stores only the last token of each prompt; use .hidden(layer) "
+                "(extract with --storage full_sequence to keep every token)"
+            )
+        r = self.row_indices(rows)
+        ids_col = self._table.column("token_shard_ids").take(pa.array(r))
+        offs_col = self._table.column("token_shard_offsets").take(pa.array(r))
+        lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
+        if not np.array_equal(lengths, pc.list_value_length(offs_col).to_numpy(zero_copy_only=False)):
+            raise FormatError(f"{self.files}: token_shard_ids and token_shard_offsets differ in length")
+        ids = pc.list_flatten(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
+        offs = pc.list_flatten(offs_col).to_numpy(zero_copy_only=False).astype(np.int64)
+        return ids, offs, lengths
+
+    # ---------------------------------------------------------------- reading
 
     def hidden(self, layer: int, rows: RowsArg = None, *, as_torch: bool = False):
         """Last-token hidden states of ``layer``: an (N, dim) array in index order.
@@ -275,50 +292,42 @@ class Dataset:
         bfloat16 data comes back as float32 numpy arrays (numpy has no bfloat16), or as a
         bfloat16 tensor with ``as_torch=True``.
         """
-        layer = self._check_layer(layer)
-        r = self._rows(rows)
-        shards = self._column("shard_index")[r]
-        offsets = self._column("row_offset")[r]
+        layer = self.check_layer(layer)
+        r = self.row_indices(rows)
+        shards = self.column("shard_index")[r]
+        offsets = self.column("row_offset")[r]
         if len(r) and self.storage == "full_sequence" and shards.max() >= self._hidden_desc.last_token_shards:
-            raise FormatError(f"{self._files}: shard_index points past the last-token shards")
-        return self._read_hidden(layer, shards, offsets, as_torch)
+            raise FormatError(f"{self.files}: shard_index points past the last-token shards")
+        return self.read_hidden_rows(layer, shards, offsets, as_torch=as_torch)
 
     def token_hidden(self, i: int, layer: int, *, as_torch: bool = False):
         """All token activations of prompt ``i`` at ``layer``: (num_tokens, dim). Full-sequence datasets only."""
-        layer = self._check_layer(layer)
-        if self.storage != "full_sequence":
-            raise FormatError(
-                "this dataset is pooled: it stores only the last token of each prompt; use .hidden(layer) "
-                "(extract with --storage full_sequence to keep every token)"
-            )
-        (row,) = self._rows(i)
-        ids = self._table.column("token_shard_ids")[int(row)].values
-        offs = self._table.column("token_shard_offsets")[int(row)].values
-        return self._read_hidden(
-            layer, ids.to_numpy().astype(np.int64), offs.to_numpy().astype(np.int64), as_torch
-        )
+        layer = self.check_layer(layer)
+        (row,) = self.row_indices(i)
+        ids, offs, _ = self.token_addresses([int(row)])
+        return self.read_hidden_rows(layer, ids, offs, as_torch=as_torch)
 
     def token_lengths(self) -> np.ndarray:
         """num_tokens of every prompt (from the token address lists when the column is null)."""
         col = self._table.column("num_tokens")
         if col.null_count == 0:
             return col.to_numpy().astype(np.int64)
-        if "token_shard_ids" in self._table.column_names:
-            return pa.compute.list_value_length(self._table.column("token_shard_ids")).to_numpy().astype(np.int64)
-        if "token_ids" in self._table.column_names:
-            return pa.compute.list_value_length(self._table.column("token_ids")).to_numpy().astype(np.int64)
-        raise FormatError(f"{self._files}: num_tokens is null and no token list column gives the lengths")
+        for name in ("token_shard_ids", "token_ids"):
+            if name in self._table.column_names:
+                return pc.list_value_length(self._table.column(name)).to_numpy(zero_copy_only=False).astype(np.int64)
+        raise FormatError(f"{self.files}: num_tokens is null and no token list column gives the lengths")
 
     def statistics(self, layer: int) -> dict[str, Any]:
         """Running statistics of ``layer`` over every stored vector: count, mean, std (ddof=0), mean_norm."""
-        desc = self._info.statistics
+        desc = self.meta.statistics
         if desc is None:
             raise FormatError("this dataset stores no statistics (extract with statistics on, the default)")
         if layer not in desc.layers:
-            raise KeyError(f"no statistics for layer {layer}; they cover layers {desc.layers}")
+            raise LayerNotFoundError(f"no statistics for layer {layer}; they cover layers {desc.layers}",
+                                     layer=layer, available=desc.layers)
         from safetensors import safe_open
 
-        path = self._fetch(desc.file, "statistics file")
+        path = self.fetch(desc.file, "statistics file")
         with safe_open(str(path), framework="np") as f:
             keys = set(f.keys())
 
@@ -333,27 +342,27 @@ class Dataset:
 
     def logits_topk(self, rows: RowsArg = None, *, as_torch: bool = False):
         """Top-k logits at the last token: (values (N, k) float32, indices (N, k) int) in index order."""
-        desc = self._info.logits
+        desc = self.meta.logits
         if desc is None:
             raise FormatError("this dataset stores no logits (extract with --logits-topk K)")
-        r = self._rows(rows)
-        shards = self._column("shard_index_logits")[r]
-        offsets = self._column("row_offset_logits")[r]
+        r = self.row_indices(rows)
+        shards = self.column("shard_index_logits")[r]
+        offsets = self.column("row_offset_logits")[r]
         keys: dict[int, tuple[str, str]] = {}
 
         def header_keys(shard: int) -> tuple[str, str]:
             if shard not in keys:
-                path = self._fetch(desc.file(shard), "logits shard")
+                path = self.fetch(desc.file(shard), "logits shard")
                 keys[shard] = desc.keys_for(set(self._header(path).tensors))
             return keys[shard]
 
         def locate_values(shard: int):
             vk, _ = header_keys(shard)
-            return self._entry(desc.file(shard), vk, desc.dtype, (desc.k,), desc.shards[shard]["num_prompts"])
+            return self.tensor(desc.file(shard), vk, desc.dtype, (desc.k,), desc.shards[shard]["num_prompts"])
 
         def locate_indices(shard: int):
             _, ik = header_keys(shard)
-            path = self._fetch(desc.file(shard), "logits shard")
+            path = self.fetch(desc.file(shard), "logits shard")
             entry = self._header(path).tensors.get(ik)
             if entry is None or entry.dtype not in ("int32", "int64") or entry.shape[1:] != (desc.k,):
                 raise FormatError(f"{desc.file(shard)}: tensor {ik!r} is missing or not an (n, {desc.k}) integer tensor")
@@ -373,32 +382,11 @@ class Dataset:
         return values, indices
 
 
-def load(path: str | os.PathLike, *, revision: str | None = None, **kwargs: Any) -> Dataset:
-    """Open an lmprobe dataset: a local folder, ``owner/name`` or ``hf://datasets/owner/name`` on the Hub.
-
-    From the Hub, the index is fetched first and shard files only when a call reads them (through
-    the Hugging Face cache, all from the commit the revision pointed at when the dataset was opened).
-
-    >>> ds = lmprobe.load("out/my-dataset")     # doctest: +SKIP
-    >>> ds = lmprobe.load("hf://datasets/me/acts", revision="main")  # doctest: +SKIP
-    >>> ds.hidden(ds.layers[-1]).shape          # doctest: +SKIP
-    (1000, 4096)
-    """
-    from ..hub import load_from_hub, parse_repo_ref
-    from ..remote import is_remote_url, load_remote
-
-    if is_remote_url(path):
-        return load_remote(str(path))
-
-    ref = parse_repo_ref(path, revision)
-    if ref is not None:
-        return load_from_hub(ref, token=kwargs.pop("token", None))
-    if revision is not None:
-        raise ValueError(f"revision= applies to Hub repos; {path} is a local folder")
+def open_local(path: str | os.PathLike) -> Dataset:
+    """Open the dataset in a local folder (or at a local index .parquet file)."""
     root = Path(path)
     if root.is_file() and root.suffix == ".parquet":
         index_path, root = root, root.parent.parent
     else:
         index_path = find_index(root)
-    table = pq.read_table(index_path)
-    return Dataset(LocalFiles(root), table)
+    return Dataset(LocalFiles(root), pq.read_table(index_path))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from ..errors import InvalidArgumentError
+from ..paths import check_pattern
 
 FORMAT_VERSION = "2.0"
 META_PREFIX = "lmprobe:"
@@ -50,7 +55,7 @@ def dtype_info(name: str) -> DType:
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+        raise InvalidArgumentError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
 
 
 # Index columns in the order the writer emits them. User columns follow, in the order given.
@@ -83,3 +88,110 @@ TOKEN_COLUMNS: dict[str, pa.DataType] = {
 RESERVED_COLUMNS = frozenset(
     [*CORE_COLUMNS, *FULL_SEQUENCE_COLUMNS, *LOGITS_COLUMNS, *PERPLEXITY_COLUMNS, *TOKEN_COLUMNS]
 )
+#: Index columns with one entry per token: read lazily, by row group, never all at once.
+PER_TOKEN_COLUMNS = frozenset(["token_shard_ids", "token_shard_offsets", *TOKEN_COLUMNS])
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What a dataset stores, fixed when its writer is created (the writer's constructor arguments, checked)."""
+
+    layers: tuple[int, ...]
+    """Stored layers, distinct and non-negative."""
+    dim: int
+    """Hidden size."""
+    model_name: str
+    """The model id (or local path) recorded as ``model.name``."""
+    model_revision: str | None = None
+    """The commit of the weights, when known."""
+    storage: str = "pooled"
+    """``pooled`` (last token of each prompt) or ``full_sequence`` (every token)."""
+    dtype: str = "float32"
+    """Stored dtype of the hidden states."""
+    shard_size: int = DEFAULT_SHARD_SIZE
+    """Byte budget of one shard."""
+    logits_k: int | None = None
+    """Top-k logits per prompt, or None."""
+    label_type: str | None = None
+    """``int``, ``string`` or None (no labels)."""
+    columns: Mapping[str, str] = field(default_factory=dict)
+    """User columns: name -> type name (see values.COLUMN_TYPES)."""
+    perplexity: bool = False
+    token_ids: bool = False
+    token_strings: bool = False
+    token_perplexity: bool = False
+    statistics: bool = False
+    """Keep running per-layer statistics of every stored vector."""
+    file_pattern: str = DEFAULT_HIDDEN_FILE_PATTERN
+    key_pattern: str = DEFAULT_HIDDEN_KEY_PATTERN
+    logits_file_pattern: str = DEFAULT_LOGITS_FILE_PATTERN
+
+    def __post_init__(self) -> None:
+        layers = self.layers
+        if not layers or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0 for x in layers) \
+                or len(set(layers)) != len(layers):
+            raise InvalidArgumentError(f"layers must be distinct non-negative integers, got {list(layers)}")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, (int, np.integer)) or self.dim <= 0:
+            raise InvalidArgumentError(f"dim must be a positive integer, got {self.dim!r}")
+        if self.storage not in STORAGES:
+            raise InvalidArgumentError(f"storage must be one of {STORAGES}, got {self.storage!r}")
+        if self.dtype not in HIDDEN_DTYPES:
+            raise InvalidArgumentError(f"dtype must be one of {HIDDEN_DTYPES}, got {self.dtype!r}")
+        k = self.logits_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0):
+            raise InvalidArgumentError(f"logits_k must be a positive integer or None, got {k!r}")
+        if self.label_type not in (None, "int", "string"):
+            raise InvalidArgumentError(f"label_type must be 'int', 'string' or None, got {self.label_type!r}")
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise InvalidArgumentError("model_name must be a non-empty string")
+        check_pattern(self.file_pattern, ("layer", "shard"), "file_pattern")
+        check_pattern(self.key_pattern, ("layer",), "key_pattern")
+        check_pattern(self.logits_file_pattern, ("shard",), "logits_file_pattern")
+        for f in ("layer", "shard"):
+            if "{" + f not in self.file_pattern:
+                raise InvalidArgumentError(
+                    f"file_pattern {self.file_pattern!r} must use {{{f}}} so that every shard has its own file")
+        if "{shard" not in self.logits_file_pattern:
+            raise InvalidArgumentError(f"logits_file_pattern {self.logits_file_pattern!r} must use {{shard}}")
+        for name in self.columns:
+            if name in RESERVED_COLUMNS:
+                raise InvalidArgumentError(f"user column {name!r} collides with a column of the format; rename it")
+
+    @property
+    def full_sequence(self) -> bool:
+        return self.storage == "full_sequence"
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * DTYPES[self.dtype].itemsize
+
+    @property
+    def rows_per_shard(self) -> int:
+        return max(1, self.shard_size // self.row_bytes)
+
+    @property
+    def logits_rows_per_shard(self) -> int:
+        return max(1, self.shard_size // (8 * (self.logits_k or 1)))
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Everything that decides the bytes written: a partial output resumes only under the same fingerprint."""
+        return {
+            "format_version": FORMAT_VERSION,
+            "layers": list(self.layers),
+            "dim": self.dim,
+            "storage": self.storage,
+            "dtype": self.dtype,
+            "shard_size": self.shard_size,
+            "logits_k": self.logits_k,
+            "label_type": self.label_type,
+            "columns": dict(self.columns),
+            "file_pattern": self.file_pattern,
+            "key_pattern": self.key_pattern,
+            "logits_file_pattern": self.logits_file_pattern,
+            "model": {"name": self.model_name, "revision": self.model_revision},
+            "perplexity": self.perplexity,
+            "token_ids": self.token_ids,
+            "token_strings": self.token_strings,
+            "token_perplexity": self.token_perplexity,
+            "statistics": self.statistics,
+        }

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_output
+from ..hashing import sha256_file
+
 STATS_FILE = "tensors/statistics.safetensors"
 KEY_PATTERN = "layer_{layer}.{stat}"
 
@@ -34,6 +37,14 @@ class RunningStats:
             return cls.empty(x.shape[1])
         mean = x.mean(axis=0)
         return cls(len(x), mean, ((x - mean) ** 2).sum(axis=0), float(np.linalg.norm(x, axis=1).sum()))
+
+    @classmethod
+    def from_result(cls, r: dict) -> RunningStats:
+        """Back from ``result()`` (or ``Dataset.statistics``): exact up to the float64 rounding of std."""
+        count = int(r["count"])
+        std = np.asarray(r["std"], dtype=np.float64)
+        return cls(count, np.asarray(r["mean"], dtype=np.float64), std**2 * count,
+                   float(r["mean_norm"]) * count if count else 0.0)
 
     def merge(self, other: RunningStats) -> RunningStats:
         if other.count == 0:
@@ -61,16 +72,6 @@ class RunningStats:
             KEY_PATTERN.format(layer=layer, stat="mean_norm"): np.array([r["mean_norm"]], dtype=np.float64),
         }
 
-    @classmethod
-    def from_tensors(cls, t: dict[str, np.ndarray], layer: int) -> RunningStats:
-        def get(stat):
-            return t[KEY_PATTERN.format(layer=layer, stat=stat)]
-
-        count = int(get("count")[0])
-        std = get("std").astype(np.float64)
-        return cls(count, get("mean").astype(np.float64), std**2 * count,
-                   float(get("mean_norm")[0]) * count if count else 0.0)
-
 
 def save_stats(path: Path, stats: dict[int, RunningStats]) -> None:
     from safetensors.numpy import save_file
@@ -78,16 +79,29 @@ def save_stats(path: Path, stats: dict[int, RunningStats]) -> None:
     tensors: dict[str, np.ndarray] = {}
     for layer, s in stats.items():
         tensors.update(s.to_tensors(layer))
-    tmp = Path(f"{path}.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "np"})
-    tmp.replace(path)
+    with atomic_output(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "np"})
 
 
-def load_stats(path: Path, layers: list[int]) -> dict[int, RunningStats]:
-    from safetensors.numpy import load_file
-
-    t = load_file(str(path))
-    return {layer: RunningStats.from_tensors(t, layer) for layer in layers}
+def write_statistics(out_dir: Path, stats: dict[int, RunningStats], *, storage: str, checksums: bool) -> dict:
+    """Write the statistics file of a dataset; returns its descriptor (docs/format.md)."""
+    final = Path(out_dir) / STATS_FILE
+    final.parent.mkdir(parents=True, exist_ok=True)
+    save_stats(final, stats)
+    desc = {
+        "type": "statistics",
+        "file": STATS_FILE,
+        "layers": list(stats),
+        "key_pattern": KEY_PATTERN,
+        "stats": ["count", "mean", "std", "mean_norm"],
+        "over": "every stored vector" + (" (all tokens)" if storage == "full_sequence" else " (last tokens)"),
+        "ddof": 0,
+        "dtype": "float64",
+        "bytes": final.stat().st_size,
+    }
+    if checksums:
+        desc["sha256"] = sha256_file(final)
+    return desc
 
 
 def save_accumulators(path: Path, stats: dict[int, RunningStats]) -> None:
@@ -100,9 +114,8 @@ def save_accumulators(path: Path, stats: dict[int, RunningStats]) -> None:
         tensors[f"{layer}.mean"] = s.mean
         tensors[f"{layer}.m2"] = s.m2
         tensors[f"{layer}.norm_sum"] = np.array([s.norm_sum], dtype=np.float64)
-    tmp = Path(f"{path}.tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
+    with atomic_output(path) as tmp:
+        save_file(tensors, str(tmp))
 
 
 def load_accumulators(path: Path, layers: list[int]) -> dict[int, RunningStats]:

@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..errors import FormatError
+from ..errors import FormatError, ValidationError
 from ..hashing import sha256_file
+from ..paths import resolve_inside
 from .metadata import DatasetInfo, decode_schema_metadata, parse_info
-from .paths import resolve_inside
 from .reader import find_index
 from .safetensors_io import read_header
 from .spec import CARD_PATH, DTYPES, STAGING_DIR
@@ -26,6 +26,7 @@ class Report:
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     checked_files: int = 0
+    info: dict | None = None  # the decoded metadata, once it parsed
 
     @property
     def ok(self) -> bool:
@@ -37,6 +38,11 @@ class Report:
         lines += [f"  error: {e}" for e in self.errors]
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def raise_for_errors(self) -> None:
+        """Raise ValidationError listing every error, if there is any."""
+        if self.errors:
+            raise ValidationError(self.path, self.errors)
 
 
 
@@ -157,6 +163,7 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
     except FormatError as exc:
         rep.errors.append(str(exc))
         return rep
+    rep.info = raw
     for key in ("model", "prompt_ordering", "provenance"):
         if key not in raw:
             rep.warnings.append(f"metadata key 'lmprobe:{key}' is missing")
@@ -276,27 +283,6 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
     _check_lists(table, "token_ids", lengths, 0, rep)
     _check_lists(table, "token_strings", lengths, 0, rep)
     _check_lists(table, "token_perplexity", lengths, 1, rep)
-
-    # --- extras recorded beside the dataset (saev exports, SAE dictionaries)
-    extras = raw.get("extras") or {}
-    if isinstance(extras, dict):
-        from ..extras import ExtrasError, describe_sae, describe_saev
-
-        for kind in ("saev", "sae"):
-            for item in extras.get(kind) or []:
-                rel = item.get("path") if isinstance(item, dict) else None
-                try:
-                    folder = resolve_inside(root, rel, f"extras {kind} path")
-                except FormatError as exc:
-                    rep.errors.append(str(exc))
-                    continue
-                if not folder.is_dir():
-                    rep.warnings.append(f"{rel}/ is recorded in lmprobe:extras but not in this folder (a partial copy?)")
-                    continue
-                try:
-                    describe_saev(folder) if kind == "saev" else describe_sae(folder.parent, folder.name)
-                except (ExtrasError, ValueError) as exc:
-                    rep.errors.append(str(exc))
 
     # --- the folder
     for sidecar in ("lmprobe_info.json", "_stage_complete"):

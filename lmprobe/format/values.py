@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import ColumnTypeError
+from ..errors import ColumnTypeError, InvalidArgumentError
 from .spec import DTYPES
 
 # User column types we accept, by the name used in metadata and fingerprints.
@@ -30,13 +30,13 @@ def column_type_name(t: str | pa.DataType) -> str:
                 return name
         if pa.types.is_large_string(t):
             return "string"
-        raise ValueError(f"unsupported column type {t}; use one of {sorted(COLUMN_TYPES)}")
+        raise InvalidArgumentError(f"unsupported column type {t}; use one of {sorted(COLUMN_TYPES)}")
     if t in COLUMN_TYPES:
         return t
     aliases = {"str": "string", "int": "int64", "float": "float64", "double": "float64", "boolean": "bool"}
     if t in aliases:
         return aliases[t]
-    raise ValueError(f"unsupported column type {t!r}; use one of {sorted(COLUMN_TYPES)}")
+    raise InvalidArgumentError(f"unsupported column type {t!r}; use one of {sorted(COLUMN_TYPES)}")
 
 
 def is_null(v: Any) -> bool:
@@ -127,19 +127,25 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def torch_dtype(name: str):
+    """The torch dtype of a floating dtype name (``float32``, ``float16``, ``bfloat16``)."""
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
 def to_storage(x: Any, dtype: str) -> np.ndarray:
     """Convert an array-like (numpy, torch, JAX) to the numpy storage dtype of ``dtype``."""
     if _is_torch(x):
         import torch
 
-        target = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-        t = x.detach().to(device="cpu", dtype=target).contiguous()
+        t = x.detach().to(device="cpu", dtype=torch_dtype(dtype)).contiguous()
         if dtype == "bfloat16":
             return t.view(torch.int16).numpy().view(np.uint16)
         return t.numpy()
     a = np.asarray(x)
     if a.dtype == object:
-        raise TypeError("expected a numeric array, got an object array (a nested list or dict?)")
+        raise ColumnTypeError("expected a numeric array, got an object array (a nested list or dict?)")
     if dtype == "bfloat16":
         return float32_to_bfloat16_bits(a)
     return np.ascontiguousarray(a, dtype=DTYPES[dtype].np_storage)

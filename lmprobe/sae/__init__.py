@@ -26,20 +26,14 @@ __all__ = [
     "load_dictionary",
     "project_topk",
     "project_topk_batch",
-    "push_dictionary",
     "validate_dictionary",
 ]
 
 
-def export_sae(*args, **kwargs):
-    """See ``lmprobe.sae.export.export_sae`` (needs numpy)."""
-    from .export import export_sae as _export
+def __getattr__(name: str):
+    # export needs numpy; the loader and projection work without it, so it loads on first use
+    if name == "export_sae":
+        from .export import export_sae
 
-    return _export(*args, **kwargs)
-
-
-def push_dictionary(root, name, repo_id, **kwargs):
-    """Publish dictionary ``root/name`` to the Hub model repo ``repo_id`` under ``name/``; meta.json last."""
-    from .publish import push_dictionary as _push
-
-    return _push(root, name, repo_id, **kwargs)
+        return export_sae
+    raise AttributeError(f"module 'lmprobe.sae' has no attribute {name!r}")

@@ -8,6 +8,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ..errors import LmprobeError
+
 
 def add_topk_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", required=True, help="folder holding dictionaries, or hf://OWNER/NAME (a model repo)")
@@ -28,12 +30,10 @@ def run_topk(args: argparse.Namespace) -> int:
     layer = dct.get_layer(args.layer)
     t_load = time.perf_counter() - t0
     if args.dataset:
-        import lmprobe
+        from ..opening import load
 
-        ds = lmprobe.load(args.dataset)
-        if args.layer not in ds.layers:
-            raise ValueError(f"layer {args.layer} is not in {args.dataset} (layers {ds.layers})")
-        vec = ds.hidden(args.layer, rows=[args.prompt])[0]
+        ds = load(args.dataset)
+        vec = ds.hidden(ds.check_layer(args.layer), rows=[args.prompt])[0]
         what = f"prompt {args.prompt} of {args.dataset}: {ds.texts[args.prompt][:60]!r}"
     else:
         rng = random.Random(args.seed)
@@ -56,6 +56,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return run_topk(args)
-    except (ValueError, KeyError, FileNotFoundError) as exc:
+    except LmprobeError as exc:
         print(f"lmprobe sae-topk: error: {exc}", file=sys.stderr)
         return 2

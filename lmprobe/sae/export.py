@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic import atomic_write
+from ..errors import DictionaryError
+from ..format.values import to_numpy
 from .loader import SAEConfig, load_dictionary, validate_dictionary
 
 DICT_VERSION = "1.0.0"
@@ -47,13 +50,13 @@ def read_encoder(source: str | os.PathLike, *, weight_key: str | None = None, bi
     if src.is_dir():
         weights = src / "sae_weights.safetensors"
         if not weights.exists():
-            raise ValueError(f"{src} is not a SAELens folder: sae_weights.safetensors is missing")
+            raise DictionaryError(f"{src} is not a SAELens folder: sae_weights.safetensors is missing")
         if (src / "cfg.json").exists():
             cfg = json.loads((src / "cfg.json").read_text())
         src, weight_key, bias_key = weights, weight_key or "W_enc", bias_key or "b_enc"
         orientation = "in_out" if orientation == "auto" else orientation
     if not src.exists():
-        raise ValueError(f"{src} does not exist")
+        raise DictionaryError(f"{src} does not exist")
     if src.suffix == ".safetensors":
         from safetensors.numpy import load_file
 
@@ -62,18 +65,18 @@ def read_encoder(source: str | os.PathLike, *, weight_key: str | None = None, bi
         with np.load(src, allow_pickle=False) as z:
             tensors = {k: z[k] for k in z.files}
     else:
-        raise ValueError(f"{src}: expected a .safetensors or .npz file, or a SAELens folder")
+        raise DictionaryError(f"{src}: expected a .safetensors or .npz file, or a SAELens folder")
     if weight_key is None:
-        raise ValueError(f"{src}: pass --weight-key (the file holds {sorted(tensors)})")
+        raise DictionaryError(f"{src}: pass --weight-key (the file holds {sorted(tensors)})")
     if weight_key not in tensors:
-        raise ValueError(f"{src}: no tensor {weight_key!r} (the file holds {sorted(tensors)})")
+        raise DictionaryError(f"{src}: no tensor {weight_key!r} (the file holds {sorted(tensors)})")
     W = np.asarray(tensors[weight_key], dtype=np.float32)
     if W.ndim != 2:
-        raise ValueError(f"{src}: {weight_key} must be 2-D, got shape {W.shape}")
+        raise DictionaryError(f"{src}: {weight_key} must be 2-D, got shape {W.shape}")
     b = None
     if bias_key is not None:
         if bias_key not in tensors:
-            raise ValueError(f"{src}: no tensor {bias_key!r} (the file holds {sorted(tensors)})")
+            raise DictionaryError(f"{src}: no tensor {bias_key!r} (the file holds {sorted(tensors)})")
         b = np.asarray(tensors[bias_key], dtype=np.float32).reshape(-1)
     return orient(W, b, orientation), b, cfg
 
@@ -83,29 +86,29 @@ def orient(W: np.ndarray, b: np.ndarray | None, orientation: str) -> np.ndarray:
         W = W.T
     elif orientation == "auto":
         if b is None or W.shape[0] == W.shape[1]:
-            raise ValueError(
+            raise DictionaryError(
                 f"cannot tell which axis of the {W.shape} encoder holds the features; pass orientation "
                 "'in_out' ([hidden, features], as SAELens) or 'out_in' ([features, hidden], as nn.Linear)"
             )
         if W.shape[1] == len(b):
             W = W.T
         elif W.shape[0] != len(b):
-            raise ValueError(f"the bias has {len(b)} entries, matching neither axis of the {W.shape} encoder")
+            raise DictionaryError(f"the bias has {len(b)} entries, matching neither axis of the {W.shape} encoder")
     elif orientation != "out_in":
-        raise ValueError(f"orientation must be 'auto', 'in_out' or 'out_in', got {orientation!r}")
+        raise DictionaryError(f"orientation must be 'auto', 'in_out' or 'out_in', got {orientation!r}")
     if b is not None and len(b) != W.shape[0]:
-        raise ValueError(f"the bias has {len(b)} entries for {W.shape[0]} features")
+        raise DictionaryError(f"the bias has {len(b)} entries for {W.shape[0]} features")
     return np.ascontiguousarray(W)
 
 
 def sparsify(W: np.ndarray, *, threshold: float | None = None, topk_per_feature: int | None = None):
     """CSR (data, indices, indptr) of W [features, hidden], keeping weights by magnitude; + mass kept."""
     if threshold is not None and topk_per_feature is not None:
-        raise ValueError("pass either threshold or topk_per_feature, not both")
+        raise DictionaryError("pass either threshold or topk_per_feature, not both")
     absW = np.abs(W)
     if topk_per_feature is not None:
         if topk_per_feature < 1:
-            raise ValueError("topk_per_feature must be >= 1")
+            raise DictionaryError("topk_per_feature must be >= 1")
         k = min(topk_per_feature, W.shape[1])
         top = np.argpartition(-absW, k - 1, axis=1)[:, :k]
         keep = np.zeros(W.shape, dtype=bool)
@@ -113,16 +116,16 @@ def sparsify(W: np.ndarray, *, threshold: float | None = None, topk_per_feature:
         keep &= W != 0
     else:
         if threshold is not None and threshold < 0:
-            raise ValueError("threshold must be >= 0")
+            raise DictionaryError("threshold must be >= 0")
         keep = absW >= threshold if threshold else W != 0
     total = float(absW.sum(dtype=np.float64))
     kept = float(absW[keep].sum(dtype=np.float64))
     rows, cols = np.nonzero(keep)  # row-major order: CSR
     data = W[rows, cols]
     if data.size and np.abs(data).max() > np.finfo(np.float16).max:
-        raise ValueError("a weight does not fit in float16 (|w| > 65504); rescale the encoder first")
+        raise DictionaryError("a weight does not fit in float16 (|w| > 65504); rescale the encoder first")
     if data.size >= 2**31:
-        raise ValueError("more than 2^31 weights kept: int32 indptr cannot address them; sparsify further")
+        raise DictionaryError("more than 2^31 weights kept: int32 indptr cannot address them; sparsify further")
     indptr = np.zeros(W.shape[0] + 1, dtype=np.int32)
     np.cumsum(np.bincount(rows, minlength=W.shape[0]), out=indptr[1:])
     return data.astype(np.float16), cols.astype(np.int32), indptr, (kept / total if total else 1.0)
@@ -167,17 +170,15 @@ def export_sae(
     metadata last, and the result is validated.
     """
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-        raise ValueError(f"layer must be a non-negative integer, got {layer!r}")
+        raise DictionaryError(f"layer must be a non-negative integer, got {layer!r}")
     if file_format not in ("npz", "safetensors"):
-        raise ValueError("file_format must be 'npz' or 'safetensors'")
+        raise DictionaryError("file_format must be 'npz' or 'safetensors'")
     if (source is None) == (W_enc is None):
-        raise ValueError("pass either a source (file or SAELens folder) or W_enc arrays")
+        raise DictionaryError("pass either a source (file or SAELens folder) or W_enc arrays")
     cfg: dict = {}
     if source is not None:
         W, b, cfg = read_encoder(source, weight_key=weight_key, bias_key=bias_key, orientation=orientation)
     else:
-        from ..format.values import to_numpy
-
         b = None if b_enc is None else to_numpy(b_enc).astype(np.float32).reshape(-1)
         W = orient(to_numpy(W_enc).astype(np.float32), b, orientation)
     data, indices, indptr, mass = sparsify(W, threshold=threshold, topk_per_feature=topk_per_feature)
@@ -187,7 +188,7 @@ def export_sae(
     meta_path = ddir / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
     if meta is not None and meta.get("format") != fmt:
-        raise ValueError(f"{meta_path} says format {meta.get('format')!r}; this export writes {fmt!r}")
+        raise DictionaryError(f"{meta_path} says format {meta.get('format')!r}; this export writes {fmt!r}")
 
     # write the layer folder next to its final place, then swap it in
     tmp = ddir / f".tmp-layer_{layer}-{uuid.uuid4().hex[:8]}"
@@ -225,7 +226,7 @@ def export_sae(
         start += sizes[lyr]
     new_hash = model_hash_of(model_revision, model_config)
     if meta is not None and meta.get("model_hash") not in (None, "unknown", new_hash) and new_hash != "unknown":
-        raise ValueError(
+        raise DictionaryError(
             f"{meta_path} belongs to model {meta['model_hash']!r}, this encoder to {new_hash!r}; use another dictionary"
         )
     new_meta = {
@@ -236,12 +237,10 @@ def export_sae(
         "format": fmt,
         "layer_ranges": ranges,
     }
-    tmp_meta = meta_path.with_name(f".meta-{uuid.uuid4().hex[:8]}.json")
-    tmp_meta.write_text(json.dumps(new_meta, indent=2) + "\n")
-    os.replace(tmp_meta, meta_path)
+    atomic_write(meta_path, json.dumps(new_meta, indent=2) + "\n")
     problems = validate_dictionary(root, dictionary)
     if problems:
-        raise ValueError("the exported dictionary does not validate: " + "; ".join(problems))
+        raise DictionaryError("the exported dictionary does not validate: " + "; ".join(problems))
     return ExportReport(layer, W.shape[0], W.shape[1], int(data.size), mass, final)
 
 

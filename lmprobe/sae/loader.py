@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import DictionaryError, InvalidArgumentError
+from ..storage.hub import HubFiles, parse_hf_url
+
 REQUIRED_META = {"version": str, "model_hash": str, "feature_count": int, "dtype": str, "format": str}
 FORMATS = ("csr.npz", "csr.safetensors")
 SEMVER_RE = re.compile(r"^\d+\.\d+\.\d+(?:[-+][0-9A-Za-z.-]+)?$")
@@ -39,29 +42,26 @@ def _numpy():
 
 
 def detect_device(device: str = "auto") -> str:
-    """'cuda' or 'cpu'. 'auto' looks for CUDA through torch when it is installed, else the driver library."""
-    if device != "auto":
-        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    """The device projections run on: 'cpu', or 'cuda[:N]' (batched projections then run in torch there).
+
+    'auto' picks CUDA when torch is installed and sees a GPU, else the CPU. Asking for CUDA where
+    it is not available is an error, not a silent fallback.
+    """
+    if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(device)):
+        raise InvalidArgumentError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if device == "cpu":
         return device
     try:
         torch = importlib.import_module("torch")
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        available = torch.cuda.is_available()
     except ImportError:
-        pass
-    try:
-        import ctypes
-        import ctypes.util
-
-        name = ctypes.util.find_library("cuda")
-        if name:
-            lib = ctypes.CDLL(name)
-            count = ctypes.c_int(0)
-            if lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0:
-                return "cuda"
-    except OSError:
-        pass
-    return "cpu"
+        available = False
+    if device == "auto":
+        return "cuda" if available else "cpu"
+    if not available:
+        raise InvalidArgumentError(f"device {device!r} was asked for, but CUDA is not available here "
+                                   "(needs torch with a GPU); use device='cpu' or 'auto'")
+    return device
 
 
 @dataclass
@@ -73,21 +73,30 @@ class SAEConfig:
     """
 
     root_path: str | os.PathLike
+    """A folder holding dictionaries, or an ``hf://`` repo URL."""
     dictionary_name: str
+    """The dictionary's folder name under ``root_path``."""
     device: str = "auto"
+    """Where batched projections run: 'cpu' (numpy), 'cuda[:N]' (torch), or 'auto'."""
     dtype: str = "fp16"
+    """How weights are held in memory: 'fp16' (as stored) or 'fp32' (converted once at load: faster
+    single-vector projections, twice the memory)."""
     prefer_sparse: bool = True
+    """Keep layers as CSR; False expands each layer to a dense float32 matrix when it loads."""
     cache_layers: int = 2
+    """Layers kept in memory (least recently used ones are dropped)."""
     revision: str | None = None
+    """Hub revision of an ``hf://`` root."""
     token: str | None = None
+    """Hub token for a private ``hf://`` root (never stored)."""
 
     def __post_init__(self):
         if not isinstance(self.dictionary_name, str) or not re.fullmatch(r"[A-Za-z0-9][\w.\-]*", self.dictionary_name):
-            raise ValueError(f"dictionary_name {self.dictionary_name!r} must be a plain folder name")
+            raise DictionaryError(f"dictionary_name {self.dictionary_name!r} must be a plain folder name")
         if not isinstance(self.cache_layers, int) or self.cache_layers < 1:
-            raise ValueError(f"cache_layers must be a positive integer, got {self.cache_layers!r}")
+            raise DictionaryError(f"cache_layers must be a positive integer, got {self.cache_layers!r}")
         if self.dtype not in ("fp16", "fp32"):
-            raise ValueError(f"dtype must be 'fp16' or 'fp32', got {self.dtype!r}")
+            raise DictionaryError(f"dtype must be 'fp16' or 'fp32', got {self.dtype!r}")
         self.device = detect_device(self.device)
 
 
@@ -100,9 +109,11 @@ class SAELayerWeights:
     indices: Any  # int32 column of each value
     indptr: Any  # int32 row starts, features + 1 entries
     shape: tuple[int, int]  # (features, hidden_dim)
-    bias: Any = None  # float16, one per feature
+    bias: Any = None  # float16 (float32 when loaded with dtype="fp32"), one per feature
+    device: str = "cpu"  # where batched projections of this layer run
     _dense: Any = field(default=None, repr=False)
     _data32: Any = field(default=None, repr=False)
+    _dense_torch: Any = field(default=None, repr=False)
 
     @property
     def feature_count(self) -> int:
@@ -119,7 +130,7 @@ class SAELayerWeights:
 
 def _check_meta(meta: Any, path: Path) -> dict:
     if not isinstance(meta, dict):
-        raise ValueError(f"{path}: meta.json must hold a JSON object")
+        raise DictionaryError(f"{path}: meta.json must hold a JSON object")
     problems = []
     for key, typ in REQUIRED_META.items():
         if key not in meta:
@@ -143,7 +154,7 @@ def _check_meta(meta: Any, path: Path) -> dict:
                 if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v) and 0 <= v[0] <= v[1]):
                     problems.append(f"layer_ranges[{k!r}] must be [start, end] with 0 <= start <= end")
     if problems:
-        raise ValueError(f"{path}: " + "; ".join(problems))
+        raise DictionaryError(f"{path}: " + "; ".join(problems))
     return meta
 
 
@@ -179,7 +190,7 @@ def _to_layer(enc: dict, bias: Any, layer: int, where: str) -> SAELayerWeights:
     np = _numpy()
     missing = [k for k in ("data", "indices", "indptr", "shape") if k not in enc]
     if missing:
-        raise ValueError(f"{where}: encoder is missing key(s) {missing} (needs data, indices, indptr, shape)")
+        raise DictionaryError(f"{where}: encoder is missing key(s) {missing} (needs data, indices, indptr, shape)")
 
     def flat(v):
         return v if np is not None and hasattr(v, "dtype") else v[0]
@@ -187,31 +198,31 @@ def _to_layer(enc: dict, bias: Any, layer: int, where: str) -> SAELayerWeights:
     data, indices, indptr, shape = (flat(enc[k]) for k in ("data", "indices", "indptr", "shape"))
     shape = tuple(int(x) for x in (shape.tolist() if hasattr(shape, "tolist") else shape))
     if len(shape) != 2 or min(shape) < 1:
-        raise ValueError(f"{where}: shape must be [features, hidden_dim], got {list(shape)}")
+        raise DictionaryError(f"{where}: shape must be [features, hidden_dim], got {list(shape)}")
     if np is not None:
         for name, arr, want in (("data", data, ("float16", "float32")), ("indices", indices, ("int32",)),
                                 ("indptr", indptr, ("int32", "int64"))):
             if str(arr.dtype) not in want or arr.ndim != 1:
-                raise ValueError(f"{where}: {name} must be a 1-D {want[0]} array, got {arr.dtype} {arr.shape}")
+                raise DictionaryError(f"{where}: {name} must be a 1-D {want[0]} array, got {arr.dtype} {arr.shape}")
     rows, cols = shape
     if len(indptr) != rows + 1:
-        raise ValueError(f"{where}: indptr has {len(indptr)} entries, expected features + 1 = {rows + 1}")
+        raise DictionaryError(f"{where}: indptr has {len(indptr)} entries, expected features + 1 = {rows + 1}")
     if len(data) != len(indices) or int(indptr[-1]) != len(data) or int(indptr[0]) != 0:
-        raise ValueError(f"{where}: inconsistent CSR: {len(data)} values, {len(indices)} indices, indptr ends at {indptr[-1]}")
+        raise DictionaryError(f"{where}: inconsistent CSR: {len(data)} values, {len(indices)} indices, indptr ends at {indptr[-1]}")
     if np is not None:
         if np.any(np.diff(indptr) < 0):
-            raise ValueError(f"{where}: indptr must not decrease")
+            raise DictionaryError(f"{where}: indptr must not decrease")
         if len(indices) and (indices.min() < 0 or indices.max() >= cols):
-            raise ValueError(f"{where}: a column index is outside 0..{cols - 1}")
+            raise DictionaryError(f"{where}: a column index is outside 0..{cols - 1}")
     else:
         if any(b < a for a, b in zip(indptr[:-1], indptr[1:], strict=True)):
-            raise ValueError(f"{where}: indptr must not decrease")
+            raise DictionaryError(f"{where}: indptr must not decrease")
         if indices and (min(indices) < 0 or max(indices) >= cols):
-            raise ValueError(f"{where}: a column index is outside 0..{cols - 1}")
+            raise DictionaryError(f"{where}: a column index is outside 0..{cols - 1}")
     if bias is not None:
         b = bias if np is not None and hasattr(bias, "dtype") else bias[0]
         if len(b) != rows:
-            raise ValueError(f"{where}: bias has {len(b)} entries, expected one per feature ({rows})")
+            raise DictionaryError(f"{where}: bias has {len(b)} entries, expected one per feature ({rows})")
         bias = b
     return SAELayerWeights(layer, data, indices, indptr, (rows, cols), bias)
 
@@ -226,7 +237,7 @@ class SAEDictionary:
         try:
             meta = json.loads(Path(meta_path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{meta_path}: cannot read meta.json ({exc})") from None
+            raise DictionaryError(f"{meta_path}: cannot read meta.json ({exc})") from None
         self.meta = _check_meta(meta, Path(meta_path))
         self._cache: OrderedDict[int, SAELayerWeights] = OrderedDict()
 
@@ -248,7 +259,7 @@ class SAEDictionary:
         d = f"layer_{layer}"
         enc = self._source.fetch(f"{d}/encoder.{ext}", required=False)
         if enc is None:
-            raise ValueError(
+            raise DictionaryError(
                 f"{self._source.describe(d)}/encoder.{ext} is missing: layer {layer} is not in dictionary "
                 f"{self.cfg.dictionary_name!r} (layers: {self.layers})"
             )
@@ -260,7 +271,7 @@ class SAEDictionary:
 
     def get_layer(self, layer: int) -> SAELayerWeights:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise ValueError(f"layer must be a non-negative integer, got {layer!r}")
+            raise DictionaryError(f"layer must be a non-negative integer, got {layer!r}")
         if layer in self._cache:
             self._cache.move_to_end(layer)
             return self._cache[layer]
@@ -268,19 +279,28 @@ class SAEDictionary:
         try:
             enc, bias = _load_arrays(files, self.meta["format"], layer)
         except (OSError, KeyError, ValueError, struct.error) as exc:
-            if isinstance(exc, ValueError) and str(files["encoder"]) in str(exc):
+            if isinstance(exc, DictionaryError) and str(files["encoder"]) in str(exc):
                 raise
-            raise ValueError(f"{files['encoder']}: cannot read the encoder ({exc})") from exc
+            raise DictionaryError(f"{files['encoder']}: cannot read the encoder ({exc})") from exc
         weights = _to_layer(enc, bias, layer, str(files["encoder"]))
         ranges = self.meta.get("layer_ranges")
         if isinstance(ranges, dict) and str(layer) in ranges:
             start, end = ranges[str(layer)]
             if end - start != weights.feature_count:
-                raise ValueError(
+                raise DictionaryError(
                     f"{files['encoder']}: {weights.feature_count} features but meta.json layer_ranges gives "
                     f"[{start}, {end}]"
                 )
-        if not self.cfg.prefer_sparse and _numpy() is not None:
+        weights.device = self.cfg.device
+        np = _numpy()
+        if self.cfg.dtype == "fp32":
+            if np is not None:
+                weights.data = weights.data.astype(np.float32)
+                weights._data32 = weights.data
+                if weights.bias is not None:
+                    weights.bias = weights.bias.astype(np.float32)
+            # the pure-Python path holds Python floats already
+        if not self.cfg.prefer_sparse and np is not None:
             dense_encoder(weights)  # expand now: batched projections are then a matrix product
         self._cache[layer] = weights
         while len(self._cache) > self.cfg.cache_layers:
@@ -292,58 +312,43 @@ class SAEDictionary:
 
 
 class _DictSource:
-    """Dictionary files in a local folder or a Hub model repo (downloaded on first use)."""
+    """Dictionary files in a local folder or a Hub repo (downloaded on first use)."""
 
     def __init__(self, cfg: SAEConfig):
         root = os.fspath(cfg.root_path)
         self.name = cfg.dictionary_name
-        self.hub = None
+        self.hub: HubFiles | None = None
         if root.startswith("hf://"):
-            from ..hub import parse_hub_path
-
-            repo, repo_type, sub = parse_hub_path(root)
-            self.hub = (repo, cfg.revision, cfg.token)
-            self.repo_type = repo_type
-            self.prefix = f"{sub}/{self.name}" if sub else self.name
+            ref = parse_hf_url(root, revision=cfg.revision)
+            sub = f"{ref.path}/{self.name}" if ref.path else self.name
+            self.hub = HubFiles(ref.__class__(ref.repo_id, ref.repo_type, ref.revision, sub), token=cfg.token)
         else:
             self.dir = Path(root) / self.name
             if not self.dir.is_dir():
-                raise ValueError(f"no dictionary {self.name!r} in {root} ({self.dir} is not a folder)")
+                raise DictionaryError(f"no dictionary {self.name!r} in {root} ({self.dir} is not a folder)")
 
     def describe(self, sub: str) -> str:
-        return f"hf://{self.hub[0]}/{self.prefix}/{sub}" if self.hub else str(self.dir / sub)
+        return f"{self.hub}/{sub}" if self.hub else str(self.dir / sub)
 
     def fetch(self, rel: str, required: bool = True) -> Path | None:
         if self.hub is None:
             p = self.dir / rel
             if not p.exists():
                 if required:
-                    raise ValueError(f"{p} is missing")
+                    raise DictionaryError(f"{p} is missing")
                 return None
             return p
-        from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError
-
-        repo, revision, token = self.hub
-        try:
-            return Path(hf_hub_download(repo, f"{self.prefix}/{rel}", repo_type=self.repo_type, revision=revision,
-                                        token=token))
-        except EntryNotFoundError:
+        if rel not in self.hub.repo_files:
             if required:
-                raise ValueError(f"{self.describe(rel)} is missing") from None
+                raise DictionaryError(f"{self.describe(rel)} is missing")
             return None
+        return self.hub.fetch(rel, what="dictionary file")
 
     def list_layers(self) -> list[int]:
         if self.hub is None:
             names = [p.name for p in self.dir.iterdir()]
         else:
-            from huggingface_hub import HfApi
-
-            repo, revision, token = self.hub
-            depth = self.prefix.count("/") + 1
-            names = [f.split("/")[depth] for f in HfApi(token=token).list_repo_files(repo, repo_type=self.repo_type,
-                                                                                      revision=revision)
-                     if f.startswith(self.prefix + "/") and f.count("/") > depth]
+            names = [f.split("/")[0] for f in self.hub.repo_files if "/" in f]
         return sorted({int(n[6:]) for n in names if re.fullmatch(r"layer_\d+", n)})
 
 
@@ -365,7 +370,7 @@ def _f32(x: float) -> float:
 
 def _check_vec_len(n: int, layer: SAELayerWeights) -> None:
     if n != layer.hidden_dim:
-        raise ValueError(f"probe vector has length {n}, but layer {layer.layer} expects hidden_dim {layer.hidden_dim}")
+        raise InvalidArgumentError(f"probe vector has length {n}, but layer {layer.layer} expects hidden_dim {layer.hidden_dim}")
 
 
 def _scores_numpy(np, layer: SAELayerWeights, x):
@@ -402,7 +407,7 @@ def project_topk(layer: SAELayerWeights, dense_vec: Any, k: int = 256) -> list[t
     score_i = sum_j W_enc[i, j] * x[j] (+ bias[i]). No ReLU or normalisation is applied.
     """
     if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive integer, got {k!r}")
+        raise InvalidArgumentError(f"k must be a positive integer, got {k!r}")
     np = _numpy()
     if np is not None and hasattr(layer.data, "dtype"):
         x = np.asarray(dense_vec, dtype=np.float32).reshape(-1)
@@ -438,16 +443,38 @@ def project_topk_batch(layer: SAELayerWeights, vectors: Any, k: int = 256, *, ch
         return [project_topk(layer, v, k) for v in vectors]
     X = np.asarray(vectors, dtype=np.float32)
     if X.ndim != 2:
-        raise ValueError(f"vectors must be 2-D (batch, hidden_dim), got shape {X.shape}")
+        raise InvalidArgumentError(f"vectors must be 2-D (batch, hidden_dim), got shape {X.shape}")
     _check_vec_len(X.shape[1], layer)
-    W = dense_encoder(layer)
     out = []
     for s in range(0, len(X), chunk):
-        S = X[s : s + chunk] @ W.T  # (chunk, features)
-        if layer.bias is not None:
-            S += np.asarray(layer.bias, dtype=np.float32)
+        S = batch_scores(layer, X[s : s + chunk])  # (chunk, features)
         out.extend(_topk_from_scores(np, row, k) for row in S)
     return out
+
+
+def batch_scores(layer: SAELayerWeights, X):
+    """(batch, features) float32 scores ``X @ W_enc.T (+ bias)`` as numpy; on the layer's device.
+
+    On the CPU a dense float32 copy of the layer is multiplied with numpy (BLAS beats sparse
+    kernels at SAE densities); on a CUDA device the same copy lives on the GPU and torch multiplies.
+    """
+    np = _numpy()
+    if layer.device == "cpu":
+        S = np.asarray(X, dtype=np.float32) @ dense_encoder(layer).T
+        if layer.bias is not None:
+            S += np.asarray(layer.bias, dtype=np.float32)
+        return S
+    import torch
+
+    if layer._dense_torch is None:
+        W = torch.from_numpy(dense_encoder(layer)).to(layer.device)
+        b = torch.from_numpy(np.asarray(layer.bias, dtype=np.float32)).to(layer.device) if layer.bias is not None else None
+        layer._dense_torch = (W, b)
+    W, b = layer._dense_torch
+    S = torch.as_tensor(np.asarray(X, dtype=np.float32)).to(layer.device) @ W.T
+    if b is not None:
+        S += b
+    return S.cpu().numpy()
 
 
 def dense_encoder(layer: SAELayerWeights):
@@ -466,13 +493,13 @@ def validate_dictionary(root: str | os.PathLike, name: str) -> list[str]:
     problems = []
     try:
         dct = load_dictionary(SAEConfig(root_path=root, dictionary_name=name, device="cpu", cache_layers=1))
-    except ValueError as exc:
+    except DictionaryError as exc:
         return [str(exc)]
     total = 0
     for layer in dct.layers:
         try:
             total += dct.get_layer(layer).feature_count
-        except ValueError as exc:
+        except DictionaryError as exc:
             problems.append(str(exc))
     if not problems and dct.meta["feature_count"] != total:
         problems.append(f"meta.json feature_count is {dct.meta['feature_count']}, the layers hold {total} features")

@@ -12,13 +12,15 @@ import struct
 import zipfile
 from pathlib import Path
 
+from ..errors import DictionaryError
+
 _NPY_CODES = {"<f2": "e", "<f4": "f", "<i4": "i", "<i8": "q", "|i1": "b", "<u4": "I"}
 _ST_CODES = {"F16": "e", "F32": "f", "I32": "i", "I64": "q"}
 
 
 def _parse_npy(raw: bytes, what: str) -> tuple[list, tuple[int, ...]]:
     if raw[:6] != b"\x93NUMPY":
-        raise ValueError(f"{what}: not a .npy array")
+        raise DictionaryError(f"{what}: not a .npy array")
     major = raw[6]
     if major == 1:
         (hlen,) = struct.unpack("<H", raw[8:10])
@@ -28,10 +30,10 @@ def _parse_npy(raw: bytes, what: str) -> tuple[list, tuple[int, ...]]:
         start = 12
     header = ast.literal_eval(raw[start : start + hlen].decode("latin1"))
     if not isinstance(header, dict) or header.get("fortran_order"):
-        raise ValueError(f"{what}: unsupported .npy header (Fortran order or malformed)")
+        raise DictionaryError(f"{what}: unsupported .npy header (Fortran order or malformed)")
     descr = header.get("descr")
     if descr not in _NPY_CODES:
-        raise ValueError(f"{what}: dtype {descr!r} is not supported here (object arrays are never loaded)")
+        raise DictionaryError(f"{what}: dtype {descr!r} is not supported here (object arrays are never loaded)")
     shape = tuple(int(x) for x in header["shape"])
     count = 1
     for s in shape:
@@ -40,7 +42,7 @@ def _parse_npy(raw: bytes, what: str) -> tuple[list, tuple[int, ...]]:
     body = raw[start + hlen :]
     size = struct.calcsize(code)
     if len(body) < count * size:
-        raise ValueError(f"{what}: truncated array data")
+        raise DictionaryError(f"{what}: truncated array data")
     return list(struct.unpack(f"<{count}{code}", body[: count * size])), shape
 
 
@@ -66,7 +68,7 @@ def load_safetensors(path: Path) -> dict[str, tuple[list, tuple[int, ...]]]:
     for key, e in header.items():
         code = _ST_CODES.get(e["dtype"])
         if code is None:
-            raise ValueError(f"{path}: tensor {key!r} has dtype {e['dtype']}, not supported here")
+            raise DictionaryError(f"{path}: tensor {key!r} has dtype {e['dtype']}, not supported here")
         a, b = e["data_offsets"]
         shape = tuple(e["shape"])
         count = (b - a) // struct.calcsize(code)

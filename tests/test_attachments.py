@@ -69,9 +69,9 @@ def test_push_everything_then_fetch_each_part_alone(hub, bundle, fresh_hf_cache)
     ends = src["tok_start"][1:] - 1
     np.testing.assert_array_equal(ds.hidden(0), src["hidden"][0][ends])
     assert not _gets(hub, start, "/saev/") and not _gets(hub, start, "/sae/")
-    extras = ds.info["extras"]
-    assert [x["path"] for x in extras["saev"]] == [f"saev/{saev.name}"]
-    assert extras["sae"][0]["layers"] == [3]
+    attached = ds.info["attachments"]
+    assert [x["path"] for x in attached["saev"]] == [f"saev/{saev.name}"]
+    assert attached["sae"][0]["layers"] == [3]
 
 
 def test_a_third_party_reading_the_index_sees_nothing_unexpected(hub, bundle, tmp_path):
@@ -81,7 +81,7 @@ def test_a_third_party_reading_the_index_sees_nothing_unexpected(hub, bundle, tm
     after = pq.read_table(ds_path / "index/train-00000-of-00001.parquet")
     assert after.equals(before)  # same rows and columns
     new_keys = set(after.schema.metadata) - set(before.schema.metadata)
-    assert new_keys == {b"lmprobe:extras"}
+    assert new_keys == {b"lmprobe:attachments"}
     for k in before.schema.metadata:
         assert after.schema.metadata[k] == before.schema.metadata[k]
     from lmprobe.format.validate import validate
@@ -114,17 +114,17 @@ def test_export_commands_push_into_the_dataset_repo(hub, tmp_path, rng):
     assert cli_main(["export-sae", str(tmp_path / "enc.npz"), "--weight-key", "w", "--bias-key", "b", "--layer", "1",
                      "--root", str(tmp_path / "sae"), "--dict", "d1", "--push", repo, "--repo-type", "dataset"]) == 0
     ds = lmprobe.load(repo)
-    extras = ds.info["extras"]
-    assert len(extras["saev"]) == 1 and extras["sae"][0]["path"] == "sae/d1"
-    name = extras["saev"][0]["path"].split("/")[1]
+    attached = ds.info["attachments"]
+    assert len(attached["saev"]) == 1 and attached["sae"][0]["path"] == "sae/d1"
+    name = attached["saev"][0]["path"].split("/")[1]
     sv = SaevDataset(f"hf://datasets/{repo}/saev/{name}")
     assert sv.layers == [1] and sv.tokens_per_ex == 3
     card = hub.files(repo)["README.md"].data.decode()
     assert "sae/d1" in card and name in card
-    json.loads(json.dumps(extras))
+    json.loads(json.dumps(attached))
 
 
-def test_push_flags_copy_extras_in(hub, tmp_path, rng):
+def test_push_flags_copy_attachments_in(hub, tmp_path, rng):
     ds_path = tmp_path / "ds"
     write_dataset(ds_path, rng, n=8, layers=(0,), dim=4, storage="full_sequence", min_tokens=3, max_tokens=6,
                   token_ids=True)
@@ -135,12 +135,12 @@ def test_push_flags_copy_extras_in(hub, tmp_path, rng):
     assert f"saev/{saev.name}/acts000000.bin" in hub.files(repo)
 
 
-def test_validate_checks_recorded_extras(hub, bundle):
-    from lmprobe.extras import attach_extras, scan_extras
-    from lmprobe.format.validate import validate
+def test_validate_checks_recorded_attachments(hub, bundle):
+    from lmprobe import validate
+    from lmprobe.publish.attachments import attach, scan_attachments
 
     ds_path, _, saev = bundle
-    attach_extras(ds_path, scan_extras(ds_path))
+    attach(ds_path, scan_attachments(ds_path))
     assert validate(ds_path).ok
     (saev / "acts000000.bin").write_bytes(b"\0")
     rep = validate(ds_path)

@@ -1,0 +1,160 @@
+"""``ExtractionConfig``: every setting of an extraction, checked when it is made.
+
+The command line builds one from its arguments, ``lmprobe.extract`` builds one from its keywords,
+and the settings it records (``ExtractionConfig.settings``) are what a re-run compares to decide
+whether a partial output can be resumed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from ..errors import ExtractionError
+from ..format.spec import HIDDEN_DTYPES, STORAGES
+from ..units import parse_size
+
+BACKENDS = ("transformers", "nnsight")
+
+
+@dataclass(frozen=True)
+class ExtractionConfig:
+    """What to extract, from which model and prompts, into which output."""
+
+    model: str
+    """A local model folder, a Hub model id, or ``lmprobe-tiny`` (the model shipped inside lmprobe)."""
+    prompts: Any
+    """A prompt file (.jsonl/.csv/.tsv/.parquet/.txt), a list of strings or dicts, or a pandas DataFrame."""
+    out: str | os.PathLike
+    """The output folder, or an object-storage URL such as ``s3://bucket/prefix``."""
+    layers: str | int | list[int] | None = "all"
+    """``all``, ``"0,3,-1"``, ranges such as ``"10:20"`` (Python slices), or a list of ints."""
+    storage: Literal["pooled", "full_sequence"] = "pooled"
+    """``pooled`` keeps the last stored token of each prompt; ``full_sequence`` keeps every token."""
+    logits_topk: int | None = None
+    """Store the top-k logits at the last token."""
+    perplexity: bool = False
+    """Store per-prompt and per-token perplexity."""
+    token_strings: bool = False
+    """Store the decoded tokens (and their ids)."""
+    token_ids: bool = False
+    """Store the token ids."""
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """Stored dtype of the hidden states."""
+    batch_size: int = 8
+    """Prompts per forward pass."""
+    max_length: int | None = None
+    """Longest prompt in tokens (default: the model's limit)."""
+    truncate: Literal["left", "right"] | None = None
+    """Cut prompts longer than ``max_length`` (left keeps the end) instead of failing."""
+    shard_size: int | str = "1GiB"
+    """Byte budget of one shard: an int or a size such as ``"512MB"``."""
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
+    compute_dtype: str = "auto"
+    """dtype the model runs in (``auto``: float32 on CPU, the checkpoint's dtype on GPU)."""
+    text_column: str = "text"
+    """The prompt text column of a table source."""
+    label_column: str | None = "label"
+    """The label column (ints or strings); optional when it is the default ``label``."""
+    revision: str | None = None
+    """Model revision (branch, tag or commit) on the Hub; the commit is recorded."""
+    trust_remote_code: bool = False
+    """Let the model repo's own Python code run. Off unless asked for."""
+    backend: Literal["transformers", "nnsight"] = "transformers"
+    """``transformers``: hooks on a local model; ``nnsight``: an nnsight trace."""
+    remote: bool | Literal["local"] = False
+    """With the nnsight backend: run on NDIF (True), or through nnsight's remote path locally ("local")."""
+    block_path: str | None = None
+    """Attribute path of the decoder block list, for architectures lmprobe does not know."""
+    checkpoint_interval: float = 30.0
+    """Seconds between checkpoints: at most this much work is redone after an interruption."""
+    checksums: bool = True
+    """Record the SHA-256 of every shard (lets a push skip files already on the Hub)."""
+    statistics: bool = True
+    """Keep running per-layer statistics (count, mean, std, mean norm) over every stored vector."""
+    drop_special_tokens: bool = False
+    """Do not store the tokenizer's special tokens (BOS, EOS, ...); the model still sees them."""
+    chat_template: bool = False
+    """Wrap each prompt in the tokenizer's chat template; store only the prompt's own tokens."""
+    overwrite: bool = False
+    """Replace an existing or partial output instead of resuming it."""
+    quiet: bool = False
+    """No progress bar or summary."""
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ExtractionError(msg)
+
+        if not isinstance(self.model, str) or not self.model:
+            bad(f"model must be a model id or folder, got {self.model!r}")
+        if self.storage not in STORAGES:
+            bad(f"storage must be one of {list(STORAGES)}, got {self.storage!r}")
+        if self.dtype not in HIDDEN_DTYPES:
+            bad(f"dtype must be one of {list(HIDDEN_DTYPES)}, got {self.dtype!r}")
+        if self.compute_dtype not in ("auto", *HIDDEN_DTYPES):
+            bad(f"compute_dtype must be auto or one of {list(HIDDEN_DTYPES)}, got {self.compute_dtype!r}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            bad(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        if self.logits_topk is not None and (isinstance(self.logits_topk, bool) or not isinstance(self.logits_topk, int)
+                                             or self.logits_topk < 1):
+            bad(f"logits_topk must be a positive integer, got {self.logits_topk!r}")
+        if self.truncate not in (None, "left", "right"):
+            bad(f"truncate must be 'left', 'right' or None, got {self.truncate!r}")
+        if self.max_length is not None and (isinstance(self.max_length, bool) or not isinstance(self.max_length, int)
+                                            or self.max_length < 1):
+            bad(f"max_length must be a positive integer, got {self.max_length!r}")
+        if self.backend not in BACKENDS:
+            bad(f"unknown backend {self.backend!r}; use 'transformers' or 'nnsight'")
+        if self.remote not in (False, True, "local"):
+            bad(f"remote must be False, True or 'local', got {self.remote!r}")
+        if self.remote and self.backend != "nnsight":
+            bad("remote execution needs backend='nnsight' (--backend nnsight --remote)")
+        if self.chat_template and self.truncate:
+            bad("--truncate cannot be combined with --chat-template (it would cut the template); "
+                "shorten the prompts or raise --max-length")
+        if not isinstance(self.checkpoint_interval, (int, float)) or self.checkpoint_interval < 0:
+            bad(f"checkpoint_interval must be a number of seconds >= 0, got {self.checkpoint_interval!r}")
+        if self.out is None or str(self.out) == "":
+            bad("out must name an output folder or URL")
+        parse_size(self.shard_size)  # raises on a bad size
+
+    @property
+    def shard_bytes(self) -> int:
+        return parse_size(self.shard_size)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def settings(self, *, model_name: str, revision: str | None, prompts_sha256: str, num_prompts: int,
+                 layers: list[int], max_length: int | None) -> dict[str, Any]:
+        """The settings recorded in the dataset (``lmprobe:extraction``) and compared when resuming.
+
+        Values are resolved (layer indices, the model's commit, the prompt set's hash), so that
+        the same work asked for in other words still matches.
+        """
+        return {
+            "model": model_name,
+            "revision": revision,
+            "prompts_sha256": prompts_sha256,
+            "num_prompts": num_prompts,
+            "layers": layers,
+            "storage": self.storage,
+            "dtype": self.dtype,
+            "compute_dtype": self.compute_dtype,
+            "logits_topk": self.logits_topk,
+            "perplexity": self.perplexity,
+            "token_ids": self.token_ids or self.token_strings,
+            "token_strings": self.token_strings,
+            "batch_size": self.batch_size,
+            "max_length": max_length,
+            "truncate": self.truncate,
+            "backend": self.backend,
+            "remote": self.remote,
+            "statistics": self.statistics,
+            "drop_special_tokens": self.drop_special_tokens,
+            "chat_template": self.chat_template,
+            "processing_order": "length_descending",
+        }

@@ -1,0 +1,188 @@
+"""Checking a batch handed to the writer: every value against the dataset's spec, before any byte is written."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ColumnTypeError, InvalidArgumentError
+from .spec import DatasetSpec
+from .values import check_value, to_numpy, to_storage
+
+
+@dataclass
+class CheckedBatch:
+    """A batch that fits the spec, in the forms the writer stores."""
+
+    texts: list[str]
+    counts: np.ndarray  # (b,) int64 tokens per prompt
+    positions: list[int]  # each prompt's row in the final index
+    labels: list[Any]
+    hidden: dict[int, np.ndarray]  # layer -> storage-dtype rows: (b, dim) pooled, (sum(counts), dim) full_sequence
+    logits: tuple[np.ndarray, np.ndarray] | None  # (values (b, k) float32, indices (b, k) int32)
+    columns: dict[str, list]  # optional format columns (perplexity, token lists) and user columns
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+def check_batch(spec: DatasetSpec, base: int, *, texts: Sequence[str], hidden: Mapping[int, Any],
+                num_tokens: Sequence[int], labels: Sequence[Any] | None = None,
+                columns: Mapping[str, Sequence[Any]] | None = None, logits_values: Any = None,
+                logits_indices: Any = None, perplexity_mean: Sequence[float] | None = None,
+                perplexity_min: Sequence[float] | None = None, perplexity_max: Sequence[float] | None = None,
+                token_ids: Sequence[Sequence[int]] | None = None, token_strings: Sequence[Sequence[str]] | None = None,
+                token_perplexity: Sequence[Sequence[float]] | None = None,
+                positions: Sequence[int] | None = None) -> CheckedBatch:
+    """Check a batch whose first prompt becomes row ``base``; raise naming the row and what to fix."""
+    b = len(texts)
+    counts = np.asarray(num_tokens, dtype=np.int64)
+    if counts.shape != (b,):
+        raise InvalidArgumentError(f"num_tokens has {counts.size} entries for {b} texts")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise ColumnTypeError(f"row {base + i}, column 'text': expected a string, got {type(t).__name__}")
+    if b and counts.min() < 1:
+        i = int(np.argmin(counts))
+        raise InvalidArgumentError(f"row {base + i}: num_tokens must be >= 1, got {counts[i]}")
+    if positions is None:
+        pos = list(range(base, base + b))
+    else:
+        pos = [int(x) for x in to_numpy(positions).reshape(-1).tolist()]
+        if len(pos) != b or (b and min(pos) < 0):
+            raise InvalidArgumentError(f"positions must hold {b} non-negative row numbers")
+    out_columns = _check_format_columns(spec, b, base, counts, perplexity_mean, perplexity_min, perplexity_max,
+                                        token_ids, token_strings, token_perplexity)
+    out_columns.update(_check_user_columns(spec, columns, b, base))
+    return CheckedBatch(
+        texts=list(texts),
+        counts=counts,
+        positions=pos,
+        labels=_check_labels(spec, labels, b, base),
+        hidden=_check_hidden(spec, hidden, counts, base),
+        logits=_check_logits(spec, logits_values, logits_indices, b),
+        columns=out_columns,
+    )
+
+
+def _check_labels(spec: DatasetSpec, labels: Sequence[Any] | None, b: int, base: int) -> list:
+    if labels is None:
+        if spec.label_type is not None:
+            raise InvalidArgumentError(f"this dataset has {spec.label_type} labels; pass labels= for every batch")
+        return [None] * b
+    if len(labels) != b:
+        raise InvalidArgumentError(f"labels has {len(labels)} entries for {b} texts")
+    kind = "int32" if spec.label_type in (None, "int") else "string"
+    out = [check_value(v, kind, row=base + i, column="label") for i, v in enumerate(labels)]
+    if spec.label_type is None and any(v is not None for v in out):
+        raise InvalidArgumentError(
+            "labels were given but the writer was created with label_type=None; pass label_type='int' or 'string'")
+    return out
+
+
+def _check_user_columns(spec: DatasetSpec, columns: Mapping[str, Sequence[Any]] | None, b: int,
+                        base: int) -> dict[str, list]:
+    columns = dict(columns or {})
+    unknown = set(columns) - set(spec.columns)
+    if unknown:
+        raise ColumnTypeError(
+            f"unknown user column(s) {sorted(unknown)}; declare them with columns={{name: type}} "
+            "when creating the writer"
+        )
+    out = {}
+    for name, t in spec.columns.items():
+        vals = columns.get(name)
+        if vals is None:
+            out[name] = [None] * b
+            continue
+        if len(vals) != b:
+            raise InvalidArgumentError(f"column {name!r} has {len(vals)} values for {b} texts")
+        out[name] = [check_value(v, t, row=base + i, column=name) for i, v in enumerate(vals)]
+    return out
+
+
+def _check_hidden(spec: DatasetSpec, hidden: Mapping[int, Any], counts: np.ndarray, base: int) -> dict[int, np.ndarray]:
+    missing = [x for x in spec.layers if x not in hidden]
+    extra = [x for x in hidden if x not in spec.layers]
+    if missing or extra:
+        raise InvalidArgumentError(
+            f"hidden must hold exactly layers {list(spec.layers)}; missing {missing}, unexpected {extra}")
+    rows = len(counts) if not spec.full_sequence else int(counts.sum())
+    out = {}
+    for layer in spec.layers:
+        a = to_storage(hidden[layer], spec.dtype)
+        if a.shape != (rows, spec.dim):
+            what = "(batch, dim)" if not spec.full_sequence else "(sum(num_tokens), dim)"
+            raise InvalidArgumentError(
+                f"hidden[{layer}] has shape {tuple(a.shape)}; expected {what} = {(rows, spec.dim)} "
+                f"for prompts {base}..{base + len(counts) - 1}"
+            )
+        out[layer] = a
+    return out
+
+
+def _check_logits(spec: DatasetSpec, values: Any, indices: Any, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+    if spec.logits_k is None:
+        if values is not None or indices is not None:
+            raise InvalidArgumentError("logits were given but the writer was created without logits_k")
+        return None
+    if values is None or indices is None:
+        raise InvalidArgumentError(
+            f"this dataset stores top-{spec.logits_k} logits; pass logits_values and logits_indices")
+    v = np.ascontiguousarray(to_numpy(values), dtype=np.float32)
+    ix = to_numpy(indices)
+    if ix.dtype.kind not in "iu":
+        raise ColumnTypeError(f"logits_indices must be integers, got {ix.dtype}")
+    if v.shape != (b, spec.logits_k) or ix.shape != (b, spec.logits_k):
+        raise InvalidArgumentError(
+            f"logits_values/logits_indices have shapes {v.shape}/{ix.shape}; expected {(b, spec.logits_k)}"
+        )
+    if ix.size and (ix.min() < 0 or ix.max() > np.iinfo(np.int32).max):
+        raise InvalidArgumentError("logits_indices must fit in int32")
+    return v, np.ascontiguousarray(ix, dtype=np.int32)
+
+
+def _check_format_columns(spec: DatasetSpec, b, base, counts, p_mean, p_min, p_max, token_ids, token_strings,
+                          token_ppl) -> dict:
+    """The optional columns of the format: perplexity summaries and per-token lists."""
+    out: dict[str, list] = {}
+    given = {"perplexity_mean": p_mean, "perplexity_min": p_min, "perplexity_max": p_max}
+    if spec.perplexity:
+        for name, vals in given.items():
+            if vals is None:
+                raise InvalidArgumentError(f"this dataset stores perplexity; pass {name}")
+            vals = [float(x) for x in to_numpy(vals).reshape(-1).tolist()]
+            if len(vals) != b:
+                raise InvalidArgumentError(f"{name} has {len(vals)} values for {b} texts")
+            out[name] = vals
+    elif any(v is not None for v in given.values()):
+        raise InvalidArgumentError("perplexity values were given but the writer was created with perplexity=False")
+    lists = {
+        "token_ids": (token_ids, 0, int, spec.token_ids),
+        "token_strings": (token_strings, 0, str, spec.token_strings),
+        "token_perplexity": (token_ppl, 1, float, spec.token_perplexity),
+    }
+    for name, (vals, short, conv, stored) in lists.items():
+        if not stored:
+            if vals is not None:
+                raise InvalidArgumentError(f"{name} were given but the writer was created with {name}=False")
+            continue
+        if vals is None:
+            raise InvalidArgumentError(f"this dataset stores {name}; pass {name}")
+        if len(vals) != b:
+            raise InvalidArgumentError(f"{name} has {len(vals)} entries for {b} texts")
+        rows = []
+        for i, seq in enumerate(vals):
+            seq = to_numpy(seq).tolist() if not isinstance(seq, list) else seq
+            want = int(counts[i]) - short
+            if len(seq) != want:
+                raise InvalidArgumentError(
+                    f"row {base + i}: {name} has {len(seq)} entries, expected {want} "
+                    f"(num_tokens{' - 1' if short else ''})"
+                )
+            rows.append([conv(x) for x in seq])
+        out[name] = rows
+    return out

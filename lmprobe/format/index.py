@@ -1,0 +1,201 @@
+"""The parquet index: its schema, the staging parts written at checkpoints, and the final file.
+
+While a dataset is written, index rows go to part files in the staging folder (one per
+checkpoint), with private columns: ``_position`` (the prompt's row in the final index) and, for
+full_sequence storage, ``_seq_shard``/``_seq_offset`` (where the prompt's sequence tokens start).
+At close the parts are turned into the final index, streaming: per-token address lists are built
+part by part, rows are put in position order with a buffer bounded by how far prompts arrived
+out of order, and row groups are cut by rows and by per-token entries, so readers can fetch the
+per-token columns of a few prompts without reading them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ..atomic import atomic_output
+from ..errors import FormatError
+from .spec import DatasetSpec
+from .values import COLUMN_TYPES
+
+#: Most rows in one row group of the index.
+ROW_GROUP_ROWS = 65536
+#: Most per-token list entries (summed over the per-token columns' tokens) in one row group.
+ROW_GROUP_TOKENS = 1 << 18
+
+
+def staging_schema(spec: DatasetSpec) -> pa.Schema:
+    """Columns of the staging parts, in the order the final index has them (private ones included)."""
+    fields = [
+        ("text", pa.string()),
+        ("label", pa.string() if spec.label_type == "string" else pa.int32()),
+        ("num_tokens", pa.int32()),
+        ("shard_index", pa.int32()),
+        ("row_offset", pa.int32()),
+    ]
+    if spec.full_sequence:
+        fields += [("_seq_shard", pa.int32()), ("_seq_offset", pa.int64())]
+    if spec.logits_k:
+        fields += [("shard_index_logits", pa.int32()), ("row_offset_logits", pa.int32())]
+    if spec.perplexity:
+        fields += [(c, pa.float64()) for c in ("perplexity_mean", "perplexity_min", "perplexity_max")]
+    if spec.token_ids:
+        fields.append(("token_ids", pa.list_(pa.int64())))
+    if spec.token_perplexity:
+        fields.append(("token_perplexity", pa.list_(pa.float64())))
+    if spec.token_strings:
+        fields.append(("token_strings", pa.list_(pa.string())))
+    fields += [(name, COLUMN_TYPES[t]) for name, t in spec.columns.items()]
+    fields.append(("_position", pa.int64()))
+    return pa.schema(fields)
+
+
+def final_schema(spec: DatasetSpec) -> pa.Schema:
+    """Columns of the final index (docs/format.md), without schema metadata."""
+    fields = []
+    for f in staging_schema(spec):
+        if f.name == "_seq_shard":
+            fields += [
+                pa.field("token_offset", pa.int64()),
+                pa.field("token_shard_ids", pa.list_(pa.int64())),
+                pa.field("token_shard_offsets", pa.list_(pa.int64())),
+            ]
+        elif f.name not in ("_seq_offset", "_position"):
+            fields.append(f)
+    return pa.schema(fields)
+
+
+def write_part(path: Path, columns: dict[str, list], spec: DatasetSpec) -> None:
+    """Write pending index rows as one staging part (atomically)."""
+    table = pa.table(columns, schema=staging_schema(spec))
+    with atomic_output(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def finalize_part(t: pa.Table, spec: DatasetSpec, n_last: int, schema: pa.Schema) -> pa.Table:
+    """A staging part as final index rows (``_position`` kept): per-token address lists built from the scalars."""
+    position = t.column("_position")
+    if not spec.full_sequence:
+        return t.select(schema.names).cast(schema).append_column("_position", position)
+    n = t.column("num_tokens").to_numpy().astype(np.int64)
+    seq = t.column("_seq_shard").to_numpy().astype(np.int64)
+    seq_off = t.column("_seq_offset").to_numpy().astype(np.int64)
+    si = t.column("shard_index").to_numpy().astype(np.int64)
+    ro = t.column("row_offset").to_numpy().astype(np.int64)
+    list_offsets = np.zeros(len(n) + 1, dtype=np.int64)
+    np.cumsum(n, out=list_offsets[1:])
+    starts, ends = list_offsets[:-1], list_offsets[1:] - 1
+    pos = np.arange(int(list_offsets[-1]), dtype=np.int64) - np.repeat(starts, n)
+    ids = np.repeat(n_last + seq, n)  # sequence shards are numbered after the last-token shards
+    offs = np.repeat(seq_off, n) + pos
+    ids[ends] = si  # a prompt's last token lives in the last-token shards
+    offs[ends] = ro
+    cols = {name: t.column(name) for name in t.column_names if not name.startswith("_")}
+    cols["token_offset"] = pa.array(ro)
+    cols["token_shard_ids"] = pa.LargeListArray.from_arrays(list_offsets, ids).cast(pa.list_(pa.int64()))
+    cols["token_shard_offsets"] = pa.LargeListArray.from_arrays(list_offsets, offs).cast(pa.list_(pa.int64()))
+    out = pa.table({name: cols[name] for name in schema.names}).cast(schema)
+    return out.append_column("_position", position)
+
+
+def _in_position_order(parts: list[Path], load: Callable[[Path], pa.Table]) -> Iterator[pa.Table]:
+    """Yield the rows of ``parts`` sorted by ``_position``, holding only rows that must wait for earlier ones.
+
+    ``positions`` of all parts must form 0..N-1. A row can be emitted once every position before
+    it has been seen; the smallest position still to come is known from each later part's minimum.
+    """
+    mins, total = [], 0
+    for p in parts:
+        pos = pq.read_table(p, columns=["_position"]).column("_position").to_numpy()
+        mins.append(int(pos.min()) if len(pos) else np.iinfo(np.int64).max)
+        total += len(pos)
+    # future_min[k]: the smallest position in parts k, k+1, ... (no part left: infinity)
+    future_min = np.minimum.accumulate(np.array(mins + [np.iinfo(np.int64).max], dtype=np.int64)[::-1])[::-1]
+    buffered: list[pa.Table] = []
+    seen = 0
+    next_pos = 0
+    for k, p in enumerate(parts):
+        t = load(p)
+        seen += t.num_rows
+        buffered.append(t)
+        limit = int(future_min[k + 1])  # no later part holds a position below this
+        pool = pa.concat_tables(buffered) if len(buffered) > 1 else buffered[0]
+        pos = pool.column("_position").to_numpy()
+        order = np.argsort(pos, kind="stable")
+        sorted_pos = pos[order]
+        ready = int(np.searchsorted(sorted_pos, limit))
+        # the ready rows must be exactly next_pos, next_pos + 1, ...
+        if ready and not np.array_equal(sorted_pos[:ready], np.arange(next_pos, next_pos + ready)):
+            raise FormatError(
+                f"the positions given to add_batch do not form 0..{total - 1} (duplicates or gaps); "
+                "the index cannot be ordered"
+            )
+        if ready:
+            yield pool.take(order[:ready])
+            next_pos += ready
+        buffered = [pool.take(order[ready:])] if ready < len(order) else []
+    if next_pos != total or seen != total:
+        raise FormatError(
+            f"the positions given to add_batch do not form 0..{total - 1} (duplicates or gaps); "
+            "the index cannot be ordered"
+        )
+
+
+def _token_entries(t: pa.Table, per_token: list[str]) -> np.ndarray:
+    """Per-token list entries of each row (summed over the per-token columns)."""
+    total = np.zeros(t.num_rows, dtype=np.int64)
+    for name in per_token:
+        total += pc.list_value_length(t.column(name)).to_numpy(zero_copy_only=False).astype(np.int64)
+    return total
+
+
+def write_index(final: Path, parts: list[Path], *, spec: DatasetSpec, n_last: int, metadata: dict[bytes, bytes],
+                fsync: bool = False) -> None:
+    """Write the final index from the staging parts (atomically; the schema carries ``metadata``)."""
+    schema = final_schema(spec)
+    per_token = [f.name for f in schema if pa.types.is_list(f.type)]
+    final.parent.mkdir(parents=True, exist_ok=True)
+
+    def load(p: Path) -> pa.Table:
+        return finalize_part(pq.read_table(p), spec, n_last, schema)
+
+    with atomic_output(final, fsync=fsync) as tmp:
+        with pq.ParquetWriter(tmp, schema.with_metadata(metadata)) as pw:
+            pending: list[pa.Table] = []
+            rows = tokens = 0
+
+            def flush() -> None:
+                nonlocal pending, rows, tokens
+                if pending:
+                    group = pa.concat_tables(pending).drop_columns(["_position"])
+                    pw.write_table(group, row_group_size=max(1, group.num_rows))
+                pending, rows, tokens = [], 0, 0
+
+            for chunk in _in_position_order(parts, load):
+                entries = _token_entries(chunk, per_token) if per_token else np.zeros(chunk.num_rows, np.int64)
+                start = 0
+                while start < chunk.num_rows:
+                    # rows that still fit in the current row group (at least one row per group)
+                    room_rows = ROW_GROUP_ROWS - rows
+                    cum = np.cumsum(entries[start : start + room_rows])
+                    fit = int(np.searchsorted(cum, ROW_GROUP_TOKENS - tokens, side="right"))
+                    if fit == 0 and rows == 0:
+                        fit = 1
+                    if fit == 0:
+                        flush()
+                        continue
+                    pending.append(chunk.slice(start, fit))
+                    rows += fit
+                    tokens += int(cum[fit - 1])
+                    start += fit
+                    if rows >= ROW_GROUP_ROWS or tokens >= ROW_GROUP_TOKENS:
+                        flush()
+            flush()
+            if not parts:
+                pw.write_table(schema.empty_table())

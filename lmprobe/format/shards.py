@@ -1,0 +1,135 @@
+"""A shard series on disk: files that grow as rows arrive, closed and hashed when full.
+
+The writer keeps three series (last-token, sequence, logits). A series has one file per "slot"
+(a layer, or the single logits file) and cuts all of them at the same rows; ``layout.plan`` says
+where. Files are written in the staging folder; the writer moves closed ones into place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ..hashing import sha256_file
+from .layout import Cursor, Plan
+from .safetensors_io import StreamingSafetensorsWriter, TensorSpec
+
+
+class ShardSeries:
+    """One series of shards: ``slots`` files per shard, filled by ``write`` according to a ``layout.Plan``."""
+
+    def __init__(self, name: str, slots: list[str], specs: Callable[[str], list[TensorSpec]], cap_rows: int,
+                 staging: Path, *, checksums: bool, hasher: ThreadPoolExecutor, metadata: dict[str, str],
+                 fsync: bool = False):
+        self.name = name
+        self.slots = slots
+        self.specs = specs  # slot -> one TensorSpec per tensor of the slot's file
+        self.cap_rows = cap_rows
+        self.staging = staging
+        self.checksums = checksums
+        self.hasher = hasher
+        self.metadata = metadata
+        self.fsync = fsync
+        self.cursor = Cursor(0, 0, 0)
+        self.writers: dict[str, StreamingSafetensorsWriter] = {}
+        self.closed: list[dict] = []  # {"num_prompts", "num_tokens", "files": {slot: {"bytes", "staging"[, "sha256"]}}}
+        self.hashes: dict[tuple[int, str], Future] = {}
+        self.obsolete: list[Path] = []  # side files of closed shards, deleted after the next checkpoint
+
+    def staging_name(self, slot: str, shard: int) -> str:
+        return f"{self.name}-{slot}-{shard:06d}.safetensors"
+
+    def _open(self, resume_rows: int | None = None) -> None:
+        for slot in self.slots:
+            self.writers[slot] = StreamingSafetensorsWriter(
+                self.staging / self.staging_name(slot, self.cursor.shard), self.specs(slot),
+                metadata=self.metadata, resume_rows=resume_rows)
+
+    def write(self, plan: Plan, arrays: dict[str, list[np.ndarray]], counts: np.ndarray,
+              packed_counts: np.ndarray | None = None) -> None:
+        """Write the rows of a planned batch; ``arrays[slot]`` lists one array per tensor spec.
+
+        ``packed_counts``: the arrays hold ``packed_counts[i]`` rows for prompt i, of which the
+        first ``counts[i]`` are this series' (sequence shards keep every token but the last):
+        rows are written prompt by prompt, without a copy.
+        """
+        has_rows = counts > 0
+        prompt_end = np.cumsum(counts[has_rows])  # batch-row end of each prompt with rows
+        if packed_counts is not None:
+            src_start = np.concatenate([[0], np.cumsum(packed_counts)[:-1]])[has_rows]
+            dst_start = np.concatenate([[0], prompt_end[:-1]])
+        cur = self.cursor
+        for seg in plan.segments:
+            if seg.close_before:
+                self.close_shard()
+                cur = self.cursor
+            if not self.writers:
+                self._open()
+            for slot in self.slots:
+                w = self.writers[slot]
+                if packed_counts is None:
+                    w.append([a[seg.row_lo : seg.row_hi] for a in arrays[slot]])
+                    continue
+                first = int(np.searchsorted(dst_start, seg.row_lo))
+                last = int(np.searchsorted(dst_start, seg.row_hi))
+                for j in range(first, last):
+                    n_rows = int(prompt_end[j] - dst_start[j])
+                    w.append([a[src_start[j] : src_start[j] + n_rows] for a in arrays[slot]])
+            cur = Cursor(cur.shard, cur.rows + seg.row_hi - seg.row_lo, cur.prompts + seg.prompts)
+            self.cursor = cur
+        if self.cursor != plan.after:
+            raise AssertionError(f"{self.name} shards: wrote up to {self.cursor}, the plan says {plan.after}")
+
+    def close_shard(self) -> None:
+        """Finish the open shard (if any): real header, recorded size, hash queued; the next one is opened on demand."""
+        if not self.writers:
+            if self.cursor.rows:
+                raise AssertionError(f"{self.name}: rows recorded but no open shard")
+            return
+        files = {}
+        shard = self.cursor.shard
+        for slot, w in self.writers.items():
+            self.obsolete += w.side_paths
+            size = w.finish(fsync=self.fsync)
+            staged = self.staging / self.staging_name(slot, shard)
+            files[slot] = {"bytes": size, "staging": staged.name}
+            if self.checksums:
+                self.hashes[(shard, slot)] = self.hasher.submit(sha256_file, staged)
+        self.closed.append({"num_prompts": self.cursor.prompts, "num_tokens": self.cursor.rows, "files": files})
+        self.writers = {}
+        self.cursor = Cursor(shard + 1, 0, 0)
+
+    def resolve_hashes(self) -> None:
+        for (shard, slot), fut in list(self.hashes.items()):
+            self.closed[shard]["files"][slot]["sha256"] = fut.result()
+            del self.hashes[(shard, slot)]
+
+    def flush(self) -> None:
+        for w in self.writers.values():
+            w.flush(fsync=self.fsync)
+
+    def state(self) -> dict:
+        c = self.cursor
+        return {"shard": c.shard, "rows": c.rows, "prompts": c.prompts, "closed": self.closed}
+
+    def restore(self, st: dict) -> None:
+        """Continue from a checkpoint's ``state()`` (checked by the caller); reopens a partial shard."""
+        self.cursor = Cursor(st["shard"], st["rows"], st["prompts"])
+        self.closed = st["closed"]
+        if self.cursor.rows:
+            self._open(resume_rows=self.cursor.rows)
+
+    def open_staging_names(self) -> set[str]:
+        """Staging files of the open shard (with their side files)."""
+        if not self.cursor.rows:
+            return set()
+        names = {self.staging_name(slot, self.cursor.shard) for slot in self.slots}
+        return names | {f"{n}.t{i}" for n in names for i in range(1, 8)}
+
+    def abort(self) -> None:
+        for w in self.writers.values():
+            w.abort()
+        self.writers = {}

@@ -1,0 +1,79 @@
+"""``lmprobe pull``: copy the index and chosen parts of a Hub dataset into a local folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..atomic import atomic_output
+from ..errors import InvalidArgumentError, LayerNotFoundError, ShardMissingError
+from ..format.spec import CARD_PATH, INDEX_PATH
+from ..opening import open_hub
+from ..storage.hub import HubFiles, parse_dataset_ref
+
+
+def pull(
+    repo: str,
+    out: str | os.PathLike,
+    *,
+    layers: Iterable[int] | None = None,
+    logits: bool = True,
+    only: str | None = None,
+    revision: str | None = None,
+    token: str | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Copy the index, the card and only the shards of ``layers`` (all when None) to a local folder.
+
+    ``only="saev"`` or ``"sae"`` (or a path such as ``"saev/<HASH>"``) copies just those
+    attachments instead; ``only="dataset"`` (the default) copies the dataset.
+
+    >>> lmprobe.pull("me/acts", "acts-16", layers=[16])  # doctest: +SKIP
+    """
+    ref = parse_dataset_ref(repo, revision)
+    if ref is None:
+        raise InvalidArgumentError(f"{repo!r} is not a Hub repo id (OWNER/NAME or hf://datasets/OWNER/NAME)")
+    ds = open_hub(ref, token=token)
+    files: HubFiles = ds.files
+    out = Path(out)
+    from tqdm.auto import tqdm
+
+    if only not in (None, "dataset"):
+        prefix = only.strip("/") + "/"
+        if not prefix.startswith(("saev/", "sae/")):
+            raise InvalidArgumentError(f"only must be 'dataset', 'saev', 'sae' or a path under them, got {only!r}")
+        rels = sorted(s for s in files.repo_files if s.startswith(prefix))
+        if not rels:
+            raise ShardMissingError(f"{files} has nothing under {prefix}")
+        meta_names = ("metadata.json", "meta.json")
+        rels.sort(key=lambda r: r.rsplit("/", 1)[-1] in meta_names)  # metadata last
+        for rel in tqdm(rels, desc=f"pull {ref.repo_id}", unit="file", disable=quiet):
+            _copy_into(files.fetch(rel), out / rel)
+        if not quiet:
+            print(f"pulled {len(rels)} file(s) under {prefix} of {files} to {out}")
+        return out
+    wanted = ds.layers if layers is None else [int(x) for x in layers]
+    missing = [x for x in wanted if x not in ds.layers]
+    if missing:
+        raise LayerNotFoundError(f"layers {missing} are not in {files}; it stores {ds.layers}",
+                                 layer=missing, available=ds.layers)
+    h = ds.meta.hidden
+    rels = [h.file(layer, s) for layer in wanted for s in range(len(h.shards))]
+    if logits and ds.meta.logits is not None:
+        rels += [ds.meta.logits.file(s) for s in range(len(ds.meta.logits.shards))]
+    if CARD_PATH in files.repo_files:
+        rels.append(CARD_PATH)
+    rels.append(INDEX_PATH)  # last: a local folder with an index is complete
+    for rel in tqdm(rels, desc=f"pull {ref.repo_id}", unit="file", disable=quiet):
+        _copy_into(files.fetch(rel), out / rel)
+    if not quiet:
+        print(f"pulled {len(rels)} file(s) of {files} (layers {wanted}) to {out}")
+    return out
+
+
+def _copy_into(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(dst) as tmp:
+        shutil.copyfile(src, tmp)

@@ -1,0 +1,95 @@
+"""``lmprobe push``: publish a dataset folder, and its attachments, to a Hub dataset repo."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..format.reader import Dataset, open_local
+from ..format.spec import CARD_PATH, INDEX_PATH
+from ..storage.hub import check_repo_id
+from .attachments import SAE_DIR, SAEV_DIR, add_attachment, attach, attachment_files, scan_attachments
+from .commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, RepoFile, push_policy
+
+
+def dataset_files(ds: Dataset) -> list[RepoFile]:
+    """Every shard file a local dataset's metadata names, with the sizes and hashes it records."""
+    out: list[RepoFile] = []
+    h = ds.meta.hidden
+    if h is not None:
+        for s, d in enumerate(h.shards):
+            recorded = d.get("files") or {}
+            for layer in h.layers:
+                rel = h.file(layer, s)
+                rec = recorded.get(str(layer)) or {}
+                out.append(RepoFile(rel, ds.files.fetch(rel), rec.get("bytes", -1), rec.get("sha256")))
+    lg = ds.meta.logits
+    if lg is not None:
+        for s, d in enumerate(lg.shards):
+            rel = lg.file(s)
+            out.append(RepoFile(rel, ds.files.fetch(rel), d.get("bytes", -1), d.get("sha256")))
+    st = ds.meta.statistics
+    if st is not None:
+        out.append(RepoFile(st.file, ds.files.fetch(st.file), st.raw.get("bytes", -1), st.raw.get("sha256")))
+    return out
+
+
+def push_to_hub(
+    path: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    commit_files: int = DEFAULT_COMMIT_FILES,
+    commit_bytes: int = DEFAULT_COMMIT_BYTES,
+    max_retries: int = 5,
+    base_wait: float = 2.0,
+    quiet: bool = False,
+    saev: Iterable[str | os.PathLike] = (),
+    sae: Iterable[str | os.PathLike] = (),
+) -> str:
+    """Publish the dataset folder ``path`` to the Hub dataset repo ``repo_id``; returns its URL.
+
+    saev exports in ``path/saev/<HASH>/`` and SAE dictionaries in ``path/sae/<name>/`` go up too
+    (``saev=``/``sae=`` copy more folders in first). The index records them (``lmprobe:attachments``)
+    and the card lists them.
+
+    >>> lmprobe.push_to_hub("out/tiny-demo", "me/tiny-demo-acts")  # doctest: +SKIP
+
+    Safe to re-run: an interrupted push resumes, and files already on the Hub are skipped.
+    The token (``token=``, else HF_TOKEN or the saved login) is never printed or stored.
+    """
+    check_repo_id(repo_id)
+    if commit_files < 1:
+        from ..errors import InvalidArgumentError
+
+        raise InvalidArgumentError("commit_files must be >= 1")
+    root = Path(path)
+    shards = dataset_files(open_local(root))  # loads and checks the metadata before anything is sent
+    for folder in saev:
+        add_attachment(root, folder, SAEV_DIR)
+    for folder in sae:
+        add_attachment(root, folder, SAE_DIR)
+    attachments = scan_attachments(root)  # validates every attachment before anything is sent
+    attach(root, attachments, repo_id)
+    shards += [RepoFile(rel, p) for rel, p in attachment_files(root, attachments)]
+    last = [RepoFile(CARD_PATH, root / CARD_PATH), RepoFile(INDEX_PATH, root / INDEX_PATH)]
+    if not (root / CARD_PATH).exists():
+        last = last[1:]
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    committer = HubCommitter(repo_id, token=token, revision=revision,
+                             policy=push_policy(max_retries=max_retries, base_wait=base_wait), quiet=quiet)
+    committer.prepare(private)
+    n = committer.push_files(shards, last, commit_files=commit_files, commit_bytes=commit_bytes, label="dataset")
+    endpoint = committer.api.endpoint.rstrip("/")
+    url = f"{endpoint}/datasets/{repo_id}" + (f"/tree/{revision}" if revision else "")
+    if not quiet:
+        skipped = len(shards) + len(last) - n
+        print(f"pushed {n} file(s) to {url} in {committer.commits} commit(s)"
+              + (f"; {skipped} already there" if skipped else ""))
+    return url

@@ -1,0 +1,199 @@
+"""Dataset files in a Hugging Face Hub repo, and the one ``hf://`` grammar lmprobe accepts.
+
+    hf://[datasets/|models/]OWNER/NAME[@REVISION][/PATH/IN/REPO]
+
+As in huggingface_hub's HfFileSystem, a URL without a type prefix names a model repo. A bare
+``OWNER/NAME`` (not a URL) where a dataset is expected names a dataset repo.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import DatasetNotFoundError, HubError, InvalidArgumentError, ShardMissingError
+from ..paths import check_relpath
+from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
+
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_TYPE_PREFIXES = {"datasets/": "dataset", "models/": "model"}
+
+
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """Exception classes of a dropped or refused connection, for whichever HTTP clients are installed."""
+    import importlib
+
+    classes: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
+                          ("requests.exceptions", ("ConnectionError", "Timeout")),
+                          ("urllib3.exceptions", ("ProtocolError", "NewConnectionError"))):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        classes += [getattr(mod, n) for n in names if isinstance(getattr(mod, n, None), type)]
+    return tuple(classes)
+
+
+def hub_read_policy() -> RetryPolicy:
+    """Reads from the Hub retry dropped connections and 429/5xx answers."""
+    return RetryPolicy(retry_on_exceptions=transport_errors(), retry_on_status_codes=TRANSIENT_HTTP_STATUS,
+                       max_retries=3, base_wait=1.0)
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """A repo on the Hub, optionally a revision and a path inside it."""
+
+    repo_id: str
+    repo_type: str = "dataset"
+    revision: str | None = None
+    path: str = ""
+
+    def __str__(self) -> str:
+        rev = f"@{self.revision}" if self.revision else ""
+        sub = f"/{self.path}" if self.path else ""
+        return f"hf://{self.repo_type}s/{self.repo_id}{rev}{sub}"
+
+
+def parse_hf_url(url: str, *, revision: str | None = None) -> HubRef:
+    """Parse ``hf://[datasets/|models/]OWNER/NAME[@REV][/PATH]`` (no prefix: a model repo).
+
+    >>> parse_hf_url("hf://datasets/me/acts@v1/saev/abc")
+    HubRef(repo_id='me/acts', repo_type='dataset', revision='v1', path='saev/abc')
+    >>> parse_hf_url("hf://me/my-sae").repo_type
+    'model'
+    """
+    if not url.startswith("hf://"):
+        raise InvalidArgumentError(f"{url!r} is not an hf:// URL")
+    rest = url[len("hf://") :]
+    repo_type = "model"
+    for prefix, kind in _TYPE_PREFIXES.items():
+        if rest.startswith(prefix):
+            rest, repo_type = rest[len(prefix) :], kind
+            break
+    else:
+        if rest.startswith("spaces/"):
+            raise InvalidArgumentError(f"{url}: lmprobe reads dataset and model repos, not Spaces")
+    parts = rest.strip("/").split("/")
+    if len(parts) < 2:
+        raise InvalidArgumentError(f"{url}: expected hf://[datasets/|models/]OWNER/NAME[@REVISION][/PATH]")
+    name, _, rev = parts[1].partition("@")
+    repo_id = f"{parts[0]}/{name}"
+    if not REPO_ID_RE.match(repo_id):
+        raise InvalidArgumentError(f"{url}: {repo_id!r} is not a valid repo id")
+    sub = "/".join(parts[2:])
+    if sub:
+        check_relpath(sub, "path in the repo")
+    if revision and rev and revision != rev:
+        raise InvalidArgumentError(f"{url} names revision {rev!r} but revision={revision!r} was passed")
+    return HubRef(repo_id, repo_type, revision or rev or None, sub)
+
+
+def parse_dataset_ref(path: Any, revision: str | None = None) -> HubRef | None:
+    """A dataset on the Hub named by ``path`` (an hf:// URL, or OWNER/NAME that is not a local path); else None."""
+    s = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(s, str):
+        return None
+    if s.startswith("hf://"):
+        return parse_hf_url(s, revision=revision)
+    if os.path.exists(s):
+        return None
+    if REPO_ID_RE.match(s):
+        return HubRef(s, "dataset", revision)
+    return None
+
+
+def check_repo_id(repo_id: str) -> str:
+    if not isinstance(repo_id, str) or not REPO_ID_RE.match(repo_id):
+        raise InvalidArgumentError(f"{repo_id!r} is not a repo id; use OWNER/NAME")
+    return repo_id
+
+
+def hub_api(token: str | bool | None = None):
+    from huggingface_hub import HfApi
+
+    return HfApi(token=token)
+
+
+def _unreachable(ref: HubRef, exc: BaseException) -> HubError:
+    from huggingface_hub import constants
+
+    return HubError(f"cannot reach the Hub at {constants.ENDPOINT} to read {ref.repo_id} ({describe(exc)}); "
+                    "check the network (or HF_ENDPOINT), or use a local copy (`lmprobe pull`)")
+
+
+def resolve_commit(ref: HubRef, *, token: str | bool | None = None) -> tuple[str, list[str]]:
+    """The commit the revision points at now, and the repo's file list there."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    api = hub_api(token)
+    try:
+        info = call_with_retry(lambda: api.repo_info(ref.repo_id, repo_type=ref.repo_type, revision=ref.revision,
+                                                     files_metadata=False), policy=hub_read_policy())
+    except RevisionNotFoundError:
+        raise DatasetNotFoundError(f"{ref.repo_id} has no revision {ref.revision!r}") from None
+    except (RepositoryNotFoundError, GatedRepoError):
+        hint = ""
+        if ref.repo_type == "model":
+            hint = f"; a dataset repo is written hf://datasets/{ref.repo_id}"
+        raise DatasetNotFoundError(
+            f"no {ref.repo_type} repo {ref.repo_id!r} on the Hub (or it is private: log in or pass token=){hint}"
+        ) from None
+    except Exception as exc:
+        if hub_read_policy().is_transient(exc):
+            raise _unreachable(ref, exc) from exc
+        raise
+    return info.sha, [s.rfilename for s in (info.siblings or [])]
+
+
+class HubFiles:
+    """Files of a Hub repo (under ``ref.path``), downloaded on first use into the Hugging Face cache.
+
+    Every file comes from the commit the revision pointed at when this object was made, even if
+    the branch moves on.
+    """
+
+    def __init__(self, ref: HubRef, *, token: str | bool | None = None):
+        self.token = token
+        commit, files = resolve_commit(ref, token=token)
+        self.ref = replace(ref, revision=commit)
+        self.commit = commit
+        prefix = f"{ref.path}/" if ref.path else ""
+        self.repo_files = [f[len(prefix) :] for f in files if f.startswith(prefix)]
+
+    def __str__(self) -> str:
+        sub = f"/{self.ref.path}" if self.ref.path else ""
+        return f"hf://{self.ref.repo_type}s/{self.ref.repo_id}@{self.commit[:10]}{sub}"
+
+    def repo_path(self, rel: str) -> str:
+        return f"{self.ref.path}/{rel}" if self.ref.path else rel
+
+    def fetch(self, rel: str, *, what: str = "file") -> Path:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+        check_relpath(rel, what)
+        try:
+            return Path(call_with_retry(
+                lambda: hf_hub_download(self.ref.repo_id, self.repo_path(rel), repo_type=self.ref.repo_type,
+                                        revision=self.commit, token=self.token),
+                policy=hub_read_policy()))
+        except LocalEntryNotFoundError as exc:  # not in the cache, and the Hub could not be asked
+            raise _unreachable(self.ref, exc) from exc
+        except EntryNotFoundError:
+            raise ShardMissingError(self.missing_hint(rel)) from None
+        except Exception as exc:
+            if hub_read_policy().is_transient(exc):
+                raise _unreachable(self.ref, exc) from exc
+            raise
+
+    def fetch_optional(self, rel: str, *, what: str = "file") -> Path | None:
+        """``fetch``, or None when the repo has no such file."""
+        return self.fetch(rel, what=what) if rel in self.repo_files else None
+
+    def missing_hint(self, rel: str) -> str:
+        return f"{rel} is not in {self}; the repo is incomplete (was its push interrupted? re-run `lmprobe push`)"

@@ -1,0 +1,140 @@
+"""Datasets in object storage (``s3://bucket/prefix`` or any other fsspec URL).
+
+Reading: ``ObjectStoreFiles`` downloads each file a call reads into a local cache.
+Writing: ``UploadSink`` uploads finished files from a local staging folder on a background
+thread, from a bounded queue (the producer waits only when the queue is full), with retries.
+Standard AWS settings (AWS_ENDPOINT_URL, AWS_PROFILE, credentials) apply through s3fs/botocore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_output
+from ..errors import ObjectStoreError, ShardMissingError
+from ..paths import check_relpath
+from ..retry import RetryPolicy, call_with_retry, describe
+from ..worker import BackgroundWorker
+
+
+def is_object_store_url(path: Any) -> bool:
+    """Whether ``path`` is an fsspec URL of object storage (``s3://``, ``gs://``, ...; not ``hf://`` or ``file://``)."""
+    s = os.fspath(path) if isinstance(path, os.PathLike) else path
+    return isinstance(s, str) and "://" in s and not s.startswith(("hf://", "file://"))
+
+
+def object_store_policy(*, base_wait: float = 0.5, max_retries: int = 5) -> RetryPolicy:
+    """Object-storage calls retry I/O and connection errors, never a missing file, a refusal or a bug."""
+    return RetryPolicy(retry_on_exceptions=(OSError, TimeoutError, ConnectionError),
+                       never_retry=(FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                                    FileExistsError),
+                       max_retries=max_retries, base_wait=base_wait)
+
+
+def filesystem(url: str):
+    """(fsspec filesystem, root path without the protocol) of ``url``."""
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - fsspec comes with huggingface_hub
+        raise ObjectStoreError("object storage needs fsspec") from None
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except ImportError as exc:
+        raise ObjectStoreError(f"{url}: {exc} (for s3:// install 'lmprobe[s3]')") from None
+    return fs, root.rstrip("/")
+
+
+def cache_dir(url: str, kind: str) -> Path:
+    """A local folder for ``url`` under ``$LMPROBE_CACHE`` (default ``~/.cache/lmprobe``)."""
+    base = Path(os.environ.get("LMPROBE_CACHE", Path.home() / ".cache" / "lmprobe"))
+    return base / kind / hashlib.sha1(url.encode()).hexdigest()[:16]
+
+
+def _call(what: str, fn: Callable[[], Any], policy: RetryPolicy) -> Any:
+    try:
+        return call_with_retry(fn, policy=policy)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        if policy.is_transient(exc):
+            raise ObjectStoreError(f"{what} failed after {policy.max_retries + 1} attempt(s): {describe(exc)}") from exc
+        raise
+
+
+class UploadSink:
+    """Uploads files from ``local`` to ``url`` on a background thread, in arrival order."""
+
+    def __init__(self, url: str, local: Path, *, max_queue: int = 4, delete_after: bool = True,
+                 policy: RetryPolicy | None = None, fs: Any = None, keep: tuple[str, ...] = ()):
+        self.url, self.local = url, Path(local)
+        self.fs, self.root = filesystem(url)
+        if fs is not None:
+            self.fs = fs
+        self.delete_after = delete_after
+        self.keep = set(keep)  # files uploaded but kept locally
+        self.policy = policy or object_store_policy()
+        self.uploaded: list[str] = []
+        self._worker = BackgroundWorker(self._upload, max_pending=max_queue, name="lmprobe-upload")
+
+    def put(self, rel: str) -> None:
+        """Upload one file now, in the caller's thread."""
+        src = self.local / rel
+        _call(f"uploading {rel} to {self.url}", lambda: self.fs.put_file(str(src), f"{self.root}/{rel}"), self.policy)
+
+    def _upload(self, rel: str) -> None:
+        self.put(rel)
+        self.uploaded.append(rel)
+        if self.delete_after and rel not in self.keep:
+            (self.local / rel).unlink(missing_ok=True)
+
+    def submit(self, rel: str) -> None:
+        """Queue a file (relative to ``local``) for upload; blocks while the queue is full."""
+        self._worker.submit(rel)
+
+    def submit_existing(self) -> None:
+        """Queue the finished shard files a previous, interrupted run left behind."""
+        tensors = self.local / "tensors"
+        for p in sorted(tensors.glob("*.safetensors")) if tensors.is_dir() else []:
+            self.submit(p.relative_to(self.local).as_posix())
+
+    def finish(self) -> None:
+        """Wait for every queued upload (raising the first failure)."""
+        self._worker.finish()
+
+    def abort(self) -> None:
+        self._worker.stop(skip_pending=True)
+
+
+class ObjectStoreFiles:
+    """Dataset files at an fsspec URL, downloaded on first use into a local cache."""
+
+    def __init__(self, url: str, *, policy: RetryPolicy | None = None):
+        self.url = url.rstrip("/")
+        self.fs, self.root = filesystem(self.url)
+        self.cache = cache_dir(self.url, "remote")
+        self.policy = policy or object_store_policy()
+
+    def __str__(self) -> str:
+        return self.url
+
+    def fetch(self, rel: str, *, what: str = "file") -> Path:
+        check_relpath(rel, what)
+        dst = self.cache / rel
+        src = f"{self.root}/{rel}"
+        try:
+            size = _call(f"reading {self.url}/{rel}", lambda: self.fs.size(src), self.policy)
+        except FileNotFoundError:
+            raise ShardMissingError(self.missing_hint(rel)) from None
+        if dst.exists() and dst.stat().st_size == size:
+            return dst
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(dst) as tmp:
+            _call(f"downloading {self.url}/{rel}", lambda: self.fs.get_file(src, str(tmp)), self.policy)
+        return dst
+
+    def missing_hint(self, rel: str) -> str:
+        return f"{rel} is missing from {self.url}; the upload may be incomplete (re-run the extraction to resume)"
