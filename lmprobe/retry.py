@@ -44,7 +44,11 @@ class RetryPolicy:
             raise ValueError("max_retries, base_wait and max_wait must be >= 0")
 
     def is_transient(self, exc: BaseException) -> bool:
-        """Whether ``exc`` (or an exception it was raised from) is one this policy retries."""
+        """Whether ``exc`` (or an exception it was explicitly raised from) is one this policy retries.
+
+        Only ``raise ... from`` chains count: an error raised while handling another (a bug in an
+        ``except`` block) is judged by itself.
+        """
         seen: set[int] = set()
         node: BaseException | None = exc
         while node is not None and id(node) not in seen:
@@ -56,7 +60,7 @@ class RetryPolicy:
                 return status in self.retry_on_status_codes
             if self.retry_on_exceptions and isinstance(node, self.retry_on_exceptions):
                 return True
-            node = node.__cause__ or node.__context__
+            node = node.__cause__
         return False
 
     def wait(self, attempt: int, exc: BaseException) -> float:

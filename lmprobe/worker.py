@@ -120,12 +120,13 @@ def prefetched(fn: Callable[[T], R], items: Iterable[T], *, depth: int, name: st
             worker.submit(item)
             pending += 1
         while pending:
-            result = worker.result()
+            result = worker.result()  # raises the error of an item once its turn comes
             pending -= 1
-            nxt = next(it, _STOP)
-            if nxt is not _STOP:
-                worker.submit(nxt)
-                pending += 1
+            if worker.error is None:
+                nxt = next(it, _STOP)
+                if nxt is not _STOP:
+                    worker.submit(nxt)
+                    pending += 1
             yield result
     finally:
         worker.stop(skip_pending=True)

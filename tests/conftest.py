@@ -24,6 +24,13 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "H
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests: derandomized in CI (the same examples every run, plus the @example rows of every
+# failure ever found); random exploration locally. HYPOTHESIS_PROFILE=ci reproduces CI's run.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 DATA = Path(__file__).parent / "data"
 FIXTURE_0103 = DATA / "lmprobe-0.10.3-pooled"

@@ -101,6 +101,7 @@ def test_pull_only_one_part(hub, bundle, tmp_path):
     assert load_dictionary(SAEConfig(root_path=tmp_path / "q/sae", dictionary_name="tiny-sae")).layers == [3]
 
 
+@pytest.mark.slow
 def test_export_commands_push_into_the_dataset_repo(hub, tmp_path, rng):
     ds_path = tmp_path / "ds"
     write_dataset(ds_path, rng, n=10, layers=(1,), dim=4, storage="full_sequence", min_tokens=3, max_tokens=6,

@@ -12,6 +12,8 @@ import pytest
 from lmprobe.cli import build_parser
 from lmprobe.cli import main as cli_main
 
+pytestmark = pytest.mark.slow  # end-to-end: real processes and model loads
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 

@@ -16,6 +16,8 @@ from conftest import PROMPTS
 
 import lmprobe
 
+pytestmark = pytest.mark.slow  # end-to-end: real processes and model loads
+
 PROMPT_LIST = [dict(p, text=p["text"] + f" (variant {i})") for i in range(4) for p in PROMPTS]  # 28 prompts
 KW = dict(layers="0,2", storage="full_sequence", batch_size=3, shard_size="3KB", logits_topk=3, perplexity=True,
           quiet=True)
@@ -24,6 +26,7 @@ CHILD = r"""
 import json, os, sys
 import lmprobe
 from lmprobe.extraction import backend_hf
+
 prompts, model, out, die_after, kw = json.loads(sys.argv[1])
 real, calls = backend_hf.TransformersBackend.run, [0]
 def run(self, *a, **k):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
@@ -191,11 +190,3 @@ def test_python_m_lmprobe_runs(tmp_path):
 def test_info_on_a_folder_without_a_dataset(tmp_path, capsys):
     assert cli_main(["info", str(tmp_path)]) == 2
     assert "holds no lmprobe dataset" in capsys.readouterr().err
-
-
-def test_metadata_json_is_plain(tmp_path, rng):
-    write_dataset(tmp_path / "ds", rng, n=3)
-    meta = pq.read_schema(tmp_path / "ds/index/train-00000-of-00001.parquet").metadata
-    for k, v in meta.items():
-        if k.startswith(b"lmprobe:"):
-            json.loads(v)

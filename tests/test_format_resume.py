@@ -71,6 +71,7 @@ def test_crash_between_batches_then_resume(tmp_path, reference, k):
     assert_same_dataset(reference, out)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume(tmp_path, reference):
     out = tmp_path / "ds"
     code = (

@@ -83,6 +83,7 @@ def test_rerun_skips_files_already_there(hub, dataset):
     assert not [p for m, p in hub.log[before:] if "/commit/" in p or "lfs" in p]
 
 
+@pytest.mark.slow
 def test_transient_errors_are_retried(hub, dataset):
     path, src = dataset
     repo = repo_name()

@@ -16,6 +16,8 @@ from lmprobe.cli import main as cli_main
 from lmprobe.format.merge import merge_datasets
 from lmprobe.format.validate import validate
 
+pytestmark = pytest.mark.slow  # end-to-end: real processes and model loads
+
 MANY = [dict(p, text=p["text"] + f" #{i}") for i in range(3) for p in PROMPTS]  # 21 prompts
 
 

@@ -107,6 +107,7 @@ def test_cli_probe_table_and_plot(tmp_path, rng, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+@pytest.mark.slow
 def test_example_notebook_runs_offline(tmp_path):
     import nbformat
     from nbclient import NotebookClient

@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import NnsightError
 from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
 from .backend_hf import BatchOutput, last_token_index, perplexity_from_nll, position_ids_for
+from .model import find_block_path
 
 
 def require_nnsight():
@@ -171,8 +172,6 @@ def build_backend(spec: Any, hf_model: Any, tokenizer: Any, *, block_path: str |
     """Wrap a loaded model (local runs, and remote="local") or name a remote one (remote=True)."""
     require_nnsight()
     from nnsight.modeling.transformers import TransformersModel
-
-    from .model import find_block_path
 
     if remote is True:
         nn_model = TransformersModel(spec.path, tokenizer=tokenizer, revision=spec.revision)

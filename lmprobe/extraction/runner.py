@@ -27,6 +27,7 @@ from ..opening import open_object_store
 from ..storage.objectstore import UploadSink, cache_dir, is_object_store_url
 from ..worker import BackgroundWorker
 from .backend_hf import TransformersBackend
+from .backend_nnsight import build_backend, check_api_key, nnsight_version, require_nnsight
 from .config import ExtractionConfig
 from .model import (
     ModelSpec,
@@ -71,8 +72,6 @@ def _where(prompts: Prompts, i: int) -> str:
 def _prepare(cfg: ExtractionConfig) -> _Job:
     """Read and check everything but the weights."""
     if cfg.backend == "nnsight":
-        from .backend_nnsight import check_api_key, require_nnsight
-
         require_nnsight()
         if cfg.remote is True:
             check_api_key()
@@ -256,16 +255,12 @@ def _extract_distributed(job: _Job, out: Path) -> Dataset:
 def _provenance(cfg: ExtractionConfig) -> dict:
     if cfg.backend != "nnsight":
         return {"extraction_backend": "local"}
-    from .backend_nnsight import nnsight_version
-
     return {"extraction_backend": "nnsight", "nnsight_version": nnsight_version(), "nnsight_remote": cfg.remote}
 
 
 def _build_backend(job: _Job) -> Any:
     cfg = job.config
     if cfg.backend == "nnsight":
-        from .backend_nnsight import build_backend
-
         model = None if cfg.remote is True else load_model(job.spec, device=job.device,
                                                            compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)[0]
         return build_backend(job.spec, model, job.tokenizer, block_path=cfg.block_path, remote=cfg.remote)

@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..errors import InvalidArgumentError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..storage.hub import check_repo_id
@@ -63,8 +64,6 @@ def push_to_hub(
     """
     check_repo_id(repo_id)
     if commit_files < 1:
-        from ..errors import InvalidArgumentError
-
         raise InvalidArgumentError("commit_files must be >= 1")
     root = Path(path)
     shards = dataset_files(open_local(root))  # loads and checks the metadata before anything is sent

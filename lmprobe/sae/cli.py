@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 from ..errors import LmprobeError
+from .loader import SAEConfig, load_dictionary, project_topk
 
 
 def add_topk_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,14 +24,12 @@ def add_topk_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_topk(args: argparse.Namespace) -> int:
-    from .loader import SAEConfig, load_dictionary, project_topk
-
     t0 = time.perf_counter()
     dct = load_dictionary(SAEConfig(root_path=args.root, dictionary_name=args.dictionary, device=args.device))
     layer = dct.get_layer(args.layer)
     t_load = time.perf_counter() - t0
     if args.dataset:
-        from ..opening import load
+        from ..opening import load  # datasets need numpy and pyarrow; the dictionary alone does not
 
         ds = load(args.dataset)
         vec = ds.hidden(ds.check_layer(args.layer), rows=[args.prompt])[0]

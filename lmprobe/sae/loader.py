@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import DictionaryError, InvalidArgumentError
 from ..storage.hub import HubFiles, parse_hf_url
+from .npyio import load_npy, load_npz, load_safetensors
 
 REQUIRED_META = {"version": str, "model_hash": str, "feature_count": int, "dtype": str, "format": str}
 FORMATS = ("csr.npz", "csr.safetensors")
@@ -168,8 +169,6 @@ def _load_arrays(files: dict[str, Path], fmt: str, layer: int) -> tuple[dict, An
                 enc = {k: z[k] for k in z.files}
             bias = np.load(bias_path, allow_pickle=False) if bias_path else None
         else:
-            from .npyio import load_npy, load_npz
-
             enc = load_npz(enc_path)
             bias = load_npy(bias_path) if bias_path else None
     else:
@@ -179,8 +178,6 @@ def _load_arrays(files: dict[str, Path], fmt: str, layer: int) -> tuple[dict, An
             enc = load_file(str(enc_path))
             bias = load_file(str(bias_path)).get("bias") if bias_path else enc.pop("bias", None)
         else:
-            from .npyio import load_safetensors
-
             enc = load_safetensors(enc_path)
             bias = load_safetensors(bias_path).get("bias") if bias_path else enc.pop("bias", None)
     return enc, bias

@@ -1,0 +1,222 @@
+"""The package's shape (docs/architecture.md): layers import downward only, no cycles, no private names.
+
+The import graph is read from the source with ``ast``, imports inside functions included, so a
+back edge hidden in a function body shows up here even though nothing fails at import time.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+import lmprobe
+
+PKG = Path(lmprobe.__file__).parent
+
+#: bottom to top; a module may import its own layer (without cycles) and the layers below
+LAYERS = ["base", "format", "storage", "open", "features", "publish", "api"]
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else ""
+    if module in ("lmprobe", "lmprobe.api", "lmprobe.cli", "lmprobe.__main__"):
+        return "api"
+    if top in ("errors", "version", "paths", "atomic", "retry", "worker", "allocator", "hashing", "units", "tensors",
+               "safeio", "lock", "display"):
+        return "base"
+    if top == "format":
+        return "format"
+    if top == "storage":
+        return "storage"
+    if top == "opening":
+        return "open"
+    if top in ("extraction", "saev", "sae", "probe", "stream", "demo", "report", "features"):
+        return "features"
+    if top == "publish":
+        return "publish"
+    raise AssertionError(f"{module} belongs to no layer: add it to docs/architecture.md and to this test")
+
+
+#: lmprobe imports inside functions that are there on purpose (never to dodge a cycle)
+LAZY_ALLOWED = {
+    ("lmprobe", "__getattr__"),  # the API loads on first use so that lmprobe.sae stays numpy-free
+    ("lmprobe.sae", "__getattr__"),  # export needs numpy; the loader does not
+    ("lmprobe.sae.cli", "run_topk"),  # the smoke CLI runs without numpy unless a dataset is read
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        rel = p.relative_to(PKG.parent).with_suffix("")
+        parts = rel.parts[:-1] if p.name == "__init__.py" else rel.parts
+        out[".".join(parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(here: str, is_pkg: bool, level: int, module: str | None, name: str | None) -> str | None:
+    if level:
+        base = here.split(".") if is_pkg else here.split(".")[:-1]
+        base = base[: len(base) - (level - 1)]
+        target = ".".join(base + ([module] if module else []))
+    else:
+        target = module or ""
+    if not target.startswith("lmprobe"):
+        return None
+    if name and f"{target}.{name}" in MODULES:
+        return f"{target}.{name}"
+    while target and target not in MODULES:
+        target = target.rsplit(".", 1)[0] if "." in target else ""
+    return target or None
+
+
+def _edges():
+    """(importer, imported module, imported names, enclosing function or None) for every lmprobe import."""
+    out = []
+
+    def visit(mod: str, is_pkg: bool, node, func):
+        for child in ast.iter_child_nodes(node):
+            f = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            if isinstance(child, ast.Import):
+                for a in child.names:
+                    t = _resolve(mod, is_pkg, 0, a.name, None)
+                    if t:
+                        out.append((mod, t, [], f))
+            elif isinstance(child, ast.ImportFrom):
+                for a in child.names:
+                    t = _resolve(mod, is_pkg, child.level, child.module, a.name)
+                    if t:
+                        out.append((mod, t, [a.name], f))
+            visit(mod, is_pkg, child, f)
+
+    for mod, path in MODULES.items():
+        visit(mod, path.name == "__init__.py", ast.parse(path.read_text()), None)
+    return out
+
+
+EDGES = _edges()
+
+
+def test_every_module_has_a_layer():
+    for mod in MODULES:
+        layer_of(mod)
+
+
+def test_imports_go_downward_only():
+    bad = [f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})" for a, b, _, _ in EDGES
+           if LAYERS.index(layer_of(b)) > LAYERS.index(layer_of(a))]
+    assert not bad, "\n".join(bad)
+
+
+def test_format_imports_nothing_above_it():
+    bad = [f"{a} imports {b}" for a, b, _, _ in EDGES if layer_of(a) == "format" and layer_of(b) not in ("base", "format")]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle_between_files():
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for a, b, _, _ in EDGES:
+        if a != b and not (b == "lmprobe" and a.startswith("lmprobe.")):
+            graph[a].add(b)
+    # a parent package's __init__ runs first anyway; an edge to the package itself is a real back edge
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(v: str) -> list[str] | None:
+        state[v] = 1
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if w not in state and (cycle := dfs(w)):
+                return cycle
+        state[v] = 2
+        stack.pop()
+        return None
+
+    for m in sorted(MODULES):
+        if m not in state and (cycle := dfs(m)):
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+def test_nothing_imports_the_top_package():
+    bad = [a for a, b, _, _ in EDGES if b == "lmprobe" and a != "lmprobe"]
+    assert not bad, f"these modules import the top package: {bad}"
+
+
+def test_lmprobe_imports_inside_functions_only_where_documented():
+    bad = [f"{a}.{f}() imports {b}" for a, b, _, f in EDGES if f is not None and (a, f) not in LAZY_ALLOWED]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_a_private_name_of_another():
+    bad = [f"{a} imports {n} from {b}" for a, b, names, _ in EDGES for n in names
+           if n.startswith("_") and n != "__version__" and a != b]
+    assert not bad, "\n".join(bad)
+
+
+def test_exception_classes_live_in_errors_py():
+    bad = []
+    for mod, path in MODULES.items():
+        if mod == "lmprobe.errors":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(b, ast.Name) and (b.id.endswith(("Error", "Exception")) or b.id == "LmprobeError")
+                    for b in node.bases):
+                if not node.name.startswith("_"):  # private control-flow signals stay where they are used
+                    bad.append(f"{mod}.{node.name}")
+    assert not bad, f"exception classes outside errors.py: {bad}"
+
+
+def test_every_lmprobe_error_refines_a_builtin():
+    from lmprobe import errors
+
+    for name, cls in vars(errors).items():
+        if isinstance(cls, type) and issubclass(cls, errors.LmprobeError) and cls is not errors.LmprobeError:
+            builtins_ = [b for b in cls.__mro__ if b.__module__ == "builtins" and b not in (Exception, BaseException, object)]
+            assert builtins_, f"{name} inherits no builtin exception users could catch"
+
+
+def test_public_functions_have_real_signatures():
+    from lmprobe.extraction.config import ExtractionConfig
+
+    params = inspect.signature(lmprobe.extract).parameters
+    assert [p for p in params if p != "model" and p != "prompts"] == [
+        f.name for f in fields(ExtractionConfig) if f.name not in ("model", "prompts")]
+    for fn in (lmprobe.extract, lmprobe.load, lmprobe.push_to_hub, lmprobe.validate, lmprobe.pull, lmprobe.merge):
+        kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
+        assert inspect.Parameter.VAR_KEYWORD not in kinds, f"{fn.__name__} takes **kwargs"
+
+
+def test_an_unknown_keyword_is_a_type_error(tmp_path):
+    with pytest.raises(TypeError, match="tokne"):
+        lmprobe.load(tmp_path, tokne="x")
+    with pytest.raises(TypeError, match="layer"):
+        lmprobe.extract("lmprobe-tiny", ["a"], out=tmp_path / "x", layer=3)
+
+
+def test_extraction_config_checks_itself_and_documents_every_field():
+    from lmprobe.errors import ExtractionError
+    from lmprobe.extraction.config import ExtractionConfig
+
+    source = inspect.getsource(ExtractionConfig)
+    for f in fields(ExtractionConfig):
+        # a docstring line follows each field
+        assert f'{f.name}:' in source
+        after = source.split(f"    {f.name}:", 1)[1].split("\n", 2)[1]
+        assert after.strip().startswith('"""'), f"field {f.name} has no docstring"
+    with pytest.raises(ExtractionError, match="batch_size"):
+        ExtractionConfig(model="m", prompts=["a"], out="o", batch_size=0)
+    with pytest.raises(ExtractionError, match="nnsight"):
+        ExtractionConfig(model="m", prompts=["a"], out="o", remote=True)
+    with pytest.raises(lmprobe.LmprobeError, match="512XB"):
+        ExtractionConfig(model="m", prompts=["a"], out="o", shard_size="512XB")

@@ -1,0 +1,188 @@
+"""The base layer: one retry helper, one background worker, one atomic write; the CLI's error contract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from lmprobe.atomic import atomic_output, atomic_write
+from lmprobe.retry import RetryPolicy, call_with_retry
+from lmprobe.worker import BackgroundWorker, prefetched
+
+
+class Flaky(ConnectionError):
+    pass
+
+
+class Response:
+    def __init__(self, status, headers=None):
+        self.status_code = status
+        self.headers = headers or {}
+
+
+class HTTPFailure(Exception):
+    def __init__(self, status, headers=None):
+        super().__init__(f"HTTP {status}")
+        self.response = Response(status, headers)
+
+
+def failing(times: int, exc: BaseException):
+    calls = {"n": 0}
+
+    def fn():
+        calls["n"] += 1
+        if calls["n"] <= times:
+            raise exc
+        return "ok"
+
+    return fn, calls
+
+
+def test_retry_retries_what_the_caller_names_and_nothing_else():
+    waits = []
+    policy = RetryPolicy(retry_on_exceptions=(Flaky,), max_retries=3, base_wait=0.5)
+    fn, calls = failing(2, Flaky("reset"))
+    assert call_with_retry(fn, policy=policy, sleep=waits.append) == "ok"
+    assert calls["n"] == 3 and waits == [0.5, 1.0]
+
+    fn, calls = failing(1, TypeError("a bug"))
+    with pytest.raises(TypeError, match="a bug"):
+        call_with_retry(fn, policy=policy, sleep=waits.append)
+    assert calls["n"] == 1  # a bug is never retried
+
+    fn, calls = failing(9, Flaky("down"))
+    with pytest.raises(Flaky):
+        call_with_retry(fn, policy=policy, sleep=lambda s: None)
+    assert calls["n"] == 4  # the first try and three retries
+
+
+def test_retry_by_status_code_and_retry_after():
+    waits = []
+    policy = RetryPolicy(retry_on_status_codes=frozenset({429, 503}), base_wait=1.0)
+    fn, calls = failing(1, HTTPFailure(429, {"Retry-After": "7"}))
+    assert call_with_retry(fn, policy=policy, sleep=waits.append) == "ok"
+    assert waits == [7.0]
+    fn, calls = failing(1, HTTPFailure(404))
+    with pytest.raises(HTTPFailure):
+        call_with_retry(fn, policy=policy, sleep=waits.append)
+    assert calls["n"] == 1
+
+
+def test_never_retry_excludes_subclasses():
+    policy = RetryPolicy(retry_on_exceptions=(OSError,), never_retry=(FileNotFoundError,), base_wait=0)
+    assert policy.is_transient(OSError("io"))
+    assert not policy.is_transient(FileNotFoundError("gone"))
+
+
+def test_a_transient_cause_counts():
+    policy = RetryPolicy(retry_on_exceptions=(Flaky,))
+    try:
+        try:
+            raise Flaky("inner")
+        except Flaky as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert policy.is_transient(outer)
+
+
+def test_a_lost_answer_is_not_repeated():
+    policy = RetryPolicy(retry_on_exceptions=(Flaky,), base_wait=0)
+    fn, calls = failing(5, Flaky("answer lost"))
+    assert call_with_retry(fn, policy=policy, landed=lambda: True) is None
+    assert calls["n"] == 1
+    # an error while asking is a bug, not a reason to assume anything
+    with pytest.raises(KeyError):
+        call_with_retry(failing(5, Flaky("x"))[0], policy=policy, landed=lambda: {}["missing"])
+
+
+def test_worker_hands_its_first_error_to_the_caller():
+    seen = []
+
+    def handle(x):
+        if x == 2:
+            raise ValueError("bad item 2")
+        seen.append(x)
+
+    w = BackgroundWorker(handle, max_pending=1)
+    w.submit(1)
+    w.submit(2)
+    time.sleep(0.05)
+    with pytest.raises(ValueError, match="bad item 2"):
+        for i in range(3, 50):
+            w.submit(i)
+            time.sleep(0.01)
+    with pytest.raises(ValueError):
+        w.finish()
+    assert seen == [1]
+
+
+def test_worker_stop_finishes_what_is_queued_unless_told_to_skip():
+    seen = []
+    gate = threading.Event()
+
+    def handle(x):
+        gate.wait(5)
+        seen.append(x)
+
+    w = BackgroundWorker(handle, max_pending=0)
+    for i in range(3):
+        w.submit(i)
+    gate.set()
+    w.stop()
+    assert seen == [0, 1, 2]
+
+    seen.clear()
+    gate.clear()
+    w = BackgroundWorker(handle, max_pending=0)
+    for i in range(3):
+        w.submit(i)
+    threading.Timer(0.1, gate.set).start()
+    w.stop(skip_pending=True)
+    assert seen in ([], [0])
+
+
+def test_prefetched_keeps_order_and_raises_in_the_consumer():
+    assert list(prefetched(lambda x: x * 10, range(7), depth=3)) == [0, 10, 20, 30, 40, 50, 60]
+
+    def boom(x):
+        if x == 3:
+            raise RuntimeError("read failed")
+        return x
+
+    got = []
+    with pytest.raises(RuntimeError, match="read failed"):
+        for v in prefetched(boom, range(10), depth=2):
+            got.append(v)
+    assert got == [0, 1, 2]
+
+
+def test_atomic_write_never_leaves_a_half_file(tmp_path):
+    target = tmp_path / "f.json"
+    atomic_write(target, "old")
+    with pytest.raises(RuntimeError), atomic_output(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash while writing")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
+    atomic_write(target, b"new")
+    assert target.read_text() == "new"
+
+
+def test_cli_prints_one_line_for_user_errors_and_a_traceback_for_bugs(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "lmprobe", "info", str(tmp_path / "missing")], capture_output=True,
+                       text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    bug = ("import sys, lmprobe.cli as c\n"
+           "def boom(args):\n    raise KeyError('internal')\n"
+           "p = c.build_parser\n"
+           "def patched():\n    parser = p()\n    parser.set_defaults(func=boom)\n"
+           "    for a in parser._subparsers._group_actions[0].choices.values(): a.set_defaults(func=boom)\n"
+           "    return parser\n"
+           "c.build_parser = patched\nsys.exit(c.main(['info', 'x']))\n")
+    r = subprocess.run([sys.executable, "-c", bug], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "KeyError: 'internal'" in r.stderr
