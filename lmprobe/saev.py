@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .atomic import atomic_output, atomic_write
+from .atomic import atomic_output, atomic_write, move_into_place
 from .errors import SaevError
 from .format.reader import Dataset
 from .format.spec import DTYPES
@@ -244,7 +244,7 @@ def export_saev(
         atomic_write(partial / "labels.bin", labels[plan.prompt_of][:n_pos].tobytes())
     atomic_write(partial / "shards.json", json.dumps(shards_json, indent=2) + "\n")
     atomic_write(partial / "metadata.json", json.dumps(plan.metadata, indent=2) + "\n")  # last
-    os.replace(partial, final)
+    move_into_place(partial, final)
     if not quiet:
         print(f"wrote {plan.metadata['n_ex']} examples x {L} layers x {T} tokens x {D} dims "
               f"in {len(shards_json)} shard(s) to {final}")

@@ -210,3 +210,31 @@ def test_dictionary_push_and_load_from_the_hub(hub, tmp_path, rng, fresh_hf_cach
     assert project_topk(dct.get_layer(4), x, 6) == project_topk(local.get_layer(4), x, 6)
     fetched = [p for m, p in hub.log[start:] if m == "GET" and "/resolve/" in p]
     assert not any("layer_0" in p for p in fetched)  # only what the call touched
+
+
+def test_dtype_setting_decides_how_weights_are_held(tmp_path, rng):
+    W, b = make_encoder(rng)
+    export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W, b_enc=b, threshold=0.1)
+    half = load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d")).get_layer(0)
+    full = load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d", dtype="fp32")).get_layer(0)
+    assert half.data.dtype == np.float16 and half.bias.dtype == np.float16
+    assert full.data.dtype == np.float32 and full.bias.dtype == np.float32
+    x = rng.normal(size=24)
+    assert project_topk(half, x, 5) == project_topk(full, x, 5)
+    with pytest.raises(ValueError, match="dtype must be"):
+        SAEConfig(root_path=tmp_path, dictionary_name="d", dtype="int8")
+
+
+def test_device_setting_is_checked_and_used(tmp_path, rng):
+    import torch
+
+    W, b = make_encoder(rng)
+    export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W, b_enc=b, threshold=0.1)
+    dct = load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d", device="auto"))
+    assert dct.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert dct.get_layer(0).device == dct.device
+    with pytest.raises(ValueError, match="device must be"):
+        SAEConfig(root_path=tmp_path, dictionary_name="d", device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            SAEConfig(root_path=tmp_path, dictionary_name="d", device="cuda")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from ..atomic import atomic_output, atomic_write
+from ..atomic import atomic_output, atomic_write, move_into_place
 from ..errors import AttachmentError, DictionaryError, FormatError, SaevError
 from ..format import card
 from ..format.metadata import decode_schema_metadata
@@ -89,7 +89,7 @@ def add_attachment(root: str | os.PathLike, source: str | os.PathLike, kind: str
     if tmp.exists():
         shutil.rmtree(tmp)
     shutil.copytree(src, tmp, copy_function=_link_or_copy)
-    os.replace(tmp, dst)
+    move_into_place(tmp, dst)
     return dst
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write, move_into_place
 from ..errors import DictionaryError
 from ..format.values import to_numpy
 from .loader import SAEConfig, load_dictionary, validate_dictionary
@@ -209,8 +209,8 @@ def export_sae(
     old = None
     if final.exists():
         old = ddir / f".old-layer_{layer}-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-    os.replace(tmp, final)
+        move_into_place(final, old)
+    move_into_place(tmp, final)
     if old is not None:
         shutil.rmtree(old)
 
