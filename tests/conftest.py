@@ -34,6 +34,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 
 DATA = Path(__file__).parent / "data"
 FIXTURE_0103 = DATA / "lmprobe-0.10.3-pooled"
+FIXTURE_0103_FULL = DATA / "lmprobe-0.10.3-full_sequence"  # per-token columns, written left-padded
 
 
 @pytest.fixture

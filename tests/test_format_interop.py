@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import FIXTURE_0103, write_dataset
+from conftest import FIXTURE_0103, FIXTURE_0103_FULL, write_dataset
 from safetensors import safe_open
 
 import lmprobe
@@ -75,6 +75,18 @@ def test_card_front_matter_and_snippet(big_full_sequence, monkeypatch):
     ns: dict = {}
     exec(standalone, ns)
     np.testing.assert_array_equal(ns["vector"], src["hidden"][16][src["tok_start"][1] - 1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_card_snippet_runs_as_written_for_every_dtype(tmp_path, rng, monkeypatch, dtype):
+    write_dataset(tmp_path / "ds", rng, n=6, layers=(0, 3), dim=4, dtype=dtype)
+    text = (tmp_path / "ds/README.md").read_text()
+    standalone = [b for b in _python_blocks(text) if "safe_open" in b][0]
+    monkeypatch.chdir(tmp_path / "ds")
+    ns: dict = {}
+    exec(standalone, ns)
+    vector = np.asarray(ns["vector"], dtype=np.float32)
+    np.testing.assert_array_equal(vector, lmprobe.load(tmp_path / "ds").hidden(3)[0])
 
 
 def test_datasets_load_dataset_reads_the_index(big_full_sequence):
@@ -190,3 +202,35 @@ def test_python_m_lmprobe_runs(tmp_path):
 def test_info_on_a_folder_without_a_dataset(tmp_path, capsys):
     assert cli_main(["info", str(tmp_path)]) == 2
     assert "holds no lmprobe dataset" in capsys.readouterr().err
+
+
+def test_reads_and_validates_the_0_10_3_full_sequence_fixture():
+    """0.10.3 keeps a first-token entry in token_perplexity for left-padded rows: a warning, not an error."""
+    rep = validate(FIXTURE_0103_FULL)
+    assert rep.ok, str(rep)
+    assert any("token_perplexity" in w and "another implementation" in w for w in rep.warnings)
+    ds = lmprobe.load(FIXTURE_0103_FULL)
+    assert ds.storage == "full_sequence" and ds.layers == [0, 2]
+    p_of_row = ds.table.column("orig_idx").to_pylist()
+    for row, p in enumerate(p_of_row):
+        n = int(ds.token_lengths()[row])
+        for layer in ds.layers:
+            want = 1000 * layer + 10 * p + np.arange(n)[:, None] + np.arange(4)[None, :] / 1000
+            np.testing.assert_allclose(ds.token_hidden(row, layer), want, rtol=0, atol=1e-3)
+    values, indices = ds.logits_topk()
+    np.testing.assert_array_equal(indices, [[3 + p, 9 + p, 15 + p] for p in p_of_row])
+
+
+def test_our_own_datasets_stay_strict_about_per_token_lengths(tmp_path, rng):
+    import pyarrow as pa
+
+    write_dataset(tmp_path / "ds", rng, n=5, storage="full_sequence", token_ids=True)
+    index = tmp_path / "ds/index/train-00000-of-00001.parquet"
+    table = pq.read_table(index)
+    ids = table.column("token_ids").to_pylist()
+    ids[0] = ids[0] + [7]  # one entry too many
+    i = table.column_names.index("token_ids")
+    table = table.set_column(i, "token_ids", pa.array(ids, pa.list_(pa.int64())))
+    pq.write_table(table, index)
+    rep = validate(tmp_path / "ds")
+    assert not rep.ok and any("token_ids has" in e for e in rep.errors)

@@ -34,7 +34,8 @@ def test_statistics_equal_numpy_over_every_stored_vector(tmp_path, rng, storage)
         else:
             stored = np.concatenate([ds.token_hidden(i, layer) for i in range(ds.num_prompts)])
         _check(ds.statistics(layer), _numpy_stats(stored))
-    desc = ds.info["tensors"]["statistics"]
+    desc = ds.info["statistics"]
+    assert "statistics" not in ds.info["tensors"]  # lmprobe 0.10.3 expects shards in every tensors entry
     assert desc["type"] == "statistics" and desc["file"] == "tensors/statistics.safetensors" and desc["ddof"] == 0
     assert validate(tmp_path / "ds").ok
 
@@ -79,3 +80,22 @@ def test_resumed_writer_keeps_its_statistics(tmp_path):
     a, b = lmprobe.load(ref), lmprobe.load(out)
     for layer in a.layers:
         _check(b.statistics(layer), a.statistics(layer))
+
+
+def test_datasets_with_statistics_inside_tensors_still_read(tmp_path, rng):
+    """Datasets written before statistics got their own key kept the descriptor in lmprobe:tensors."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    write_dataset(tmp_path / "ds", rng, n=9, layers=(0,), dim=4, statistics=True)
+    index = tmp_path / "ds/index/train-00000-of-00001.parquet"
+    table = pq.read_table(index)
+    meta = dict(table.schema.metadata)
+    tensors = json.loads(meta[b"lmprobe:tensors"])
+    tensors["statistics"] = json.loads(meta.pop(b"lmprobe:statistics"))
+    meta[b"lmprobe:tensors"] = json.dumps(tensors).encode()
+    pq.write_table(table.replace_schema_metadata(meta), index)
+    ds = lmprobe.load(tmp_path / "ds")
+    _check(ds.statistics(0), _numpy_stats(ds.hidden(0)))
+    assert validate(tmp_path / "ds").ok

@@ -86,7 +86,9 @@ def render_card(info: dict[str, Any], schema: pa.Schema, extra_sections: list[st
         "",
         "## Read it without lmprobe",
         "",
-        "Everything is described by the `lmprobe:` keys of the index's parquet schema metadata.",
+        "Everything is described by the `lmprobe:` keys of the index's parquet schema metadata."
+        + (" The shards hold bfloat16, which numpy has no type for: read them through torch." if hidden["dtype"]
+           == "bfloat16" else ""),
         "",
         "```python",
         "import json",
@@ -100,8 +102,18 @@ def render_card(info: dict[str, Any], schema: pa.Schema, extra_sections: list[st
         f"row, layer = df.iloc[0], {layer}",
         'path = hidden["file_pattern"].format(layer=layer, shard=row["shard_index"])',
         'key = hidden["key_pattern"].format(layer=layer)',
-        'with safe_open(path, framework="np") as f:',
-        '    vector = f.get_slice(key)[int(row["row_offset"])]  # last-token activation of prompt 0',
+    ]
+    if hidden["dtype"] == "bfloat16":  # numpy has no bfloat16: read through torch
+        lines += [
+            'with safe_open(path, framework="pt") as f:',
+            '    vector = f.get_slice(key)[int(row["row_offset"])].float().numpy()  # last-token activation of prompt 0',
+        ]
+    else:
+        lines += [
+            'with safe_open(path, framework="np") as f:',
+            '    vector = f.get_slice(key)[int(row["row_offset"])]  # last-token activation of prompt 0',
+        ]
+    lines += [
         "```",
     ]
     if full:

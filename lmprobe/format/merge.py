@@ -55,8 +55,8 @@ def _compatible(parts: list[Dataset]) -> list[str]:
         if s != a_settings:
             diff = sorted(k for k in set(s) | set(a_settings) if s.get(k) != a_settings.get(k))
             problems.append(f"part {i}: extraction settings differ from part 0's ({', '.join(diff)})")
-        if ("statistics" in ds.info["tensors"]) != ("statistics" in first.info["tensors"]):
-            problems.append(f"part {i}: statistics are {'present' if 'statistics' in ds.info['tensors'] else 'absent'}, "
+        if (ds.meta.statistics is None) != (first.meta.statistics is None):
+            problems.append(f"part {i}: statistics are {'absent' if ds.meta.statistics is None else 'present'}, "
                             "unlike part 0")
     return problems
 
@@ -148,8 +148,9 @@ def merge_datasets(parts: list[Any], out: str | os.PathLike, *, overwrite: bool 
     elif "settings" in ext:
         ext["settings"] = {k: v for k, v in ext["settings"].items() if k not in _PART_SETTINGS}
         ext["settings"]["num_prompts"] = info["num_prompts"]
-    if "statistics" in info["tensors"]:
-        info["tensors"]["statistics"] = _merge_statistics(dss, out, info["tensors"]["statistics"])
+    if first.meta.statistics is not None:
+        info.get("tensors", {}).pop("statistics", None)  # where datasets written before 2026-11 kept it
+        info["statistics"] = _merge_statistics(dss, out, first.meta.statistics.raw)
     info.pop("extras", None)
     info.pop("attachments", None)
 

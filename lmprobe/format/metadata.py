@@ -233,7 +233,10 @@ def parse_info(info: dict[str, Any]) -> DatasetInfo:
     tensors = _dict(info.get("tensors", {}), "tensors")
     hidden = parse_hidden(tensors["hidden_layers"]) if "hidden_layers" in tensors else None
     logits = parse_logits(tensors["logits_topk"]) if "logits_topk" in tensors else None
-    stats = parse_statistics(tensors["statistics"]) if "statistics" in tensors else None
+    # statistics have a key of their own: readers that walk every entry of `tensors` (lmprobe 0.10.3)
+    # expect shards in each; datasets written before that kept them in `tensors`
+    stats_raw = info["statistics"] if "statistics" in info else tensors.get("statistics")
+    stats = parse_statistics(stats_raw) if stats_raw is not None else None
     return DatasetInfo(info, version, num_prompts, hidden, logits, stats)
 
 
@@ -262,6 +265,11 @@ def parse_statistics(d: Any) -> StatisticsDescriptor:
 # ---------------------------------------------------------------------------------------------- building
 
 
+#: ``provenance.writer`` of datasets written by this package's DatasetWriter: ``lmprobe validate`` holds
+#: them to the letter of docs/format.md, and reports other writers' departures as warnings
+WRITER = "lmprobe.format.DatasetWriter"
+
+
 def default_provenance() -> dict[str, Any]:
     """Versions of the build environment, read from installed package metadata (no heavy imports)."""
     import platform
@@ -276,6 +284,7 @@ def default_provenance() -> dict[str, Any]:
 
     return {
         "lmprobe_version": __version__,
+        "writer": WRITER,
         "extraction_backend": None,
         "nnsight_version": None,
         "torch_version": v("torch"),

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from ..errors import FormatError, ValidationError
 from ..hashing import sha256_file
 from ..paths import resolve_inside
-from .metadata import DatasetInfo, decode_schema_metadata, parse_info
+from .metadata import WRITER, DatasetInfo, decode_schema_metadata, parse_info
 from .reader import find_index
 from .safetensors_io import read_header
 from .spec import CARD_PATH, DTYPES, STAGING_DIR
@@ -130,7 +130,14 @@ def _check_coverage(name: str, shard_ids: np.ndarray, offsets: np.ndarray, sizes
             rep.errors.append(f"{name}: shard {first_shard + s} lists {want} rows but the index addresses {c}")
 
 
-def _check_lists(table: pa.Table, name: str, lengths: np.ndarray | None, minus: int, rep: Report) -> None:
+def _check_lists(table: pa.Table, name: str, lengths: np.ndarray | None, minus: int, rep: Report, *,
+                 ours: bool) -> None:
+    """A per-token column has ``num_tokens - minus`` entries per row.
+
+    The format document fixes no length for these columns; lmprobe's own datasets are held to
+    it, other writers' departures are warnings (lmprobe 0.10.3 keeps a first-token entry in
+    ``token_perplexity`` for rows that were left-padded in their batch).
+    """
     if name not in table.column_names or lengths is None:
         return
     col = table.column(name)
@@ -142,7 +149,11 @@ def _check_lists(table: pa.Table, name: str, lengths: np.ndarray | None, minus: 
     bad = np.flatnonzero(got != want)
     if len(bad):
         i = int(bad[0])
-        rep.errors.append(f"row {i}: {name} has {got[i]} entries, expected {want[i]} ({len(bad)} row(s) differ)")
+        msg = f"row {i}: {name} has {got[i]} entries, expected {want[i]} ({len(bad)} row(s) differ)"
+        if ours:
+            rep.errors.append(msg)
+        else:
+            rep.warnings.append(msg + "; written by another implementation, whose per-token lengths may differ")
 
 
 def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
@@ -280,9 +291,11 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
     for name in ("perplexity_mean", "perplexity_min", "perplexity_max"):
         if name in table.column_names and not pa.types.is_floating(table.column(name).type):
             rep.errors.append(f"index column {name!r} has type {table.column(name).type}, expected float64")
-    _check_lists(table, "token_ids", lengths, 0, rep)
-    _check_lists(table, "token_strings", lengths, 0, rep)
-    _check_lists(table, "token_perplexity", lengths, 1, rep)
+    prov = raw.get("provenance")
+    ours = isinstance(prov, dict) and prov.get("writer") == WRITER
+    _check_lists(table, "token_ids", lengths, 0, rep, ours=ours)
+    _check_lists(table, "token_strings", lengths, 0, rep, ours=ours)
+    _check_lists(table, "token_perplexity", lengths, 1, rep, ours=ours)
 
     # --- the folder
     for sidecar in ("lmprobe_info.json", "_stage_complete"):

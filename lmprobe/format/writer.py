@@ -480,13 +480,14 @@ class DatasetWriter:
         tensors: dict[str, Any] = {"hidden_layers": build_hidden_descriptor(self.spec, self._last.closed, seq_closed)}
         if self._logits is not None:
             tensors["logits_topk"] = build_logits_descriptor(self.spec, self._logits.closed)
+        extra = dict(self.metadata)
         if self._stats:
             desc = write_statistics(self.out_dir, self._stats, storage=self.spec.storage, checksums=self.checksums)
             if self.on_file_complete is not None:
                 self.on_file_complete(desc["file"])
-            tensors["statistics"] = desc
+            extra["statistics"] = desc  # its own key: every entry of `tensors` holds shards
         info = build_info(self.spec, num_prompts=self.num_prompts, tensors=tensors, provenance=self.provenance,
-                          prompt_ordering=self.prompt_ordering, extra=self.metadata)
+                          prompt_ordering=self.prompt_ordering, extra=extra)
         schema = index.final_schema(self.spec)
         atomic_write(self.out_dir / CARD_PATH, card.render_card(info, schema), fsync=self.fsync)
         index.write_index(self.out_dir / INDEX_PATH, self.staging.parts(self._n_parts), spec=self.spec, n_last=n_last,

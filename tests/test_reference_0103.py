@@ -1,0 +1,77 @@
+"""The reference implementation (``lmprobe==0.10.3`` from PyPI, in its own virtual environment) reads what we write.
+
+This guards every format addition: 0.10.3 walks every entry of ``lmprobe:tensors`` and reads
+hidden shards by its own rules, so a new key in the wrong place breaks all of its readers. Each
+dataset is read with 0.10.3's ``load_activation_dataset``, ``load_activations``, ``pull_dataset``
+and ``ActivationStore.from_dataset``, and the values are compared with lmprobe's own reading.
+
+The environment is made once (tests/reference/envs.py; .ci/run makes it before the tests run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from reference.envs import reference_python
+from safetensors.numpy import load_file
+
+import lmprobe
+
+pytestmark = pytest.mark.slow  # a second Python environment and subprocesses
+
+READER = Path(__file__).parent / "reference" / "read_with_0103.py"
+
+
+@pytest.fixture(scope="session")
+def ref_python() -> Path:
+    return reference_python()
+
+
+def read_with_reference(python: Path, dataset: Path, tmp_path: Path) -> tuple[dict, dict]:
+    out = tmp_path / f"{dataset.name}-0103.safetensors"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    r = subprocess.run([str(python), "-I", str(READER), str(dataset), str(out)], capture_output=True, text=True,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return load_file(str(out)), json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def shard_order_rows(ds, layer: int) -> np.ndarray:
+    """Every stored row of ``layer``, in shard-file order (what load_activation_dataset concatenates)."""
+    shard = ds.column("shard_index")
+    offset = ds.column("row_offset")
+    if ds.storage == "full_sequence":
+        ids, offs, _ = ds.token_addresses()
+        shard, offset = np.concatenate([shard, ids]), np.concatenate([offset, offs])
+        uniq = np.unique(np.stack([shard, offset], axis=1), axis=0)
+        shard, offset = uniq[:, 0], uniq[:, 1]
+    order = np.lexsort((offset, shard))
+    return np.asarray(ds.read_hidden_rows(layer, shard[order], offset[order]), dtype=np.float32)
+
+
+PROMPTS = [{"text": f"Prompt number {i}: " + " ".join(["the cat sat", "a dog ran far", "numbers 12 and 345"][i % 3]
+                                                       for _ in range(1 + i % 4)), "label": i % 2} for i in range(14)]
+
+
+@pytest.mark.parametrize(("storage", "dtype"), [("pooled", "float32"), ("full_sequence", "float32"),
+                                                ("pooled", "float16"), ("full_sequence", "bfloat16")])
+def test_reference_implementation_reads_our_default_output(ref_python, tmp_path, storage, dtype):
+    out = tmp_path / f"{storage}-{dtype}"
+    ds = lmprobe.extract("lmprobe-tiny", PROMPTS, out=out, layers="0,2,-1", storage=storage, dtype=dtype,
+                         logits_topk=4, perplexity=True, token_strings=True, shard_size="3KB", batch_size=4,
+                         quiet=True)
+    assert ds.meta.statistics is not None  # the default output, statistics included
+    got, summary = read_with_reference(ref_python, out, tmp_path)
+    assert summary["pulled"] == len(PROMPTS)
+    assert summary["store_prompts"] == ds.texts
+    assert summary["layers"] == ds.layers
+    for layer in ds.layers:
+        want = np.asarray(ds.hidden(layer), dtype=np.float32)
+        np.testing.assert_array_equal(got[f"load_activations/{layer}"], want)
+        np.testing.assert_array_equal(got[f"ActivationStore/{layer}"], want)
+        np.testing.assert_array_equal(got[f"load_activation_dataset/hidden.layer_{layer}"], shard_order_rows(ds, layer))
