@@ -137,6 +137,8 @@ def _cmd_export_sae(args: argparse.Namespace) -> int:
         topk_per_feature=args.topk_per_feature,
         weight_key=args.weight_key,
         bias_key=args.bias_key,
+        b_dec_key=args.b_dec_key,
+        hookpoint=args.hookpoint,
         orientation=args.orientation,
         model_revision=args.model_revision,
         model_config=args.model_config,
@@ -320,7 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_export_saev)
 
     p = sub.add_parser("export-sae", help="export a trained SAE encoder layer as a sparse dictionary")
-    p.add_argument("source", metavar="SOURCE", help="SAELens folder (cfg.json + sae_weights.safetensors), or a .safetensors/.npz file")
+    p.add_argument("source", metavar="SOURCE",
+                   help="a SAELens save (cfg.json + sae_weights.safetensors), a sparsify save (cfg.json + "
+                   "sae.safetensors), a folder holding several of them (pick one with --hookpoint), or a "
+                   ".safetensors/.npz file (with --weight-key)")
     p.add_argument("--layer", required=True, type=int)
     p.add_argument("--root", required=True, help="folder that holds dictionaries")
     p.add_argument("--dict", required=True, help="dictionary name (created if needed; other layers are kept)")
@@ -329,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--topk-per-feature", type=int, default=None, metavar="N", help="keep the N largest |w| per feature")
     p.add_argument("--weight-key", default=None, help="encoder tensor name in a .safetensors/.npz file")
     p.add_argument("--bias-key", default=None, help="encoder bias tensor name")
+    p.add_argument("--b-dec-key", default=None,
+                   help="with --weight-key: a decoder bias the SAE subtracts from its input (folded into the bias)")
+    p.add_argument("--hookpoint", default=None, metavar="NAME",
+                   help="the SAE to export from a folder holding several (its subfolder, e.g. layers.6)")
     p.add_argument("--orientation", choices=["auto", "in_out", "out_in"], default="auto",
                    help="in_out: [hidden, features] (SAELens); out_in: [features, hidden] (nn.Linear); auto: from the bias")
     p.add_argument("--model-revision", default=None, help="commit hash of the model (recorded as model_hash)")

@@ -63,7 +63,8 @@ def test_saelens_folder_threshold_and_several_layers(tmp_path, rng):
         W, b = make_encoder(rng, d_in=16, d_sae=32 + L)
         src = tmp_path / f"saelens-{L}"
         src.mkdir()
-        save_file({"W_enc": W, "b_enc": b, "W_dec": W.T.copy()}, str(src / "sae_weights.safetensors"))
+        b_dec = rng.normal(size=16).astype(np.float32)
+        save_file({"W_enc": W, "b_enc": b, "W_dec": W.T.copy(), "b_dec": b_dec}, str(src / "sae_weights.safetensors"))
         (src / "cfg.json").write_text(json.dumps({"d_in": 16, "d_sae": 32 + L, "hook_layer": L}))
         rep = export_sae(src, layer=L, root=tmp_path / "root", dictionary="s", threshold=0.5,
                          model_revision="abc123")

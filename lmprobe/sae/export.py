@@ -17,6 +17,7 @@ from ..atomic import atomic_write, move_into_place
 from ..errors import DictionaryError
 from ..format.values import to_numpy
 from .loader import SAEConfig, load_dictionary, validate_dictionary
+from .sources import EncoderWeights, load_tensors, read_sae_folder
 
 DICT_VERSION = "1.0.0"
 
@@ -37,48 +38,49 @@ class ExportReport:
 
 
 def read_encoder(source: str | os.PathLike, *, weight_key: str | None = None, bias_key: str | None = None,
-                 orientation: str = "auto") -> tuple[np.ndarray, np.ndarray | None, dict]:
-    """(W_enc as [features, hidden_dim] float32, bias or None, config dict) from a file or SAELens folder.
+                 b_dec_key: str | None = None, orientation: str = "auto",
+                 hookpoint: str | None = None) -> EncoderWeights:
+    """An encoder as ``score = W x + b`` from a SAELens or sparsify folder, or a .safetensors/.npz file.
 
-    SAELens folders hold cfg.json and sae_weights.safetensors with W_enc [d_in, d_sae] and b_enc.
-    Other .safetensors/.npz files need ``weight_key`` (and ``bias_key`` when there is a bias).
-    ``orientation``: "in_out" ([hidden, features], SAELens), "out_in" ([features, hidden], nn.Linear),
-    or "auto" (decided by the bias length, which is the feature count).
+    Folders are recognised by their layout (see ``lmprobe.sae.sources``), decoder biases folded in.
+    A single file needs ``weight_key`` (and ``bias_key`` when there is a bias; ``b_dec_key`` names
+    a decoder bias the SAE subtracts from its input, folded into the bias). ``orientation``:
+    "in_out" ([hidden, features], SAELens), "out_in" ([features, hidden], nn.Linear), or "auto"
+    (decided by the bias length, which is the feature count).
     """
     src = Path(source)
-    cfg: dict = {}
     if src.is_dir():
-        weights = src / "sae_weights.safetensors"
-        if not weights.exists():
-            raise DictionaryError(f"{src} is not a SAELens folder: sae_weights.safetensors is missing")
-        if (src / "cfg.json").exists():
-            cfg = json.loads((src / "cfg.json").read_text())
-        src, weight_key, bias_key = weights, weight_key or "W_enc", bias_key or "b_enc"
-        orientation = "in_out" if orientation == "auto" else orientation
+        if weight_key or bias_key or b_dec_key:
+            raise DictionaryError(f"{src} is a folder: --weight-key/--bias-key/--b-dec-key apply to a single file")
+        return read_sae_folder(src, hookpoint=hookpoint)
+    if hookpoint is not None:
+        raise DictionaryError("--hookpoint chooses a subfolder of a folder holding several SAEs; the source is a file")
     if not src.exists():
         raise DictionaryError(f"{src} does not exist")
     if src.suffix == ".safetensors":
-        from safetensors.numpy import load_file
-
-        tensors = load_file(str(src))
+        tensors = load_tensors(src)
     elif src.suffix == ".npz":
         with np.load(src, allow_pickle=False) as z:
             tensors = {k: z[k] for k in z.files}
     else:
-        raise DictionaryError(f"{src}: expected a .safetensors or .npz file, or a SAELens folder")
+        raise DictionaryError(f"{src}: expected a .safetensors or .npz file, or a SAELens or sparsify folder")
     if weight_key is None:
         raise DictionaryError(f"{src}: pass --weight-key (the file holds {sorted(tensors)})")
-    if weight_key not in tensors:
-        raise DictionaryError(f"{src}: no tensor {weight_key!r} (the file holds {sorted(tensors)})")
-    W = np.asarray(tensors[weight_key], dtype=np.float32)
+    for key in (weight_key, bias_key, b_dec_key):
+        if key is not None and key not in tensors:
+            raise DictionaryError(f"{src}: no tensor {key!r} (the file holds {sorted(tensors)})")
+    W = np.asarray(tensors[weight_key], dtype=np.float64)
     if W.ndim != 2:
         raise DictionaryError(f"{src}: {weight_key} must be 2-D, got shape {W.shape}")
-    b = None
-    if bias_key is not None:
-        if bias_key not in tensors:
-            raise DictionaryError(f"{src}: no tensor {bias_key!r} (the file holds {sorted(tensors)})")
-        b = np.asarray(tensors[bias_key], dtype=np.float32).reshape(-1)
-    return orient(W, b, orientation), b, cfg
+    b = None if bias_key is None else np.asarray(tensors[bias_key], dtype=np.float64).reshape(-1)
+    W = orient(W, b, orientation)
+    info: dict = {"source": "file", "b_dec_folded": b_dec_key is not None}
+    if b_dec_key is not None:
+        b_dec = np.asarray(tensors[b_dec_key], dtype=np.float64).reshape(-1)
+        if len(b_dec) != W.shape[1]:
+            raise DictionaryError(f"{src}: {b_dec_key} has {len(b_dec)} entries for inputs of {W.shape[1]}")
+        b = (np.zeros(W.shape[0]) if b is None else b) - W @ b_dec
+    return EncoderWeights(np.ascontiguousarray(W, dtype=np.float32), None if b is None else b.astype(np.float32), info)
 
 
 def orient(W: np.ndarray, b: np.ndarray | None, orientation: str) -> np.ndarray:
@@ -154,6 +156,8 @@ def export_sae(
     orientation: str = "auto",
     weight_key: str | None = None,
     bias_key: str | None = None,
+    b_dec_key: str | None = None,
+    hookpoint: str | None = None,
     threshold: float | None = None,
     topk_per_feature: int | None = None,
     model_revision: str | None = None,
@@ -163,7 +167,13 @@ def export_sae(
     """Add one layer's encoder to dictionary ``root/dictionary`` (created if needed); returns a report.
 
     >>> export_sae("sae-folder/", layer=12, root="sae", dictionary="my-sae", topk_per_feature=64)  # doctest: +SKIP
+    >>> export_sae("sparsify-run/", layer=6, root="sae", dictionary="s", hookpoint="layers.6")    # doctest: +SKIP
     >>> export_sae(layer=3, root="sae", dictionary="d", W_enc=w, b_enc=b, threshold=0.01)        # doctest: +SKIP
+
+    ``source`` is a SAELens or sparsify save (a folder; ``hookpoint`` picks one SAE of a folder
+    holding several) or a .safetensors/.npz file. Decoder biases that the SAE subtracts from its
+    input are folded into the bias (``b' = b_enc - W_enc b_dec``), so the dictionary's scores equal
+    the SAE's own pre-activations; meta.json records what was folded for each layer.
 
     Layers already in the dictionary are replaced; meta.json's feature_count and layer_ranges are
     rewritten to match. Every file is written under a temporary name and renamed into place, the
@@ -175,12 +185,14 @@ def export_sae(
         raise DictionaryError("file_format must be 'npz' or 'safetensors'")
     if (source is None) == (W_enc is None):
         raise DictionaryError("pass either a source (file or SAELens folder) or W_enc arrays")
-    cfg: dict = {}
     if source is not None:
-        W, b, cfg = read_encoder(source, weight_key=weight_key, bias_key=bias_key, orientation=orientation)
+        enc = read_encoder(source, weight_key=weight_key, bias_key=bias_key, b_dec_key=b_dec_key,
+                           orientation=orientation, hookpoint=hookpoint)
+        W, b, source_info = enc.W, enc.b, enc.info
     else:
         b = None if b_enc is None else to_numpy(b_enc).astype(np.float32).reshape(-1)
         W = orient(to_numpy(W_enc).astype(np.float32), b, orientation)
+        source_info = {"source": "arrays", "b_dec_folded": False}
     data, indices, indptr, mass = sparsify(W, threshold=threshold, topk_per_feature=topk_per_feature)
     fmt = "csr.npz" if file_format == "npz" else "csr.safetensors"
     ddir = Path(root) / dictionary
@@ -229,6 +241,8 @@ def export_sae(
         raise DictionaryError(
             f"{meta_path} belongs to model {meta['model_hash']!r}, this encoder to {new_hash!r}; use another dictionary"
         )
+    sources = {k: v for k, v in ((meta or {}).get("layer_sources") or {}).items() if k in ranges}
+    sources[str(layer)] = source_info
     new_meta = {
         "version": (meta or {}).get("version", DICT_VERSION),
         "model_hash": new_hash if new_hash != "unknown" else (meta or {}).get("model_hash", "unknown"),
@@ -236,6 +250,7 @@ def export_sae(
         "dtype": "fp16",
         "format": fmt,
         "layer_ranges": ranges,
+        "layer_sources": dict(sorted(sources.items(), key=lambda kv: int(kv[0]))),
     }
     atomic_write(meta_path, json.dumps(new_meta, indent=2) + "\n")
     problems = validate_dictionary(root, dictionary)
