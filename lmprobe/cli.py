@@ -157,7 +157,7 @@ def _cmd_export_saev(args: argparse.Namespace) -> int:
     layers = _stored_layers(args.layers, load(args.source).layers)
     folder = export_saev(args.source, args.out, layers=layers, context_len=args.context_len,
                          patches_per_shard=args.patches_per_shard, drop_first_token=args.drop_first_token,
-                         tokens=not args.no_tokens, quiet=args.quiet)
+                         tokens=False if args.no_tokens else None, saev_compat=args.saev_compat, quiet=args.quiet)
     if args.push:
         where = publish_attachment(args.push, folder, "saev", token=args.token, quiet=args.quiet)
         if not args.quiet:
@@ -314,7 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patches-per-shard", type=_positive_int, default=2_400_000, metavar="N",
                    help="vectors per shard budget (default 2,400,000: ~10 GiB at d_model 1024)")
     p.add_argument("--drop-first-token", action="store_true", help="leave out each prompt's first token (e.g. BOS)")
-    p.add_argument("--no-tokens", action="store_true", help="do not write tokens.bin (needed when the source has no token_ids)")
+    p.add_argument("--no-tokens", action="store_true",
+                   help="do not write tokens.bin (written by default when the source stores token ids)")
+    p.add_argument("--saev-compat", action="store_true",
+                   help="write what saev's own loaders accept: a zero-padded last shard and a family value its "
+                   "metadata type admits (--out must end in saev/shards); see docs/saev.md")
     p.add_argument("--push", default=None, metavar="REPO",
                    help="publish the export into this dataset repo under saev/<HASH>/ (the dataset must be there)")
     p.add_argument("--token", default=None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,11 @@ PROTOCOL = "2.0"
 METADATA_KEYS = ("family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model", "n_ex", "patches_per_shard",
                  "data", "dataset", "dtype", "protocol")
 DEFAULT_PATCHES_PER_SHARD = 2_400_000
+FAMILY = "llm"
+#: what saev_compat=True writes as `family`: saev's Metadata admits only vision model families
+SAEV_COMPAT_FAMILY = "clip"
+#: the saev code the compatible layout was checked against: the commit that implements protocol 2.0
+SAEV_CHECKED = "saev e43e7dd (2025-10-03), shuffled loader"
 _CHUNK_BYTES = 64 * 2**20
 
 
@@ -60,12 +66,13 @@ class _Plan:
     metadata: dict
     hash: str
     shard_sizes: list[int]
+    per_shard: int  # examples in a full shard (section 3's ex_per_shard)
     prompt_of: np.ndarray  # (n_ex * T,) index row of each stored position
     token_in_prompt: np.ndarray  # (n_ex * T,) token index within that prompt
 
 
 def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, patches_per_shard: int,
-          drop_first_token: bool, with_tokens: bool, index_sha256: str) -> _Plan:
+          drop_first_token: bool, with_tokens: bool, index_sha256: str, saev_compat: bool) -> _Plan:
     if ds.storage != "full_sequence":
         raise SaevError(
             f"{source_desc} stores only the last token of each prompt (pooled); the saev protocol needs token "
@@ -76,11 +83,6 @@ def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, pat
         raise SaevError(f"layers {bad} are not in {source_desc} (it stores {ds.layers})")
     if context_len < 1:
         raise SaevError("context_len must be >= 1")
-    if with_tokens and "token_ids" not in ds.table.column_names:
-        raise SaevError(
-            f"{source_desc} has no token_ids column, so tokens.bin cannot be written: extract with --token-ids "
-            "(or pass tokens=False / --no-tokens)"
-        )
     per = ex_per_shard(patches_per_shard, context_len, len(layers))
     if per < 1:
         raise SaevError(
@@ -117,8 +119,13 @@ def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, pat
     }
     labels_ok = _int_labels(ds) is not None
     data["labels_file"] = "labels.bin" if labels_ok else None
+    if saev_compat:
+        # saev's Metadata type admits vision families only; its loaders never read the family
+        data["source_family"] = FAMILY
+        data["last_shard_padded"] = True
+        data["saev_compat"] = SAEV_CHECKED
     metadata = {
-        "family": "llm",
+        "family": SAEV_COMPAT_FAMILY if saev_compat else FAMILY,
         "ckpt": ckpt,
         "layers": [int(x) for x in layers],
         "patches_per_ex": int(context_len),
@@ -131,7 +138,7 @@ def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, pat
         "dtype": "float32",
         "protocol": PROTOCOL,
     }
-    return _Plan(metadata, metadata_hash(metadata), shard_sizes(n_ex, per), prompt_of, token_in_prompt)
+    return _Plan(metadata, metadata_hash(metadata), shard_sizes(n_ex, per), per, prompt_of, token_in_prompt)
 
 
 def _int_labels(ds: Any) -> np.ndarray | None:
@@ -151,12 +158,22 @@ def export_saev(
     context_len: int = 128,
     patches_per_shard: int = DEFAULT_PATCHES_PER_SHARD,
     drop_first_token: bool = False,
-    tokens: bool = True,
+    tokens: bool | None = None,
+    saev_compat: bool = False,
     quiet: bool = False,
 ) -> Path:
     """Export a full_sequence lmprobe dataset (path, repo id or Dataset) to ``out/<HASH>/``; returns that folder.
 
     >>> export_saev("out/acts", "saev-dumps", layers=[6], context_len=64)  # doctest: +SKIP
+
+    ``tokens``: write tokens.bin (an lmprobe addition: the token id of every position). None: when
+    the source stores token ids; True: required; False: never.
+
+    ``saev_compat``: write what saev's own loaders accept (checked against ``SAEV_CHECKED``): the last
+    shard zero-padded to the full shard size (shards.json keeps its true ``n_ex``), and ``family``
+    set to a value saev's metadata type admits (``"clip"``; the true family is kept in
+    ``data.source_family``). saev's loaders also require the folder at ``.../saev/shards/<HASH>``,
+    so ``out`` must end in ``saev/shards``.
 
     A folder that already exists for the same configuration is verified and kept (a no-op). An
     interrupted export resumes: finished shards are kept and the rest are written.
@@ -168,9 +185,21 @@ def export_saev(
     layer_list = list(ds.layers) if layers is None else [int(x) for x in layers]
     if not layer_list:
         raise SaevError("no layers to export")
-    plan = _plan(ds, source_desc, layers=layer_list, context_len=context_len, patches_per_shard=patches_per_shard,
-                 drop_first_token=drop_first_token, with_tokens=tokens, index_sha256=_index_hash(ds))
     out = Path(out)
+    if saev_compat and out.parts[-2:] != ("saev", "shards"):
+        raise SaevError(f"saev's loaders open folders at .../saev/shards/<HASH> only; pass an --out that ends in "
+                        f"saev/shards (e.g. {out / 'saev' / 'shards'})")
+    has_ids = "token_ids" in ds.table.column_names
+    if tokens and not has_ids:
+        raise SaevError(f"{source_desc} has no token_ids column, so tokens.bin cannot be written: extract with "
+                        "--token-ids, or leave tokens.bin out (--no-tokens)")
+    with_tokens = has_ids if tokens is None else bool(tokens)
+    if tokens is None and not has_ids and not quiet:
+        print(f"note: {source_desc} stores no token ids, so tokens.bin is not written (extract with --token-ids "
+              "to have it)", file=sys.stderr)
+    plan = _plan(ds, source_desc, layers=layer_list, context_len=context_len, patches_per_shard=patches_per_shard,
+                 drop_first_token=drop_first_token, with_tokens=with_tokens, index_sha256=_index_hash(ds),
+                 saev_compat=saev_compat)
     final = out / plan.hash
     if (final / "metadata.json").exists():
         problems = validate_saev(final)
@@ -229,13 +258,14 @@ def export_saev(
     block = np.empty((min(ex_chunk, max(plan.shard_sizes)), L, T, D), dtype="<f4")
     try:
         _write_shards(plan, partial, L, T, D, vec_bytes, ex_chunk, block, run_start, run_len, run_shard, run_off,
-                      layer_list, source, source_fd, direct, h, bar, shards_json)
+                      layer_list, source, source_fd, direct, h, bar, shards_json, pad_to=plan.per_shard
+                      if saev_compat else None)
     finally:
         bar.close()
         for fd, _ in fds.values():
             os.close(fd)
     maps.clear()
-    if tokens:
+    if with_tokens:
         tok = pc.list_flatten(ds.table.column("token_ids")).to_numpy()
         atomic_write(partial / "tokens.bin", np.ascontiguousarray(tok[list_start[plan.prompt_of] + plan.token_in_prompt],
                                                                   dtype="<u4").tobytes())
@@ -252,14 +282,18 @@ def export_saev(
 
 
 def _write_shards(plan, partial, L, T, D, vec_bytes, ex_chunk, block, run_start, run_len, run_shard, run_off,
-                  layer_list, source, source_fd, direct, h, bar, shards_json) -> None:
-    """Write every shard not finished by an earlier run: acts*.bin.tmp, then renamed."""
+                  layer_list, source, source_fd, direct, h, bar, shards_json, pad_to: int | None) -> None:
+    """Write every shard not finished by an earlier run: acts*.bin.tmp, then renamed.
+
+    ``pad_to``: zero-pad each shard to this many examples (saev's loaders map every shard at full size).
+    """
     first_ex = 0
     for i, n in enumerate(plan.shard_sizes):
         name = f"acts{i:06d}.bin"
         shards_json.append({"name": name, "n_ex": n})
         path = partial / name
-        if path.exists() and path.stat().st_size == n * L * T * vec_bytes:
+        file_ex = max(n, pad_to or 0)
+        if path.exists() and path.stat().st_size == file_ex * L * T * vec_bytes:
             first_ex += n
             bar.update(n)
             continue  # finished by an earlier, interrupted run
@@ -281,6 +315,8 @@ def _write_shards(plan, partial, L, T, D, vec_bytes, ex_chunk, block, run_start,
                         block[e - a, li, t : t + m] = bfloat16_bits_to_float32(rows) if h.dtype == "bfloat16" else rows
                 f.write(memoryview(block[: b - a]).cast("B"))
                 bar.update(b - a)
+            if file_ex > n:
+                f.truncate((file_ex * L * T) * vec_bytes)  # zeros: rows past n_ex are never read
         first_ex += n
 
 
@@ -323,7 +359,7 @@ class SaevDataset:
         self.tokens_per_ex = m["patches_per_ex"] + (1 if m["cls_token"] else 0)
         self.d_model = m["d_model"]
         self.n_ex = m["n_ex"]
-        self.ex_per_shard = self.shards[0]["n_ex"]
+        self.ex_per_shard = ex_per_shard(m["patches_per_shard"], self.tokens_per_ex, len(self.layers))
         self._maps: dict[int, np.memmap] = {}
 
     def __len__(self) -> int:
@@ -346,9 +382,9 @@ class SaevDataset:
         if i not in self._maps:
             n = self.shards[i]["n_ex"]
             path = self._file(self.shards[i]["name"])
-            want = n * len(self.layers) * self.tokens_per_ex * self.d_model * 4
-            if path.stat().st_size != want:
-                raise SaevError(f"{path} is {path.stat().st_size} bytes, expected {want}")
+            ex_bytes = len(self.layers) * self.tokens_per_ex * self.d_model * 4
+            if path.stat().st_size not in _shard_bytes(n, self.ex_per_shard, i == len(self.shards) - 1, ex_bytes):
+                raise SaevError(f"{path} is {path.stat().st_size} bytes, expected {n * ex_bytes}")
             self._maps[i] = np.memmap(path, dtype="<f4", mode="r",
                                       shape=(n, len(self.layers), self.tokens_per_ex, self.d_model))
         return self._maps[i]
@@ -505,13 +541,18 @@ def validate_saev(path: str | os.PathLike, *, check_hash: bool = True, check_siz
         if not f.exists():
             if check_sizes:  # a folder read from the Hub downloads its shards later
                 problems.append(f"{s['name']} is missing")
-        elif check_sizes and f.stat().st_size != s["n_ex"] * L * T * D * 4:
+        elif check_sizes and f.stat().st_size not in _shard_bytes(s["n_ex"], per, i == len(shards) - 1, L * T * D * 4):
             problems.append(f"{s['name']} is {f.stat().st_size} bytes, expected {s['n_ex'] * L * T * D * 4}")
     for name, item in (("labels.bin", 1), ("tokens.bin", 4)):
         f = p / name
         if f.exists() and f.stat().st_size != m["n_ex"] * T * item:
             problems.append(f"{name} is {f.stat().st_size} bytes, expected {m['n_ex'] * T * item}")
     return problems
+
+
+def _shard_bytes(n_ex: int, per: int, last: bool, ex_bytes: int) -> tuple[int, ...]:
+    """Sizes a shard file may have: its examples, or (the last one) zero-padded to a full shard, as saev writes it."""
+    return (n_ex * ex_bytes, per * ex_bytes) if last else (n_ex * ex_bytes,)
 
 
 def is_saev_folder(path: str | os.PathLike) -> bool:

@@ -30,7 +30,19 @@ def test_embedded_model_is_small_and_meaningful(tmp_path):
         texts = [t + tok.decode([int(i[0])]) for t, i in zip(texts, idx, strict=False)]
     continuations = [re.findall(r"\w+", t[len(p):])[0] for t, p in zip(texts, prompts, strict=False)]
     assert continuations == ["Paris", "Tokyo", "five", "Wednesday"], texts
-    assert ds.info["model"] == {"name": "lmprobe-tiny", "revision": None}
+    # shipped inside lmprobe, the model has a known identity: a content hash of its weights
+    import hashlib
+
+    weights = ROOT / "lmprobe/models/tiny/model.safetensors"
+    want = hashlib.sha256(b"model.safetensors\0" + hashlib.sha256(weights.read_bytes()).digest()).hexdigest()
+    assert ds.info["model"] == {"name": "lmprobe-tiny", "revision": f"sha256:{want}"}
+
+
+def test_info_shows_the_embedded_models_revision(tmp_path, capsys):
+    lmprobe.extract("lmprobe-tiny", ["a b c", "d e"], out=tmp_path / "ds", layers="-1", quiet=True)
+    assert cli_main(["info", str(tmp_path / "ds")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("model"))
+    assert re.fullmatch(r"model\s+lmprobe-tiny \(revision sha256:[0-9a-f]{64}\)", line), line
 
 
 def test_example_prompts_have_low_perplexity_and_a_readable_label(tmp_path):

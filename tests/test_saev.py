@@ -172,15 +172,90 @@ def test_shuffled_batches_cover_every_vector_once(tmp_path, source):
     assert sum(len(b) for b in loader) == len(want)
 
 
-def test_pooled_source_and_missing_token_ids_are_clear_errors(tmp_path, rng):
+def test_pooled_source_is_a_clear_error(tmp_path, rng):
     write_dataset(tmp_path / "p", rng, n=4)
     with pytest.raises(SaevError, match="--storage full_sequence"):
         export_saev(tmp_path / "p", tmp_path / "d")
+
+
+def test_without_token_ids_tokens_bin_is_skipped_with_a_note(tmp_path, rng, capsys):
+    """tokens.bin is lmprobe's addition, not part of the protocol: its absence is no reason to refuse."""
     write_dataset(tmp_path / "f", rng, n=4, storage="full_sequence")
+    assert cli_main(["export-saev", str(tmp_path / "f"), "--out", str(tmp_path / "d"), "--context-len", "2"]) == 0
+    out = capsys.readouterr()
+    notes = [line for line in (out.out + out.err).splitlines() if "tokens.bin" in line]
+    assert len(notes) == 1 and "--token-ids" in notes[0]
+    (folder,) = (tmp_path / "d").iterdir()
+    assert not (folder / "tokens.bin").exists() and validate_saev(folder) == []
+    assert json.loads((folder / "metadata.json").read_text())["data"]["tokens_file"] is None
+    # asked for explicitly, the ids must be there
     with pytest.raises(SaevError, match="--token-ids"):
-        export_saev(tmp_path / "f", tmp_path / "d", context_len=2)
-    assert export_saev(tmp_path / "f", tmp_path / "d", context_len=2, tokens=False, quiet=True).exists()
-    assert lmprobe.load(tmp_path / "f").num_prompts == 4
+        export_saev(tmp_path / "f", tmp_path / "e", context_len=2, tokens=True)
+
+
+def test_with_token_ids_tokens_bin_is_written_unless_told_not(tmp_path, source):
+    path, src = source
+    with_ids = export_saev(path, tmp_path / "a", context_len=3, quiet=True)
+    assert (with_ids / "tokens.bin").exists()
+    without = export_saev(path, tmp_path / "b", context_len=3, tokens=False, quiet=True)
+    assert not (without / "tokens.bin").exists()
+
+
+SAEV_E43E7DD_FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "fake-clip")
+SAEV_E43E7DD_FIELDS = {"family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model", "n_ex",
+                       "patches_per_shard", "data", "dataset", "pixel_agg", "dtype", "protocol"}
+
+
+def saev_loader_accepts(folder) -> None:
+    """What saev's own loaders (commit e43e7dd, the protocol 2.0 code) require of a folder, step by step:
+    Metadata(**metadata.json) with its typed fields; the folder at .../saev/shards/<name>; every shard,
+    the last included, np.memmap'ed at the full (ex_per_shard, L, T, D) shape; shards.json entries
+    {name, n_ex} in order whose counts add up to n_ex."""
+    m = json.loads((folder / "metadata.json").read_text())
+    assert set(m) <= SAEV_E43E7DD_FIELDS, set(m) - SAEV_E43E7DD_FIELDS
+    assert m["family"] in SAEV_E43E7DD_FAMILIES
+    assert m["protocol"] in ("1.0.0", "1.1", "2.0") and m["dtype"] == "float32" and isinstance(m["data"], dict)
+    assert folder.parent.parts[-2:] == ("saev", "shards")
+    T = m["patches_per_ex"] + int(m["cls_token"])
+    per = m["patches_per_shard"] // (T * len(m["layers"]))
+    shards = json.loads((folder / "shards.json").read_text())
+    assert all(set(s) == {"name", "n_ex"} for s in shards)
+    assert sum(s["n_ex"] for s in shards) == m["n_ex"] and all(s["n_ex"] == per for s in shards[:-1])
+    for i, _ in enumerate(shards):
+        np.memmap(folder / f"acts{i:06d}.bin", mode="r", dtype=np.float32, shape=(per, len(m["layers"]), T, m["d_model"]))
+
+
+def test_saev_compatible_export_opens_the_way_saevs_loaders_open_it(tmp_path, source):
+    path, src = source
+    T = 4
+    n_ex = json.loads((export_saev(path, tmp_path / "count", context_len=T, quiet=True) / "metadata.json")
+                      .read_text())["n_ex"]
+    per = next(p for p in range(3, n_ex) if n_ex % p)  # a last shard smaller than the others
+    plain = export_saev(path, tmp_path / "plain", context_len=T, patches_per_shard=per * T * 2, quiet=True)
+    with pytest.raises(ValueError, match="mmap length is greater than file size"):
+        saev_loader_accepts_shapes_only(plain)
+    with pytest.raises(SaevError, match="saev/shards"):
+        export_saev(path, tmp_path / "elsewhere", context_len=T, saev_compat=True, quiet=True)
+    folder = export_saev(path, tmp_path / "saev" / "shards", context_len=T, patches_per_shard=per * T * 2,
+                         saev_compat=True, quiet=True)
+    saev_loader_accepts(folder)
+    m = json.loads((folder / "metadata.json").read_text())
+    assert m["data"]["source_family"] == "llm" and m["data"]["last_shard_padded"] is True
+    # lmprobe reads it as the same data, padding never delivered
+    assert validate_saev(folder) == []
+    a, b = SaevDataset(plain), SaevDataset(folder)
+    assert len(a) == len(b)
+    got = np.concatenate(list(b.batches(1, 7, shuffle=False)))
+    np.testing.assert_array_equal(got, np.concatenate(list(a.batches(1, 7, shuffle=False))))
+    np.testing.assert_array_equal(b.get(len(b) - 1, 4, T - 1), a.get(len(a) - 1, 4, T - 1))
+
+
+def saev_loader_accepts_shapes_only(folder) -> None:
+    m = json.loads((folder / "metadata.json").read_text())
+    T = m["patches_per_ex"] + int(m["cls_token"])
+    per = m["patches_per_shard"] // (T * len(m["layers"]))
+    for s in json.loads((folder / "shards.json").read_text()):
+        np.memmap(folder / s["name"], mode="r", dtype=np.float32, shape=(per, len(m["layers"]), T, m["d_model"]))
 
 
 def test_export_from_a_hub_repo(hub, tmp_path, source, fresh_hf_cache):

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import ModelError
 from ..format.values import torch_dtype
+from ..hashing import sha256_file
 
 EMBEDDED_MODELS = {"lmprobe-tiny": "tiny"}
 _MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -58,6 +59,8 @@ class ModelSpec:
     num_layers: int
     hidden_size: int
     causal_lm: bool
+    recorded_revision: str | None = None  # what the dataset records as model.revision
+
 
 
 def _is_causal_lm(config: Any) -> bool:
@@ -84,8 +87,26 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
     hidden = next((getattr(text, a) for a in ("hidden_size", "n_embd", "d_model") if hasattr(text, a)), None)
     if not isinstance(n_layers, int) or not isinstance(hidden, int):
         raise ModelError(f"cannot tell the number of layers or the hidden size of {name!r} from its config")
-    display = name.removeprefix("builtin:") if name.removeprefix("builtin:") in EMBEDDED_MODELS else name
-    return ModelSpec(display, path, local, revision, trust_remote_code, config, n_layers, hidden, _is_causal_lm(config))
+    embedded = name.removeprefix("builtin:") in EMBEDDED_MODELS
+    display = name.removeprefix("builtin:") if embedded else name
+    if embedded:  # shipped inside lmprobe: its weights are its identity
+        recorded = weights_revision(Path(path))
+    elif local:  # a folder: no commit to record
+        recorded = None
+    else:
+        recorded = getattr(config, "_commit_hash", None) or revision
+    return ModelSpec(display, path, local, revision, trust_remote_code, config, n_layers, hidden, _is_causal_lm(config),
+                     recorded)
+
+
+def weights_revision(folder: Path) -> str:
+    """``sha256:`` + the SHA-256 over a model folder's weight files (names and contents, in name order)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(folder.glob("*.safetensors")):
+        h.update(p.name.encode() + b"\0" + bytes.fromhex(sha256_file(p)))
+    return "sha256:" + h.hexdigest()
 
 
 def parse_layers(spec: str | int | list[int] | None, num_layers: int) -> list[int]:

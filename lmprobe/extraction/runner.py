@@ -110,8 +110,7 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
                 "--truncate right (keep the start), or a larger --max-length"
             )
         lengths = np.minimum(lengths, limit)
-    revision_hash = None if spec.local else (getattr(spec.config, "_commit_hash", None) or cfg.revision)
-    settings = cfg.settings(model_name=spec.name, revision=revision_hash, prompts_sha256=p.fingerprint(),
+    settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=p.fingerprint(),
                             num_prompts=len(p), layers=layer_list, max_length=limit)
     return _Job(cfg, p, spec, tok, lengths, settings, dev)
 
