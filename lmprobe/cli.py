@@ -7,8 +7,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import api
+from . import api, summary
 from .demo import write_demo
+from .display import escape_controls
 from .errors import LmprobeError
 from .extraction.config import ExtractionConfig
 from .extraction.model import parse_layers
@@ -21,7 +22,6 @@ from .sae.cli import add_topk_arguments, run_topk
 from .sae.export import export_sae
 from .saev import export_saev, is_saev_folder, validate_saev
 from .storage.hub import check_repo_id
-from .units import format_size
 from .version import __version__
 
 
@@ -32,61 +32,18 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             problems = validate_saev(path, check_sizes=True)
             print(f"{path}: saev {'OK' if not problems else 'INVALID'} ({len(problems)} problem(s))")
             for p in problems:
-                print(f"  error: {p}")
+                print(f"  error: {escape_controls(p, keep_newlines=False)}")
             worst = max(worst, 1 if problems else 0)
             continue
         report = api.validate(path, checksums=not args.no_checksums)
-        print(report)
+        print(escape_controls(report))
         if not report.ok or (args.strict and report.warnings):
             worst = 1
     return worst
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    ds = load(args.path)
-    info = ds.info
-    h = info["tensors"].get("hidden_layers", {})
-    lines = [
-        f"dataset      {args.path}",
-        f"format       lmprobe {info['format_version']}",
-        f"model        {ds.model.get('name')} (revision {ds.model.get('revision') or 'unknown'})",
-        f"prompts      {ds.num_prompts} ({info.get('prompt_ordering', '?')} order)",
-    ]
-    labels = ds.labels
-    if labels is not None:
-        import collections
-
-        counts = collections.Counter(labels.tolist())
-        shown = ", ".join(f"{k!r}: {v}" for k, v in sorted(counts.items(), key=lambda kv: str(kv[0]))[:10])
-        lines.append(f"labels       {len(counts)} classes ({shown}{', ...' if len(counts) > 10 else ''})")
-    else:
-        lines.append("labels       none")
-    if h:
-        layers = h["layers"]
-        lines += [
-            f"layers       {len(layers)}: {layers if len(layers) <= 12 else str(layers[:6])[:-1] + ', ..., ' + str(layers[-1]) + ']'}",
-            f"hidden       dim {h['dim']}, {h['dtype']}, {h['storage']}"
-            + (f" ({h.get('last_token_shards')} last-token + {len(h['shards']) - h.get('last_token_shards', 0)} sequence shards)"
-               if h["storage"] == "full_sequence" else f" ({len(h['shards'])} shards per layer)"),
-        ]
-        if h["storage"] == "full_sequence":
-            lines.append(f"tokens       {int(ds.token_lengths().sum())}")
-    lg = info["tensors"].get("logits_topk")
-    if lg:
-        lines.append(f"logits       top-{lg['k']} at the last token ({len(lg['shards'])} shards)")
-    core = {"text", "label", "num_tokens", "shard_index", "row_offset"}
-    extra = [c for c in ds.table.column_names if c not in core]
-    lines.append(f"columns      {', '.join(extra) if extra else '(core columns only)'}")
-    prov = info.get("provenance") or {}
-    lines.append(
-        f"made with    lmprobe {prov.get('lmprobe_version')}, backend {prov.get('extraction_backend')}, "
-        f"torch {prov.get('torch_version')}, transformers {prov.get('transformers_version')}, {prov.get('created_at')}"
-    )
-    root = Path(args.path)
-    if root.is_dir():
-        size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-        lines.append(f"size         {format_size(size)} on disk")
-    print("\n".join(lines))
+    print(summary.text(load(args.path), path=args.path))
     return 0
 
 
@@ -382,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LmprobeError as exc:
         # the user's input or environment: one line that says what to do; anything else is a bug
         # and keeps its traceback
-        print(f"lmprobe {args.command}: error: {exc}", file=sys.stderr)
+        print(f"lmprobe {args.command}: error: {escape_controls(exc, keep_newlines=False)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"lmprobe {args.command}: interrupted", file=sys.stderr)

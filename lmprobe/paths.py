@@ -13,7 +13,7 @@ import re
 import string
 from pathlib import Path, PurePosixPath
 
-from .errors import UnsafePathError
+from .errors import OutputExistsError, UnsafePathError
 
 _SPEC_RE = re.compile(r"^(0?[1-9]\d?)?d?$")  # integer widths such as "03d"
 
@@ -69,6 +69,18 @@ def check_relpath(rel: object, what: str) -> str:
 def format_relpath(pattern: str, what: str, **fields: int) -> str:
     """Format a checked pattern and check the result is a safe relative path."""
     return check_relpath(pattern.format(**fields), what)
+
+
+def check_output_path(out: str | os.PathLike, what: str = "output") -> Path:
+    """``out`` can be created or written: no existing part of its path is a file."""
+    p = Path(os.path.abspath(out))
+    for parent in [p, *p.parents]:
+        if parent.exists():
+            if parent != p and not parent.is_dir():
+                raise OutputExistsError(f"{parent} is a file, so the {what} {out} cannot be created under it; "
+                                        "choose another location")
+            break
+    return p
 
 
 def resolve_inside(root: Path, rel: str, what: str) -> Path:

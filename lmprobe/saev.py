@@ -23,11 +23,14 @@ from typing import Any
 import numpy as np
 
 from .atomic import atomic_output, atomic_write, move_into_place
-from .errors import SaevError
+from .errors import SaevError, UnsafePathError
 from .format.reader import Dataset
 from .format.spec import DTYPES
 from .format.values import bfloat16_bits_to_float32
+from .lock import OutputLock
 from .opening import load
+from .paths import check_output_path, resolve_inside
+from .safeio import check_regular, read_json
 from .storage.hub import HubFiles, parse_hf_url
 
 PROTOCOL = "2.0"
@@ -201,6 +204,13 @@ def export_saev(
                  drop_first_token=drop_first_token, with_tokens=with_tokens, index_sha256=_index_hash(ds),
                  saev_compat=saev_compat)
     final = out / plan.hash
+    check_output_path(out, "export folder")
+    with OutputLock(out):
+        return _export(ds, plan, out, final, layer_list, context_len, with_tokens, saev_compat, quiet)
+
+
+def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int], context_len: int, with_tokens: bool,
+            saev_compat: bool, quiet: bool) -> Path:
     if (final / "metadata.json").exists():
         problems = validate_saev(final)
         if problems:
@@ -208,8 +218,6 @@ def export_saev(
         if not quiet:
             print(f"{final} already holds this export; nothing to do")
         return final
-    partial = out / f".{plan.hash}.partial"
-    partial.mkdir(parents=True, exist_ok=True)
     T, L, D = context_len, len(layer_list), ds.dim
     vec_bytes = D * 4
     h = ds.meta.hidden
@@ -220,6 +228,10 @@ def export_saev(
     src_pos = list_start[plan.prompt_of] + plan.token_in_prompt
     shard_of, offset_of = flat_ids[src_pos], flat_offs[src_pos]
     del flat_ids, flat_offs, src_pos
+    # the index's addresses are untrusted: rows are copied straight out of the shard files
+    ds.check_addresses(shard_of, offset_of, h.shard_rows, len(h.shards))
+    partial = out / f".{plan.hash}.partial"
+    partial.mkdir(parents=True, exist_ok=True)
     n_pos = plan.metadata["n_ex"] * T
     # runs of stored positions that are consecutive rows of one source shard, cut at example boundaries:
     # each run is one memcpy out of a memory-mapped source shard
@@ -349,11 +361,12 @@ class SaevDataset:
             self._hub.fetch("shards.json", what="saev shard list")
             path = meta.parent
         self.path = Path(path)
-        problems = validate_saev(self.path, check_hash=verify_hash, check_sizes=self._hub is None)
+        problems = validate_saev(self.path, check_hash=verify_hash, check_sizes=self._hub is None,
+                                 local=self._hub is None)
         if problems:
             raise SaevError(f"{self.path}: " + "; ".join(problems))
-        self.metadata = json.loads((self.path / "metadata.json").read_text())
-        self.shards = json.loads((self.path / "shards.json").read_text())
+        self.metadata = read_json(self._local("metadata.json"), error=SaevError)
+        self.shards = read_json(self._local("shards.json"), error=SaevError)
         m = self.metadata
         self.layers: list[int] = list(m["layers"])
         self.tokens_per_ex = m["patches_per_ex"] + (1 if m["cls_token"] else 0)
@@ -365,10 +378,13 @@ class SaevDataset:
     def __len__(self) -> int:
         return self.n_ex
 
+    def _local(self, name: str) -> Path:
+        return _file_inside(self.path, name) if self._hub is None else self.path / name
+
     def _file(self, name: str, *, required: bool = True) -> Path | None:
         """Local path of a file of this folder; from the Hub, downloaded now."""
         if self._hub is None:
-            p = self.path / name
+            p = _file_inside(self.path, name)
             return p if p.exists() or required else None
         if not required and name not in self._hub.repo_files:
             return None
@@ -487,14 +503,22 @@ class SaevDataset:
         return _Iterable()
 
 
-def validate_saev(path: str | os.PathLike, *, check_hash: bool = True, check_sizes: bool = True) -> list[str]:
-    """Every problem of a saev folder against the protocol (empty list: valid)."""
+def validate_saev(path: str | os.PathLike, *, check_hash: bool = True, check_sizes: bool = True,
+                  local: bool = True) -> list[str]:
+    """Every problem of a saev folder against the protocol (empty list: valid).
+
+    ``local=False``: the folder is a Hugging Face cache snapshot, whose files link into the cache.
+    """
     p = Path(path)
+
+    def _inside(folder: Path, name: str) -> Path:
+        return _file_inside(folder, name) if local else folder / name
+
     problems: list[str] = []
     try:
-        m = json.loads((p / "metadata.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        return [f"metadata.json cannot be read: {exc}"]
+        m = read_json(_inside(p, "metadata.json"), what="metadata.json", error=SaevError)
+    except SaevError as exc:
+        return [str(exc)]
     if not isinstance(m, dict):
         return ["metadata.json must hold an object"]
     keys = set(m)
@@ -513,15 +537,19 @@ def validate_saev(path: str | os.PathLike, *, check_hash: bool = True, check_siz
         problems.append(f"dtype {m['dtype']!r}: the protocol fixes float32")
     if check_hash and p.name != metadata_hash(m):
         problems.append(f"folder name {p.name} is not the sha256 of metadata.json ({metadata_hash(m)})")
-    if not m["layers"] or not all(isinstance(x, int) for x in m["layers"]):
+    if not m["layers"] or not all(isinstance(x, int) and not isinstance(x, bool) for x in m["layers"]):
         problems.append("layers must be a non-empty list of integers")
         return problems
+    small = [k for k in ("patches_per_ex", "d_model", "patches_per_shard") if m[k] < 1] + (["n_ex"] if m["n_ex"] < 0
+                                                                                         else [])
+    if small:
+        return problems + [f"metadata.json {k!r} is {m[k]}, which no folder can have" for k in small]
     T = m["patches_per_ex"] + (1 if m["cls_token"] else 0)
     L, D = len(m["layers"]), m["d_model"]
     try:
-        shards = json.loads((p / "shards.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        return problems + [f"shards.json cannot be read: {exc}"]
+        shards = read_json(_inside(p, "shards.json"), what="shards.json", error=SaevError)
+    except SaevError as exc:
+        return problems + [str(exc)]
     if not isinstance(shards, list) or not all(isinstance(s, dict) and isinstance(s.get("name"), str)
                                                and isinstance(s.get("n_ex"), int) for s in shards):
         return problems + ["shards.json must be a list of {name, n_ex}"]
@@ -537,14 +565,22 @@ def validate_saev(path: str | os.PathLike, *, check_hash: bool = True, check_siz
         if s["name"] != f"acts{i:06d}.bin":
             problems.append(f"shard {i} is named {s['name']!r}, expected acts{i:06d}.bin")
             continue
-        f = p / s["name"]
+        try:
+            f = _inside(p, s["name"])
+        except SaevError as exc:
+            problems.append(str(exc))
+            continue
         if not f.exists():
             if check_sizes:  # a folder read from the Hub downloads its shards later
                 problems.append(f"{s['name']} is missing")
         elif check_sizes and f.stat().st_size not in _shard_bytes(s["n_ex"], per, i == len(shards) - 1, L * T * D * 4):
             problems.append(f"{s['name']} is {f.stat().st_size} bytes, expected {s['n_ex'] * L * T * D * 4}")
     for name, item in (("labels.bin", 1), ("tokens.bin", 4)):
-        f = p / name
+        try:
+            f = _inside(p, name)
+        except SaevError as exc:
+            problems.append(str(exc))
+            continue
         if f.exists() and f.stat().st_size != m["n_ex"] * T * item:
             problems.append(f"{name} is {f.stat().st_size} bytes, expected {m['n_ex'] * T * item}")
     return problems
@@ -555,13 +591,18 @@ def _shard_bytes(n_ex: int, per: int, last: bool, ex_bytes: int) -> tuple[int, .
     return (n_ex * ex_bytes, per * ex_bytes) if last else (n_ex * ex_bytes,)
 
 
-def is_saev_folder(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    if not (p / "metadata.json").exists() or not (p / "shards.json").exists():
-        return False
+def _file_inside(folder: Path, name: str) -> Path:
+    """A file of a saev folder: inside it (symlinks included) and, when present, a regular file."""
     try:
-        return "protocol" in json.loads((p / "metadata.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
+        f = resolve_inside(folder, name, "saev file")
+        return check_regular(f, "saev file") if f.exists() else f
+    except UnsafePathError as exc:
+        raise SaevError(str(exc)) from None
+
+
+def is_saev_folder(path: str | os.PathLike) -> bool:
+    """A folder holding metadata.json and shards.json (and no lmprobe index) is judged as a saev folder."""
+    p = Path(path)
+    return (p / "metadata.json").exists() and (p / "shards.json").exists() and not (p / "index").is_dir()
 
 

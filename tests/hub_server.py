@@ -497,3 +497,8 @@ class HubServer:
 
     def commits(self, repo_id: str, repo_type: str = "dataset") -> int:
         return len(self.state.repos[(repo_type, repo_id)].commits)
+
+    def read(self, repo_id: str, path: str, repo_type: str = "dataset", rev: str = "main") -> bytes:
+        """The content of a file at the head of a branch."""
+        e = self.files(repo_id, repo_type, rev)[path]
+        return e.data if e.data is not None else self.state.lfs_path(e.sha256).read_bytes()

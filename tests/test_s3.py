@@ -8,7 +8,7 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, write_dataset
 
 import lmprobe
 
@@ -121,3 +121,58 @@ def test_streaming_reader_from_s3(s3, tmp_path, rng):
     fs.put(str(tmp_path / "ds") + "/", url, recursive=True)
     got = np.concatenate(list(ShardStream(url, 0, 5, seed=2)))
     np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][0], axis=0))
+
+
+def _other_prompts():
+    return [dict(p, text=p["text"] + " (again)") for p in PROMPTS]
+
+
+def test_an_interrupted_overwrite_never_pairs_the_old_index_with_new_shards(s3, llama_dir, monkeypatch):
+    from lmprobe.errors import DatasetNotFoundError
+    from lmprobe.extraction import backend_hf
+
+    url = f"s3://acts/overwrite-{uuid.uuid4().hex[:6]}"
+    _s3fs()
+    lmprobe.extract(str(llama_dir), PROMPTS, out=url, layers="0", shard_size="256B", batch_size=2, quiet=True)
+    real, calls = backend_hf.TransformersBackend.run, {"n": 0}
+
+    def dying(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(backend_hf.TransformersBackend, "run", dying)
+    with pytest.raises(KeyboardInterrupt):
+        lmprobe.extract(str(llama_dir), _other_prompts(), out=url, layers="0", shard_size="256B", batch_size=2,
+                        checkpoint_interval=0, overwrite=True, quiet=True)
+    monkeypatch.setattr(backend_hf.TransformersBackend, "run", real)
+    with pytest.raises(DatasetNotFoundError):
+        lmprobe.load(url)  # the old index is gone before any new shard went up
+    ds = lmprobe.extract(str(llama_dir), _other_prompts(), out=url, layers="0", shard_size="256B", batch_size=2,
+                         quiet=True)
+    assert ds.texts == [p["text"] for p in _other_prompts()]
+
+
+def test_the_read_cache_notices_a_replaced_dataset(s3, tmp_path, rng):
+    url = f"s3://acts/replaced-{uuid.uuid4().hex[:6]}"
+    fs = _s3fs()
+    write_dataset(tmp_path / "a", rng, n=6, layers=(0,), dim=4)
+    write_dataset(tmp_path / "b", rng, n=6, layers=(0,), dim=4)
+    fs.put(str(tmp_path / "a") + "/", url, recursive=True)
+    np.testing.assert_array_equal(lmprobe.load(url).hidden(0), lmprobe.load(tmp_path / "a").hidden(0))
+    fs.rm(url, recursive=True)
+    fs.put(str(tmp_path / "b") + "/", url, recursive=True)  # same shapes, same sizes, other values
+    np.testing.assert_array_equal(lmprobe.load(url).hidden(0), lmprobe.load(tmp_path / "b").hidden(0))
+
+
+def test_the_bucket_not_a_local_leftover_decides_whether_the_output_exists(s3, llama_dir):
+    from lmprobe.storage.objectstore import cache_dir
+
+    url = f"s3://acts/leftover-{uuid.uuid4().hex[:6]}"
+    fs = _s3fs()
+    lmprobe.extract(str(llama_dir), PROMPTS, out=url, layers="0", quiet=True)
+    assert not cache_dir(url, "outputs").exists()  # a finished upload leaves no staging copy behind
+    fs.rm(url, recursive=True)
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out=url, layers="1", quiet=True)
+    assert ds.layers == [1]

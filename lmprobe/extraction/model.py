@@ -131,6 +131,8 @@ def parse_layers(spec: str | int | list[int] | None, num_layers: int) -> list[in
         if isinstance(item, str) and ":" in item:
             try:
                 parts = [int(p) if p.strip() else None for p in item.split(":")]
+                if len(parts) > 3:
+                    raise ValueError
                 rng = range(num_layers)[slice(*parts)]
             except ValueError:
                 raise ModelError(f"cannot read layer range {item!r}; write START:STOP like '10:20'") from None

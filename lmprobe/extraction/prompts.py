@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import PromptError
 from ..format.spec import RESERVED_COLUMNS
 from ..format.values import infer_column_type, is_null
+from ..safeio import loads
 
 
 @dataclass
@@ -70,6 +71,11 @@ def _from_records(records: list[dict], kind: Any, source: str, text_column: str,
             raise PromptError(f"{source}, {_where(kind, i)}: {text_column!r} must be a string, got {t!r}")
         if not t.strip():
             raise PromptError(f"{source}, {_where(kind, i)}: {text_column!r} is empty")
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PromptError(f"{source}, {_where(kind, i)}: {text_column!r} contains an unpaired surrogate "
+                              f"({t[exc.start]!r}), which is not Unicode text; fix the JSON escape") from None
         texts.append(t)
     labels = label_type = None
     if label_column is not None:
@@ -162,32 +168,44 @@ def read_prompts(source: Any, *, text_column: str = "text", label_column: str | 
     raise PromptError(f"cannot read prompts from {type(source).__name__}; pass a file path, a list or a DataFrame")
 
 
+def text_lines(path: Path):
+    """(line number, text) of every line of a UTF-8 file; a line that is not UTF-8 is an error naming it."""
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            try:
+                yield i, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PromptError(f"{path}, line {i}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                                  f"{exc.start + 1}); save the file as UTF-8") from None
+
+
 def _read_file(path: Path, text_column: str, label_column: str | None, label_required: bool) -> Prompts:
+    if path.is_dir():
+        raise PromptError(f"{path} is a folder; pass a prompt file (.jsonl, .csv, .tsv, .parquet or .txt)")
     if not path.is_file():
         raise PromptError(f"prompt file {path} does not exist")
     suffix = path.suffix.lower()
     src = str(path)
     if suffix in (".jsonl", ".ndjson"):
         records = []
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise PromptError(f"{src}, line {i + 1}: not valid JSON ({exc.msg})") from None
-                if isinstance(obj, str):
-                    obj = {text_column: obj}
-                if not isinstance(obj, dict):
-                    raise PromptError(f"{src}, line {i + 1}: expected a JSON object, got {type(obj).__name__}")
-                records.append((i, obj))
+        for lineno, line in text_lines(path):
+            i = lineno - 1
+            if not line.strip():
+                continue
+            obj = loads(line, what=f"{src}, line {lineno}", error=PromptError)
+            if isinstance(obj, str):
+                obj = {text_column: obj}
+            if not isinstance(obj, dict):
+                raise PromptError(f"{src}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            records.append((i, obj))
         line_numbers = [i + 1 for i, _ in records]  # file lines, blank lines skipped
         return _from_records([r for _, r in records], line_numbers, src, text_column, label_column, label_required)
     if suffix in (".csv", ".tsv"):
         import pandas as pd
 
-        df = pd.read_csv(path, sep="\t" if suffix == ".tsv" else ",", keep_default_na=True, dtype_backend="numpy_nullable")
+        # the text column is text even when it looks like a number ("007")
+        df = pd.read_csv(path, sep="\t" if suffix == ".tsv" else ",", keep_default_na=True, dtype_backend="numpy_nullable",
+                         dtype={text_column: str}, encoding="utf-8")
         records = [{k: (None if is_null(v) else (v.item() if hasattr(v, "item") else v)) for k, v in r.items()}
                    for r in df.to_dict(orient="records")]
         return _from_records(records, "csv", src, text_column, label_column, label_required)
@@ -197,7 +215,7 @@ def _read_file(path: Path, text_column: str, label_column: str | None, label_req
         records = pq.read_table(path).to_pylist()
         return _from_records(records, "parquet", src, text_column, label_column, label_required)
     if suffix in (".txt", ".text", ""):
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = [line.rstrip("\r\n") for _, line in text_lines(path)]
         while lines and not lines[-1].strip():
             lines.pop()
         for i, line in enumerate(lines):

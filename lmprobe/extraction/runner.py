@@ -6,6 +6,7 @@ the model's config and the tokenizer are read and checked, and only then does th
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sys
@@ -17,13 +18,14 @@ from typing import Any
 import numpy as np
 
 from ..allocator import bound_allocator_cache
-from ..errors import DatasetNotFoundError, ExtractionError, ModelError, OutputExistsError
+from ..errors import DatasetNotFoundError, ExtractionError, ModelError, OutOfSpaceError, OutputExistsError
 from ..format.merge import merge_datasets
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..format.values import torch_dtype
 from ..format.writer import DatasetWriter
 from ..opening import open_object_store
+from ..paths import check_output_path
 from ..storage.objectstore import UploadSink, cache_dir, is_object_store_url
 from ..worker import BackgroundWorker
 from .backend_hf import TransformersBackend
@@ -121,15 +123,25 @@ def run(cfg: ExtractionConfig) -> Dataset:
     Re-running the same extraction after an interruption continues where it stopped; a different
     configuration against a partial output is an error unless ``overwrite`` is set.
     """
+    remote = is_object_store_url(cfg.out)
+    if not remote:
+        check_output_path(cfg.out, "output folder")  # before the tokenizer and the weights load
     job = _prepare(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if is_object_store_url(cfg.out):
+    if remote and world > 1:
+        raise ExtractionError("multi-process extraction writes to a local folder; push or copy it afterwards")
+    try:
+        if remote:
+            return _extract_to_object_store(job, str(cfg.out))
         if world > 1:
-            raise ExtractionError("multi-process extraction writes to a local folder; push or copy it afterwards")
-        return _extract_to_object_store(job, str(cfg.out))
-    if world > 1:
-        return _extract_distributed(job, Path(cfg.out))
-    return _extract_to(job, Path(cfg.out))
+            return _extract_distributed(job, Path(cfg.out))
+        return _extract_to(job, Path(cfg.out))
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        where = cache_dir(str(cfg.out), "outputs") if remote else cfg.out
+        raise OutOfSpaceError(f"the disk holding {where} is full ({exc.strerror}); free some space and run the same "
+                              "command again: it resumes from its last checkpoint") from exc
 
 
 def _recorded_settings(ds: Dataset) -> Any:
@@ -152,7 +164,14 @@ def _extract_to_object_store(job: _Job, url: str) -> Dataset:
                 return ds
             raise OutputExistsError(f"{url} already holds a dataset made with other settings; pass --overwrite")
     local = cache_dir(url, "outputs")
+    if (local / INDEX_PATH).exists():
+        # a finished staging copy left by an earlier run: the bucket, checked above, decides
+        shutil.rmtree(local)
     sink = UploadSink(url, local, keep=(INDEX_PATH, CARD_PATH))
+    if cfg.overwrite:
+        # the old index goes before any new shard does: an interrupted overwrite leaves no complete-looking
+        # dataset of old texts over new vectors
+        sink.remove(INDEX_PATH)
     sink.submit_existing()  # shards an interrupted run finished but may not have uploaded
     try:
         _extract_to(job, local, on_file_complete=sink.submit, reopen=False)
@@ -163,6 +182,7 @@ def _extract_to_object_store(job: _Job, url: str) -> Dataset:
     for rel in (CARD_PATH, INDEX_PATH):  # the index last: the bucket shows a dataset only once it is complete
         if (local / rel).exists():
             sink.put(rel)
+    shutil.rmtree(local)  # everything is in the bucket now
     if not cfg.quiet:
         print(f"uploaded the dataset to {url}", file=sys.stderr)
     return open_object_store(url)

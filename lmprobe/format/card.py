@@ -1,4 +1,10 @@
-"""The dataset card (README.md): YAML front matter for the Hub, and a body that says how to read the data."""
+"""The dataset card (README.md): YAML front matter for the Hub, and a body that says how to read the data.
+
+lmprobe's part of the body sits between two marker lines (``BEGIN``/``END``). A card is updated
+(``update_card``) by replacing that part and merging lmprobe's keys into the front matter: what
+the dataset's owner wrote around it stays as it is. A card without the markers (written by hand,
+or by an older lmprobe) is kept whole, and lmprobe's part is added after it.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +32,50 @@ def _layers_text(layers: list[int]) -> str:
     return ", ".join(str(x) for x in layers)
 
 
+BEGIN = "<!-- lmprobe:card:begin (lmprobe rewrites what lies between these markers; write outside them) -->"
+END = "<!-- lmprobe:card:end -->"
+
+
 def render_card(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] | None = None) -> str:
+    """A whole new card: lmprobe's front matter, then its section between the markers."""
+    return "---\n" + yaml.safe_dump(front_matter(info), sort_keys=False) + "---\n\n" + _section(
+        info, schema, extra_sections)
+
+
+def update_card(existing: str | None, info: dict[str, Any], schema: pa.Schema,
+                extra_sections: list[str] | None = None) -> str:
+    """``existing`` with lmprobe's section replaced (or added) and lmprobe's front-matter keys merged in."""
+    if not existing:
+        return render_card(info, schema, extra_sections)
+    meta: dict[str, Any] = {}
+    body = existing
+    if existing.startswith("---\n") and "\n---\n" in existing[4:]:
+        head, body = existing[4:].split("\n---\n", 1)
+        try:
+            parsed = yaml.safe_load(head)
+        except yaml.YAMLError:
+            parsed = None
+        if isinstance(parsed, dict):
+            meta = parsed
+        else:  # not ours to repair: keep it in the body, as text
+            body = existing
+    ours = front_matter(info)
+    meta["configs"] = ours["configs"]  # the index's config is lmprobe's to state
+    for key in ("tags", "task_categories"):
+        kept = meta.get(key) if isinstance(meta.get(key), list) else []
+        meta[key] = kept + [t for t in ours[key] if t not in kept]
+    section = _section(info, schema, extra_sections)
+    if BEGIN in body and END in body.split(BEGIN, 1)[1]:
+        before, rest = body.split(BEGIN, 1)
+        after = rest.split(END, 1)[1].removeprefix("\n")
+        body = before + section + after
+    else:
+        body = body.rstrip("\n") + "\n\n" + section
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n\n" + body.lstrip("\n")
+
+
+def _section(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] | None) -> str:
+    """lmprobe's part of the card, markers included."""
     hidden = info["tensors"]["hidden_layers"]
     logits = info["tensors"].get("logits_topk")
     model = info["model"]
@@ -35,10 +84,7 @@ def render_card(info: dict[str, Any], schema: pa.Schema, extra_sections: list[st
     n_files = len(hidden["shards"]) * len(hidden["layers"])
     user_cols = [f.name for f in schema][list(schema.names).index("row_offset") + 1 :]
     lines = [
-        "---",
-        yaml.safe_dump(front_matter(info), sort_keys=False).rstrip(),
-        "---",
-        "",
+        BEGIN,
         f"# Activations of `{model['name']}`",
         "",
         "An [lmprobe](https://github.com/lmprobe) dataset in the lmprobe dataset format "
@@ -142,4 +188,5 @@ def render_card(info: dict[str, Any], schema: pa.Schema, extra_sections: list[st
     ]
     for section in extra_sections or []:
         lines += ["", section.rstrip()]
+    lines.append(END)
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..paths import resolve_inside
+from ..safeio import check_regular
 
 
 class DatasetFiles(Protocol):
@@ -37,8 +38,11 @@ class LocalFiles:
         return str(self.root)
 
     def fetch(self, rel: str, *, what: str = "file") -> Path:
-        """Local path of the dataset file ``rel``, refused if it lies outside the root."""
-        return resolve_inside(self.root, rel, what)
+        """Local path of the dataset file ``rel``: refused if it lies outside the root or is not a regular file."""
+        path = resolve_inside(self.root, rel, what)
+        if path.exists():
+            check_regular(path, what)
+        return path
 
     def missing_hint(self, rel: str) -> str:
         return f"{rel} is missing from {self.root}; the dataset is incomplete (re-copy or re-download it)"

@@ -21,8 +21,10 @@ import pyarrow.parquet as pq
 
 from ..atomic import atomic_output, atomic_write, move_into_place
 from ..errors import FormatError, InvalidArgumentError, OutputExistsError
-from ..paths import format_relpath
+from ..lock import OutputLock
+from ..paths import check_output_path, format_relpath
 from . import card
+from .files import LocalFiles
 from .metadata import encode_schema_metadata
 from .reader import Dataset, open_local
 from .spec import CARD_PATH, INDEX_PATH
@@ -86,8 +88,21 @@ def merge_datasets(parts: list[Any], out: str | os.PathLike, *, overwrite: bool 
     sources = [d.source for d in dss]
     problems = _compatible(dss)
     if problems:
-        raise FormatError("cannot merge these datasets:\n  " + "\n  ".join(problems))
-    out = Path(out)
+        raise FormatError("cannot merge these datasets: " + "; ".join(problems))
+    out = check_output_path(out, "merge output")
+    for ds in dss:  # writing into an input would overwrite shards before they are read
+        if isinstance(ds.files, LocalFiles) and not move:  # moving parts in (torchrun's own parts) reads nothing twice
+            root = Path(os.path.realpath(ds.files.root))
+            real = Path(os.path.realpath(out))
+            if real == root or root in real.parents or real in root.parents:
+                raise InvalidArgumentError(f"the output {out} is, contains or lies inside the input {ds.files.root}; "
+                                           "merge into a new folder")
+    with OutputLock(out):
+        return _merge(dss, sources, out, overwrite=overwrite, move=move, settings=settings)
+
+
+def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool, move: bool,
+           settings: dict | None) -> Path:
     if (out / INDEX_PATH).exists() and not overwrite:
         raise OutputExistsError(f"{out} already holds a dataset; pass --overwrite to replace it")
     if out.exists() and any(not c.name.startswith(".lmprobe-") for c in out.iterdir()) and not (out / INDEX_PATH).exists():

@@ -205,6 +205,15 @@ def parse_logits(d: Any) -> LogitsDescriptor:
     return LogitsDescriptor(k, dtype, pattern, shards, values_key, indices_key, row_bytes, raw=d)
 
 
+@dataclass(frozen=True)
+class FileRecord:
+    """A data file the metadata names, with the size and SHA-256 recorded for it (None when not recorded)."""
+
+    rel: str
+    bytes: int | None
+    sha256: str | None
+
+
 @dataclass
 class DatasetInfo:
     """The parsed and checked metadata of one dataset."""
@@ -215,6 +224,26 @@ class DatasetInfo:
     hidden: HiddenDescriptor | None
     logits: LogitsDescriptor | None
     statistics: StatisticsDescriptor | None = None
+
+    def files(self, layers: list[int] | None = None, *, logits: bool = True) -> list[FileRecord]:
+        """Every shard file (of ``layers``, default all) and the statistics file, with their records."""
+
+        def record(rel: str, rec: Any) -> FileRecord:
+            rec = rec if isinstance(rec, dict) else {}
+            size, sha = rec.get("bytes"), rec.get("sha256")
+            return FileRecord(rel, size if isinstance(size, int) else None, sha if isinstance(sha, str) else None)
+
+        out: list[FileRecord] = []
+        h = self.hidden
+        if h is not None:
+            for layer in h.layers if layers is None else layers:
+                for s, d in enumerate(h.shards):
+                    out.append(record(h.file(layer, s), (d.get("files") or {}).get(str(layer))))
+        if logits and self.logits is not None:
+            out += [record(self.logits.file(s), d) for s, d in enumerate(self.logits.shards)]
+        if self.statistics is not None:
+            out.append(record(self.statistics.file, self.statistics.raw))
+        return out
 
 
 def parse_info(info: dict[str, Any]) -> DatasetInfo:

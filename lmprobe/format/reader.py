@@ -26,6 +26,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import DatasetNotFoundError, FormatError, LayerNotFoundError, ShardMissingError
+from ..paths import resolve_inside
+from ..safeio import check_regular
 from .files import LocalFiles
 from .metadata import DatasetInfo, decode_schema_metadata, parse_info
 from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into
@@ -36,13 +38,17 @@ RowsArg = None | int | slice | Iterable[int] | np.ndarray
 
 
 def find_index(root: Path) -> Path:
-    """The index file of a local dataset folder (the standard name, or the single parquet file in index/)."""
+    """The index file of a local dataset folder (the standard name, or the single parquet file in index/).
+
+    Like every dataset file, it must be a regular file inside the folder (a symlink may point within it).
+    """
     std = root / INDEX_PATH
-    if std.exists():
-        return std
+    if std.exists() or std.is_symlink():
+        return check_regular(resolve_inside(root, INDEX_PATH, "index"), "index")
     found = sorted((root / "index").glob("*.parquet")) if (root / "index").is_dir() else []
     if len(found) == 1:
-        return found[0]
+        rel = found[0].relative_to(root).as_posix()
+        return check_regular(resolve_inside(root, rel, "index"), "index")
     if not root.exists():
         raise DatasetNotFoundError(f"{root} does not exist")
     if (root / STAGING_DIR).exists():
@@ -223,21 +229,42 @@ class Dataset:
     def hidden_shard(self, layer: int, shard: int) -> tuple[Path, TensorEntry]:
         """Shard ``shard`` of ``layer``: local path and tensor entry, checked."""
         h = self._hidden_desc
+        if not 0 <= shard < len(h.shards):
+            raise FormatError(f"{self.files}: shard {shard} is not among the {len(h.shards)} the metadata lists")
         return self.tensor(h.file(layer, shard), h.key(layer), h.dtype, (h.dim,), h.shard_rows(shard))
 
-    def _gather(self, shard_ids: np.ndarray, offsets: np.ndarray, out: np.ndarray, locate, n_shards: int) -> None:
-        """Fill ``out[i]`` with row ``offsets[i]`` of shard ``shard_ids[i]``: one pass per shard."""
+    def check_addresses(self, shard_ids: np.ndarray, offsets: np.ndarray, shard_rows, n_shards: int) -> None:
+        """Every (shard, row) lies inside the shards the metadata lists; FormatError naming the first that does not.
+
+        Addresses come from the index: untrusted. ``shard_rows(shard)`` is a shard's row count.
+        """
         if len(shard_ids) == 0:
             return
         if shard_ids.min() < 0 or shard_ids.max() >= n_shards:
             bad = int(shard_ids.max() if shard_ids.max() >= n_shards else shard_ids.min())
             raise FormatError(f"{self.files}: the index points at shard {bad}, but only {n_shards} are listed")
+        rows = np.array([shard_rows(s) for s in range(n_shards)], dtype=np.int64)[shard_ids]
+        bad = np.flatnonzero((offsets < 0) | (offsets >= rows))
+        if len(bad):
+            i = int(bad[0])
+            raise FormatError(f"{self.files}: the index gives row offset {int(offsets[i])} in shard {int(shard_ids[i])}, "
+                              f"which has {int(rows[i])} rows ({len(bad)} address(es) out of range)")
+
+    def _gather(self, shard_ids: np.ndarray, offsets: np.ndarray, locate, n_shards: int, row_shape: tuple[int, ...],
+                storage: np.dtype) -> np.ndarray:
+        """Rows ``offsets[i]`` of shards ``shard_ids[i]``, one read pass per shard.
+
+        Every shard is located and its header checked against the metadata before the output is
+        allocated: a size in the metadata that no file backs never reaches np.empty.
+        """
+        if len(shard_ids) and (shard_ids.min() < 0 or shard_ids.max() >= n_shards):
+            bad = int(shard_ids.max() if shard_ids.max() >= n_shards else shard_ids.min())
+            raise FormatError(f"{self.files}: the index points at shard {bad}, but only {n_shards} are listed")
         order = np.argsort(shard_ids, kind="stable")
-        sorted_ids = shard_ids[order]
-        bounds = np.flatnonzero(np.diff(sorted_ids)) + 1
-        for group in np.split(order, bounds):
-            shard = int(shard_ids[group[0]])
-            path, entry = locate(shard)
+        bounds = np.flatnonzero(np.diff(shard_ids[order])) + 1
+        groups = [(g, *locate(int(shard_ids[g[0]]))) for g in np.split(order, bounds)] if len(order) else []
+        out = np.empty((len(shard_ids), *row_shape), dtype=storage)
+        for group, path, entry in groups:
             offs = offsets[group]
             lo, hi = int(group[0]), int(group[-1])
             if hi - lo + 1 == len(group) and (len(group) == 1 or bool(np.all(np.diff(group) == 1))):
@@ -246,6 +273,7 @@ class Dataset:
                 tmp = np.empty((len(group), *out.shape[1:]), dtype=out.dtype)
                 read_rows_into(path, entry, offs, tmp)
                 out[group] = tmp
+        return out
 
     @staticmethod
     def _finish(arr: np.ndarray, dtype: str, as_torch: bool):
@@ -262,8 +290,8 @@ class Dataset:
     def read_hidden_rows(self, layer: int, shard_ids: np.ndarray, offsets: np.ndarray, *, as_torch: bool = False):
         """Rows ``offsets[i]`` of shards ``shard_ids[i]`` of ``layer``: (N, dim), one read pass per shard."""
         h = self._hidden_desc
-        out = np.empty((len(shard_ids), h.dim), dtype=DTYPES[h.dtype].np_storage)
-        self._gather(shard_ids, offsets, out, lambda shard: self.hidden_shard(layer, shard), len(h.shards))
+        out = self._gather(shard_ids, offsets, lambda shard: self.hidden_shard(layer, shard), len(h.shards), (h.dim,),
+                           DTYPES[h.dtype].np_storage)
         return self._finish(out, h.dtype, as_torch)
 
     def token_addresses(self, rows: RowsArg = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -368,13 +396,11 @@ class Dataset:
                 raise FormatError(f"{desc.file(shard)}: tensor {ik!r} is missing or not an (n, {desc.k}) integer tensor")
             return path, entry
 
-        values = np.empty((len(r), desc.k), dtype=DTYPES[desc.dtype].np_storage)
-        self._gather(shards, offsets, values, locate_values, len(desc.shards))
+        values = self._gather(shards, offsets, locate_values, len(desc.shards), (desc.k,), DTYPES[desc.dtype].np_storage)
         idx_dtype = "int32"
         if len(r):
             idx_dtype = locate_indices(int(shards[0]))[1].dtype
-        indices = np.empty((len(r), desc.k), dtype=DTYPES[idx_dtype].np_storage)
-        self._gather(shards, offsets, indices, locate_indices, len(desc.shards))
+        indices = self._gather(shards, offsets, locate_indices, len(desc.shards), (desc.k,), DTYPES[idx_dtype].np_storage)
         if as_torch:
             import torch
 

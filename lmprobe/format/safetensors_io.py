@@ -10,6 +10,7 @@ appended on close (logits shards hold values and indices).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FormatError
+from ..safeio import check_regular, loads
 from .spec import DTYPES, ST_TO_DTYPE, dtype_info
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
@@ -158,8 +160,14 @@ class SafetensorsHeader:
 
 
 def read_header(path: Path) -> SafetensorsHeader:
-    """Parse and check a safetensors header without reading tensor data."""
+    """Parse and check a safetensors header without reading tensor data.
+
+    Everything is untrusted: the header's length, its JSON, each tensor's dtype, shape and
+    offsets. Sizes are computed with Python's integers (no int64 overflow), and each tensor must
+    lie inside the file with exactly the bytes its shape needs.
+    """
     path = Path(path)
+    check_regular(path, "shard file")
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
@@ -169,10 +177,7 @@ def read_header(path: Path) -> SafetensorsHeader:
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise FormatError(f"{path}: header length {n} is larger than the file ({size} bytes)")
         raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: safetensors header is not valid JSON ({exc})") from None
+    header = loads(raw, what=f"{path}: the safetensors header")
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -181,14 +186,19 @@ def read_header(path: Path) -> SafetensorsHeader:
     for key, entry in header.items():
         try:
             st = entry["dtype"]
-            shape = tuple(int(s) for s in entry["shape"])
-            start, end = (int(x) for x in entry["data_offsets"])
+            shape_raw, offsets = entry["shape"], entry["data_offsets"]
+            if not isinstance(shape_raw, list) or not isinstance(offsets, list) or len(offsets) != 2:
+                raise TypeError
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in [*shape_raw, *offsets]):
+                raise TypeError
+            shape = tuple(shape_raw)
+            start, end = offsets
         except (KeyError, TypeError, ValueError):
             raise FormatError(f"{path}: tensor {key!r} has a malformed header entry") from None
-        if st not in ST_TO_DTYPE:
+        if not isinstance(st, str) or st not in ST_TO_DTYPE:
             raise FormatError(f"{path}: tensor {key!r} has dtype {st!r}, which lmprobe does not read")
         dt = ST_TO_DTYPE[st]
-        expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        expected = math.prod(shape) * dt.itemsize  # Python ints: a shape of 2**61 rows cannot wrap around
         if any(s < 0 for s in shape) or not 0 <= start <= end or end - start != expected:
             raise FormatError(f"{path}: tensor {key!r} has shape {list(shape)} but offsets [{start}, {end}]")
         if data_start + end > size:

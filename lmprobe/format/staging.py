@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from ..atomic import atomic_write
 from ..errors import FormatError, OutputExistsError, ResumeMismatchError
+from ..safeio import read_json
 from .metadata import decode_schema_metadata, parse_info
 from .spec import CARD_PATH, INDEX_PATH, STAGING_DIR
 
@@ -63,13 +64,10 @@ class Staging:
     def read_state(self) -> dict[str, Any]:
         """The last checkpoint, checked: a damaged or foreign state file is an error, never followed blindly."""
         try:
-            size = self.state_path.stat().st_size
-            if size > MAX_STATE_BYTES:
-                raise FormatError(f"{self.state_path} is {size} bytes, too large for a checkpoint")
-            st = json.loads(self.state_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise ResumeMismatchError(
-                f"{self.state_path} cannot be read ({exc}); pass overwrite=True (--overwrite) to start over") from None
+            st = read_json(self.state_path, what=str(self.state_path), error=ResumeMismatchError,
+                           max_bytes=MAX_STATE_BYTES)
+        except ResumeMismatchError as exc:
+            raise ResumeMismatchError(f"{exc}; pass overwrite=True (--overwrite) to start over") from None
         if not isinstance(st, dict) or st.get("version") != STATE_VERSION:
             raise ResumeMismatchError(
                 f"{self.state_path} was written by another lmprobe version; pass overwrite=True (--overwrite)")

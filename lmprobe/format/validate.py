@@ -11,9 +11,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..errors import FormatError, ValidationError
+from ..errors import FormatError, UnsafePathError, ValidationError
 from ..hashing import sha256_file
 from ..paths import resolve_inside
+from ..safeio import check_regular
 from .metadata import WRITER, DatasetInfo, decode_schema_metadata, parse_info
 from .reader import find_index
 from .safetensors_io import read_header
@@ -70,8 +71,13 @@ def _check_file(root: Path, rel: str, key_types: dict[str, tuple[str | None, tup
     except FormatError as exc:
         rep.errors.append(str(exc))
         return
-    if not path.is_file():
+    if not path.exists():
         rep.errors.append(f"{rel}: file is missing")
+        return
+    try:
+        check_regular(path, rel)
+    except UnsafePathError as exc:
+        rep.errors.append(str(exc))
         return
     rep.checked_files += 1
     try:
@@ -163,7 +169,7 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
     try:
         index_path = find_index(root)
         table = pq.read_table(index_path)
-    except (OSError, pa.ArrowInvalid) as exc:
+    except (OSError, pa.ArrowInvalid, FormatError) as exc:
         rep.errors.append(f"cannot read the index: {exc}")
         return rep
     try:
@@ -178,6 +184,11 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
     for key in ("model", "prompt_ordering", "provenance"):
         if key not in raw:
             rep.warnings.append(f"metadata key 'lmprobe:{key}' is missing")
+    model = raw.get("model")
+    if "model" in raw and not (isinstance(model, dict) and isinstance(model.get("name"), str)):
+        rep.errors.append("lmprobe:model must be an object with a string 'name' (and a 'revision')")
+    if "provenance" in raw and not isinstance(raw["provenance"], dict):
+        rep.errors.append("lmprobe:provenance must be an object")
     if info.num_prompts != table.num_rows:
         rep.errors.append(f"num_prompts is {info.num_prompts} but the index has {table.num_rows} rows")
 

@@ -30,7 +30,8 @@ import pyarrow as pa
 
 from ..atomic import atomic_write, move_into_place
 from ..errors import FormatError, InvalidArgumentError, LmprobeError, OutputExistsError, ResumeMismatchError
-from ..paths import format_relpath
+from ..lock import OutputLock
+from ..paths import check_output_path, format_relpath
 from ..units import parse_size
 from . import card, index
 from .batch import check_batch
@@ -177,7 +178,17 @@ class DatasetWriter:
                 return [TensorSpec(LOGITS_VALUES_KEY, "float32", (k,)), TensorSpec(LOGITS_INDICES_KEY, "int32", (k,))]
 
             self._logits = series("logits", ["all"], logits_spec, spec.logits_rows_per_shard)
-        self._prepare_output(resume=resume, overwrite=overwrite)
+        check_output_path(self.out_dir)
+        self._lock = OutputLock(self.out_dir).acquire()  # one writer per output, refused at once
+        try:
+            self._prepare_output(resume=resume, overwrite=overwrite)
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        self._hasher.shutdown(wait=True)
+        self._lock.release()
 
     # ------------------------------------------------------------------ the output folder
 
@@ -461,15 +472,15 @@ class DatasetWriter:
             self.checkpoint()
         self._finalize()
         self._closed = True
-        self._hasher.shutdown()
+        self._release()
         return self.out_dir
 
     def abort(self) -> None:
         """Stop without finalizing; the folder stays resumable from the last checkpoint."""
         for s in self._series():
             s.abort()
-        self._hasher.shutdown(wait=True)
         self._closed = True
+        self._release()
 
     def _finalize(self) -> None:
         n_last = len(self._last.closed)

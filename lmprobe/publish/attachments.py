@@ -24,6 +24,7 @@ from ..format.metadata import decode_schema_metadata
 from ..format.reader import Dataset
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..format.validate import Report
+from ..lock import OutputLock
 from ..opening import load
 from ..paths import resolve_inside
 from ..sae.loader import SAEConfig, load_dictionary, validate_dictionary
@@ -74,22 +75,35 @@ def scan_attachments(root: str | os.PathLike) -> dict[str, list[dict]]:
 
 
 def add_attachment(root: str | os.PathLike, source: str | os.PathLike, kind: str) -> Path:
-    """Copy a saev export folder (kind "saev") or an SAE dictionary folder (kind "sae") into the dataset."""
-    src = Path(source)
+    """Copy a saev export folder (kind "saev") or an SAE dictionary folder (kind "sae") into the dataset.
+
+    The copy replaces ``root/<kind>/<name>`` and nothing else: a source that already is that folder
+    is kept as it is, and a source that contains it or lies inside it (other than being it) is refused,
+    so copying never deletes the source or anything beside the folder it replaces.
+    """
     if kind not in KINDS:
         raise AttachmentError(f"kind must be 'saev' or 'sae', got {kind!r}")
+    src = Path(os.path.realpath(source))  # "." and ".." have no name of their own
     if not src.is_dir():
-        raise AttachmentError(f"{src} is not a folder")
-    dst = Path(root) / kind / src.name
-    if dst.resolve() == src.resolve():
-        return dst
-    if dst.exists():
-        shutil.rmtree(dst)
-    tmp = dst.with_name(f".{dst.name}.copying")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.copytree(src, tmp, copy_function=_link_or_copy)
-    move_into_place(tmp, dst)
+        raise AttachmentError(f"{source} is not a folder")
+    base = Path(os.path.realpath(Path(root) / kind))
+    dst = base / src.name
+    if src == dst:
+        return dst  # already in place
+    if src == base or base in src.parents or src in dst.parents:
+        raise AttachmentError(f"{source} ({src}) contains or lies inside {base}, where attachments are copied to; "
+                              f"pass the {kind} folder itself")
+    with OutputLock(dst):
+        tmp = dst.with_name(f".{dst.name}.copying")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        shutil.copytree(src, tmp, copy_function=_link_or_copy)
+        old = dst.with_name(f".{dst.name}.replaced")
+        if dst.exists():
+            move_into_place(dst, old)
+        move_into_place(tmp, dst)
+        if old.exists():
+            shutil.rmtree(old)
     return dst
 
 
@@ -177,7 +191,8 @@ def attach(root: str | os.PathLike, attachments: dict[str, list[dict]], repo: st
         meta.pop(METADATA_KEY, None)
     info = decode_schema_metadata(meta)
     sections = [card_section(attachments, repo or "OWNER/NAME")] if has_any else []
-    atomic_write(root / CARD_PATH, card.render_card(info, table.schema, extra_sections=sections))
+    existing = (root / CARD_PATH).read_text(encoding="utf-8") if (root / CARD_PATH).is_file() else None
+    atomic_write(root / CARD_PATH, card.update_card(existing, info, table.schema, extra_sections=sections))
     with atomic_output(index) as tmp:
         pq.write_table(table.replace_schema_metadata(meta), tmp)
     return True
@@ -221,6 +236,9 @@ def publish_attachment(repo_id: str, local: str | os.PathLike, kind: str, *, tok
         root = Path(tmp)
         (root / "index").mkdir()
         shutil.copyfile(ds.fetch(INDEX_PATH, "index"), root / INDEX_PATH)
+        card_path = ds.files.fetch_optional(CARD_PATH, what="card")  # the repo's own card, to update, not replace
+        if card_path is not None:
+            shutil.copyfile(card_path, root / CARD_PATH)
         attach(root, attachments, repo_id)
         last = [RepoFile(CARD_PATH, root / CARD_PATH), RepoFile(INDEX_PATH, root / INDEX_PATH)]
         committer.push_files(files, last, commit_files=DEFAULT_COMMIT_FILES, commit_bytes=DEFAULT_COMMIT_BYTES,

@@ -11,6 +11,7 @@ made twice.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,22 @@ class RepoFile:
     sha256: str | None = None  # as recorded in the metadata, when it was
 
 
+def git_blob_id(path: Path) -> str:
+    """The git object id of a file's content (how the Hub names a file that is not in LFS)."""
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _same(f: RepoFile, remote: str | None) -> bool:
+    """Whether the repo already holds ``f``'s content (LFS files by sha256, others by git blob id)."""
+    if remote is None:
+        return False
+    kind, _, oid = remote.partition(":")
+    if kind == "sha256":
+        return oid == f.sha256
+    return f.local.stat().st_size < 10 * 2**20 and oid == git_blob_id(f.local)  # small text files
+
+
 class HubCommitter:
     """Makes commits to one repo and revision, skipping files already there, retrying transient failures."""
 
@@ -68,14 +85,15 @@ class HubCommitter:
             ) from exc
 
     def remote_files(self) -> dict[str, str]:
-        """path -> sha256 (LFS files) or git blob id (regular files) at the target revision."""
+        """path -> ``sha256:<hex>`` (LFS files) or ``git:<blob id>`` (regular files) at the target revision."""
         from huggingface_hub import RepoFile as HubRepoFile
         from huggingface_hub.errors import RevisionNotFoundError
 
         try:
             entries = self.api.list_repo_tree(self.repo_id, repo_type=self.repo_type, revision=self.revision,
                                               recursive=True)
-            return {e.path: (e.lfs.sha256 if e.lfs else e.blob_id) for e in entries if isinstance(e, HubRepoFile)}
+            return {e.path: (f"sha256:{e.lfs.sha256}" if e.lfs else f"git:{e.blob_id}") for e in entries
+                    if isinstance(e, HubRepoFile)}
         except RevisionNotFoundError:
             return {}
 
@@ -101,7 +119,7 @@ class HubCommitter:
 
         def landed() -> bool:
             remote = self.remote_files()
-            return all(remote.get(f.rel) == f.sha256 for f in files if f.sha256)
+            return all(_same(f, remote.get(f.rel)) for f in files if f.sha256)
 
         self.call(
             f"committing {len(files)} file(s) to {self.repo_id}",
@@ -126,8 +144,8 @@ class HubCommitter:
                 f.sha256 = sha256_file(f.local)
             f.size = f.local.stat().st_size
         remote = self.call(f"listing {self.repo_id}", self.remote_files)
-        todo = [f for f in files if remote.get(f.rel) != f.sha256]
-        final = [f for f in last if remote.get(f.rel) != f.sha256]
+        todo = [f for f in files if not _same(f, remote.get(f.rel))]
+        final = [f for f in last if not _same(f, remote.get(f.rel))]
         batches: list[list[RepoFile]] = []
         for f in todo:
             if not batches or len(batches[-1]) >= commit_files or sum(x.size for x in batches[-1]) + f.size > commit_bytes:

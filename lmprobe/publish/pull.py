@@ -10,7 +10,10 @@ from pathlib import Path
 from ..atomic import atomic_output
 from ..errors import InvalidArgumentError, LayerNotFoundError, ShardMissingError
 from ..format.spec import CARD_PATH, INDEX_PATH
+from ..hashing import sha256_file
+from ..lock import OutputLock
 from ..opening import open_hub
+from ..paths import check_output_path
 from ..storage.hub import HubFiles, parse_dataset_ref
 
 
@@ -35,9 +38,14 @@ def pull(
     ref = parse_dataset_ref(repo, revision)
     if ref is None:
         raise InvalidArgumentError(f"{repo!r} is not a Hub repo id (OWNER/NAME or hf://datasets/OWNER/NAME)")
+    out = check_output_path(out, "pull destination")
+    with OutputLock(out):
+        return _pull(ref, out, layers=layers, logits=logits, only=only, token=token, quiet=quiet)
+
+
+def _pull(ref, out: Path, *, layers, logits: bool, only: str | None, token, quiet: bool) -> Path:
     ds = open_hub(ref, token=token)
     files: HubFiles = ds.files
-    out = Path(out)
     from tqdm.auto import tqdm
 
     if only not in (None, "dataset"):
@@ -59,17 +67,27 @@ def pull(
     if missing:
         raise LayerNotFoundError(f"layers {missing} are not in {files}; it stores {ds.layers}",
                                  layer=missing, available=ds.layers)
-    h = ds.meta.hidden
-    rels = [h.file(layer, s) for layer in wanted for s in range(len(h.shards))]
-    if logits and ds.meta.logits is not None:
-        rels += [ds.meta.logits.file(s) for s in range(len(ds.meta.logits.shards))]
+    records = ds.meta.files(wanted, logits=logits)
+    rels = [r.rel for r in records]
     if CARD_PATH in files.repo_files:
         rels.append(CARD_PATH)
     rels.append(INDEX_PATH)  # last: a local folder with an index is complete
+    recorded = {r.rel: r for r in records}
+    # an earlier pull's index goes first: until the new one lands last, the folder is visibly
+    # unfinished, never an old index over a mix of old and new shards
+    (out / INDEX_PATH).unlink(missing_ok=True)
+    sent = 0
     for rel in tqdm(rels, desc=f"pull {ref.repo_id}", unit="file", disable=quiet):
-        _copy_into(files.fetch(rel), out / rel)
+        rec = recorded.get(rel)
+        dst = out / rel
+        if rec is not None and rec.sha256 and dst.is_file() and not dst.is_symlink() \
+                and (rec.bytes is None or dst.stat().st_size == rec.bytes) and sha256_file(dst) == rec.sha256:
+            continue  # already here, byte for byte (a resumed pull)
+        _copy_into(files.fetch(rel), dst)
+        sent += 1
     if not quiet:
-        print(f"pulled {len(rels)} file(s) of {files} (layers {wanted}) to {out}")
+        print(f"pulled {sent} file(s) of {files} (layers {wanted}) to {out}"
+              + (f"; {len(rels) - sent} already there" if sent < len(rels) else ""))
     return out
 
 

@@ -16,24 +16,8 @@ from .commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, R
 
 def dataset_files(ds: Dataset) -> list[RepoFile]:
     """Every shard file a local dataset's metadata names, with the sizes and hashes it records."""
-    out: list[RepoFile] = []
-    h = ds.meta.hidden
-    if h is not None:
-        for s, d in enumerate(h.shards):
-            recorded = d.get("files") or {}
-            for layer in h.layers:
-                rel = h.file(layer, s)
-                rec = recorded.get(str(layer)) or {}
-                out.append(RepoFile(rel, ds.files.fetch(rel), rec.get("bytes", -1), rec.get("sha256")))
-    lg = ds.meta.logits
-    if lg is not None:
-        for s, d in enumerate(lg.shards):
-            rel = lg.file(s)
-            out.append(RepoFile(rel, ds.files.fetch(rel), d.get("bytes", -1), d.get("sha256")))
-    st = ds.meta.statistics
-    if st is not None:
-        out.append(RepoFile(st.file, ds.files.fetch(st.file), st.raw.get("bytes", -1), st.raw.get("sha256")))
-    return out
+    return [RepoFile(r.rel, ds.files.fetch(r.rel), -1 if r.bytes is None else r.bytes, r.sha256)
+            for r in ds.meta.files()]
 
 
 def push_to_hub(
@@ -89,6 +73,9 @@ def push_to_hub(
     url = f"{endpoint}/datasets/{repo_id}" + (f"/tree/{revision}" if revision else "")
     if not quiet:
         skipped = len(shards) + len(last) - n
-        print(f"pushed {n} file(s) to {url} in {committer.commits} commit(s)"
-              + (f"; {skipped} already there" if skipped else ""))
+        if n == 0:
+            print(f"pushed 0 file(s) to {url}: all {skipped} are there already, nothing to send")
+        else:
+            print(f"pushed {n} file(s) to {url} in {committer.commits} commit(s)"
+                  + (f"; {skipped} already there" if skipped else ""))
     return url

@@ -16,6 +16,8 @@ import numpy as np
 from ..atomic import atomic_write, move_into_place
 from ..errors import DictionaryError
 from ..format.values import to_numpy
+from ..lock import OutputLock
+from ..paths import check_output_path
 from .loader import SAEConfig, load_dictionary, validate_dictionary
 from .sources import EncoderWeights, load_tensors, read_sae_folder
 
@@ -194,8 +196,16 @@ def export_sae(
         W = orient(to_numpy(W_enc).astype(np.float32), b, orientation)
         source_info = {"source": "arrays", "b_dec_folded": False}
     data, indices, indptr, mass = sparsify(W, threshold=threshold, topk_per_feature=topk_per_feature)
+    ddir = check_output_path(Path(root) / dictionary, "dictionary")
+    with OutputLock(ddir):
+        return _write_layer(ddir, layer, W, b, data, indices, indptr, mass, source_info, file_format=file_format,
+                            model_revision=model_revision, model_config=model_config)
+
+
+def _write_layer(ddir: Path, layer: int, W, b, data, indices, indptr, mass: float, source_info: dict, *,
+                 file_format: str, model_revision, model_config) -> ExportReport:
+    root, dictionary = ddir.parent, ddir.name
     fmt = "csr.npz" if file_format == "npz" else "csr.safetensors"
-    ddir = Path(root) / dictionary
     ddir.mkdir(parents=True, exist_ok=True)
     meta_path = ddir / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else None

@@ -16,21 +16,26 @@ from __future__ import annotations
 
 import heapq
 import importlib
-import json
 import os
 import re
 import struct
+import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import DictionaryError, InvalidArgumentError
+from ..errors import DictionaryError, InvalidArgumentError, UnsafePathError
+from ..paths import resolve_inside
+from ..safeio import check_regular, read_json
 from ..storage.hub import HubFiles, parse_hf_url
 from .npyio import load_npy, load_npz, load_safetensors
 
 REQUIRED_META = {"version": str, "model_hash": str, "feature_count": int, "dtype": str, "format": str}
 FORMATS = ("csr.npz", "csr.safetensors")
+#: the largest hidden size a dictionary may declare: its shape is read from a file and sizes every
+#: probe vector and dense expansion, so a damaged one must not allocate without bound
+MAX_HIDDEN_DIM = 1 << 20
 SEMVER_RE = re.compile(r"^\d+\.\d+\.\d+(?:[-+][0-9A-Za-z.-]+)?$")
 
 
@@ -202,6 +207,9 @@ def _to_layer(enc: dict, bias: Any, layer: int, where: str) -> SAELayerWeights:
             if str(arr.dtype) not in want or arr.ndim != 1:
                 raise DictionaryError(f"{where}: {name} must be a 1-D {want[0]} array, got {arr.dtype} {arr.shape}")
     rows, cols = shape
+    if cols > MAX_HIDDEN_DIM:
+        raise DictionaryError(f"{where}: hidden_dim {cols} is larger than any model's hidden size (lmprobe reads up to "
+                              f"{MAX_HIDDEN_DIM}); the shape is damaged")
     if len(indptr) != rows + 1:
         raise DictionaryError(f"{where}: indptr has {len(indptr)} entries, expected features + 1 = {rows + 1}")
     if len(data) != len(indices) or int(indptr[-1]) != len(data) or int(indptr[0]) != 0:
@@ -231,10 +239,7 @@ class SAEDictionary:
         self.cfg = cfg
         self._source = _DictSource(cfg)
         meta_path = self._source.fetch("meta.json")
-        try:
-            meta = json.loads(Path(meta_path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise DictionaryError(f"{meta_path}: cannot read meta.json ({exc})") from None
+        meta = read_json(meta_path, what=str(meta_path), error=DictionaryError)
         self.meta = _check_meta(meta, Path(meta_path))
         self._cache: OrderedDict[int, SAELayerWeights] = OrderedDict()
 
@@ -275,10 +280,10 @@ class SAEDictionary:
         files = self._files(layer)
         try:
             enc, bias = _load_arrays(files, self.meta["format"], layer)
-        except (OSError, KeyError, ValueError, struct.error) as exc:
+        except (OSError, KeyError, ValueError, EOFError, struct.error, zipfile.BadZipFile) as exc:
             if isinstance(exc, DictionaryError) and str(files["encoder"]) in str(exc):
                 raise
-            raise DictionaryError(f"{files['encoder']}: cannot read the encoder ({exc})") from exc
+            raise DictionaryError(f"{files['encoder']}: cannot read the encoder ({type(exc).__name__}: {exc})") from None
         weights = _to_layer(enc, bias, layer, str(files["encoder"]))
         ranges = self.meta.get("layer_ranges")
         if isinstance(ranges, dict) and str(layer) in ranges:
@@ -329,12 +334,15 @@ class _DictSource:
 
     def fetch(self, rel: str, required: bool = True) -> Path | None:
         if self.hub is None:
-            p = self.dir / rel
-            if not p.exists():
-                if required:
-                    raise DictionaryError(f"{p} is missing")
-                return None
-            return p
+            try:
+                p = resolve_inside(self.dir, rel, "dictionary file")  # symlinks may not lead outside it
+                if not p.exists():
+                    if required:
+                        raise DictionaryError(f"{self.dir / rel} is missing")
+                    return None
+                return check_regular(p, "dictionary file")
+            except UnsafePathError as exc:
+                raise DictionaryError(str(exc)) from None
         if rel not in self.hub.repo_files:
             if required:
                 raise DictionaryError(f"{self.describe(rel)} is missing")

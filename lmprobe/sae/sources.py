@@ -21,7 +21,6 @@ the affine map into W and b:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from ..errors import DictionaryError
 from ..format.safetensors_io import read_header
 from ..format.spec import DTYPES
 from ..format.values import bfloat16_bits_to_float32
+from ..safeio import read_json
 
 SAELENS_WEIGHTS = "sae_weights.safetensors"
 SPARSIFY_WEIGHTS = "sae.safetensors"
@@ -68,10 +68,7 @@ def load_tensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise DictionaryError(f"{path} cannot be read as JSON ({exc})") from None
+    cfg = read_json(path, error=DictionaryError)
     if not isinstance(cfg, dict):
         raise DictionaryError(f"{path} must hold a JSON object")
     return cfg

@@ -9,15 +9,17 @@ Standard AWS settings (AWS_ENDPOINT_URL, AWS_PROFILE, credentials) apply through
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_output
+from ..atomic import atomic_output, atomic_write
 from ..errors import ObjectStoreError, ShardMissingError
 from ..paths import check_relpath
 from ..retry import RetryPolicy, call_with_retry, describe
+from ..safeio import read_json
 from ..worker import BackgroundWorker
 
 
@@ -46,6 +48,12 @@ def filesystem(url: str):
     except ImportError as exc:
         raise ObjectStoreError(f"{url}: {exc} (for s3:// install 'lmprobe[s3]')") from None
     return fs, root.rstrip("/")
+
+
+def object_identity(info: dict) -> dict[str, str]:
+    """What identifies one version of an object: its ETag, size and modification time, as the store reports them."""
+    keys = ("ETag", "etag", "VersionId", "size", "LastModified", "mtime", "updated", "created", "generation")
+    return {k: str(info[k]) for k in keys if k in info and info[k] is not None}
 
 
 def cache_dir(url: str, kind: str) -> Path:
@@ -95,6 +103,14 @@ class UploadSink:
         """Queue a file (relative to ``local``) for upload; blocks while the queue is full."""
         self._worker.submit(rel)
 
+    def remove(self, rel: str) -> None:
+        """Delete an object (absent already: fine)."""
+        target = f"{self.root}/{rel}"
+        try:
+            _call(f"deleting {self.url}/{rel}", lambda: self.fs.rm_file(target), self.policy)
+        except FileNotFoundError:
+            pass
+
     def submit_existing(self) -> None:
         """Queue the finished shard files a previous, interrupted run left behind."""
         tensors = self.local / "tensors"
@@ -122,18 +138,31 @@ class ObjectStoreFiles:
         return self.url
 
     def fetch(self, rel: str, *, what: str = "file") -> Path:
+        """A local copy of ``rel``: from the cache when the object is the one cached, else downloaded.
+
+        An object is identified by what the store says of it (ETag, size, modification time), not
+        by its size alone: a dataset replaced at the same URL by one of the same shapes is noticed.
+        """
         check_relpath(rel, what)
         dst = self.cache / rel
         src = f"{self.root}/{rel}"
         try:
-            size = _call(f"reading {self.url}/{rel}", lambda: self.fs.size(src), self.policy)
+            info = _call(f"reading {self.url}/{rel}", lambda: self.fs.info(src), self.policy)
         except FileNotFoundError:
             raise ShardMissingError(self.missing_hint(rel)) from None
-        if dst.exists() and dst.stat().st_size == size:
-            return dst
+        ident = object_identity(info)
+        stamp = dst.with_name(dst.name + ".identity.json")
+        if dst.is_file() and stamp.is_file() and dst.stat().st_size == info.get("size"):
+            try:
+                if read_json(stamp, error=ObjectStoreError, max_bytes=2**16) == ident:
+                    return dst
+            except ObjectStoreError:
+                pass  # a damaged stamp: download again
         dst.parent.mkdir(parents=True, exist_ok=True)
+        stamp.unlink(missing_ok=True)
         with atomic_output(dst) as tmp:
             _call(f"downloading {self.url}/{rel}", lambda: self.fs.get_file(src, str(tmp)), self.policy)
+        atomic_write(stamp, json.dumps(ident))
         return dst
 
     def missing_hint(self, rel: str) -> str:

@@ -1,0 +1,19 @@
+"""Printing text that came from a dataset: control characters are shown, never sent to the terminal.
+
+A model name such as ``"evil\\x1b]0;title\\x07\\x1b[2J"`` would set the terminal's title and clear
+the screen if printed as it is.
+"""
+
+from __future__ import annotations
+
+import re
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_controls(text: object, *, keep_newlines: bool = True) -> str:
+    """``str(text)`` with control characters (and bidi overrides) written as escapes, e.g. ``\\x1b``."""
+    s = str(text)
+    if not keep_newlines:
+        s = s.replace("\n", "\\n").replace("\t", "\\t")
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), s)

@@ -1,0 +1,552 @@
+"""Reliability: ways to lose or corrupt data, hostile input, and user errors (docs/security.md).
+
+Each test reproduces an attack that succeeded against the first version: it failed there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_dataset
+
+import lmprobe
+from lmprobe.cli import main as cli_main
+from lmprobe.errors import FormatError, LmprobeError, OutputInUseError
+from lmprobe.format import DatasetWriter
+
+INDEX = "index/train-00000-of-00001.parquet"
+
+HOLD_LOCK = r"""
+import sys, time
+from pathlib import Path
+from lmprobe.lock import OutputLock
+lock = OutputLock(Path(sys.argv[1])).acquire()
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def hold_lock(path: Path) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "locked"
+    return child
+
+
+# ---------------------------------------------------------------------------------------------- 1. one writer
+
+
+def test_a_second_writer_is_refused_at_once_and_a_dead_ones_lock_does_not_block(tmp_path, rng):
+    out = tmp_path / "ds"
+    child = hold_lock(out)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(OutputInUseError, match=f"in use by process {child.pid}"):
+            DatasetWriter(out, layers=[0], dim=4, model_name="m")
+        assert time.monotonic() - t0 < 5
+        assert cli_main(["merge", str(tmp_path / "a"), "--out", str(out)]) == 2
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    # the holder died without cleaning up: its lock is gone with it
+    write_dataset(out, rng, n=5)
+    assert lmprobe.load(out).num_prompts == 5
+
+
+def test_two_extractions_into_one_output(tmp_path, llama_dir):
+    slow = r"""
+import sys, time, lmprobe
+from lmprobe.extraction import backend_hf
+real = backend_hf.TransformersBackend.run
+def run(self, *a, **k):
+    time.sleep(0.5)
+    return real(self, *a, **k)
+backend_hf.TransformersBackend.run = run
+print("start", flush=True)
+lmprobe.extract(sys.argv[1], [f"prompt {i}" for i in range(40)], out=sys.argv[2], batch_size=2, quiet=True)
+"""
+    out = tmp_path / "ds"
+    first = subprocess.Popen([sys.executable, "-c", slow, str(llama_dir), str(out)], stdout=subprocess.PIPE, text=True)
+    assert first.stdout.readline().strip() == "start"
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".ds.lmprobe-lock")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = subprocess.run([sys.executable, "-m", "lmprobe", "extract", "--model", str(llama_dir), "--prompts",
+                        str(_prompt_file(tmp_path)), "--out", str(out), "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 2 and f"in use by process {first.pid}" in r.stderr, r.stderr
+    assert first.wait(timeout=120) == 0
+    assert lmprobe.validate(out).ok
+
+
+def _prompt_file(tmp_path: Path) -> Path:
+    p = tmp_path / "prompts.txt"
+    p.write_text("\n".join(f"prompt {i}" for i in range(40)) + "\n")
+    return p
+
+
+@pytest.mark.parametrize("command", ["pull", "export-saev", "export-sae"])
+def test_other_outputs_are_locked_too(tmp_path, rng, command, hub, capsys):
+    from lmprobe.sae.export import export_sae
+
+    write_dataset(tmp_path / "src", rng, n=6, storage="full_sequence", token_ids=True)
+    if command == "pull":
+        target, args = tmp_path / "pulled", ["pull", "tester/whatever", "--out", str(tmp_path / "pulled")]
+    elif command == "export-saev":
+        target, args = tmp_path / "dump", ["export-saev", str(tmp_path / "src"), "--out", str(tmp_path / "dump"),
+                                           "--context-len", "2"]
+    else:
+        W = rng.normal(size=(8, 12)).astype(np.float32)
+        np.save(tmp_path / "w.npy", W)
+        export_sae(layer=0, root=tmp_path / "sae", dictionary="d", W_enc=W, b_enc=np.zeros(12, np.float32))
+        target = tmp_path / "sae" / "d"
+        np.savez(tmp_path / "w.npz", w=W)
+        args = ["export-sae", str(tmp_path / "w.npz"), "--weight-key", "w", "--orientation", "in_out", "--layer", "1",
+                "--root", str(tmp_path / "sae"), "--dict", "d"]
+    child = hold_lock(target)
+    try:
+        assert cli_main(args) == 2
+        assert f"in use by process {child.pid}" in capsys.readouterr().err
+    finally:
+        child.kill()
+        child.wait()
+
+
+# ---------------------------------------------------------------------------------------------- 2. merge into an input
+
+
+@pytest.mark.parametrize("where", ["same", "parent", "inside"])
+def test_merge_refuses_an_output_that_overlaps_an_input(tmp_path, rng, capsys, where):
+    a, b = tmp_path / "a", tmp_path / "parts" / "b"
+    write_dataset(a, rng, n=4)
+    write_dataset(b, rng, n=4)
+    before = {p: p.read_bytes() for p in b.rglob("*") if p.is_file()}
+    out = {"same": b, "parent": tmp_path / "parts", "inside": b / "merged"}[where]
+    assert cli_main(["merge", str(a), str(b), "--out", str(out), "--overwrite"]) == 2
+    assert "input" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in b.rglob("*") if p.is_file()} == before
+
+
+# ---------------------------------------------------------------------------------------------- 3. push --saev .
+
+
+def test_copying_an_attachment_never_deletes_its_source(tmp_path, rng, monkeypatch, hub):
+    from lmprobe.saev import export_saev
+
+    ds = tmp_path / "ds"
+    write_dataset(ds, rng, n=8, storage="full_sequence", token_ids=True)
+    first = export_saev(ds, ds / "saev", context_len=2, quiet=True)
+    second = export_saev(ds, ds / "saev", context_len=3, quiet=True)
+    monkeypatch.chdir(first)
+    assert cli_main(["push", str(ds), "tester/saev-dot", "--saev", ".", "--quiet"]) == 0
+    assert (first / "metadata.json").exists() and (second / "metadata.json").exists()
+    monkeypatch.chdir(ds / "saev")
+    assert cli_main(["push", str(ds), "tester/saev-dotdot", "--saev", "..", "--quiet"]) == 2
+    assert (ds / INDEX).exists() and (first / "metadata.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- 4. interrupted pull
+
+
+def test_an_interrupted_pull_over_an_earlier_one_never_pairs_old_index_and_new_shards(hub, tmp_path, rng, monkeypatch):
+    from lmprobe.publish import pull as pull_mod
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    write_dataset(old, rng, n=12, layers=(0, 1), shard_size="96B")
+    write_dataset(new, rng, n=12, layers=(0, 1), shard_size="96B")
+    lmprobe.push_to_hub(old, "tester/pull-a", quiet=True)
+    lmprobe.push_to_hub(new, "tester/pull-b", quiet=True)
+    dst = tmp_path / "local"
+    lmprobe.pull("tester/pull-a", dst, quiet=True)
+    copies = []
+    real = pull_mod._copy_into
+
+    def dying(src, target):
+        copies.append(target)
+        if len(copies) == 3:
+            raise KeyboardInterrupt
+        return real(src, target)
+
+    monkeypatch.setattr(pull_mod, "_copy_into", dying)
+    with pytest.raises(KeyboardInterrupt):
+        lmprobe.pull("tester/pull-b", dst, quiet=True)
+    monkeypatch.setattr(pull_mod, "_copy_into", real)
+    # the folder is visibly incomplete, never a mix that reads
+    with pytest.raises(LmprobeError, match="unfinished|no lmprobe dataset|missing"):
+        lmprobe.load(dst).hidden(0)
+    lmprobe.pull("tester/pull-b", dst, quiet=True)
+    np.testing.assert_array_equal(lmprobe.load(dst).hidden(1), lmprobe.load(new).hidden(1))
+
+
+# ---------------------------------------------------------------------------------------------- 7. shape overflow
+
+
+def test_a_shard_header_whose_shape_overflows_is_refused(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=4, layers=(0,), dim=8)
+    path = tmp_path / "ds/tensors/hidden_layer000_shard000.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["hidden.layer_0"]["shape"] = [2**61, 8]
+    header["hidden.layer_0"]["data_offsets"] = [0, 0]
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", n) + text + b" " * (n - len(text)) + raw[8 + n:])
+    with pytest.raises(FormatError, match="shape"):
+        lmprobe.load(tmp_path / "ds").hidden(0)
+
+
+# ---------------------------------------------------------------------------------------------- 8. addresses
+
+
+def test_export_saev_checks_the_index_addresses(tmp_path, rng):
+    import pyarrow as pa
+
+    from lmprobe.saev import export_saev
+
+    write_dataset(tmp_path / "ds", rng, n=6, storage="full_sequence", min_tokens=3, token_ids=True)
+    index = tmp_path / "ds" / INDEX
+    table = pq.read_table(index)
+    offs = table.column("token_shard_offsets").to_pylist()
+    offs[1][0] = -5
+    table = table.set_column(table.column_names.index("token_shard_offsets"), "token_shard_offsets",
+                             pa.array(offs, pa.list_(pa.int64())))
+    pq.write_table(table, index)
+    with pytest.raises(FormatError, match="offset"):
+        export_saev(tmp_path / "ds", tmp_path / "dump", context_len=2, quiet=True)
+    assert not list((tmp_path / "dump").glob("[!.]*"))
+
+
+# ---------------------------------------------------------------------------------------------- 9. card text
+
+
+def test_the_owners_card_text_survives_a_push_with_attachments(tmp_path, rng, hub):
+    from lmprobe.saev import export_saev
+
+    ds = tmp_path / "ds"
+    write_dataset(ds, rng, n=8, storage="full_sequence", token_ids=True)
+    card = (ds / "README.md").read_text()
+    (ds / "README.md").write_text(card + "\n## Notes by the owner\n\nCollected from our lab's prompts.\n")
+    saev = export_saev(ds, tmp_path / "saev", context_len=2, quiet=True)
+    assert cli_main(["push", str(ds), "tester/card-kept", "--saev", str(saev), "--quiet"]) == 0
+    text = (ds / "README.md").read_text()
+    assert "Collected from our lab's prompts." in text and "saev protocol 2.0 export" in text
+    assert text.count("# Activations of") == 1
+    assert "Collected from our lab's prompts." in hub.read("tester/card-kept", "README.md").decode()
+
+
+def test_export_saev_push_keeps_the_repos_card(tmp_path, rng, hub):
+    ds = tmp_path / "ds"
+    write_dataset(ds, rng, n=8, storage="full_sequence", token_ids=True)
+    (ds / "README.md").write_text((ds / "README.md").read_text() + "\nOwner's words.\n")
+    lmprobe.push_to_hub(ds, "tester/card-hub", quiet=True)
+    assert cli_main(["export-saev", str(ds), "--out", str(tmp_path / "dump"), "--context-len", "2", "--push",
+                     "tester/card-hub", "--quiet"]) == 0
+    text = hub.read("tester/card-hub", "README.md").decode()
+    assert "Owner's words." in text and "saev protocol 2.0 export" in text
+
+
+# ---------------------------------------------------------------------------------------------- 11. state.json
+
+
+def test_a_tampered_checkpoint_cannot_move_outside_files_in(tmp_path, rng):
+    out = tmp_path / "ds"
+    w = DatasetWriter(out, layers=[0], dim=4, model_name="m", shard_size="64B")
+    for _ in range(3):
+        w.add_batch(texts=["a", "b"], num_tokens=[1, 1], hidden={0: rng.normal(size=(2, 4))})
+    w.checkpoint()
+    w.abort()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not move me")
+    state_path = out / ".lmprobe-staging/state.json"
+    state = json.loads(state_path.read_text())
+    state["streams"]["last"]["closed"][0]["files"]["0"]["staging"] = "../../secret.txt"
+    state_path.write_text(json.dumps(state))
+    with pytest.raises(LmprobeError, match="staging"):
+        DatasetWriter(out, layers=[0], dim=4, model_name="m", shard_size="64B")
+    assert secret.read_text() == "do not move me"
+
+
+# ---------------------------------------------------------------------------------------------- hostile files
+
+
+def test_a_fifo_or_a_folder_in_place_of_a_shard_is_an_error_not_a_hang(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=4, layers=(0, 1))
+    shard0 = tmp_path / "ds/tensors/hidden_layer000_shard000.safetensors"
+    shard0.unlink()
+    os.mkfifo(shard0)
+    shard1 = tmp_path / "ds/tensors/hidden_layer001_shard000.safetensors"
+    shard1.unlink()
+    shard1.mkdir()
+    code = "import lmprobe, sys; lmprobe.load(sys.argv[1]).hidden(int(sys.argv[2]))"
+    for layer in (0, 1):
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ds"), str(layer)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode != 0 and "not a regular file" in r.stderr, r.stderr
+    rep = lmprobe.validate(tmp_path / "ds")
+    assert sum("not a regular file" in e for e in rep.errors) == 2
+
+
+@pytest.mark.parametrize("field", ["dim", "k"])
+def test_sizes_from_metadata_are_checked_before_allocating(tmp_path, rng, field):
+    write_dataset(tmp_path / "ds", rng, n=4, layers=(0,), logits_k=3)
+    index = tmp_path / "ds" / INDEX
+    table = pq.read_table(index)
+    meta = dict(table.schema.metadata)
+    tensors = json.loads(meta[b"lmprobe:tensors"])
+    if field == "dim":
+        tensors["hidden_layers"]["dim"] = 10**12
+    else:
+        tensors["logits_topk"]["k"] = 10**12
+    meta[b"lmprobe:tensors"] = json.dumps(tensors).encode()
+    pq.write_table(table.replace_schema_metadata(meta), index)
+    ds = lmprobe.load(tmp_path / "ds")
+    with pytest.raises(FormatError):
+        ds.hidden(0) if field == "dim" else ds.logits_topk()
+
+
+def test_a_dictionary_declaring_a_huge_hidden_dim_is_refused(tmp_path, rng):
+    from lmprobe.sae import SAEConfig, load_dictionary, validate_dictionary
+    from lmprobe.sae.export import export_sae
+
+    W = rng.normal(size=(8, 12)).astype(np.float32)
+    export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W, b_enc=np.zeros(12, np.float32))
+    enc = tmp_path / "d/layer_0/encoder.npz"
+    with np.load(enc) as z:
+        arrays = dict(z)
+    arrays["shape"] = np.array([12, 10**9], dtype=np.int64)
+    with open(enc, "wb") as f:
+        np.savez(f, **arrays)
+    problems = validate_dictionary(tmp_path, "d")
+    assert problems and "hidden_dim" in problems[0]
+    with pytest.raises(ValueError, match="hidden_dim"):
+        load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d")).get_layer(0)
+
+
+@pytest.mark.parametrize("where", ["prompt", "header", "meta.json", "saev"])
+def test_deeply_nested_json_is_a_clear_error(tmp_path, rng, where):
+    deep = "[" * 100000 + "]" * 100000
+    if where == "prompt":
+        (tmp_path / "p.jsonl").write_text('{"text": "fine"}\n' + deep + "\n")
+        with pytest.raises(LmprobeError, match="line 2"):
+            lmprobe.extract("lmprobe-tiny", tmp_path / "p.jsonl", out=tmp_path / "o")
+    elif where == "header":
+        write_dataset(tmp_path / "ds", rng, n=3, layers=(0,))
+        path = tmp_path / "ds/tensors/hidden_layer000_shard000.safetensors"
+        path.write_bytes(struct.pack("<Q", len(deep)) + deep.encode())
+        with pytest.raises(FormatError, match="nested"):
+            lmprobe.load(tmp_path / "ds").hidden(0)
+    elif where == "meta.json":
+        from lmprobe.sae import SAEConfig, load_dictionary
+
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d/meta.json").write_text(deep)
+        with pytest.raises(ValueError, match="nested"):
+            load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d"))
+    else:
+        from lmprobe.saev import validate_saev
+
+        (tmp_path / "s").mkdir()
+        (tmp_path / "s/metadata.json").write_text(deep)
+        (tmp_path / "s/shards.json").write_text("[]")
+        assert any("nested" in p for p in validate_saev(tmp_path / "s"))
+
+
+def test_odd_values_in_metadata_are_clear_errors(tmp_path, rng, capsys):
+    from lmprobe.saev import validate_saev
+
+    # a saev folder with patches_per_ex 0
+    write_dataset(tmp_path / "src", rng, n=6, storage="full_sequence")
+    from lmprobe.saev import export_saev
+
+    folder = export_saev(tmp_path / "src", tmp_path / "dump", context_len=2, quiet=True)
+    m = json.loads((folder / "metadata.json").read_text())
+    m["patches_per_ex"] = 0
+    (folder / "metadata.json").write_text(json.dumps(m))
+    assert any("patches_per_ex" in p for p in validate_saev(folder, check_hash=False))
+    # a truncated encoder.npz
+    from lmprobe.sae import SAEConfig, load_dictionary
+    from lmprobe.sae.export import export_sae
+
+    export_sae(layer=0, root=tmp_path / "r", dictionary="d", W_enc=rng.normal(size=(8, 12)).astype(np.float32),
+               b_enc=np.zeros(12, np.float32))
+    enc = tmp_path / "r/d/layer_0/encoder.npz"
+    enc.write_bytes(enc.read_bytes()[:40])
+    with pytest.raises(ValueError, match="encoder"):
+        load_dictionary(SAEConfig(root_path=tmp_path / "r", dictionary_name="d")).get_layer(0)
+    # model and provenance of the wrong type: info still prints, validate says what is wrong
+    write_dataset(tmp_path / "ds", rng, n=3)
+    index = tmp_path / "ds" / INDEX
+    table = pq.read_table(index)
+    meta = dict(table.schema.metadata)
+    meta[b"lmprobe:model"] = b'"just a string"'
+    meta[b"lmprobe:provenance"] = b"[1, 2]"
+    pq.write_table(table.replace_schema_metadata(meta), index)
+    assert cli_main(["info", str(tmp_path / "ds")]) == 0
+    rep = lmprobe.validate(tmp_path / "ds")
+    assert any("lmprobe:model" in w for w in rep.errors + rep.warnings)
+
+
+def test_shard_ids_out_of_range_are_format_errors(tmp_path, rng):
+    import pyarrow as pa
+
+    write_dataset(tmp_path / "ds", rng, n=4, storage="full_sequence", min_tokens=2)
+    index = tmp_path / "ds" / INDEX
+    table = pq.read_table(index)
+    ids = table.column("token_shard_ids").to_pylist()
+    ids[0][0] = -1
+    table = table.set_column(table.column_names.index("token_shard_ids"), "token_shard_ids",
+                             pa.array(ids, pa.list_(pa.int64())))
+    pq.write_table(table, index)
+    with pytest.raises(FormatError):
+        lmprobe.load(tmp_path / "ds").token_hidden(0, 0)
+
+
+def test_info_escapes_control_characters(tmp_path, capsys):
+    w = DatasetWriter(tmp_path / "ds", layers=[0], dim=2, model_name="evil\x1b]0;pwned\x07\x1b[2J")
+    w.add_batch(texts=["a"], num_tokens=[1], hidden={0: np.zeros((1, 2))})
+    w.close()
+    assert cli_main(["info", str(tmp_path / "ds")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b" in out
+
+
+def test_symlinks_out_of_the_root_are_refused_everywhere(tmp_path, rng):
+    from lmprobe.sae import SAEConfig, load_dictionary
+    from lmprobe.sae.export import export_sae
+    from lmprobe.saev import SaevDataset, export_saev, validate_saev
+
+    outside = tmp_path / "outside"
+    write_dataset(outside, rng, n=4)
+    # the index itself
+    write_dataset(tmp_path / "ds", rng, n=4)
+    (tmp_path / "ds" / INDEX).unlink()
+    (tmp_path / "ds" / INDEX).symlink_to(outside / INDEX)
+    with pytest.raises(LmprobeError, match="outside"):
+        lmprobe.load(tmp_path / "ds")
+    assert not lmprobe.validate(tmp_path / "ds").ok
+    # an SAE dictionary layer
+    W = rng.normal(size=(8, 12)).astype(np.float32)
+    export_sae(layer=0, root=tmp_path / "other", dictionary="d", W_enc=W, b_enc=np.zeros(12, np.float32))
+    export_sae(layer=1, root=tmp_path / "r", dictionary="d", W_enc=W, b_enc=np.zeros(12, np.float32))
+    (tmp_path / "r/d/layer_0").symlink_to(tmp_path / "other/d/layer_0")
+    with pytest.raises(ValueError, match="outside"):
+        load_dictionary(SAEConfig(root_path=tmp_path / "r", dictionary_name="d")).get_layer(0)
+    # a saev shard
+    write_dataset(tmp_path / "src", rng, n=8, storage="full_sequence")
+    a = export_saev(tmp_path / "src", tmp_path / "a", context_len=2, quiet=True)
+    b = export_saev(tmp_path / "src", tmp_path / "b", context_len=2, quiet=True)
+    (b / "acts000000.bin").unlink()
+    (b / "acts000000.bin").symlink_to(a / "acts000000.bin")
+    assert any("outside" in p for p in validate_saev(b))
+    with pytest.raises(LmprobeError, match="outside"):
+        SaevDataset(b)
+
+
+# ---------------------------------------------------------------------------------------------- user errors
+
+
+def test_user_errors_are_one_line(tmp_path, llama_dir, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\n")
+
+    def run(*args) -> str:
+        code = cli_main(["extract", "--model", str(llama_dir), "--quiet", *args])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, err
+        return err
+
+    assert "1:2:3:4" in run("--prompts", str(prompts), "--out", str(tmp_path / "o"), "--layers", "1:2:3:4")
+    (tmp_path / "afile").write_text("x")
+    assert "is a file" in run("--prompts", str(prompts), "--out", str(tmp_path / "afile" / "o"))
+    (tmp_path / "bad.txt").write_bytes(b"ok line\n\xff\xfe broken\n")
+    err = run("--prompts", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "o2"))
+    assert "bad.txt" in err and "line 2" in err and "UTF-8" in err
+    (tmp_path / "s.jsonl").write_text('{"text": "fine"}\n{"text": "bad \\ud800 surrogate"}\n')
+    err = run("--prompts", str(tmp_path / "s.jsonl"), "--out", str(tmp_path / "o3"))
+    assert "line 2" in err and "surrogate" in err
+
+
+def test_csv_text_that_looks_like_a_number_stays_text(tmp_path):
+    from lmprobe.extraction.prompts import read_prompts
+
+    (tmp_path / "p.csv").write_text("text,label\n007,1\n0123,0\n")
+    assert read_prompts(tmp_path / "p.csv").texts == ["007", "0123"]
+
+
+def test_out_of_space_says_how_to_resume(tmp_path, llama_dir, monkeypatch, capsys):
+    import errno
+
+    from lmprobe.format import safetensors_io
+
+    real = safetensors_io.StreamingSafetensorsWriter.append
+    calls = {"n": 0}
+
+    def full(self, arrays):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, arrays)
+
+    monkeypatch.setattr(safetensors_io.StreamingSafetensorsWriter, "append", full)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(f"prompt number {i}" for i in range(12)) + "\n")
+    code = cli_main(["extract", "--model", str(llama_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+                     "--batch-size", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "space" in err and "run the same command again" in err
+    monkeypatch.setattr(safetensors_io.StreamingSafetensorsWriter, "append", real)
+    assert cli_main(["extract", "--model", str(llama_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+                     "--batch-size", "2", "--quiet"]) == 0
+    assert lmprobe.load(tmp_path / "o").num_prompts == 12
+
+
+def test_an_unreachable_hub_is_one_line(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    from lmprobe.storage import hub as hub_mod
+
+    monkeypatch.setattr(hub_mod, "hub_read_policy",
+                        lambda: hub_mod.RetryPolicy(retry_on_exceptions=hub_mod.transport_errors(), max_retries=0))
+    assert cli_main(["info", "someone/some-dataset"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot reach the Hub" in err, err
+
+
+def test_validate_of_a_broken_saev_folder_says_so(tmp_path, capsys):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s/metadata.json").write_text("{not json")
+    (tmp_path / "s/shards.json").write_text("[]")
+    assert cli_main(["validate", str(tmp_path / "s")]) == 1
+    out = capsys.readouterr().out
+    assert "saev" in out and "metadata.json" in out and "no lmprobe dataset" not in out
+
+
+def test_repushing_a_complete_dataset_sends_nothing(hub, tmp_path, rng, capsys):
+    write_dataset(tmp_path / "ds", rng, n=6)
+    assert cli_main(["push", str(tmp_path / "ds"), "tester/repush"]) == 0
+    capsys.readouterr()
+    commits = len(hub.log)
+    assert cli_main(["push", str(tmp_path / "ds"), "tester/repush"]) == 0
+    out = capsys.readouterr().out
+    assert "pushed 0 file(s)" in out and "nothing to send" in out
+    assert not any(m == "POST" and "/commit/" in p for m, p in hub.log[commits:])
+
+
+def test_a_prompt_folder_is_not_said_to_be_missing(tmp_path, capsys):
+    (tmp_path / "prompts").mkdir()
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(tmp_path / "prompts"), "--out",
+                     str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" not in err and "prompts" in err
+
