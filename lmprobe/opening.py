@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 
-import pyarrow.parquet as pq
-
 from .errors import DatasetNotFoundError, InvalidArgumentError, ShardMissingError
 from .format.reader import Dataset, open_local
 from .format.spec import INDEX_PATH
@@ -23,7 +21,7 @@ def open_hub(ref: HubRef, *, token: str | bool | None = None) -> Dataset:
         if len(found) != 1:
             raise DatasetNotFoundError(f"{files} holds no lmprobe dataset: {INDEX_PATH} is missing")
         index = found[0]
-    return Dataset(files, pq.read_table(files.fetch(index, what="index")))
+    return Dataset(files, files.fetch(index, what="index"))
 
 
 def open_object_store(url: str) -> Dataset:
@@ -33,7 +31,7 @@ def open_object_store(url: str) -> Dataset:
         index = files.fetch(INDEX_PATH, what="index")
     except ShardMissingError:
         raise DatasetNotFoundError(f"{url} holds no complete lmprobe dataset ({INDEX_PATH} is missing)") from None
-    return Dataset(files, pq.read_table(index))
+    return Dataset(files, index)
 
 
 def load(path: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None) -> Dataset:

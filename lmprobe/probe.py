@@ -47,18 +47,18 @@ def mean_hidden(ds: Any, layer: int, *, chunk_bytes: int = 64 * 2**20) -> np.nda
     ds = _dataset(ds)
     if ds.storage != "full_sequence":
         raise ProbeError("mean pooling needs every token: this dataset is pooled (extract with --storage full_sequence)")
-    ids, offs, lengths = ds.token_addresses()
+    lengths = ds.token_lengths()
     starts = np.concatenate([[0], np.cumsum(lengths)])
     out = np.empty((len(lengths), ds.dim), dtype=np.float32)
     per_chunk = max(1, chunk_bytes // (ds.dim * 4))
     i = 0
-    while i < len(lengths):  # prompts in chunks of about chunk_bytes of token rows
+    while i < len(lengths):  # prompts in chunks of about chunk_bytes of token rows, addresses read per chunk
         j = int(np.searchsorted(starts, starts[i] + per_chunk, side="right")) - 1
         j = max(j, i + 1)
-        a, b = starts[i], starts[j]
-        rows = np.asarray(ds.read_hidden_rows(layer, ids[a:b], offs[a:b]), dtype=np.float32)
-        sums = np.add.reduceat(rows, starts[i:j] - a, axis=0)
-        out[i:j] = sums / lengths[i:j, None]
+        ids, offs, n = ds.token_addresses(np.arange(i, j))
+        rows = np.asarray(ds.read_hidden_rows(layer, ids, offs), dtype=np.float32)
+        local = np.concatenate([[0], np.cumsum(n)[:-1]])
+        out[i:j] = np.add.reduceat(rows, local, axis=0) / n[:, None]
         i = j
     return out
 
@@ -80,9 +80,9 @@ def features(ds: Any, layer: int, *, pooling: Pooling = "last_token", rows: Any 
 def labels(ds: Any, label_column: str = "label") -> np.ndarray:
     """Labels from ``label_column`` of the index; rows with a null label are an error."""
     ds = _dataset(ds)
-    if label_column not in ds.table.column_names:
-        raise ProbeError(f"the index has no column {label_column!r} (columns: {ds.table.column_names})")
-    col = ds.table.column(label_column)
+    if label_column not in ds.prompt_table.column_names:
+        raise ProbeError(f"the index has no column {label_column!r} (columns: {ds.prompt_table.column_names})")
+    col = ds.prompt_table.column(label_column)
     if col.null_count:
         raise ProbeError(f"{col.null_count} row(s) have no {label_column!r}; probing needs a label for every prompt")
     y = np.asarray(col.to_pylist())

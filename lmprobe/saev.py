@@ -192,7 +192,7 @@ def export_saev(
     if saev_compat and out.parts[-2:] != ("saev", "shards"):
         raise SaevError(f"saev's loaders open folders at .../saev/shards/<HASH> only; pass an --out that ends in "
                         f"saev/shards (e.g. {out / 'saev' / 'shards'})")
-    has_ids = "token_ids" in ds.table.column_names
+    has_ids = "token_ids" in ds.column_names
     if tokens and not has_ids:
         raise SaevError(f"{source_desc} has no token_ids column, so tokens.bin cannot be written: extract with "
                         "--token-ids, or leave tokens.bin out (--no-tokens)")
@@ -278,7 +278,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
             os.close(fd)
     maps.clear()
     if with_tokens:
-        tok = pc.list_flatten(ds.table.column("token_ids")).to_numpy()
+        tok = pc.list_flatten(ds.token_columns(["token_ids"])["token_ids"]).to_numpy()
         atomic_write(partial / "tokens.bin", np.ascontiguousarray(tok[list_start[plan.prompt_of] + plan.token_in_prompt],
                                                                   dtype="<u4").tobytes())
     labels = _int_labels(ds)

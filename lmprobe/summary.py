@@ -56,7 +56,7 @@ def facts(ds: Dataset, *, path: str | None = None) -> list[tuple[str, str]]:
     if lg is not None:
         out.append(("logits", f"top-{lg.k} at the last token ({len(lg.shards)} shards)"))
     core = {"text", "label", "num_tokens", "shard_index", "row_offset"}
-    extra = [c for c in ds.table.column_names if c not in core]
+    extra = [c for c in ds.column_names if c not in core]
     out.append(("columns", ", ".join(extra) if extra else "(core columns only)"))
     prov = info.get("provenance")
     if isinstance(prov, dict):

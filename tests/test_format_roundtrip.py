@@ -253,3 +253,35 @@ def test_reads_are_one_pass_per_shard(tmp_path, rng, monkeypatch):
     calls.clear()
     ds.hidden(0, rows=[22, 0, 1, 21])
     assert len(calls) == 2
+
+
+def test_opening_leaves_per_token_columns_on_disk_and_reads_them_by_row_group(tmp_path, rng, monkeypatch):
+    """Corpus scale: the index is cut into row groups by tokens, and a prompt's tokens come from its group alone."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lmprobe.format import index as index_mod
+
+    monkeypatch.setattr(index_mod, "ROW_GROUP_TOKENS", 64)  # many small groups
+    src = write_dataset(tmp_path / "ds", rng, n=40, layers=(0,), dim=3, storage="full_sequence", min_tokens=2,
+                        max_tokens=12, token_ids=True, batch=5, checkpoint_interval=0)
+    path = tmp_path / "ds/index/train-00000-of-00001.parquet"
+    md = pq.ParquetFile(path).metadata
+    assert md.num_row_groups > 5
+    for g in range(md.num_row_groups):
+        rows = md.row_group(g).num_rows
+        lengths = pq.ParquetFile(path).read_row_group(g, columns=["num_tokens"]).column("num_tokens").to_numpy()
+        assert rows == 1 or 3 * lengths.sum() <= 64  # ids, offsets and token_ids: 3 entries per token
+    read_columns = []
+    real_read = pq.ParquetFile.read
+    monkeypatch.setattr(pq.ParquetFile, "read", lambda self, columns=None, **kw: (
+        read_columns.append(columns), real_read(self, columns=columns, **kw))[1])
+    ds = lmprobe.load(tmp_path / "ds")
+    assert read_columns and all(c is not None and "token_shard_ids" not in c for c in read_columns)
+    full = pq.read_table(path)
+    for rows in ([7], [39, 2, 15, 2], list(rng.permutation(40)[:17])):
+        got = ds.token_columns(["token_ids", "token_shard_offsets"], rows)
+        for name in got:
+            assert got[name].to_pylist() == full.column(name).take(pa.array(rows)).to_pylist()
+    for i in (0, 13, 39):
+        np.testing.assert_array_equal(ds.token_hidden(i, 0), src["hidden"][0][src["tok_start"][i]:src["tok_start"][i + 1]])

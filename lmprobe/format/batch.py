@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from ..errors import ColumnTypeError, InvalidArgumentError
 from .spec import DatasetSpec
@@ -161,11 +162,11 @@ def _check_format_columns(spec: DatasetSpec, b, base, counts, p_mean, p_min, p_m
     elif any(v is not None for v in given.values()):
         raise InvalidArgumentError("perplexity values were given but the writer was created with perplexity=False")
     lists = {
-        "token_ids": (token_ids, 0, int, spec.token_ids),
-        "token_strings": (token_strings, 0, str, spec.token_strings),
-        "token_perplexity": (token_ppl, 1, float, spec.token_perplexity),
+        "token_ids": (token_ids, 0, np.int64, spec.token_ids),
+        "token_strings": (token_strings, 0, None, spec.token_strings),
+        "token_perplexity": (token_ppl, 1, np.float64, spec.token_perplexity),
     }
-    for name, (vals, short, conv, stored) in lists.items():
+    for name, (vals, short, dtype, stored) in lists.items():
         if not stored:
             if vals is not None:
                 raise InvalidArgumentError(f"{name} were given but the writer was created with {name}=False")
@@ -174,15 +175,33 @@ def _check_format_columns(spec: DatasetSpec, b, base, counts, p_mean, p_min, p_m
             raise InvalidArgumentError(f"this dataset stores {name}; pass {name}")
         if len(vals) != b:
             raise InvalidArgumentError(f"{name} has {len(vals)} entries for {b} texts")
+        out[name] = _list_column(name, vals, counts - short, dtype, base, short)
+    return out
+
+
+def _list_column(name: str, vals: Sequence[Any], want: np.ndarray, dtype: Any, base: int, short: int) -> pa.Array:
+    """A per-token column of a batch as an Arrow list array (compact: one value buffer), lengths checked."""
+    if dtype is None:  # strings
+        rows = [[str(x) for x in (seq.tolist() if hasattr(seq, "tolist") else seq)] for seq in vals]
+        lens = np.array([len(r) for r in rows], dtype=np.int64)
+    else:
         rows = []
         for i, seq in enumerate(vals):
-            seq = to_numpy(seq).tolist() if not isinstance(seq, list) else seq
-            want = int(counts[i]) - short
-            if len(seq) != want:
-                raise InvalidArgumentError(
-                    f"row {base + i}: {name} has {len(seq)} entries, expected {want} "
-                    f"(num_tokens{' - 1' if short else ''})"
-                )
-            rows.append([conv(x) for x in seq])
-        out[name] = rows
-    return out
+            try:
+                rows.append(np.asarray(to_numpy(seq), dtype=dtype).reshape(-1))
+            except (TypeError, ValueError):
+                raise ColumnTypeError(f"row {base + i}: {name} must hold numbers") from None
+        lens = np.array([len(r) for r in rows], dtype=np.int64)
+    bad = np.flatnonzero(lens != want)
+    if len(bad):
+        i = int(bad[0])
+        raise InvalidArgumentError(
+            f"row {base + i}: {name} has {lens[i]} entries, expected {want[i]} (num_tokens{' - 1' if short else ''})"
+        )
+    if dtype is None:
+        return pa.array(rows, type=pa.list_(pa.string()))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    values = np.concatenate(rows) if rows else np.zeros(0, dtype=dtype)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)).cast(
+        pa.list_(pa.int64() if dtype is np.int64 else pa.float64()))

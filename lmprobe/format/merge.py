@@ -50,7 +50,7 @@ def _compatible(parts: list[Dataset]) -> list[str]:
         la, lb = first.info["tensors"].get("logits_topk"), ds.info["tensors"].get("logits_topk")
         if (la is None) != (lb is None) or (la and la["k"] != lb["k"]):
             problems.append(f"part {i}: logits differ from part 0's (k {lb and lb['k']} vs {la and la['k']})")
-        if ds.table.schema.remove_metadata() != first.table.schema.remove_metadata():
+        if ds.schema.remove_metadata() != first.schema.remove_metadata():
             problems.append(f"part {i}: index columns differ from part 0's")
         s = {k: v for k, v in ((ds.info.get("extraction") or {}).get("settings") or {}).items()
              if k not in _PART_SETTINGS}
@@ -121,7 +121,7 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
     lg_off = np.concatenate([[0], np.cumsum([len(d.meta.logits.shards) if lg0 else 0 for d in dss])]).astype(int)
     transfer = move_into_place if move else _link
 
-    shards_lt, shards_seq, logits_shards, tables = [], [], [], []
+    shards_lt, shards_seq, logits_shards = [], [], []
     for k, ds in enumerate(dss):
         h = ds.meta.hidden
         for s, desc in enumerate(h.shards):
@@ -135,7 +135,10 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
                 new_rel = _logits_rel(lg0, int(lg_off[k] + s))
                 transfer(ds.fetch(lg.file(s), "logits shard"), out / new_rel)
                 logits_shards.append({**desc, "file": new_rel})
-        t = ds.table
+
+    def renumbered(k: int, ds: Dataset, t: pa.Table) -> pa.Table:
+        """One row group of part ``k``'s index with its shard numbers shifted to the merged dataset's."""
+        h = ds.meta.hidden
         cols = {name: t.column(name) for name in t.column_names}
         cols["shard_index"] = pc.add(t.column("shard_index"), int(lt_off[k])).cast(pa.int32())
         if full:
@@ -145,7 +148,7 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
             cols["token_shard_ids"] = pa.ListArray.from_arrays(ids.offsets, pa.array(new_flat, pa.int64()))
         if lg0:
             cols["shard_index_logits"] = pc.add(t.column("shard_index_logits"), int(lg_off[k])).cast(pa.int32())
-        tables.append(pa.table(cols).cast(t.schema.remove_metadata()))
+        return pa.table(cols).cast(first.schema.remove_metadata())
 
     info = json.loads(json.dumps(first.info))
     hidden = info["tensors"]["hidden_layers"]
@@ -169,12 +172,13 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
     info.pop("extras", None)
     info.pop("attachments", None)
 
-    table = pa.concat_tables(tables)
-    schema = table.schema.with_metadata(encode_schema_metadata(info))
+    schema = first.schema.remove_metadata().with_metadata(encode_schema_metadata(info))
     atomic_write(out / CARD_PATH, card.render_card(info, schema))
     (out / "index").mkdir(parents=True, exist_ok=True)
-    with atomic_output(out / INDEX_PATH) as tmp:  # last
-        pq.write_table(table.replace_schema_metadata(schema.metadata), tmp, row_group_size=65536)
+    with atomic_output(out / INDEX_PATH) as tmp, pq.ParquetWriter(tmp, schema) as pw:  # last
+        for k, ds in enumerate(dss):  # row group by row group: the index is never whole in memory
+            for t in ds.iter_index():
+                pw.write_table(renumbered(k, ds, t))
     return out
 
 

@@ -15,6 +15,7 @@ documented internal API that lmprobe's other modules use (docs/architecture.md):
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
@@ -31,7 +32,7 @@ from ..safeio import check_regular
 from .files import LocalFiles
 from .metadata import DatasetInfo, decode_schema_metadata, parse_info
 from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into
-from .spec import DTYPES, INDEX_PATH, STAGING_DIR
+from .spec import DTYPES, INDEX_PATH, PER_TOKEN_COLUMNS, STAGING_DIR
 from .values import bfloat16_bits_to_float32
 
 RowsArg = None | int | slice | Iterable[int] | np.ndarray
@@ -59,24 +60,41 @@ def find_index(root: Path) -> Path:
 
 
 class Dataset:
-    """An lmprobe dataset: the index in memory, tensors read from shards on demand.
+    """An lmprobe dataset: the per-prompt index columns in memory, the rest read on demand.
 
     >>> ds = lmprobe.load("my-dataset")          # doctest: +SKIP
     >>> X, y = ds.hidden(16), ds.labels           # (num_prompts, dim), (num_prompts,)
+
+    Opening reads the index's per-prompt columns only. The per-token columns (token addresses,
+    ids, strings, perplexities) stay on disk until a call needs some prompts' tokens, and then
+    only the row groups holding those prompts are read, so opening costs the same for a million
+    tokens as for a billion.
     """
 
-    def __init__(self, files: Any, index_table: pa.Table):
+    def __init__(self, files: Any, index_path: str | os.PathLike):
         self.files = files
-        raw = decode_schema_metadata(index_table.schema.metadata)
+        self.index_path = Path(index_path)
+        try:
+            self._parquet = pq.ParquetFile(self.index_path)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise FormatError(f"{files}: the index cannot be read as parquet ({exc})") from None
+        schema = self._parquet.schema_arrow
+        raw = decode_schema_metadata(schema.metadata)
         if not raw:
             raise FormatError(f"{files}: the index has no 'lmprobe:' schema metadata; it is not an lmprobe dataset")
         self.meta: DatasetInfo = parse_info(raw)
-        self._table = index_table
+        self.schema = schema
+        per_prompt = [n for n in schema.names if n not in PER_TOKEN_COLUMNS]
+        self._prompt_table = self._parquet.read(columns=per_prompt)
+        md = self._parquet.metadata
+        self._group_starts = np.zeros(md.num_row_groups + 1, dtype=np.int64)
+        np.cumsum([md.row_group(g).num_rows for g in range(md.num_row_groups)], out=self._group_starts[1:])
+        self._groups: OrderedDict[tuple[int, tuple[str, ...]], pa.Table] = OrderedDict()
         self._headers: dict[Path, SafetensorsHeader] = {}
-        if self.meta.num_prompts != index_table.num_rows:
+        if self.meta.num_prompts != self._prompt_table.num_rows:
             raise FormatError(
                 f"{files}: metadata says num_prompts={self.meta.num_prompts} but the index has "
-                f"{index_table.num_rows} rows"
+                f"{self._prompt_table.num_rows} rows"
             )
 
     # ---------------------------------------------------------------- description
@@ -93,13 +111,69 @@ class Dataset:
 
     @cached_property
     def index(self):
-        """The index as a pandas DataFrame, one row per prompt."""
-        return self._table.to_pandas()
+        """The whole index as a pandas DataFrame, one row per prompt (per-token columns included: read on first use)."""
+        return self.table.to_pandas()
+
+    @cached_property
+    def table(self) -> pa.Table:
+        """The whole index as a pyarrow Table, schema metadata and per-token columns included (read on first use).
+
+        For large full_sequence datasets this holds every token's address in memory: ``prompt_table``
+        and ``token_addresses`` read only what they need.
+        """
+        return self._parquet.read()
 
     @property
-    def table(self) -> pa.Table:
-        """The index as a pyarrow Table (schema metadata included)."""
-        return self._table
+    def prompt_table(self) -> pa.Table:
+        """The index's per-prompt columns (everything but the per-token lists), as read when the dataset opened."""
+        return self._prompt_table
+
+    @property
+    def column_names(self) -> list[str]:
+        """Every column of the index, per-token ones included."""
+        return list(self.schema.names)
+
+    def token_columns(self, names: list[str], rows: RowsArg = None) -> dict[str, pa.ChunkedArray]:
+        """Per-token list columns of the prompts ``rows``, read by row group (only the groups holding them)."""
+        missing = [n for n in names if n not in self.schema.names]
+        if missing:
+            raise FormatError(f"{self.files}: the index has no column(s) {missing}")
+        r = self.row_indices(rows)
+        if rows is None:
+            return {n: self._parquet.read(columns=names).column(n) for n in names}
+        groups = np.searchsorted(self._group_starts, r, side="right") - 1
+        parts: dict[str, list] = {n: [] for n in names}
+        order = np.argsort(r, kind="stable")
+        pieces, positions = [], []
+        for g in np.unique(groups):
+            sel = order[groups[order] == g]
+            table = self._row_group(int(g), tuple(names))
+            pieces.append(table.take(pa.array(r[sel] - self._group_starts[g])))
+            positions.append(sel)
+        if not pieces:
+            return {n: pa.chunked_array([], type=self.schema.field(n).type) for n in names}
+        joined = pa.concat_tables(pieces)
+        back = np.argsort(np.concatenate(positions), kind="stable")  # into the order rows were asked in
+        joined = joined.take(pa.array(back))
+        for n in names:
+            parts[n] = joined.column(n)
+        return parts
+
+    def iter_index(self) -> Iterable[pa.Table]:
+        """The whole index, every column, one row group at a time (for copying it, never whole in memory)."""
+        for g in range(self._parquet.metadata.num_row_groups):
+            yield self._parquet.read_row_group(g)
+
+    def _row_group(self, g: int, names: tuple[str, ...]) -> pa.Table:
+        key = (g, names)
+        t = self._groups.get(key)
+        if t is None:
+            t = self._groups[key] = self._parquet.read_row_group(g, columns=list(names))
+            while len(self._groups) > 4:  # a few recent groups: neighbouring prompts share one
+                self._groups.popitem(last=False)
+        else:
+            self._groups.move_to_end(key)
+        return t
 
     @property
     def _hidden_desc(self):
@@ -137,9 +211,9 @@ class Dataset:
     @property
     def labels(self) -> np.ndarray | None:
         """Labels in index order (ints or strings), or None when the dataset is unlabeled."""
-        if "label" not in self._table.column_names:
+        if "label" not in self._prompt_table.column_names:
             return None
-        col = self._table.column("label")
+        col = self._prompt_table.column("label")
         if col.null_count == len(col):
             return None
         if pa.types.is_integer(col.type) and col.null_count == 0:
@@ -148,7 +222,7 @@ class Dataset:
 
     @property
     def texts(self) -> list[str]:
-        return self._table.column("text").to_pylist()
+        return self._prompt_table.column("text").to_pylist()
 
     def __repr__(self) -> str:
         h = self.meta.hidden
@@ -191,9 +265,9 @@ class Dataset:
 
     def column(self, name: str) -> np.ndarray:
         """A non-null integer column of the index as int64."""
-        if name not in self._table.column_names:
+        if name not in self._prompt_table.column_names:
             raise FormatError(f"{self.files}: the index has no {name!r} column")
-        col = self._table.column(name)
+        col = self._prompt_table.column(name)
         if col.null_count:
             raise FormatError(f"{self.files}: column {name!r} has null values")
         return col.to_numpy().astype(np.int64)
@@ -301,9 +375,8 @@ class Dataset:
                 "this dataset is pooled: it stores only the last token of each prompt; use .hidden(layer) "
                 "(extract with --storage full_sequence to keep every token)"
             )
-        r = self.row_indices(rows)
-        ids_col = self._table.column("token_shard_ids").take(pa.array(r))
-        offs_col = self._table.column("token_shard_offsets").take(pa.array(r))
+        cols = self.token_columns(["token_shard_ids", "token_shard_offsets"], rows)
+        ids_col, offs_col = cols["token_shard_ids"], cols["token_shard_offsets"]
         lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
         if not np.array_equal(lengths, pc.list_value_length(offs_col).to_numpy(zero_copy_only=False)):
             raise FormatError(f"{self.files}: token_shard_ids and token_shard_offsets differ in length")
@@ -337,12 +410,13 @@ class Dataset:
 
     def token_lengths(self) -> np.ndarray:
         """num_tokens of every prompt (from the token address lists when the column is null)."""
-        col = self._table.column("num_tokens")
+        col = self._prompt_table.column("num_tokens")
         if col.null_count == 0:
             return col.to_numpy().astype(np.int64)
-        for name in ("token_shard_ids", "token_ids"):
-            if name in self._table.column_names:
-                return pc.list_value_length(self._table.column(name)).to_numpy(zero_copy_only=False).astype(np.int64)
+        for name in ("token_shard_ids", "token_ids"):  # lmprobe 0.10.3 left num_tokens null in pooled datasets
+            if name in self.schema.names:
+                lists = self.token_columns([name])[name]
+                return pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
         raise FormatError(f"{self.files}: num_tokens is null and no token list column gives the lengths")
 
     def statistics(self, layer: int) -> dict[str, Any]:
@@ -415,4 +489,4 @@ def open_local(path: str | os.PathLike) -> Dataset:
         index_path, root = root, root.parent.parent
     else:
         index_path = find_index(root)
-    return Dataset(LocalFiles(root), pq.read_table(index_path))
+    return Dataset(LocalFiles(root), index_path)

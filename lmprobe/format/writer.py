@@ -69,6 +69,9 @@ from .statistics import RunningStats, load_accumulators, save_accumulators, writ
 from .values import bfloat16_bits_to_float32, column_type_name, to_numpy
 
 _MAX_PENDING_ROWS = 65536
+#: index rows wait in memory until a checkpoint writes them as a part: bounded by prompts and by tokens,
+#: so that a part, and the memory to finalize it, stays small whatever the prompts' lengths
+_MAX_PENDING_TOKENS = 1 << 20
 
 
 class DatasetWriter:
@@ -152,6 +155,7 @@ class DatasetWriter:
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmprobe-sha256")
         self._pending: dict[str, list] = {c: [] for c in index.staging_schema(spec).names}
         self._n_pending = 0
+        self._n_pending_tokens = 0
         self.num_prompts = 0
         self._n_parts = 0
         self._phase = "writing"
@@ -369,37 +373,39 @@ class DatasetWriter:
             last_rows = {layer: a[ends] for layer, a in batch.hidden.items()}
         else:
             last_rows = batch.hidden
-        cols = self._pending
+        cols = self._pending  # per column, one chunk per batch (lists, numpy or Arrow arrays)
         p = plan(self._last.cursor, ones, self._last.cap_rows)
         self._last.write(p, {str(layer): [a] for layer, a in last_rows.items()}, ones)
-        cols["shard_index"] += p.shard_of.tolist()
-        cols["row_offset"] += p.offset_of.tolist()
+        cols["shard_index"].append(p.shard_of)
+        cols["row_offset"].append(p.offset_of)
         if self._seq is not None:
             seq_counts = counts - 1
             p = plan(self._seq.cursor, seq_counts, self._seq.cap_rows)
             self._seq.write(p, {str(layer): [a] for layer, a in batch.hidden.items()}, seq_counts, packed_counts=counts)
-            cols["_seq_shard"] += p.shard_of.tolist()
-            cols["_seq_offset"] += p.offset_of.tolist()
+            cols["_seq_shard"].append(p.shard_of)
+            cols["_seq_offset"].append(p.offset_of)
         if self._logits is not None:
             p = plan(self._logits.cursor, ones, self._logits.cap_rows)
             self._logits.write(p, {"all": list(batch.logits)}, ones)
-            cols["shard_index_logits"] += p.shard_of.tolist()
-            cols["row_offset_logits"] += p.offset_of.tolist()
+            cols["shard_index_logits"].append(p.shard_of)
+            cols["row_offset_logits"].append(p.offset_of)
         if self._stats:
             for layer, a in batch.hidden.items():  # every stored vector: last tokens, and the others when kept
                 x = bfloat16_bits_to_float32(a) if self.spec.dtype == "bfloat16" else a
                 self._stats[layer] = self._stats[layer].merge(RunningStats.of(x))
-        cols["text"] += batch.texts
-        cols["label"] += batch.labels
-        cols["num_tokens"] += counts.tolist()
-        cols["_position"] += batch.positions
+        cols["text"].append(batch.texts)
+        cols["label"].append(batch.labels)
+        cols["num_tokens"].append(counts)
+        cols["_position"].append(batch.positions)
         for name, vals in batch.columns.items():
-            cols[name] += vals
+            cols[name].append(vals)
         self.num_prompts += b
         self._n_pending += b
+        self._n_pending_tokens += int(counts.sum())
         if (
             time.monotonic() - self._last_checkpoint >= self.checkpoint_interval
             or self._n_pending >= _MAX_PENDING_ROWS
+            or self._n_pending_tokens >= _MAX_PENDING_TOKENS
         ):
             self.checkpoint()
 
@@ -415,6 +421,7 @@ class DatasetWriter:
             self._n_parts += 1
             self._pending = {c: [] for c in self._pending}
             self._n_pending = 0
+            self._n_pending_tokens = 0
         stats_name = None
         if self._stats:
             # named per checkpoint: a crash between this file and state.json must not pair the old
