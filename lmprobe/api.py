@@ -47,6 +47,12 @@ def extract(
     compute_dtype: str = "auto",
     text_column: str = "text",
     label_column: str | None = "label",
+    dataset_config: str | None = None,
+    split: str = "train",
+    context_len: int | None = None,
+    max_tokens: int | str | None = None,
+    special_tokens: bool = True,
+    space_check: bool = True,
     revision: str | None = None,
     trust_remote_code: bool = False,
     backend: Literal["transformers", "nnsight"] = "transformers",
@@ -64,6 +70,10 @@ def extract(
 
     >>> ds = lmprobe.extract("lmprobe-tiny", "examples/prompts.jsonl", out="out/tiny")  # doctest: +SKIP
     >>> ds.hidden(ds.layers[-1]).shape                                                  # doctest: +SKIP
+
+    ``prompts`` may also be a folder of prompt files or a Hugging Face dataset
+    (``hf://datasets/OWNER/NAME``). With ``context_len`` or ``max_tokens`` it is read as a corpus:
+    streamed, every document cut into windows, one row each, up to exactly ``max_tokens`` tokens.
 
     Every option is a field of ``lmprobe.ExtractionConfig`` (its docstrings say what each does).
     Re-running the same call after an interruption continues where it stopped; a different

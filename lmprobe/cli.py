@@ -10,7 +10,7 @@ from pathlib import Path
 from . import api, summary
 from .demo import write_demo
 from .display import escape_controls
-from .errors import LmprobeError
+from .errors import InvalidArgumentError, LmprobeError
 from .extraction.config import ExtractionConfig
 from .extraction.model import parse_layers
 from .extraction.runner import run
@@ -22,6 +22,7 @@ from .sae.cli import add_topk_arguments, run_topk
 from .sae.export import export_sae
 from .saev import export_saev, is_saev_folder, validate_saev
 from .storage.hub import check_repo_id
+from .units import parse_count
 from .version import __version__
 
 
@@ -61,9 +62,11 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     ds = run(cfg)
     if not args.quiet:
         h = ds.info["tensors"]["hidden_layers"]
-        n_files = sum(1 for p in Path(args.out).rglob("*.safetensors"))
-        print(f"wrote {ds.num_prompts} prompts x {len(ds.layers)} layers x {ds.dim} dims ({h['storage']}, {ds.dtype}) "
-              f"to {args.out}: {n_files} shard files + index")
+        rows = f"{ds.num_prompts} prompts"
+        if cfg.corpus:
+            n_tokens = int(ds.column("num_tokens").sum())
+            rows = f"{ds.num_prompts} windows ({n_tokens:,} tokens)"
+        print(f"wrote {rows} x {len(ds.layers)} layers x {ds.dim} dims ({h['storage']}, {ds.dtype}) to {args.out}")
     if args.push:
         api.push_to_hub(args.out, args.push, private=args.private, token=args.token, quiet=args.quiet)
     return 0
@@ -154,6 +157,13 @@ def _stored_layers(spec: str | None, stored: list[int]) -> list[int] | None:
     return parse_layers(spec, max(stored) + 1)
 
 
+def _count(text: str) -> int:
+    try:
+        return parse_count(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -180,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
         "perplexity) as an lmprobe dataset in DIR. Re-running after an interruption resumes.",
     )
     p.add_argument("--model", required=True, help="local model folder, Hub id, or lmprobe-tiny (the embedded model)")
-    p.add_argument("--prompts", required=True, metavar="FILE", help=".jsonl, .csv, .tsv, .parquet or .txt (one per line)")
+    p.add_argument("--prompts", required=True, metavar="SOURCE",
+                   help="a .jsonl, .csv, .tsv, .parquet or .txt file (one per line), a folder of them, or a Hugging Face "
+                   "dataset (hf://datasets/OWNER/NAME or OWNER/NAME)")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--layers", default="all", help="'all' (default), '0,3,-1', ranges like '10:20' (Python slice: 10..19)")
     p.add_argument("--storage", choices=["pooled", "full_sequence"], default="pooled",
@@ -199,6 +211,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", default="1GiB", help="shard byte budget, e.g. 512MB, 1GiB (default 1GiB)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--text-column", default="text")
+    p.add_argument("--dataset-config", default=None, metavar="NAME", help="configuration of a Hugging Face dataset source")
+    p.add_argument("--split", default="train", help="split of a Hugging Face dataset source (default train)")
+    p.add_argument("--context-len", type=_positive_int, default=None, metavar="T",
+                   help="corpus extraction: cut every document into windows of at most T tokens, one row each")
+    p.add_argument("--max-tokens", type=_count, default=None, metavar="N",
+                   help="corpus extraction: stop at exactly N stored tokens, e.g. 50M (windows of the model's "
+                   "length unless --context-len)")
+    p.add_argument("--no-special-tokens", dest="special_tokens", action="store_false",
+                   help="corpus extraction: add no special tokens (BOS, ...) to the windows")
+    p.add_argument("--no-space-check", dest="space_check", action="store_false",
+                   help="start even when the output's disk has less free space than the planned bytes")
     p.add_argument("--label-column", default="label", help="label column (int or string); optional when 'label'")
     p.add_argument("--revision", default=None, help="model revision (branch, tag or commit) on the Hub")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own Python code to run")

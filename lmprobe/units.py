@@ -60,3 +60,29 @@ def format_size(n: int) -> str:
             return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+_COUNT_UNITS = {"": 1, "k": 1000, "m": 1000**2, "b": 1000**3, "g": 1000**3, "t": 1000**4}
+
+
+def parse_count(value: int | str) -> int:
+    """Parse a count of things such as tokens: an int, or ``"50M"``, ``"2.5B"``, ``"100k"``, ``"1e8"``.
+
+    >>> parse_count("50M"), parse_count("2.5B"), parse_count("1e8"), parse_count(7)
+    (50000000, 2500000000, 100000000, 7)
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        match = re.match(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([a-zA-Z]?)\s*$", str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _COUNT_UNITS or isinstance(value, bool):
+            raise InvalidArgumentError(f"cannot read {value!r} as a count: use a whole number, optionally with "
+                                       "k, M or B (thousands, millions, billions), e.g. 50M")
+        x = float(match.group(1)) * _COUNT_UNITS[unit]
+        if not x.is_integer():
+            raise InvalidArgumentError(f"{value!r} is not a whole number")
+        n = int(x)
+    if n <= 0:
+        raise InvalidArgumentError(f"a count must be positive, got {value!r}")
+    return n

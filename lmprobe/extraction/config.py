@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from ..errors import ExtractionError
 from ..format.spec import HIDDEN_DTYPES, STORAGES
-from ..units import parse_size
+from ..units import parse_count, parse_size
 
 BACKENDS = ("transformers", "nnsight")
 
@@ -25,7 +25,8 @@ class ExtractionConfig:
     model: str
     """A local model folder, a Hub model id, or ``lmprobe-tiny`` (the model shipped inside lmprobe)."""
     prompts: Any
-    """A prompt file (.jsonl/.csv/.tsv/.parquet/.txt), a list of strings or dicts, or a pandas DataFrame."""
+    """A prompt file (.jsonl/.csv/.tsv/.parquet/.txt), a folder of them, a Hugging Face dataset
+    (``hf://datasets/OWNER/NAME`` or ``OWNER/NAME``), a list of strings or dicts, or a pandas DataFrame."""
     out: str | os.PathLike
     """The output folder, or an object-storage URL such as ``s3://bucket/prefix``."""
     layers: str | int | list[int] | None = "all"
@@ -58,6 +59,18 @@ class ExtractionConfig:
     """The prompt text column of a table source."""
     label_column: str | None = "label"
     """The label column (ints or strings); optional when it is the default ``label``."""
+    dataset_config: str | None = None
+    """The configuration (subset) of a Hugging Face dataset source."""
+    split: str = "train"
+    """The split of a Hugging Face dataset source."""
+    context_len: int | None = None
+    """Corpus extraction: cut every document into windows of at most this many tokens, one row each."""
+    max_tokens: int | str | None = None
+    """Corpus extraction: stop at exactly this many stored tokens (and stop reading the source); ``"50M"`` works."""
+    special_tokens: bool = True
+    """Corpus extraction: add the tokenizer's special tokens (BOS, ...) to every window, within ``context_len``."""
+    space_check: bool = True
+    """Stop before the model runs when the output's disk has less free space than the planned bytes."""
     revision: str | None = None
     """Model revision (branch, tag or commit) on the Hub; the commit is recorded."""
     trust_remote_code: bool = False
@@ -114,11 +127,36 @@ class ExtractionConfig:
         if self.chat_template and self.truncate:
             bad("--truncate cannot be combined with --chat-template (it would cut the template); "
                 "shorten the prompts or raise --max-length")
+        if isinstance(self.max_tokens, str):
+            object.__setattr__(self, "max_tokens", parse_count(self.max_tokens))  # "50M"
+        for name in ("context_len", "max_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                bad(f"{name} must be a positive integer, got {v!r}")
+        if self.corpus:
+            flag = "--context-len" if self.context_len is not None else "--max-tokens"
+            for name, on in (("--chat-template", self.chat_template), ("--drop-special-tokens", self.drop_special_tokens),
+                             ("--truncate", self.truncate), ("--max-length", self.max_length)):
+                if on:
+                    hint = {"--drop-special-tokens": "; --no-special-tokens adds none to the windows",
+                            "--truncate": "; windows cover every token of a document",
+                            "--max-length": "; --context-len sets the window length"}.get(name, "")
+                    bad(f"{name} does not apply to corpus extraction ({flag}){hint}")
+            if self.label_column not in (None, "label"):
+                bad(f"corpus extraction ({flag}) stores windows of documents, not labelled prompts; each row's "
+                    "`document` column names its record in the source, to join labels on")
+        if not isinstance(self.split, str) or not self.split:
+            bad(f"split must name a split of the dataset, got {self.split!r}")
         if not isinstance(self.checkpoint_interval, (int, float)) or self.checkpoint_interval < 0:
             bad(f"checkpoint_interval must be a number of seconds >= 0, got {self.checkpoint_interval!r}")
         if self.out is None or str(self.out) == "":
             bad("out must name an output folder or URL")
         parse_size(self.shard_size)  # raises on a bad size
+
+    @property
+    def corpus(self) -> bool:
+        """Documents streamed into context windows (``context_len`` or ``max_tokens`` given)."""
+        return self.context_len is not None or self.max_tokens is not None
 
     @property
     def shard_bytes(self) -> int:
@@ -128,18 +166,22 @@ class ExtractionConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
-    def settings(self, *, model_name: str, revision: str | None, prompts_sha256: str, num_prompts: int,
-                 layers: list[int], max_length: int | None) -> dict[str, Any]:
+    def settings(self, *, model_name: str, revision: str | None, layers: list[int], max_length: int | None,
+                 prompts_sha256: str | None = None, num_prompts: int | None = None,
+                 source: dict[str, Any] | None = None) -> dict[str, Any]:
         """The settings recorded in the dataset (``lmprobe:extraction``) and compared when resuming.
 
-        Values are resolved (layer indices, the model's commit, the prompt set's hash), so that
-        the same work asked for in other words still matches.
+        Values are resolved (layer indices, the model's commit, the prompt set's hash or the
+        source's identity), so that the same work asked for in other words still matches.
         """
-        return {
+        what: dict[str, Any] = {"prompts_sha256": prompts_sha256, "num_prompts": num_prompts}
+        if self.corpus:
+            what = {"source": source, "context_len": max_length, "max_tokens": self.max_tokens,
+                    "special_tokens": self.special_tokens}
+        out = {
             "model": model_name,
             "revision": revision,
-            "prompts_sha256": prompts_sha256,
-            "num_prompts": num_prompts,
+            **what,
             "layers": layers,
             "storage": self.storage,
             "dtype": self.dtype,
@@ -156,5 +198,9 @@ class ExtractionConfig:
             "statistics": self.statistics,
             "drop_special_tokens": self.drop_special_tokens,
             "chat_template": self.chat_template,
-            "processing_order": "length_descending",
+            "processing_order": "source" if self.corpus else "length_descending",
         }
+        if self.corpus:
+            for name in ("max_length", "truncate", "drop_special_tokens", "chat_template"):
+                del out[name]
+        return out

@@ -1,23 +1,25 @@
-"""Prompt sources: JSONL, CSV, Parquet, plain text, a Python list or a pandas DataFrame.
+"""Prompts: every record of a source read into memory and checked, for prompt-mode extraction.
 
-Everything is read and checked before a model loads: an empty or non-string text, a missing
-column or a label column that mixes types is an error naming the line.
+A source is a file (JSONL, CSV, TSV, Parquet, plain text), a folder of such files, a Hugging Face
+dataset, a Python list or a pandas DataFrame (:mod:`.sources` reads them). Everything is read
+and checked before a model loads: an empty or non-string text, a missing column or a label
+column that mixes types is an error naming the line. A source with an ``input_ids`` column of
+integer lists is pretokenized: its ids are the model's input as they are.
+
+Corpus extraction (``--context-len``/``--max-tokens``) streams its source instead (:mod:`.corpus`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..errors import PromptError
 from ..format.spec import RESERVED_COLUMNS
 from ..format.values import infer_column_type, is_null
-from ..safeio import loads
+from .sources import PRETOKENIZED_COLUMN, Record, Source, open_source
 
 
 @dataclass
@@ -28,6 +30,8 @@ class Prompts:
     columns: dict[str, list[Any]] = field(default_factory=dict)
     column_types: dict[str, str] = field(default_factory=dict)
     source: str = "<memory>"
+    input_ids: list[list[int]] | None = None  # pretokenized prompts: the model's input ids, as given
+    locations: list[str] | None = None  # where each prompt is in its source ("line 3"), for messages
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -36,27 +40,34 @@ class Prompts:
         """SHA-256 over texts, labels and user columns: identifies the prompt set for resuming."""
         h = hashlib.sha256()
         payload = {"texts": self.texts, "labels": self.labels, "columns": self.columns}
+        if self.input_ids is not None:
+            payload["input_ids"] = self.input_ids
         h.update(json.dumps(payload, sort_keys=True, default=str).encode())
         return h.hexdigest()
 
+    def subset(self, lo: int, hi: int) -> Prompts:
+        """Prompts ``lo`` to ``hi`` (one process's share of a multi-process extraction)."""
+        return Prompts(self.texts[lo:hi], self.labels[lo:hi] if self.labels is not None else None, self.label_type,
+                       {c: v[lo:hi] for c, v in self.columns.items()}, self.column_types, self.source,
+                       self.input_ids[lo:hi] if self.input_ids is not None else None,
+                       self.locations[lo:hi] if self.locations is not None else None)
 
-def _where(kind: Any, i: int) -> str:
-    """Where prompt ``i`` came from, for messages; ``kind`` may be a list of file line numbers."""
-    if isinstance(kind, list):
-        return f"line {kind[i]}"
-    return {"csv": f"line {i + 2}", "txt": f"line {i + 1}", "parquet": f"row {i}"}.get(kind, f"prompt {i}")
+    def where(self, i: int) -> str:
+        """Where prompt ``i`` is, for messages: "prompts.jsonl, line 4"."""
+        return f"{self.source}, {self.locations[i] if self.locations else f'prompt {i}'}"
 
 
-def _from_records(records: list[dict], kind: Any, source: str, text_column: str, label_column: str | None,
+def _from_records(records: list[Record], source: str, text_column: str, label_column: str | None,
                   label_required: bool) -> Prompts:
     if not records:
         raise PromptError(f"{source}: no prompts found")
     names: list[str] = []
     for r in records:
-        for k in r:
+        for k in r.values:
             if k not in names:
                 names.append(k)
-    if text_column not in names:
+    pretokenized = PRETOKENIZED_COLUMN in names
+    if text_column not in names and not pretokenized:
         raise PromptError(
             f"{source}: no {text_column!r} column (columns: {names}); pass --text-column NAME to choose the text column"
         )
@@ -64,34 +75,23 @@ def _from_records(records: list[dict], kind: Any, source: str, text_column: str,
         if label_required:
             raise PromptError(f"{source}: no label column {label_column!r} (columns: {names})")
         label_column = None
-    texts: list[str] = []
-    for i, r in enumerate(records):
-        t = r.get(text_column)
-        if not isinstance(t, str):
-            raise PromptError(f"{source}, {_where(kind, i)}: {text_column!r} must be a string, got {t!r}")
-        if not t.strip():
-            raise PromptError(f"{source}, {_where(kind, i)}: {text_column!r} is empty")
-        try:
-            t.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise PromptError(f"{source}, {_where(kind, i)}: {text_column!r} contains an unpaired surrogate "
-                              f"({t[exc.start]!r}), which is not Unicode text; fix the JSON escape") from None
-        texts.append(t)
+    input_ids = [check_token_ids(r.values.get(PRETOKENIZED_COLUMN), r) for r in records] if pretokenized else None
+    texts = [record_text(r, text_column, required=not pretokenized) for r in records]
     labels = label_type = None
     if label_column is not None:
-        labels, label_type = _labels([r.get(label_column) for r in records], kind, source, label_column)
+        labels, label_type = _labels(records, label_column)
     columns: dict[str, list[Any]] = {}
     types: dict[str, str] = {}
     for name in names:
-        if name in (text_column, label_column):
+        if name in (text_column, label_column, PRETOKENIZED_COLUMN):
             continue
         if name in RESERVED_COLUMNS:
             raise PromptError(f"{source}: column {name!r} collides with a column of the lmprobe index; rename it")
-        values = [r.get(name) for r in records]
-        for i, v in enumerate(values):
+        values = [r.values.get(name) for r in records]
+        for r, v in zip(records, values, strict=True):
             if isinstance(v, (list, dict)):
                 raise PromptError(
-                    f"{source}, {_where(kind, i)}: column {name!r} holds a {type(v).__name__}; user columns hold "
+                    f"{r.where}: column {name!r} holds a {type(v).__name__}; user columns hold "
                     "strings, numbers or booleans (flatten or JSON-encode it)"
                 )
         try:
@@ -99,15 +99,52 @@ def _from_records(records: list[dict], kind: Any, source: str, text_column: str,
         except (TypeError, ValueError) as exc:
             raise PromptError(f"{source}: {exc}") from None
         columns[name] = [None if is_null(v) else v for v in values]
-    return Prompts(texts, labels, label_type, columns, types, source)
+    return Prompts(texts, labels, label_type, columns, types, source, input_ids, [r.at for r in records])
 
 
-def _labels(values: list[Any], kind: str, source: str, column: str) -> tuple[list[Any], str | None]:
+def record_text(r: Record, text_column: str, *, required: bool = True) -> str:
+    """The text of record ``r``, checked: a non-empty string of Unicode text ("" when not required and absent)."""
+    t = r.values.get(text_column)
+    if t is None and not required:
+        return ""
+    if not isinstance(t, str):
+        raise PromptError(f"{r.where}: {text_column!r} must be a string, got {t!r}")
+    if not t.strip() and required:
+        raise PromptError(f"{r.where}: {text_column!r} is empty")
+    try:
+        t.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PromptError(f"{r.where}: {text_column!r} contains an unpaired surrogate "
+                          f"({t[exc.start]!r}), which is not Unicode text; fix the JSON escape") from None
+    return t
+
+
+def check_token_ids(ids: Any, r: Record, vocab_size: int | None = None) -> list[int]:
+    """A pretokenized record's ``input_ids``: a non-empty list of integers in the vocabulary."""
+    import numpy as np
+
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)) or not ids or not all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in ids):
+        raise PromptError(f"{r.where}: {PRETOKENIZED_COLUMN!r} must be a non-empty list of integers (token ids), "
+                          f"got {str(ids)[:60]}")
+    ids = [int(x) for x in ids]
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+        bad = lo if lo < 0 else hi
+        raise PromptError(f"{r.where}: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1 if vocab_size else '?'}); "
+                          "were these ids made with another tokenizer?")
+    return ids
+
+
+def _labels(records: list[Record], column: str) -> tuple[list[Any], str | None]:
     import numpy as np
 
     out: list[Any] = []
-    seen: dict[str, int] = {}
-    for i, v in enumerate(values):
+    seen: dict[str, Record] = {}
+    for r in records:
+        v = r.values.get(column)
         if is_null(v):
             out.append(None)
             continue
@@ -120,24 +157,25 @@ def _labels(values: list[Any], kind: str, source: str, column: str) -> tuple[lis
         elif isinstance(v, str):
             kind_i = "string"
         else:
-            raise PromptError(f"{source}, {_where(kind, i)}: label {v!r} is neither an integer nor a string")
+            raise PromptError(f"{r.where}: label {v!r} is neither an integer nor a string")
         if seen and kind_i not in seen:
-            first = next(iter(seen.values()))
+            first_kind, first = next(iter(seen.items()))
             raise PromptError(
-                f"{source}, {_where(kind, i)}: label {v!r} is a {kind_i} but {_where(kind, first)} has a "
-                f"{next(iter(seen))} label; a label column holds integers or strings, not both"
+                f"{r.where}: label {v!r} is a {kind_i} but {first.at} has a {first_kind} label; a label column "
+                "holds integers or strings, not both"
             )
-        seen.setdefault(kind_i, i)
+        seen.setdefault(kind_i, r)
         if kind_i == "int" and not -(2**31) <= v < 2**31:
-            raise PromptError(f"{source}, {_where(kind, i)}: label {v} does not fit in int32")
+            raise PromptError(f"{r.where}: label {v} does not fit in int32")
         out.append(v)
     if not seen:
         return out, None
     return out, next(iter(seen))
 
 
-def read_prompts(source: Any, *, text_column: str = "text", label_column: str | None = "label") -> Prompts:
-    """Read prompts from a file path, a list of strings/dicts, or a pandas DataFrame.
+def read_prompts(source: Any, *, text_column: str = "text", label_column: str | None = "label",
+                 dataset_config: str | None = None, split: str = "train") -> Prompts:
+    """Read every prompt of ``source``: a file or folder path, a Hub dataset, a list of strings/dicts, or a DataFrame.
 
     A label column named explicitly (anything but the default "label") must exist; the default
     one is used when present.
@@ -145,81 +183,7 @@ def read_prompts(source: Any, *, text_column: str = "text", label_column: str | 
     >>> read_prompts(["The cat sat.", "A dog ran."]).texts
     ['The cat sat.', 'A dog ran.']
     """
+    src = source if isinstance(source, Source) else open_source(source, text_column=text_column, config=dataset_config,
+                                                                split=split)
     label_required = label_column not in (None, "label")
-    try:
-        import pandas as pd
-    except ImportError:  # pragma: no cover - pandas is a dependency
-        pd = None
-    if pd is not None and isinstance(source, pd.DataFrame):
-        records = source.to_dict(orient="records")
-        return _from_records(records, "frame", "DataFrame", text_column, label_column, label_required)
-    if isinstance(source, (str, os.PathLike)) and not (isinstance(source, str) and "\n" in source):
-        return _read_file(Path(source), text_column, label_column, label_required)
-    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
-        items = list(source)
-        if all(isinstance(x, str) for x in items):
-            records = [{text_column: x} for x in items]
-        elif all(isinstance(x, dict) for x in items):
-            records = items
-        else:
-            bad = next(i for i, x in enumerate(items) if not isinstance(x, (str, dict)))
-            raise PromptError(f"prompt {bad}: expected a string (or a dict with {text_column!r}), got {items[bad]!r}")
-        return _from_records(records, "list", "prompts", text_column, label_column, label_required)
-    raise PromptError(f"cannot read prompts from {type(source).__name__}; pass a file path, a list or a DataFrame")
-
-
-def text_lines(path: Path):
-    """(line number, text) of every line of a UTF-8 file; a line that is not UTF-8 is an error naming it."""
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f, start=1):
-            try:
-                yield i, raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise PromptError(f"{path}, line {i}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
-                                  f"{exc.start + 1}); save the file as UTF-8") from None
-
-
-def _read_file(path: Path, text_column: str, label_column: str | None, label_required: bool) -> Prompts:
-    if path.is_dir():
-        raise PromptError(f"{path} is a folder; pass a prompt file (.jsonl, .csv, .tsv, .parquet or .txt)")
-    if not path.is_file():
-        raise PromptError(f"prompt file {path} does not exist")
-    suffix = path.suffix.lower()
-    src = str(path)
-    if suffix in (".jsonl", ".ndjson"):
-        records = []
-        for lineno, line in text_lines(path):
-            i = lineno - 1
-            if not line.strip():
-                continue
-            obj = loads(line, what=f"{src}, line {lineno}", error=PromptError)
-            if isinstance(obj, str):
-                obj = {text_column: obj}
-            if not isinstance(obj, dict):
-                raise PromptError(f"{src}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
-            records.append((i, obj))
-        line_numbers = [i + 1 for i, _ in records]  # file lines, blank lines skipped
-        return _from_records([r for _, r in records], line_numbers, src, text_column, label_column, label_required)
-    if suffix in (".csv", ".tsv"):
-        import pandas as pd
-
-        # the text column is text even when it looks like a number ("007")
-        df = pd.read_csv(path, sep="\t" if suffix == ".tsv" else ",", keep_default_na=True, dtype_backend="numpy_nullable",
-                         dtype={text_column: str}, encoding="utf-8")
-        records = [{k: (None if is_null(v) else (v.item() if hasattr(v, "item") else v)) for k, v in r.items()}
-                   for r in df.to_dict(orient="records")]
-        return _from_records(records, "csv", src, text_column, label_column, label_required)
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        records = pq.read_table(path).to_pylist()
-        return _from_records(records, "parquet", src, text_column, label_column, label_required)
-    if suffix in (".txt", ".text", ""):
-        lines = [line.rstrip("\r\n") for _, line in text_lines(path)]
-        while lines and not lines[-1].strip():
-            lines.pop()
-        for i, line in enumerate(lines):
-            if not line.strip():
-                raise PromptError(f"{src}, line {i + 1}: empty prompt (plain-text files hold one prompt per line)")
-        return _from_records([{text_column: x} for x in lines], "txt", src, text_column, None, False)
-    raise PromptError(f"{src}: unknown prompt file type {suffix!r}; use .jsonl, .csv, .tsv, .parquet or .txt")
+    return _from_records(list(src.records()), src.description, text_column, label_column, label_required)

@@ -27,10 +27,20 @@ from ..format.writer import DatasetWriter
 from ..opening import open_object_store
 from ..paths import check_output_path
 from ..storage.objectstore import UploadSink, cache_dir, is_object_store_url
+from ..units import format_size
 from ..worker import BackgroundWorker
 from .backend_hf import TransformersBackend
 from .backend_nnsight import build_backend, check_api_key, nnsight_version, require_nnsight
 from .config import ExtractionConfig
+from .corpus import (
+    CorpusPlan,
+    TokenProgress,
+    batches,
+    check_first_record,
+    pad,
+    progress_after,
+    stream_windows,
+)
 from .model import (
     ModelSpec,
     find_blocks,
@@ -40,8 +50,10 @@ from .model import (
     pick_device,
     read_model_spec,
 )
-from .prompts import Prompts, read_prompts
+from .prompts import Prompts, check_token_ids, read_prompts
+from .sources import Record, open_source
 from .tokens import Encoder
+from .windows import Budget, affixes_of
 
 
 @dataclass
@@ -49,12 +61,13 @@ class _Job:
     """An extraction whose inputs have been read and checked: what the runner needs besides the config."""
 
     config: ExtractionConfig
-    prompts: Prompts
+    prompts: Prompts | None  # prompt mode: every prompt, read and checked
     spec: ModelSpec
     tokenizer: Any
-    lengths: np.ndarray  # model input length of every prompt (after truncation)
+    lengths: np.ndarray | None  # prompt mode: model input length of every prompt (after truncation)
     settings: dict[str, Any]  # recorded in the dataset and compared on resume
     device: str
+    corpus: CorpusPlan | None = None  # corpus mode: the source and its windows
 
 
 def _default_max_length(tok: Any, config: Any) -> int | None:
@@ -68,7 +81,7 @@ def _default_max_length(tok: Any, config: Any) -> int | None:
 
 
 def _where(prompts: Prompts, i: int) -> str:
-    return f"prompt {i}" if prompts.source in ("prompts", "DataFrame", "<memory>") else f"{prompts.source} prompt {i}"
+    return f"prompt {i}" if prompts.source in ("prompts", "DataFrame", "<memory>") else prompts.where(i)
 
 
 def _prepare(cfg: ExtractionConfig) -> _Job:
@@ -77,8 +90,13 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
         require_nnsight()
         if cfg.remote is True:
             check_api_key()
-    p = cfg.prompts if isinstance(cfg.prompts, Prompts) else read_prompts(
-        cfg.prompts, text_column=cfg.text_column, label_column=cfg.label_column)
+    if cfg.corpus:
+        p = None
+        source = open_source(cfg.prompts, text_column=cfg.text_column, config=cfg.dataset_config, split=cfg.split)
+    else:
+        p = cfg.prompts if isinstance(cfg.prompts, Prompts) else read_prompts(
+            cfg.prompts, text_column=cfg.text_column, label_column=cfg.label_column, dataset_config=cfg.dataset_config,
+            split=cfg.split)
     spec = read_model_spec(cfg.model, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     layer_list = parse_layers(cfg.layers, spec.num_layers)
     if (cfg.logits_topk or cfg.perplexity) and not spec.causal_lm:
@@ -90,15 +108,20 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
         )
     text_cfg = spec.config.get_text_config() if hasattr(spec.config, "get_text_config") else spec.config
     vocab = getattr(text_cfg, "vocab_size", None)
-    if cfg.logits_topk and isinstance(vocab, int) and cfg.logits_topk > vocab:
+    vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
+    if cfg.logits_topk and vocab and cfg.logits_topk > vocab:
         raise ExtractionError(f"logits_topk={cfg.logits_topk} is larger than the vocabulary ({vocab})")
     dev = pick_device(cfg.device)
 
     tok = load_tokenizer(spec)
     limit = cfg.max_length or _default_max_length(tok, spec.config)
+    if p is None:
+        return _prepare_corpus(cfg, source, spec, tok, limit, vocab, layer_list, dev)
+    if p.input_ids is not None:
+        _check_pretokenized(cfg, p, tok, vocab)
     encoder = Encoder(tok, chat_template=cfg.chat_template, drop_special_tokens=cfg.drop_special_tokens,
                       max_length=limit, truncate=cfg.truncate)
-    lengths, stored = encoder.lengths(p.texts)
+    lengths, stored = encoder.lengths(p.texts, ids=p.input_ids)
     if lengths.min(initial=1) < 1 or stored.min(initial=1) < 1:
         i = int(np.argmin(np.minimum(lengths, stored)))
         raise ExtractionError(f"{_where(p, i)} leaves no token to store: {p.texts[i]!r}")
@@ -109,12 +132,45 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
             raise ExtractionError(
                 f"{_where(p, i)} has {lengths[i]} tokens, more than --max-length {limit} "
                 f"({len(too_long)} prompt(s) are too long); pass --truncate left (keep the end) or "
-                "--truncate right (keep the start), or a larger --max-length"
+                "--truncate right (keep the start), or a larger --max-length, or --context-len to cut long "
+                "documents into windows"
             )
         lengths = np.minimum(lengths, limit)
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=p.fingerprint(),
                             num_prompts=len(p), layers=layer_list, max_length=limit)
     return _Job(cfg, p, spec, tok, lengths, settings, dev)
+
+
+def _check_pretokenized(cfg: ExtractionConfig, p: Prompts, tok: Any, vocab: int | None) -> None:
+    """Pretokenized prompts run as given: their ids must fit the model; text-only options do not apply."""
+    for name, on in (("--chat-template", cfg.chat_template), ("--drop-special-tokens", cfg.drop_special_tokens)):
+        if on:
+            raise ExtractionError(f"{p.source} is pretokenized (an input_ids column): {name} needs text; the ids run "
+                                  "as they are")
+    for i, ids in enumerate(p.input_ids or []):
+        check_token_ids(ids, Record(i, p.source, p.where(i).removeprefix(f"{p.source}, "), {}), vocab)
+        if not p.texts[i]:
+            p.texts[i] = tok.decode(ids)
+
+
+def _prepare_corpus(cfg: ExtractionConfig, source: Any, spec: ModelSpec, tok: Any, limit: int | None,
+                    vocab: int | None, layer_list: list[int], dev: str) -> _Job:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ExtractionError("corpus extraction (--context-len/--max-tokens) runs in one process per output; "
+                              "split the corpus and run one extraction per part, then `lmprobe merge` them")
+    context_len = cfg.context_len or limit
+    if context_len is None:
+        raise ExtractionError(f"{spec.name} states no length limit; pass --context-len to choose the window length")
+    if limit is not None and context_len > limit:
+        raise ExtractionError(f"--context-len {context_len} is longer than {spec.name}'s limit of {limit} tokens; "
+                              f"pass --context-len {limit} or less")
+    affixes = affixes_of(tok, special_tokens=cfg.special_tokens)
+    affixes.content_per_window(context_len)  # room for content, or a clear error now
+    check_first_record(source, cfg.text_column, vocab)
+    settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, layers=layer_list,
+                            max_length=context_len, source=source.identity())
+    plan = CorpusPlan(source, affixes, context_len, cfg.max_tokens, vocab)
+    return _Job(cfg, None, spec, tok, None, settings, dev, corpus=plan)
 
 
 def run(cfg: ExtractionConfig) -> Dataset:
@@ -210,8 +266,8 @@ def _extract_to(job: _Job, out: Path, *, on_file_complete: Any = None, reopen: b
         dtype=cfg.dtype,
         shard_size=cfg.shard_bytes,
         logits_k=cfg.logits_topk,
-        label_type=job.prompts.label_type,
-        columns=job.prompts.column_types,
+        label_type=job.prompts.label_type if job.prompts else None,
+        columns=job.prompts.column_types if job.prompts else None,
         perplexity=cfg.perplexity,
         token_ids=settings["token_ids"],
         token_strings=cfg.token_strings,
@@ -221,12 +277,17 @@ def _extract_to(job: _Job, out: Path, *, on_file_complete: Any = None, reopen: b
         fingerprint=settings,
         checksums=cfg.checksums,
         statistics=cfg.statistics,
+        corpus=job.corpus is not None,
         overwrite=cfg.overwrite,
         checkpoint_interval=cfg.checkpoint_interval,
         on_file_complete=on_file_complete,
     )
     try:
-        _run(writer, job)
+        _announce(job, writer, out, local=on_file_complete is None)
+        if job.corpus is not None:
+            _run_corpus(writer, job)
+        else:
+            _run(writer, job)
     except BaseException:
         writer.abort()
         raise
@@ -254,8 +315,7 @@ def _extract_distributed(job: _Job, out: Path) -> Dataset:
     if not done:
         n = len(p)
         lo, hi = rank * n // world, (rank + 1) * n // world
-        part = Prompts(p.texts[lo:hi], p.labels[lo:hi] if p.labels is not None else None, p.label_type,
-                       {c: v[lo:hi] for c, v in p.columns.items()}, p.column_types, p.source)
+        part = p.subset(lo, hi)
         part_settings = {**job.settings, "prompts_sha256": part.fingerprint(), "num_prompts": len(part),
                          "part": [rank, world]}
         parts_dir = out / ".lmprobe-parts"
@@ -325,7 +385,7 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: _Job, order
           bar: Any) -> None:
     import torch
 
-    cfg, p, tok = job.config, job.prompts, job.tokenizer
+    cfg, p = job.config, job.prompts
     out_dtype = torch_dtype(cfg.dtype)
     layers = job.settings["layers"]
     bs = cfg.batch_size
@@ -334,27 +394,17 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: _Job, order
         for s in range(done, len(order), bs):
             idx = order[s : s + bs]
             texts = [p.texts[i] for i in idx]
-            input_ids, attention_mask, keep = encoder.batch(texts)
+            input_ids, attention_mask, keep = encoder.batch(
+                texts, ids=[p.input_ids[i] for i in idx] if p.input_ids is not None else None)
             res = backend.run(input_ids, attention_mask, layers=layers, storage=cfg.storage, out_dtype=out_dtype,
                               logits_k=cfg.logits_topk, perplexity=cfg.perplexity,
                               keep=None if encoder.plain else keep)
-            item: dict[str, Any] = {"texts": texts, "hidden": res.hidden, "num_tokens": res.num_tokens,
-                                    "positions": idx}
+            item = _batch_item(job, texts, res)
+            item["positions"] = idx
             if p.label_type is not None:
                 item["labels"] = [p.labels[i] for i in idx]
             if p.columns:
                 item["columns"] = {c: [v[i] for i in idx] for c, v in p.columns.items()}
-            if cfg.logits_topk:
-                item["logits_values"], item["logits_indices"] = res.logits_values, res.logits_indices
-            if cfg.perplexity:
-                item["perplexity_mean"] = res.perplexity["mean"]
-                item["perplexity_min"] = res.perplexity["min"]
-                item["perplexity_max"] = res.perplexity["max"]
-                item["token_perplexity"] = res.perplexity["token"]
-            if job.settings["token_ids"]:
-                item["token_ids"] = res.token_ids
-            if cfg.token_strings:
-                item["token_strings"] = [tok.batch_decode([[t] for t in ids]) for ids in res.token_ids]
             bg.submit(item)
             n_tokens = int(res.num_tokens.sum())
             del item, res  # the writer owns the batch now; free it while the next one computes
@@ -362,6 +412,111 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: _Job, order
             if bar is not None:
                 bar.set_postfix_str(f"{tokens / max(time.monotonic() - t0, 1e-9):,.0f} tok/s", refresh=False)
                 bar.update(len(idx))
+
+
+def _batch_item(job: _Job, texts: list[str], res: Any) -> dict[str, Any]:
+    """The writer's ``add_batch`` arguments for one forward pass's results."""
+    cfg = job.config
+    item: dict[str, Any] = {"texts": texts, "hidden": res.hidden, "num_tokens": res.num_tokens}
+    if cfg.logits_topk:
+        item["logits_values"], item["logits_indices"] = res.logits_values, res.logits_indices
+    if cfg.perplexity:
+        item["perplexity_mean"] = res.perplexity["mean"]
+        item["perplexity_min"] = res.perplexity["min"]
+        item["perplexity_max"] = res.perplexity["max"]
+        item["token_perplexity"] = res.perplexity["token"]
+    if job.settings["token_ids"]:
+        item["token_ids"] = res.token_ids
+    if cfg.token_strings:
+        item["token_strings"] = [job.tokenizer.batch_decode([[t] for t in ids]) for ids in res.token_ids]
+    return item
+
+
+def _run_corpus(writer: DatasetWriter, job: _Job) -> None:
+    """Stream the source's documents as windows, in source order, until it ends or the budget is spent."""
+    import torch
+
+    cfg, plan, tok = job.config, job.corpus, job.tokenizer
+    assert plan is not None
+    budget = Budget(plan.max_tokens, writer.num_tokens)
+    if budget.spent:
+        return
+    bound_allocator_cache()
+    backend = _build_backend(job)
+    stream = stream_windows(plan, tok, cfg.text_column, resume=writer.progress, budget=budget)
+    out_dtype = torch_dtype(cfg.dtype)
+    layers = job.settings["layers"]
+    left = tok.padding_side == "left"
+    bg = BackgroundWorker(lambda item: writer.add_batch(**item), max_pending=1, name="lmprobe-writer")
+    bar = TokenProgress(plan.max_tokens, writer.num_tokens, cfg.quiet)
+    try:
+        with torch.inference_mode():
+            for batch in batches(stream, cfg.batch_size):
+                input_ids, attention_mask = pad(batch, tok.pad_token_id, left)
+                res = backend.run(input_ids, attention_mask, layers=layers, storage=cfg.storage, out_dtype=out_dtype,
+                                  logits_k=cfg.logits_topk, perplexity=cfg.perplexity)
+                item = _batch_item(job, [w.text for w in batch], res)
+                item["document"] = [w.document for w in batch]
+                item["window_start"] = [w.start for w in batch]
+                item["progress"] = progress_after(batch)
+                bg.submit(item)
+                bar.update(int(res.num_tokens.sum()), batch[-1].document + 1)
+                del item, res
+    except BaseException:
+        bg.stop()
+        if bg.error is None:
+            writer.checkpoint()  # keep every finished batch: the next run resumes after it
+        raise
+    finally:
+        bar.close()
+    bg.finish()
+
+
+def _planned_bytes(job: _Job, writer: DatasetWriter) -> tuple[int | None, str]:
+    """Bytes the extraction will still write (None when the source's length is unknown), and what they are."""
+    cfg = job.config
+    per_vector = len(job.settings["layers"]) * job.spec.hidden_size * np.dtype(
+        "float16" if cfg.dtype == "bfloat16" else cfg.dtype).itemsize
+    logits = (cfg.logits_topk or 0) * 8
+    what = f"{len(job.settings['layers'])} layers x {job.spec.hidden_size} dims, {cfg.dtype}"
+    if job.corpus is not None:
+        per_row = per_vector if cfg.storage == "full_sequence" else 0
+        if job.corpus.max_tokens is None:
+            return None, (f"every token of {job.corpus.source.description} in windows of {job.corpus.context_len} "
+                          f"({what}: {format_size(per_vector)} per {'token' if per_row else 'window'})")
+        left = job.corpus.max_tokens - writer.num_tokens
+        if cfg.storage == "full_sequence":
+            n = left * per_vector + (left // max(job.corpus.context_len, 1) + 1) * logits
+        else:  # pooled: one vector per window, at least max_tokens / context_len of them
+            n = (left // job.corpus.context_len + 1) * (per_vector + logits)
+        return n, f"{job.corpus.max_tokens:,} tokens in windows of {job.corpus.context_len} ({what})"
+    p, lengths = job.prompts, job.lengths
+    assert p is not None and lengths is not None
+    rows = len(p) - writer.num_prompts
+    order = np.lexsort((np.arange(len(p)), -lengths))
+    if cfg.storage == "full_sequence":
+        tokens = int(lengths[order[writer.num_prompts:]].sum())  # an upper bound when special tokens are dropped
+        return tokens * per_vector + rows * logits, f"{len(p):,} prompts, {int(lengths.sum()):,} tokens ({what})"
+    return rows * (per_vector + logits), f"{len(p):,} prompts ({what})"
+
+
+def _announce(job: _Job, writer: DatasetWriter, out: Path, *, local: bool) -> None:
+    """Say what is about to be written, and stop when the disk cannot hold it (before the model loads)."""
+    cfg = job.config
+    planned, what = _planned_bytes(job, writer)
+    if not cfg.quiet:
+        size = "size unknown (no --max-tokens)" if planned is None else f"about {format_size(planned)}"
+        resumed = f", resuming after {writer.num_prompts:,} rows" if writer.num_prompts else ""
+        print(f"lmprobe: writing {what}: {size}{resumed}", file=sys.stderr)
+    if planned is None or not cfg.space_check:
+        return
+    if not local and cfg.storage == "pooled":  # shards go to the bucket as they close
+        planned = min(planned, cfg.shard_bytes * (len(job.settings["layers"]) + 1))
+    free = shutil.disk_usage(out).free
+    if free < planned:
+        raise OutOfSpaceError(
+            f"{out} has {format_size(free)} free but this extraction will write about {format_size(planned)}; free "
+            "some space, choose another --out, or pass --no-space-check to start anyway")
 
 
 def _progress(total: int, initial: int, quiet: bool):

@@ -52,8 +52,12 @@ class Encoder:
                 for i, (a, b) in zip(ids, enc["offset_mapping"], strict=True)]
         return ids, keep
 
-    def lengths(self, texts: list[str], chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
-        """(model input lengths, stored token counts) of every prompt."""
+    def lengths(self, texts: list[str], chunk: int = 1024, ids: list[list[int]] | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """(model input lengths, stored token counts) of every prompt (``ids``: pretokenized prompts)."""
+        if ids is not None:
+            n = np.array([len(i) for i in ids], dtype=np.int64)
+            return n, n.copy()
         if self.plain:
             total = np.zeros(len(texts), dtype=np.int64)
             for s in range(0, len(texts), chunk):
@@ -64,27 +68,31 @@ class Encoder:
         return (np.array([len(i) for i, _ in pairs], dtype=np.int64),
                 np.array([sum(k) for _, k in pairs], dtype=np.int64))
 
-    def batch(self, texts: list[str]):
-        """Padded (input_ids, attention_mask, keep) tensors for one batch."""
-        import torch
-
-        if self.plain:
+    def batch(self, texts: list[str], ids: list[list[int]] | None = None):
+        """Padded (input_ids, attention_mask, keep) tensors for one batch (``ids``: pretokenized prompts)."""
+        if self.plain and ids is None:
             enc = self.tok(texts, add_special_tokens=True, padding=True, return_tensors="pt",
                            truncation=self.truncate is not None, max_length=self.max_length if self.truncate else None)
             return enc["input_ids"], enc["attention_mask"], enc["attention_mask"].bool()
-        pairs = [self.encode_one(t) for t in texts]
+        pairs = [(i, [True] * len(i)) for i in ids] if ids is not None else [self.encode_one(t) for t in texts]
         if self.truncate and self.max_length:
             cut = (lambda x: x[-self.max_length:]) if self.truncate == "left" else (lambda x: x[: self.max_length])
             pairs = [(cut(i), cut(k)) for i, k in pairs]
-        width = max(len(i) for i, _ in pairs)
-        pad = self.tok.pad_token_id
-        ids = torch.full((len(pairs), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(pairs), width), dtype=torch.long)
-        keep = torch.zeros((len(pairs), width), dtype=torch.bool)
-        left = self.tok.padding_side == "left"
-        for r, (i, k) in enumerate(pairs):
-            a = width - len(i) if left else 0
-            ids[r, a : a + len(i)] = torch.tensor(i)
-            mask[r, a : a + len(i)] = 1
-            keep[r, a : a + len(i)] = torch.tensor(k)
-        return ids, mask, keep
+        return pad_sequences([i for i, _ in pairs], self.tok.pad_token_id, left=self.tok.padding_side == "left",
+                             keep=[k for _, k in pairs])
+
+
+def pad_sequences(seqs: list[list[int]], pad_id: int, *, left: bool, keep: list[list[bool]] | None = None):
+    """(input_ids, attention_mask, keep) tensors of token id lists, padded on the left or the right."""
+    import torch
+
+    width = max(len(s) for s in seqs)
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    kept = np.zeros((len(seqs), width), dtype=bool)
+    for r, s in enumerate(seqs):
+        a = width - len(s) if left else 0
+        ids[r, a : a + len(s)] = s
+        mask[r, a : a + len(s)] = 1
+        kept[r, a : a + len(s)] = True if keep is None else keep[r]
+    return torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(kept)

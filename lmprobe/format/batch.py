@@ -37,7 +37,8 @@ def check_batch(spec: DatasetSpec, base: int, *, texts: Sequence[str], hidden: M
                 perplexity_min: Sequence[float] | None = None, perplexity_max: Sequence[float] | None = None,
                 token_ids: Sequence[Sequence[int]] | None = None, token_strings: Sequence[Sequence[str]] | None = None,
                 token_perplexity: Sequence[Sequence[float]] | None = None,
-                positions: Sequence[int] | None = None) -> CheckedBatch:
+                positions: Sequence[int] | None = None, document: Sequence[int] | None = None,
+                window_start: Sequence[int] | None = None) -> CheckedBatch:
     """Check a batch whose first prompt becomes row ``base``; raise naming the row and what to fix."""
     b = len(texts)
     counts = np.asarray(num_tokens, dtype=np.int64)
@@ -57,6 +58,7 @@ def check_batch(spec: DatasetSpec, base: int, *, texts: Sequence[str], hidden: M
             raise InvalidArgumentError(f"positions must hold {b} non-negative row numbers")
     out_columns = _check_format_columns(spec, b, base, counts, perplexity_mean, perplexity_min, perplexity_max,
                                         token_ids, token_strings, token_perplexity)
+    out_columns.update(_check_corpus_columns(spec, b, document, window_start))
     out_columns.update(_check_user_columns(spec, columns, b, base))
     return CheckedBatch(
         texts=list(texts),
@@ -67,6 +69,22 @@ def check_batch(spec: DatasetSpec, base: int, *, texts: Sequence[str], hidden: M
         logits=_check_logits(spec, logits_values, logits_indices, b),
         columns=out_columns,
     )
+
+
+def _check_corpus_columns(spec: DatasetSpec, b: int, document: Any, window_start: Any) -> dict[str, Any]:
+    if not spec.corpus:
+        if document is not None or window_start is not None:
+            raise InvalidArgumentError("document/window_start were given but the writer was created with corpus=False")
+        return {}
+    out = {}
+    for name, vals in (("document", document), ("window_start", window_start)):
+        if vals is None:
+            raise InvalidArgumentError(f"this dataset's rows are windows of documents; pass {name}")
+        a = np.asarray(to_numpy(vals))
+        if a.shape != (b,) or (b and (a.dtype.kind not in "iu" or a.min() < 0)):
+            raise InvalidArgumentError(f"{name} must hold {b} non-negative integers")
+        out[name] = a.astype(np.int64)
+    return out
 
 
 def _check_labels(spec: DatasetSpec, labels: Sequence[Any] | None, b: int, base: int) -> list:

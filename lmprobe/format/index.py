@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from ..atomic import atomic_output
 from ..errors import FormatError
-from .spec import DatasetSpec
+from .spec import CORPUS_COLUMNS, DatasetSpec
 from .values import COLUMN_TYPES
 
 #: Most rows in one row group of the index.
@@ -41,6 +41,8 @@ def staging_schema(spec: DatasetSpec) -> pa.Schema:
     ]
     if spec.full_sequence:
         fields += [("_seq_shard", pa.int32()), ("_seq_offset", pa.int64())]
+    if spec.corpus:
+        fields += list(CORPUS_COLUMNS.items())
     if spec.logits_k:
         fields += [("shard_index_logits", pa.int32()), ("row_offset_logits", pa.int32())]
     if spec.perplexity:

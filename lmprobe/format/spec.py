@@ -80,13 +80,18 @@ PERPLEXITY_COLUMNS: dict[str, pa.DataType] = {
     "perplexity_min": pa.float64(),
     "perplexity_max": pa.float64(),
 }
+#: rows cut from documents (corpus extraction with context windows): where each row came from
+CORPUS_COLUMNS: dict[str, pa.DataType] = {
+    "document": pa.int64(),
+    "window_start": pa.int64(),
+}
 TOKEN_COLUMNS: dict[str, pa.DataType] = {
     "token_ids": pa.list_(pa.int64()),
     "token_perplexity": pa.list_(pa.float64()),
     "token_strings": pa.list_(pa.string()),
 }
 RESERVED_COLUMNS = frozenset(
-    [*CORE_COLUMNS, *FULL_SEQUENCE_COLUMNS, *LOGITS_COLUMNS, *PERPLEXITY_COLUMNS, *TOKEN_COLUMNS]
+    [*CORE_COLUMNS, *FULL_SEQUENCE_COLUMNS, *LOGITS_COLUMNS, *PERPLEXITY_COLUMNS, *TOKEN_COLUMNS, *CORPUS_COLUMNS]
 )
 #: Index columns with one entry per token: read lazily, by row group, never all at once.
 PER_TOKEN_COLUMNS = frozenset(["token_shard_ids", "token_shard_offsets", *TOKEN_COLUMNS])
@@ -122,6 +127,8 @@ class DatasetSpec:
     token_perplexity: bool = False
     statistics: bool = False
     """Keep running per-layer statistics of every stored vector."""
+    corpus: bool = False
+    """Rows are windows cut from documents: the index has ``document`` and ``window_start`` columns."""
     file_pattern: str = DEFAULT_HIDDEN_FILE_PATTERN
     key_pattern: str = DEFAULT_HIDDEN_KEY_PATTERN
     logits_file_pattern: str = DEFAULT_LOGITS_FILE_PATTERN
@@ -194,4 +201,5 @@ class DatasetSpec:
             "token_strings": self.token_strings,
             "token_perplexity": self.token_perplexity,
             "statistics": self.statistics,
+            "corpus": self.corpus,
         }

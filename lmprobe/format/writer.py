@@ -118,6 +118,7 @@ class DatasetWriter:
         checksums: bool = True,
         fsync: bool = False,
         statistics: bool = False,
+        corpus: bool = False,
         on_file_complete: Callable[[str], None] | None = None,
         resume: bool = True,
         overwrite: bool = False,
@@ -133,7 +134,8 @@ class DatasetWriter:
             dtype=dtype, shard_size=parse_size(shard_size), logits_k=int(logits_k) if logits_k else logits_k,
             label_type=label_type, columns={n: column_type_name(t) for n, t in (columns or {}).items()},
             perplexity=bool(perplexity), token_ids=bool(token_ids), token_strings=bool(token_strings),
-            token_perplexity=bool(token_perplexity), statistics=bool(statistics), file_pattern=file_pattern,
+            token_perplexity=bool(token_perplexity), statistics=bool(statistics), corpus=bool(corpus),
+            file_pattern=file_pattern,
             key_pattern=key_pattern, logits_file_pattern=logits_file_pattern,
         )
         spec = self.spec
@@ -157,6 +159,8 @@ class DatasetWriter:
         self._n_pending = 0
         self._n_pending_tokens = 0
         self.num_prompts = 0
+        self.num_tokens = 0  # stored tokens (sum of num_tokens)
+        self.progress: dict[str, int] | None = None  # the caller's position in its source (add_batch)
         self._n_parts = 0
         self._phase = "writing"
         self._closed = False
@@ -270,6 +274,8 @@ class DatasetWriter:
 
     def _restore_checked(self, st: dict) -> None:
         self.num_prompts = _count(st["num_prompts"])
+        self.num_tokens = _count(st.get("num_tokens", 0))
+        self.progress = _check_progress(st["progress"]) if st.get("progress") is not None else None
         self._n_parts = _count(st["index_parts"])
         if st["phase"] not in ("writing", "finalizing"):
             raise ValueError(f"unknown phase {st['phase']!r}")
@@ -344,12 +350,19 @@ class DatasetWriter:
         token_strings: Sequence[Sequence[str]] | None = None,
         token_perplexity: Sequence[Sequence[float]] | None = None,
         positions: Sequence[int] | None = None,
+        document: Sequence[int] | None = None,
+        window_start: Sequence[int] | None = None,
+        progress: Mapping[str, int] | None = None,
     ) -> None:
         """Add a batch of prompts. Everything is checked before any byte of the batch is written.
 
         ``positions`` gives each prompt's row in the final index when prompts arrive out of order
         (extraction sorts them by length); the index is then sorted by it when the dataset closes,
         and the positions of all batches must form 0..N-1. By default prompts keep arrival order.
+
+        ``document``/``window_start``: where each row came from, for a writer made with ``corpus=True``.
+        ``progress``: the caller's position in its source after this batch (small ints); a checkpoint
+        records it with the rows, and a resumed writer gives it back as ``writer.progress``.
         """
         if self._closed:
             raise RuntimeError("this DatasetWriter is closed")
@@ -360,6 +373,7 @@ class DatasetWriter:
             columns=columns, logits_values=logits_values, logits_indices=logits_indices,
             perplexity_mean=perplexity_mean, perplexity_min=perplexity_min, perplexity_max=perplexity_max,
             token_ids=token_ids, token_strings=token_strings, token_perplexity=token_perplexity, positions=positions,
+            document=document, window_start=window_start,
         )
         b = len(batch)
         if b == 0:
@@ -400,6 +414,9 @@ class DatasetWriter:
         for name, vals in batch.columns.items():
             cols[name].append(vals)
         self.num_prompts += b
+        self.num_tokens += int(counts.sum())
+        if progress is not None:
+            self.progress = _check_progress(progress)
         self._n_pending += b
         self._n_pending_tokens += int(counts.sum())
         if (
@@ -433,6 +450,8 @@ class DatasetWriter:
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint,
             "num_prompts": self.num_prompts,
+            "num_tokens": self.num_tokens,
+            "progress": self.progress,
             "index_parts": self._n_parts,
             "phase": self._phase,
             "created_at": self.provenance["created_at"],
@@ -511,6 +530,12 @@ class DatasetWriter:
         index.write_index(self.out_dir / INDEX_PATH, self.staging.parts(self._n_parts), spec=self.spec, n_last=n_last,
                           metadata=encode_schema_metadata(info), fsync=self.fsync)
         self.staging.remove()
+
+
+def _check_progress(progress: Any) -> dict[str, int]:
+    if not isinstance(progress, Mapping) or not all(isinstance(k, str) for k in progress):
+        raise ValueError(f"progress must map names to counts, got {progress!r}")
+    return {k: _count(v) for k, v in progress.items()}
 
 
 def _count(v: Any) -> int:

@@ -1,0 +1,276 @@
+"""Where prompts and documents come from, read as streams of records.
+
+- a file: ``.jsonl``/``.ndjson``, ``.csv``, ``.tsv``, ``.parquet`` or ``.txt`` (one record a line);
+- a folder: every such file in it (and below), in sorted path order, read one after the other;
+- a Hugging Face dataset (``hf://datasets/OWNER/NAME`` or ``OWNER/NAME``), read with the
+  ``datasets`` library in streaming mode (``config``, ``split``);
+- records in memory (a list of strings or dicts, a pandas DataFrame).
+
+Nothing is read whole: files go line by line (parquet, CSV: batch by batch), Hub datasets as a
+stream. Every record comes with where it came from (file and line, or the record's number), so
+an error can name it. ``records(start)`` continues at the ``start``-th record without parsing
+the ones before it, which is how a resumed extraction skips what it has stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import PromptError
+from ..format.values import is_null
+from ..safeio import loads
+from ..storage.hub import REPO_ID_RE
+
+SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".txt", ".text")
+#: A column of integer lists: the record is pretokenized, these are its token ids.
+PRETOKENIZED_COLUMN = "input_ids"
+
+
+@dataclass
+class Record:
+    index: int  # 0-based position in the source
+    file: str  # the file (or source) it came from
+    at: str  # where in it: "line 12", "row 3", "record 7"
+    values: dict[str, Any]
+
+    @property
+    def where(self) -> str:
+        """For messages: "data/a.jsonl, line 12"."""
+        return f"{self.file}, {self.at}"
+
+
+class Source:
+    """A stream of records with a description (for messages) and an identity (for resuming)."""
+
+    description: str = "prompts"
+
+    def identity(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} has no identity")  # pragma: no cover
+
+    def records(self, start: int = 0) -> Iterator[Record]:
+        raise NotImplementedError(f"{type(self).__name__} has no records")  # pragma: no cover
+
+    def head(self, n: int) -> list[Record]:
+        out = []
+        for r in self.records():
+            out.append(r)
+            if len(out) >= n:
+                break
+        return out
+
+
+class MemorySource(Source):
+    """Records held by the caller: a list of strings or dicts, or a pandas DataFrame."""
+
+    def __init__(self, items: Any, *, text_column: str, description: str = "prompts"):
+        try:
+            import pandas as pd
+        except ImportError:  # pragma: no cover - pandas is a dependency
+            pd = None
+        if pd is not None and isinstance(items, pd.DataFrame):
+            rows = items.to_dict(orient="records")
+            description = "DataFrame"
+        else:
+            rows = list(items)
+        self.rows: list[dict] = []
+        for i, x in enumerate(rows):
+            if isinstance(x, str):
+                self.rows.append({text_column: x})
+            elif isinstance(x, dict):
+                self.rows.append(x)
+            else:
+                raise PromptError(f"prompt {i}: expected a string (or a dict with {text_column!r}), got {x!r}")
+        self.description = description
+
+    def identity(self) -> dict[str, Any]:
+        h = hashlib.sha256(json.dumps(self.rows, sort_keys=True, default=str).encode())
+        return {"kind": "memory", "sha256": h.hexdigest()}
+
+    def records(self, start: int = 0) -> Iterator[Record]:
+        for i in range(start, len(self.rows)):
+            yield Record(i, self.description, f"prompt {i}", self.rows[i])
+
+
+class FilesSource(Source):
+    """One file, or every prompt file of a folder, read one after the other."""
+
+    def __init__(self, path: Path, *, text_column: str):
+        self.path = path
+        self.text_column = text_column
+        if path.is_dir():
+            self.files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
+                                and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            if not self.files:
+                raise PromptError(f"{path} is a folder with no prompt files in it (.jsonl, .ndjson, .csv, .tsv, "
+                                  ".parquet or .txt)")
+        else:
+            if path.suffix.lower() not in SUFFIXES:
+                raise PromptError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl, .csv, .tsv, "
+                                  ".parquet or .txt")
+            self.files = [path]
+        self.description = str(path)
+
+    def identity(self) -> dict[str, Any]:
+        files = []
+        for f in self.files:
+            st = f.stat()
+            files.append([f.relative_to(self.path).as_posix() if self.path.is_dir() else f.name, st.st_size,
+                          st.st_mtime_ns])
+        return {"kind": "files", "path": str(self.path.resolve()), "files": files}
+
+    def _name(self, f: Path) -> str:
+        return str(f) if not self.path.is_dir() else str(self.path / f.relative_to(self.path))
+
+    def records(self, start: int = 0) -> Iterator[Record]:
+        i = 0
+        for f in self.files:
+            reader = {".parquet": _parquet_records, ".csv": _csv_records, ".tsv": _csv_records}.get(
+                f.suffix.lower(), _line_records)
+            name = self._name(f)
+            for at, values in reader(f, name, self.text_column, skip=max(0, start - i)):
+                if i >= start:
+                    yield Record(i, name, at, values)
+                i += 1
+
+
+def _line_records(path: Path, name: str, text_column: str, *, skip: int) -> Iterator[tuple[str, dict | None]]:
+    """Records of a .jsonl or .txt file, one a non-blank line (blank lines are skipped, not counted)."""
+    jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
+    seen = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            seen += 1
+            if seen <= skip:  # a resumed run: counted, not parsed
+                yield "", None
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PromptError(f"{name}, line {lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                                  f"{exc.start + 1}); save the file as UTF-8") from None
+            at = f"line {lineno}"
+            if not jsonl:
+                yield at, {text_column: line.rstrip("\r\n")}
+                continue
+            obj = loads(line, what=f"{name}, {at}", error=PromptError)
+            if isinstance(obj, str):
+                obj = {text_column: obj}
+            if not isinstance(obj, dict):
+                raise PromptError(f"{name}, {at}: expected a JSON object, got {type(obj).__name__}")
+            yield at, obj
+
+
+def _parquet_records(path: Path, name: str, text_column: str, *, skip: int) -> Iterator[tuple[str, dict | None]]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    row = 0
+    for g in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if row + n <= skip:  # whole row groups skipped without reading them
+            for _ in range(n):
+                yield "", None
+            row += n
+            continue
+        for batch in pf.iter_batches(batch_size=1024, row_groups=[g]):  # a row group may be large: read in pieces
+            for rec in batch.to_pylist():
+                yield (f"row {row}", rec) if row >= skip else ("", None)
+                row += 1
+
+
+def _csv_records(path: Path, name: str, text_column: str, *, skip: int) -> Iterator[tuple[str, dict | None]]:
+    import pandas as pd
+
+    row = 0
+    # the text column is text even when it looks like a number ("007")
+    chunks = pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",", keep_default_na=True,
+                         dtype_backend="numpy_nullable", dtype={text_column: str}, encoding="utf-8", chunksize=4096)
+    try:
+        for df in chunks:
+            for r in df.to_dict(orient="records"):
+                if row < skip:
+                    yield "", None
+                else:
+                    values = {k: (None if is_null(v) else (v.item() if hasattr(v, "item") else v)) for k, v in r.items()}
+                    yield f"line {row + 2}", values
+                row += 1
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"{name}: not valid UTF-8 ({exc.reason}); save the file as UTF-8") from None
+
+
+class HubDatasetSource(Source):
+    """A Hugging Face dataset, streamed with the ``datasets`` library (nothing downloaded whole)."""
+
+    def __init__(self, repo: str, *, config: str | None, split: str, token: Any = None):
+        self.repo, self.config, self.split, self.token = repo, config, split, token
+        self.description = f"hf://datasets/{repo}" + (f" ({config})" if config else "") + f" [{split}]"
+        self._revision: str | None = None
+
+    def _stream(self):
+        try:
+            import datasets
+        except ImportError:  # pragma: no cover - a dependency of the dev extras
+            raise PromptError("reading a Hugging Face dataset needs `datasets`: pip install datasets") from None
+        try:
+            return datasets.load_dataset(self.repo, self.config, split=self.split, streaming=True, token=self.token)
+        except (FileNotFoundError, ValueError) as exc:
+            raise PromptError(f"cannot open {self.description}: {str(exc).splitlines()[0]}") from None
+
+    def identity(self) -> dict[str, Any]:
+        if self._revision is None:
+            from huggingface_hub import HfApi
+
+            try:
+                self._revision = HfApi(token=self.token).dataset_info(self.repo).sha
+            except Exception:  # noqa: BLE001 - offline: the name is the identity
+                self._revision = "unknown"
+        return {"kind": "hub", "repo": self.repo, "config": self.config, "split": self.split,
+                "revision": self._revision}
+
+    def records(self, start: int = 0) -> Iterator[Record]:
+        stream = self._stream()
+        if start:
+            stream = stream.skip(start)
+        for i, values in enumerate(stream, start=start):
+            yield Record(i, self.description, f"record {i}", dict(values))
+
+
+def open_source(spec: Any, *, text_column: str = "text", config: str | None = None, split: str = "train",
+                token: Any = None) -> Source:
+    """The source ``spec`` names: a file or folder path, a Hub dataset, or records in memory."""
+    if isinstance(spec, Source):
+        return spec
+    if isinstance(spec, (str, os.PathLike)) and not (isinstance(spec, str) and "\n" in spec):
+        s = os.fspath(spec)
+        path = Path(s)
+        if path.exists():
+            if not path.is_dir() and not path.is_file():
+                raise PromptError(f"{path} is not a file or a folder")
+            return FilesSource(path, text_column=text_column)
+        if s.startswith("hf://"):
+            rest = s[len("hf://"):]
+            if not rest.startswith("datasets/"):
+                raise PromptError(f"{s}: a Hub source is a dataset repo, written hf://datasets/OWNER/NAME")
+            repo = rest[len("datasets/"):].strip("/")
+            if not REPO_ID_RE.match(repo):
+                raise PromptError(f"{s}: {repo!r} is not a repo id (OWNER/NAME)")
+            return HubDatasetSource(repo, config=config, split=split, token=token)
+        if REPO_ID_RE.match(s) and path.suffix.lower() not in SUFFIXES:
+            return HubDatasetSource(s, config=config, split=split, token=token)
+        raise PromptError(f"prompt file {path} does not exist (nor is {s!r} a Hub dataset id, OWNER/NAME)")
+    if isinstance(spec, Sequence) and not isinstance(spec, (str, bytes)) or _is_frame(spec):
+        return MemorySource(spec, text_column=text_column)
+    raise PromptError(f"cannot read prompts from {type(spec).__name__}; pass a file, a folder, a Hub dataset, a list "
+                      "or a DataFrame")
+
+
+def _is_frame(x: Any) -> bool:
+    return type(x).__name__ == "DataFrame" and hasattr(x, "to_dict")
