@@ -1,12 +1,19 @@
-"""Extraction benchmarks: throughput against the bare forward pass, and peak memory.
+"""Extraction benchmarks: throughput against a bare forward pass, corpus windows, and peak memory.
 
-    python benchmarks/bench_extract.py            # ~23M-parameter random Llama, 256 length-skewed prompts
-    python benchmarks/bench_extract.py --quick
+    python benchmarks/bench_extract.py            # full run (~15 min on 2 CPU cores)
+    python benchmarks/bench_extract.py --quick    # smoke run
 
-Baselines, measured in the same run on the same prompts and batch size:
-- bare forward, length-sorted: the model's decoder stack (no head, no hooks, no storage) over the
-  batches lmprobe forms (longest first); lmprobe's overhead alone;
-- bare forward, input order: the naive loop, batches in the order given; what length bucketing saves.
+Every timing runs in a fresh process with torch, transformers and lmprobe imported before the
+clock starts, and counts everything after that: reading the config, tokenizer and weights,
+tokenizing, the forward passes and (for lmprobe) writing the dataset. Runs of the baseline and
+of lmprobe alternate, and the best of each is compared. Baselines, on the same model, inputs
+and batch size:
+- prompts: a bare length-sorted forward script (the model's decoder stack, no head, no hooks,
+  no storage) over the batches lmprobe forms, longest first; a small job (384 prompts) and a
+  long one (4x) for the steady state;
+- corpus: the same windows (documents tokenized once, cut into windows of T tokens with BOS
+  inside) run through the bare decoder stack in batches, against ``lmprobe.extract`` with
+  ``context_len``/``max_tokens`` storing every token of one layer (an SAE dataset).
 """
 
 from __future__ import annotations
@@ -17,13 +24,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 WORDS = ("the cat sat on a mat while researchers study activations of language models every day with "
          "probes and sparse autoencoders in notebooks").split()
@@ -45,15 +52,23 @@ def make_model(out: Path, hidden: int, layers: int, vocab: int) -> Path:
 
 def make_prompts(n: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(mean=3.2, sigma=0.9, size=n), 4, 250).astype(int)  # skewed: most short, a few long
-    return [" ".join(rng.choice(WORDS, size=int(k))) for k in lengths]
+    return [" ".join(rng.choice(WORDS, size=int(k))) for k in rng.integers(5, 200, size=n)]
 
 
-def bare_forward(model_dir: Path, texts: list[str], batch: int, sort: bool) -> float:
+def make_corpus(path: Path, n_docs: int, seed: int = 1) -> Path:
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(mean=5.5, sigma=1.0, size=n_docs), 20, 4000).astype(int)  # words
+    with open(path, "w") as f:
+        for k in lengths:
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, size=int(k)))}) + "\n")
+    return path
+
+
+def bare_forward(model_dir: Path, texts: list[str], batch: int, sort: bool) -> None:
+    """The baseline script: load, tokenize, forward the decoder stack batch by batch."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t = time.perf_counter()  # end to end, like lmprobe.extract: load, tokenize, forward
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     base = model.model
@@ -66,15 +81,80 @@ def bare_forward(model_dir: Path, texts: list[str], batch: int, sort: bool) -> f
             enc = tok([texts[i] for i in order[s : s + batch]], padding=True, return_tensors="pt")
             pos = (enc["attention_mask"].cumsum(1) - 1).clamp(min=0)
             base(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], position_ids=pos, use_cache=False)
-    return time.perf_counter() - t
 
 
-def lmprobe_extract(model_dir: Path, texts: list[str], batch: int, out: Path) -> float:
-    import lmprobe
+def bare_windows(model_dir: Path, corpus: Path, context_len: int, max_tokens: int, batch: int) -> None:
+    """The corpus baseline: the same windows lmprobe runs (BOS + T-1 content tokens), forward only."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t = time.perf_counter()
-    lmprobe.extract(str(model_dir), texts, out=out, layers="all", batch_size=batch, quiet=True, overwrite=True)
-    return time.perf_counter() - t
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base = model.model
+    per = context_len - 1
+    windows, total = [], 0
+    with open(corpus) as f:
+        for line in f:
+            ids = tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"]
+            for a in range(0, len(ids), per):
+                w = [tok.bos_token_id, *ids[a : a + per]][: max_tokens - total]
+                windows.append(w)
+                total += len(w)
+                if total >= max_tokens:
+                    break
+            if total >= max_tokens:
+                break
+    with torch.inference_mode():
+        for s in range(0, len(windows), batch):
+            chunk = windows[s : s + batch]
+            width = max(len(w) for w in chunk)
+            ids = torch.full((len(chunk), width), tok.pad_token_id)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, w in enumerate(chunk):
+                ids[r, width - len(w):] = torch.tensor(w)
+                mask[r, width - len(w):] = 1
+            pos = (mask.cumsum(1) - 1).clamp(min=0)
+            base(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+
+
+_TIMED_CHILD = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/benchmarks"); sys.path.insert(0, sys.argv[1] + "/tests")
+import numpy as np, torch, transformers, lmprobe  # imports before the clock
+from transformers import AutoModelForCausalLM, AutoTokenizer
+import bench_extract as b
+job = json.loads(sys.argv[2])
+texts = b.make_prompts(job["n"]) if "n" in job else None
+t = time.perf_counter()
+if job["what"] == "bare":
+    b.bare_forward(job["model"], texts, job["batch"], sort=True)
+elif job["what"] == "extract":
+    lmprobe.extract(job["model"], texts, out=job["out"], layers="all", batch_size=job["batch"], quiet=True,
+                    overwrite=True)
+elif job["what"] == "bare_windows":
+    b.bare_windows(job["model"], job["corpus"], job["context_len"], job["max_tokens"], job["batch"])
+else:
+    lmprobe.extract(job["model"], job["corpus"], out=job["out"], layers=str(job["layer"]), storage="full_sequence",
+                    context_len=job["context_len"], max_tokens=job["max_tokens"], batch_size=job["batch"], quiet=True,
+                    overwrite=True)
+print(json.dumps(time.perf_counter() - t))
+"""
+
+
+def timed(job: dict) -> float:
+    r = subprocess.run([sys.executable, "-c", _TIMED_CHILD, str(ROOT), json.dumps(job)], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(r.stderr)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def compare(base: dict, ours: dict, runs: int) -> tuple[list[float], list[float]]:
+    """Alternating fresh-process runs of the baseline and lmprobe."""
+    tb, to = [], []
+    for _ in range(runs):
+        tb.append(timed(base))
+        to.append(timed(ours))
+    return tb, to
 
 
 _RSS_CHILD = r"""
@@ -101,12 +181,11 @@ print(json.dumps({"base": base, "peak": peak, "written": written}))
 """
 
 
-def bench_rss(model_dir: Path, tmp: Path, budget: int, n: int, model_bytes: int, runs: int = 3) -> None:
+def bench_rss(model_dir: Path, tmp: Path, budget: int, n: int, model_bytes: int, runs: int) -> None:
     """Peak RSS growth in fresh processes; allocator timing makes single runs vary, so several are reported."""
-    root = str(Path(__file__).resolve().parent.parent)
     growths, written = [], 0
     for _ in range(runs):
-        r = subprocess.run([sys.executable, "-c", _RSS_CHILD, root, str(model_dir), str(tmp / "rss"), str(budget),
+        r = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(ROOT), str(model_dir), str(tmp / "rss"), str(budget),
                             str(n)], capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(r.stderr)
@@ -121,32 +200,57 @@ def bench_rss(model_dir: Path, tmp: Path, budget: int, n: int, model_bytes: int,
           f"{limit / 2**20:.0f} MiB; worst ratio {max(growths) / limit:.2f} (target < 1)")
 
 
+def _line(label: str, tb: list[float], to: list[float], unit_count: float, unit: str, target: str) -> None:
+    print(f"  bare {min(tb):6.2f} s (runs {', '.join(f'{x:.2f}' for x in tb)})")
+    print(f"  lmprobe {min(to):6.2f} s (runs {', '.join(f'{x:.2f}' for x in to)}): {unit_count / min(to):,.0f} {unit}/s")
+    print(f"  {label}: ratio {min(tb) / min(to):.2f} best-of, {np.median(tb) / np.median(to):.2f} median ({target})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["prompts", "corpus", "rss"], default=None, help="run one part")
     args = ap.parse_args()
     import torch
+    from transformers import AutoModelForCausalLM
 
     tmp = Path(tempfile.mkdtemp(prefix="lmprobe-bench-"))
     try:
-        hidden, layers, vocab, n, batch = (128, 4, 1000, 48, 8) if args.quick else (512, 6, 8000, 256, 16)
-        model_dir = make_model(tmp / "model", hidden, layers, vocab)
-        n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters())
-        texts = make_prompts(n)
-        lmprobe_extract(model_dir, texts[:batch], batch, tmp / "warm")  # warm-up (imports, allocator)
-        t_sorted = min(bare_forward(model_dir, texts, batch, sort=True) for _ in range(2))
-        t_naive = min(bare_forward(model_dir, texts, batch, sort=False) for _ in range(2))
-        t_ours = min(lmprobe_extract(model_dir, texts, batch, tmp / f"out{i}") for i in range(2))
-        print(f"extract, pooled, all {layers} layers: {n_params / 1e6:.1f}M-parameter random Llama, {n} prompts "
-              f"(length-skewed), batch {batch}, {torch.get_num_threads()} CPU threads")
-        print(f"  bare forward, length-sorted batches   {n / t_sorted:7.1f} prompts/s")
-        print(f"  bare forward, input-order batches     {n / t_naive:7.1f} prompts/s")
-        print(f"  lmprobe.extract (with storage)        {n / t_ours:7.1f} prompts/s   "
-              f"ratio {t_sorted / t_ours:.2f} vs sorted (target >= 0.9), {t_naive / t_ours:.2f} vs input order")
-        budget = (2 if args.quick else 24) * 2**20  # about a tenth of what the run writes
-        bench_rss(model_dir, tmp, budget, 120 if args.quick else 300, n_params * 4)
+        runs = 2 if args.quick else 3
+        hidden, layers, vocab = (128, 4, 1000) if args.quick else (384, 6, 8000)
+        model_dir = str(make_model(tmp / "model", hidden, layers, vocab))
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+        print(f"{n_params / 1e6:.1f}M-parameter random Llama (hidden {hidden}, {layers} layers), "
+              f"{torch.get_num_threads()} CPU threads, fresh process per run")
+        jobs = ((48, "small job"), (96, "longer job")) if args.quick else ((384, "small job"), (1536, "steady state"))
+        for n, label in jobs if args.only in (None, "prompts") else ():
+            tb, to = compare({"what": "bare", "model": model_dir, "n": n, "batch": 16},
+                             {"what": "extract", "model": model_dir, "n": n, "batch": 16, "out": str(tmp / "out")},
+                             runs)
+            print(f"prompts, pooled, all layers: {n} prompts of 5-200 words, batch 16")
+            _line(label, tb, to, n, "prompts", ">= 0.9" if n <= 384 else ">= 0.97")
+        if args.only in (None, "corpus"):
+            bench_corpus(model_dir, tmp, layers, args.quick, runs)
+        if args.only in (None, "rss"):
+            budget = (2 if args.quick else 24) * 2**20  # about a tenth of what the run writes
+            rss_model = make_model(tmp / "rss-model", 512, 6, 8000)
+            rss_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(rss_model).parameters())
+            bench_rss(rss_model, tmp, budget, 120 if args.quick else 300, rss_params * 4, runs=3 if args.quick else 6)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bench_corpus(model_dir: str, tmp: Path, layers: int, quick: bool, runs: int) -> None:
+    corpus = make_corpus(tmp / "corpus.jsonl", 300 if quick else 2000)
+    T, N = (64, 20_000) if quick else (256, 400_000)
+    layer = layers - 1  # the whole stack runs on both sides (lmprobe stops after the last needed block)
+    job = {"model": model_dir, "corpus": str(corpus), "context_len": T, "max_tokens": N, "batch": 16}
+    tb, to = compare({"what": "bare_windows", **job},
+                     {"what": "corpus", "layer": layer, "out": str(tmp / "corpus-out"), **job}, runs)
+    print(f"corpus, windows of {T} tokens, budget {N:,} tokens, full_sequence layer {layer}, batch 16")
+    _line("corpus extraction", tb, to, N, "tokens", "reported")
+
+
 
 
 if __name__ == "__main__":

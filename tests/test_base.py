@@ -186,3 +186,36 @@ def test_cli_prints_one_line_for_user_errors_and_a_traceback_for_bugs(tmp_path):
            "c.build_parser = patched\nsys.exit(c.main(['info', 'x']))\n")
     r = subprocess.run([sys.executable, "-c", bug], capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" in r.stderr and "KeyError: 'internal'" in r.stderr
+
+
+def test_heap_trimmer_trims_piled_up_memory_but_not_a_grown_working_set(monkeypatch):
+    from lmprobe import allocator
+
+    class FakeLibc:
+        trims = 0
+
+        def malloc_trim(self, pad):
+            FakeLibc.trims += 1
+            rss[0] = max(live[0], rss[0] - freed[0])  # free pages go back; live memory stays
+
+        def mallopt(self, *a):
+            return 1
+
+    mib = 1 << 20
+    rss, live, freed = [500 * mib], [500 * mib], [0]
+    monkeypatch.setattr(allocator, "_glibc", lambda: FakeLibc())
+    monkeypatch.setattr(allocator, "resident_bytes", lambda: rss[0])
+    trim = allocator.HeapTrimmer(slack=0.5, floor=32 * mib)  # trims what loading freed, then starts at 500 MiB
+    rss[0] = live[0] = 600 * mib  # the first batch's working set: +100 MiB
+    trim()
+    assert trim.limit == 650 * mib and FakeLibc.trims == 1
+    rss[0], freed[0] = 640 * mib, 40 * mib  # within the slack: the next batch reuses it
+    trim()
+    assert FakeLibc.trims == 1
+    rss[0] = 700 * mib  # freed memory piled up past the limit: handed back
+    trim()
+    assert (trim.trims, rss[0]) == (1, 660 * mib)
+    live[0] = rss[0] = 900 * mib  # live memory really grew: one trim, then a new level, no trim per batch
+    trim()
+    trim()
+    assert trim.trims == 2 and trim.limit == 900 * mib + 32 * mib

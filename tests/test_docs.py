@@ -63,3 +63,15 @@ def test_readme_links_point_at_existing_files():
         if link.startswith("http"):
             continue
         assert (ROOT / link).exists(), link
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/cli.md", "docs/corpus.md", "docs/quickstart.md"])
+def test_documented_command_lines_parse(page):
+    """Every `lmprobe ...` command shown in a page's code blocks is one the parser accepts."""
+    text = (ROOT / page).read_text()
+    parser = build_parser()
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for cmd in block.replace("\\\n", " ").splitlines():
+            cmd = cmd.split(" #")[0].strip()
+            if cmd.startswith("lmprobe ") and "[" not in cmd and "..." not in cmd:
+                parser.parse_args(shlex.split(cmd)[1:])  # exits (fails the test) on an unknown flag

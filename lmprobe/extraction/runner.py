@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator import bound_allocator_cache
+from ..allocator import HeapTrimmer, bound_allocator_cache
 from ..errors import DatasetNotFoundError, ExtractionError, ModelError, OutOfSpaceError, OutputExistsError
 from ..format.merge import merge_datasets
 from ..format.reader import Dataset, open_local
@@ -350,7 +350,7 @@ def _build_backend(job: _Job) -> Any:
 
 def _run(writer: DatasetWriter, job: _Job) -> None:
     cfg = job.config
-    bound_allocator_cache()  # batch buffers go back to the system when freed: memory stays bounded
+    bound_allocator_cache()  # one arena: freed batch buffers are reused by every thread
     n = len(job.prompts)
     # longest first (an out-of-memory batch shows at once), ties in input order; deterministic, so a
     # resumed run continues in the same order after the writer's num_prompts
@@ -390,6 +390,7 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: _Job, order
     layers = job.settings["layers"]
     bs = cfg.batch_size
     t0, tokens = time.monotonic(), 0
+    trim = HeapTrimmer()  # after the model loaded
     with torch.inference_mode():
         for s in range(done, len(order), bs):
             idx = order[s : s + bs]
@@ -408,6 +409,7 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: _Job, order
             bg.submit(item)
             n_tokens = int(res.num_tokens.sum())
             del item, res  # the writer owns the batch now; free it while the next one computes
+            trim()
             tokens += n_tokens
             if bar is not None:
                 bar.set_postfix_str(f"{tokens / max(time.monotonic() - t0, 1e-9):,.0f} tok/s", refresh=False)
@@ -449,6 +451,7 @@ def _run_corpus(writer: DatasetWriter, job: _Job) -> None:
     left = tok.padding_side == "left"
     bg = BackgroundWorker(lambda item: writer.add_batch(**item), max_pending=1, name="lmprobe-writer")
     bar = TokenProgress(plan.max_tokens, writer.num_tokens, cfg.quiet)
+    trim = HeapTrimmer()
     try:
         with torch.inference_mode():
             for batch in batches(stream, cfg.batch_size):
@@ -462,6 +465,7 @@ def _run_corpus(writer: DatasetWriter, job: _Job) -> None:
                 bg.submit(item)
                 bar.update(int(res.num_tokens.sum()), batch[-1].document + 1)
                 del item, res
+                trim()
     except BaseException:
         bg.stop()
         if bg.error is None:
@@ -478,7 +482,8 @@ def _planned_bytes(job: _Job, writer: DatasetWriter) -> tuple[int | None, str]:
     per_vector = len(job.settings["layers"]) * job.spec.hidden_size * np.dtype(
         "float16" if cfg.dtype == "bfloat16" else cfg.dtype).itemsize
     logits = (cfg.logits_topk or 0) * 8
-    what = f"{len(job.settings['layers'])} layers x {job.spec.hidden_size} dims, {cfg.dtype}"
+    n_layers = len(job.settings['layers'])
+    what = f"{n_layers} layer{'s' if n_layers != 1 else ''} x {job.spec.hidden_size} dims, {cfg.dtype}"
     if job.corpus is not None:
         per_row = per_vector if cfg.storage == "full_sequence" else 0
         if job.corpus.max_tokens is None:
