@@ -33,6 +33,7 @@ def extract(
     *,
     out: str | os.PathLike,
     layers: str | int | list[int] | None = "all",
+    hookpoints: str | list[str] = "resid_post",
     storage: Literal["pooled", "full_sequence"] = "pooled",
     logits_topk: int | None = None,
     perplexity: bool = False,

@@ -66,7 +66,8 @@ def _cmd_extract(args: argparse.Namespace) -> int:
         if cfg.corpus:
             n_tokens = int(ds.column("num_tokens").sum())
             rows = f"{ds.num_prompts} windows ({n_tokens:,} tokens)"
-        print(f"wrote {rows} x {len(ds.layers)} layers x {ds.dim} dims ({h['storage']}, {ds.dtype}) to {args.out}")
+        hps = "" if ds.hookpoints == ["resid_post"] else f" x {len(ds.hookpoints)} hookpoints ({', '.join(ds.hookpoints)})"
+        print(f"wrote {rows} x {len(ds.layers)} layers{hps} x {ds.dim} dims ({h['storage']}, {ds.dtype}) to {args.out}")
     if args.push:
         api.push_to_hub(args.out, args.push, private=args.private, token=args.token, quiet=args.quiet)
     return 0
@@ -82,7 +83,8 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     layers = None
     if args.layers not in (None, "all") and args.only in (None, "dataset"):
         layers = _stored_layers(args.layers, load(args.repo, revision=args.revision, token=args.token).layers)
-    api.pull(args.repo, args.out, layers=layers, logits=not args.no_logits, revision=args.revision, token=args.token,
+    hookpoints = [h.strip() for h in args.hookpoints.split(",") if h.strip()] if args.hookpoints else None
+    api.pull(args.repo, args.out, layers=layers, hookpoints=hookpoints, logits=not args.no_logits, revision=args.revision, token=args.token,
          quiet=args.quiet, only=args.only)
     return 0
 
@@ -195,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "dataset (hf://datasets/OWNER/NAME or OWNER/NAME)")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--layers", default="all", help="'all' (default), '0,3,-1', ranges like '10:20' (Python slice: 10..19)")
+    p.add_argument("--hookpoints", default="resid_post",
+                   help="where in each block to read, a comma list: resid_pre, attn_out, resid_mid, mlp_in, mlp_out, "
+                   "resid_post (default), or a module path in the block with :input/:output, e.g. mlp.act_fn:output")
     p.add_argument("--storage", choices=["pooled", "full_sequence"], default="pooled",
                    help="pooled: last token only (default); full_sequence: every token")
     p.add_argument("--logits-topk", type=_positive_int, default=None, metavar="K", help="store the top-K logits at the last token")
@@ -260,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("repo", metavar="REPO", help="OWNER/NAME or hf://datasets/OWNER/NAME")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--layers", default="all", help="layers to fetch: all (default), '16', '0,8,-1', '10:20'")
+    p.add_argument("--hookpoints", default=None, help="hookpoints to fetch, a comma list (default: all stored)")
     p.add_argument("--no-logits", action="store_true", help="do not fetch the logits shards")
     p.add_argument("--only", default=None, metavar="PART",
                    help="dataset (default), saev, sae, or a path such as saev/<HASH>: fetch just that part")

@@ -75,3 +75,20 @@ def test_reference_implementation_reads_our_default_output(ref_python, tmp_path,
         np.testing.assert_array_equal(got[f"load_activations/{layer}"], want)
         np.testing.assert_array_equal(got[f"ActivationStore/{layer}"], want)
         np.testing.assert_array_equal(got[f"load_activation_dataset/hidden.layer_{layer}"], shard_order_rows(ds, layer))
+
+
+@pytest.mark.parametrize("hookpoints", ["resid_post,mlp_out,attn_out", "mlp_in"])
+def test_reference_implementation_reads_hidden_layers_of_hookpoint_datasets(ref_python, tmp_path, hookpoints):
+    """Other hookpoints are more descriptors of type hidden: 0.10.3 still reads hidden_layers (what it holds:
+    resid_post, or the first hookpoint when resid_post was not asked for)."""
+    out = tmp_path / hookpoints.replace(",", "-")
+    ds = lmprobe.extract("lmprobe-tiny", PROMPTS, out=out, layers="0,-1", hookpoints=hookpoints,
+                         storage="full_sequence", shard_size="3KB", batch_size=4, quiet=True)
+    assert len(ds.hookpoints) == len(hookpoints.split(","))
+    got, summary = read_with_reference(ref_python, out, tmp_path)
+    assert summary["pulled"] == len(PROMPTS) and summary["layers"] == ds.layers
+    for layer in ds.layers:
+        want = np.asarray(ds.hidden(layer), dtype=np.float32)
+        np.testing.assert_array_equal(got[f"load_activations/{layer}"], want)
+        np.testing.assert_array_equal(got[f"ActivationStore/{layer}"], want)
+        np.testing.assert_array_equal(got[f"load_activation_dataset/hidden.layer_{layer}"], shard_order_rows(ds, layer))

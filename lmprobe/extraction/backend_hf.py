@@ -8,6 +8,25 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ModelError
+from .hookpoints import Capture, Site, first_input, first_output
+
+#: what a default extraction reads: the output of each block
+RESID_POST = Capture("resid_post", Site("", "output"), 0)
+
+
+def as_batch_tokens(h: Any, shape: tuple, name: str) -> Any:
+    """A captured tensor as (batch, tokens, width); modules that flatten tokens (OPT's fc1) give (batch*tokens, width)."""
+    b, t = shape[0], shape[1]
+    if not hasattr(h, "shape"):
+        raise ModelError(f"hookpoint {name!r} gave a {type(h).__name__}, not a tensor")
+    if h.dim() == 2 and h.shape[0] == b * t:
+        return h.view(b, t, -1)
+    if h.dim() != 3 or tuple(h.shape[:2]) != (b, t):
+        raise ModelError(f"hookpoint {name!r} gave a tensor of shape {tuple(h.shape)}; expected (batch, tokens, width) "
+                         f"= ({b}, {t}, ...)")
+    return h
+
 
 class _StopForward(Exception):
     """Raised by the hook of the last needed block when nothing after it is needed."""
@@ -15,7 +34,7 @@ class _StopForward(Exception):
 
 @dataclass
 class BatchOutput:
-    hidden: dict[int, Any]  # layer -> CPU tensor: (B, dim) pooled, or (sum(num_tokens), dim) packed
+    hidden: dict[tuple[str, int], Any]  # (hookpoint, layer) -> CPU tensor: (B, dim) pooled, (sum(num_tokens), dim) packed
     num_tokens: np.ndarray  # (B,)
     token_ids: list[list[int]]
     logits_values: np.ndarray | None = None  # (B, k) float32
@@ -95,8 +114,12 @@ class TransformersBackend:
         self.device = next(model.parameters()).device
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
-            logits_k: int | None, perplexity: bool, keep=None) -> BatchOutput:
-        """``keep`` marks the tokens to store (default: every real token); the model sees them all."""
+            logits_k: int | None, perplexity: bool, keep=None, captures: list[Capture] | None = None) -> BatchOutput:
+        """``keep`` marks the tokens to store (default: every real token); the model sees them all.
+
+        ``captures`` are the hookpoints to read in each block of ``layers`` (default: the block
+        outputs); ``BatchOutput.hidden`` is keyed by (hookpoint, layer).
+        """
         import torch
 
         input_ids = input_ids.to(self.device)
@@ -106,21 +129,36 @@ class TransformersBackend:
         last = last_token_index(real)
         rows = torch.arange(b, device=self.device)
         need_head = bool(logits_k) or perplexity
-        captured: dict[int, Any] = {}
-        stop_at = max(layers)
+        captures = captures or [RESID_POST]
+        captured: dict[tuple[str, int], Any] = {}
+        wanted = len(layers) * len(captures)
 
-        def hook_for(layer: int):
-            def hook(_module, _inputs, output):
-                h = output[0] if isinstance(output, (tuple, list)) else output
-                if storage == "pooled":
-                    captured[layer] = h[rows, last].to(out_dtype)
+        def keep_rows(name: str, h: Any) -> Any:
+            h = as_batch_tokens(h, input_ids.shape, name)
+            return h[rows, last].to(out_dtype) if storage == "pooled" else h[real].to(out_dtype)
+
+        def store(names: list[tuple[str, int]], value: Any) -> None:
+            for key in names:  # a copy per hookpoint: later in-place updates of the stream cannot reach it
+                if key not in captured:  # a module called twice in a block: its first call
+                    captured[key] = keep_rows(key[0], value)
+            if not need_head and len(captured) == wanted:
+                raise _StopForward  # everything asked for is read: nothing after this point is needed
+
+        handles = []
+        for layer in layers:
+            by_site: dict[Site, list[tuple[str, int]]] = {}
+            for c in captures:
+                by_site.setdefault(c.site, []).append((c.hookpoint, layer))
+            for site, names in by_site.items():
+                module = self.blocks[layer].get_submodule(site.path) if site.path else self.blocks[layer]
+                if site.kind == "input":
+                    def pre(_m, args, kwargs, names=names):
+                        store(names, first_input(args, kwargs))
+                    handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 else:
-                    captured[layer] = h[real].to(out_dtype)  # real tokens, prompt after prompt
-                if not need_head and layer == stop_at:
-                    raise _StopForward
-            return hook
-
-        handles = [self.blocks[layer].register_forward_hook(hook_for(layer)) for layer in layers]
+                    def post(_m, _args, output, names=names):
+                        store(names, first_output(output))
+                    handles.append(module.register_forward_hook(post))
         head = self.model.get_output_embeddings() if need_head else None
         if logits_k and not perplexity and head is not None:
             # only the last token's logits are needed: feed the head one row per prompt
@@ -142,14 +180,15 @@ class TransformersBackend:
         finally:
             for h in handles:
                 h.remove()
-        missing = [layer for layer in layers if layer not in captured]
+        missing = [(c.hookpoint, layer) for layer in layers for c in captures if (c.hookpoint, layer) not in captured]
         if missing:
-            raise RuntimeError(f"the forward pass never reached blocks {missing}")
+            raise ModelError(f"the forward pass never reached {missing[:4]} (hookpoint, layer); a module that the "
+                             "model skips cannot be read")
         lengths = real.sum(dim=1)
         ids = input_ids[real].cpu()
         token_ids = [t.tolist() for t in torch.split(ids, lengths.cpu().tolist())]
         out = BatchOutput(
-            hidden={layer: captured[layer].cpu() for layer in layers},
+            hidden={key: value.cpu() for key, value in captured.items()},
             num_tokens=lengths.cpu().numpy().astype(np.int64),
             token_ids=token_ids,
         )

@@ -16,7 +16,15 @@ import numpy as np
 
 from ..errors import NnsightError
 from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
-from .backend_hf import BatchOutput, last_token_index, perplexity_from_nll, position_ids_for
+from .backend_hf import (
+    RESID_POST,
+    BatchOutput,
+    as_batch_tokens,
+    last_token_index,
+    perplexity_from_nll,
+    position_ids_for,
+)
+from .hookpoints import Capture, first_input, first_output
 from .model import find_block_path
 
 
@@ -103,11 +111,11 @@ class NnsightBackend:
         raise NnsightError("cannot find the model's LM head for logits/perplexity")
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
-            logits_k: int | None, perplexity: bool, keep=None) -> BatchOutput:
+            logits_k: int | None, perplexity: bool, keep=None, captures: list[Capture] | None = None) -> BatchOutput:
         try:
             return call_with_retry(
                 lambda: self.run_once(input_ids, attention_mask, layers=layers, storage=storage, out_dtype=out_dtype,
-                                      logits_k=logits_k, perplexity=perplexity, keep=keep),
+                                      logits_k=logits_k, perplexity=perplexity, keep=keep, captures=captures),
                 policy=self.retry)
         except Exception as exc:
             if self.retry.is_transient(exc):
@@ -118,7 +126,7 @@ class NnsightBackend:
             raise
 
     def run_once(self, input_ids, attention_mask, *, layers, storage, out_dtype, logits_k, perplexity,
-                  keep=None) -> BatchOutput:
+                  keep=None, captures: list[Capture] | None = None) -> BatchOutput:
         import torch
 
         b = input_ids.shape[0]
@@ -130,17 +138,20 @@ class NnsightBackend:
         blocks = self._envoy(self.block_path)
         need_head = bool(logits_k) or perplexity
         head = self._envoy(self._head_path()) if need_head else None
-        saved: dict[int, Any] = {}
+        saved: dict[tuple[str, int], Any] = {}
         targets = input_ids[:, 1:]
         top_values = top_indices = nll = None
+        captures = captures or [RESID_POST]  # in forward order, as nnsight requires
         with self.model.trace(inputs, remote=self.remote) as tracer:
             for layer in layers:
-                h = blocks[layer].output
-                h = h[0] if isinstance(h, tuple) else h
-                if storage == "pooled":
-                    saved[layer] = h[rows, last].to(out_dtype).save()  # the last token only leaves the trace
-                else:
-                    saved[layer] = h[real].to(out_dtype).save()
+                for c in captures:
+                    env = _submodule(blocks[layer], c.site.path)
+                    h = first_input(*env.inputs) if c.site.kind == "input" else first_output(env.output)
+                    h = as_batch_tokens(h, tuple(input_ids.shape), c.hookpoint)
+                    if storage == "pooled":  # the last token only leaves the trace
+                        saved[(c.hookpoint, layer)] = h[rows, last].to(out_dtype).save()
+                    else:
+                        saved[(c.hookpoint, layer)] = h[real].to(out_dtype).save()
             if need_head:
                 logits = head.output
                 if logits_k:
@@ -155,7 +166,7 @@ class NnsightBackend:
         lengths = real.sum(dim=1)
         ids = input_ids[real]
         out = BatchOutput(
-            hidden={layer: saved[layer].cpu() for layer in layers},
+            hidden={key: value.cpu() for key, value in saved.items()},
             num_tokens=lengths.numpy().astype(np.int64),
             token_ids=[t.tolist() for t in torch.split(ids, lengths.tolist())],
         )
@@ -165,6 +176,20 @@ class NnsightBackend:
         if perplexity:
             out.perplexity = perplexity_from_nll(nll.cpu(), real)
         return out
+
+
+def _submodule(envoy: Any, path: str) -> Any:
+    """The envoy of a module path inside a block. nnsight serves ``.input``/``.output`` itself, so a
+    submodule with one of those names (BERT's ``output``) is reached as ``E_output``."""
+    import inspect
+
+    from nnsight.intervention.envoy import Envoy
+
+    for part in path.split(".") if path else []:
+        if not part.startswith("_") and inspect.isdatadescriptor(getattr(Envoy, part, None)):
+            part = Envoy.OVERLOAD_PREFIX + part
+        envoy = getattr(envoy, part)
+    return envoy
 
 
 def build_backend(spec: Any, hf_model: Any, tokenizer: Any, *, block_path: str | None, remote: bool | str,
@@ -177,7 +202,9 @@ def build_backend(spec: Any, hf_model: Any, tokenizer: Any, *, block_path: str |
         nn_model = TransformersModel(spec.path, tokenizer=tokenizer, revision=spec.revision)
         ref = nn_model.__dict__["_module"]
     else:
-        nn_model = TransformersModel(hf_model, tokenizer=tokenizer)
+        # nnsight infers a pipeline task from the class; a bare encoder (BERT's BertModel) has none to infer
+        task = {} if spec.causal_lm else {"task": "feature-extraction"}
+        nn_model = TransformersModel(hf_model, tokenizer=tokenizer, **task)
         ref = hf_model
     path = find_block_path(ref, spec.num_layers, block_path)
     return NnsightBackend(nn_model, path, causal_lm=spec.causal_lm, remote=remote, retry=retry)

@@ -12,8 +12,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from ..errors import ExtractionError
-from ..format.spec import HIDDEN_DTYPES, STORAGES
+from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, STORAGES
 from ..units import parse_count, parse_size
+from .hookpoints import parse_hookpoints
 
 BACKENDS = ("transformers", "nnsight")
 
@@ -31,6 +32,9 @@ class ExtractionConfig:
     """The output folder, or an object-storage URL such as ``s3://bucket/prefix``."""
     layers: str | int | list[int] | None = "all"
     """``all``, ``"0,3,-1"``, ranges such as ``"10:20"`` (Python slices), or a list of ints."""
+    hookpoints: str | tuple[str, ...] | list[str] = "resid_post"
+    """Where in each block to read: a comma list or a list of ``resid_pre``, ``attn_out``, ``resid_mid``,
+    ``mlp_in``, ``mlp_out``, ``resid_post`` and module paths with ``:input``/``:output`` (docs/hookpoints.md)."""
     storage: Literal["pooled", "full_sequence"] = "pooled"
     """``pooled`` keeps the last stored token of each prompt; ``full_sequence`` keeps every token."""
     logits_topk: int | None = None
@@ -127,6 +131,7 @@ class ExtractionConfig:
         if self.chat_template and self.truncate:
             bad("--truncate cannot be combined with --chat-template (it would cut the template); "
                 "shorten the prompts or raise --max-length")
+        object.__setattr__(self, "hookpoints", tuple(parse_hookpoints(self.hookpoints)))
         if isinstance(self.max_tokens, str):
             object.__setattr__(self, "max_tokens", parse_count(self.max_tokens))  # "50M"
         for name in ("context_len", "max_tokens"):
@@ -203,4 +208,6 @@ class ExtractionConfig:
         if self.corpus:
             for name in ("max_length", "truncate", "drop_special_tokens", "chat_template"):
                 del out[name]
+        if self.hookpoints != (DEFAULT_HOOKPOINT,):  # absent by default: earlier partial outputs still resume
+            out["hookpoints"] = list(self.hookpoints)
         return out

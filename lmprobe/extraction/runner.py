@@ -11,7 +11,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from ..paths import check_output_path
 from ..storage.objectstore import UploadSink, cache_dir, is_object_store_url
 from ..units import format_size
 from ..worker import BackgroundWorker
-from .backend_hf import TransformersBackend
+from .backend_hf import RESID_POST, TransformersBackend
 from .backend_nnsight import build_backend, check_api_key, nnsight_version, require_nnsight
 from .config import ExtractionConfig
 from .corpus import (
@@ -41,6 +41,7 @@ from .corpus import (
     progress_after,
     stream_windows,
 )
+from .hookpoints import Capture, plan_captures, probe_loaded, probe_skeleton
 from .model import (
     ModelSpec,
     find_blocks,
@@ -68,6 +69,21 @@ class _Job:
     settings: dict[str, Any]  # recorded in the dataset and compared on resume
     device: str
     corpus: CorpusPlan | None = None  # corpus mode: the source and its windows
+    captures: list[Capture] = field(default_factory=lambda: [RESID_POST])  # what to read in each block
+    model: Any = None  # the loaded model, when locating the hookpoints needed it before the writer opened
+
+    @property
+    def hookpoint_dims(self) -> tuple[int, ...]:
+        """Widths in the config's hookpoint order, or () when every hookpoint is as wide as the model."""
+        width = {c.hookpoint: c.width or self.spec.hidden_size for c in self.captures}
+        dims = tuple(width[hp] for hp in self.config.hookpoints)
+        return () if all(d == self.spec.hidden_size for d in dims) else dims
+
+    @property
+    def vector_bytes(self) -> int:
+        """Bytes of one stored token or prompt: every hookpoint of every layer."""
+        item = np.dtype("float16" if self.config.dtype == "bfloat16" else self.config.dtype).itemsize
+        return len(self.settings["layers"]) * sum(c.width or self.spec.hidden_size for c in self.captures) * item
 
 
 def _default_max_length(tok: Any, config: Any) -> int | None:
@@ -112,11 +128,14 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
     if cfg.logits_topk and vocab and cfg.logits_topk > vocab:
         raise ExtractionError(f"logits_topk={cfg.logits_topk} is larger than the vocabulary ({vocab})")
     dev = pick_device(cfg.device)
+    captures, model = _locate_hookpoints(cfg, spec, dev)
 
     tok = load_tokenizer(spec)
     limit = cfg.max_length or _default_max_length(tok, spec.config)
     if p is None:
-        return _prepare_corpus(cfg, source, spec, tok, limit, vocab, layer_list, dev)
+        job = _prepare_corpus(cfg, source, spec, tok, limit, vocab, layer_list, dev)
+        job.captures, job.model = captures, model
+        return job
     if p.input_ids is not None:
         _check_pretokenized(cfg, p, tok, vocab)
     encoder = Encoder(tok, chat_template=cfg.chat_template, drop_special_tokens=cfg.drop_special_tokens,
@@ -138,7 +157,33 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
         lengths = np.minimum(lengths, limit)
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=p.fingerprint(),
                             num_prompts=len(p), layers=layer_list, max_length=limit)
-    return _Job(cfg, p, spec, tok, lengths, settings, dev)
+    return _Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model)
+
+
+def _locate_hookpoints(cfg: ExtractionConfig, spec: ModelSpec, dev: str) -> tuple[list[Capture], Any]:
+    """The captures of ``cfg.hookpoints``, found on a weightless skeleton of the model when it can run
+    (an unsupported hookpoint is then an error before the weights load); else on the loaded model,
+    which is returned so that it loads once."""
+    if cfg.hookpoints == (RESID_POST.hookpoint,):
+        return [RESID_POST], None
+    try:
+        anatomy, block = probe_skeleton(spec.config, trust_remote_code=spec.trust_remote_code,
+                                        block_path=_skeleton_block_path(cfg.block_path))
+    except ModelError as exc:
+        skeleton_error = exc
+    else:
+        return plan_captures(list(cfg.hookpoints), anatomy, block), None  # a wrong hookpoint fails here
+    if cfg.backend == "nnsight" and cfg.remote is True:
+        raise ModelError(f"cannot locate hookpoints {list(cfg.hookpoints)} without the weights here "
+                         f"({skeleton_error}); run with --remote local, or read resid_post only")
+    model, _ = load_model(spec, device=dev, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)
+    blocks = find_blocks(model, spec.num_layers, cfg.block_path)
+    return plan_captures(list(cfg.hookpoints), probe_loaded(model, blocks[0], dev), blocks[0]), model
+
+
+def _skeleton_block_path(block_path: str | None) -> str | None:
+    """--block-path names the block list of the loaded class; the skeleton is the bare model."""
+    return block_path.removeprefix("model.") if block_path else None
 
 
 def _check_pretokenized(cfg: ExtractionConfig, p: Prompts, tok: Any, vocab: int | None) -> None:
@@ -278,6 +323,8 @@ def _extract_to(job: _Job, out: Path, *, on_file_complete: Any = None, reopen: b
         checksums=cfg.checksums,
         statistics=cfg.statistics,
         corpus=job.corpus is not None,
+        hookpoints=cfg.hookpoints,
+        hookpoint_dims=job.hookpoint_dims,
         overwrite=cfg.overwrite,
         checkpoint_interval=cfg.checkpoint_interval,
         on_file_complete=on_file_complete,
@@ -320,7 +367,8 @@ def _extract_distributed(job: _Job, out: Path) -> Dataset:
                          "part": [rank, world]}
         parts_dir = out / ".lmprobe-parts"
         part_cfg = dataclasses.replace(cfg, quiet=cfg.quiet or rank != 0)
-        part_job = _Job(part_cfg, part, job.spec, job.tokenizer, job.lengths[lo:hi], part_settings, job.device)
+        part_job = _Job(part_cfg, part, job.spec, job.tokenizer, job.lengths[lo:hi], part_settings, job.device,
+                        captures=job.captures, model=job.model)
         _extract_to(part_job, parts_dir / f"part-{rank:05d}", reopen=False)
         dist.barrier()
         if rank == 0:
@@ -339,11 +387,13 @@ def _provenance(cfg: ExtractionConfig) -> dict:
 
 def _build_backend(job: _Job) -> Any:
     cfg = job.config
+    model, job.model = job.model, None  # loaded early to locate the hookpoints, or loaded now
     if cfg.backend == "nnsight":
-        model = None if cfg.remote is True else load_model(job.spec, device=job.device,
-                                                           compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)[0]
+        if model is None and cfg.remote is not True:
+            model = load_model(job.spec, device=job.device, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)[0]
         return build_backend(job.spec, model, job.tokenizer, block_path=cfg.block_path, remote=cfg.remote)
-    model, _commit = load_model(job.spec, device=job.device, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)
+    if model is None:
+        model, _commit = load_model(job.spec, device=job.device, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)
     blocks = find_blocks(model, job.spec.num_layers, cfg.block_path)
     return TransformersBackend(model, blocks, causal_lm=job.spec.causal_lm)
 
@@ -399,7 +449,7 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: _Job, order
                 texts, ids=[p.input_ids[i] for i in idx] if p.input_ids is not None else None)
             res = backend.run(input_ids, attention_mask, layers=layers, storage=cfg.storage, out_dtype=out_dtype,
                               logits_k=cfg.logits_topk, perplexity=cfg.perplexity,
-                              keep=None if encoder.plain else keep)
+                              keep=None if encoder.plain else keep, captures=job.captures)
             item = _batch_item(job, texts, res)
             item["positions"] = idx
             if p.label_type is not None:
@@ -457,7 +507,7 @@ def _run_corpus(writer: DatasetWriter, job: _Job) -> None:
             for batch in batches(stream, cfg.batch_size):
                 input_ids, attention_mask = pad(batch, tok.pad_token_id, left)
                 res = backend.run(input_ids, attention_mask, layers=layers, storage=cfg.storage, out_dtype=out_dtype,
-                                  logits_k=cfg.logits_topk, perplexity=cfg.perplexity)
+                                  logits_k=cfg.logits_topk, perplexity=cfg.perplexity, captures=job.captures)
                 item = _batch_item(job, [w.text for w in batch], res)
                 item["document"] = [w.document for w in batch]
                 item["window_start"] = [w.start for w in batch]
@@ -479,11 +529,11 @@ def _run_corpus(writer: DatasetWriter, job: _Job) -> None:
 def _planned_bytes(job: _Job, writer: DatasetWriter) -> tuple[int | None, str]:
     """Bytes the extraction will still write (None when the source's length is unknown), and what they are."""
     cfg = job.config
-    per_vector = len(job.settings["layers"]) * job.spec.hidden_size * np.dtype(
-        "float16" if cfg.dtype == "bfloat16" else cfg.dtype).itemsize
+    per_vector = job.vector_bytes
     logits = (cfg.logits_topk or 0) * 8
     n_layers = len(job.settings['layers'])
-    what = f"{n_layers} layer{'s' if n_layers != 1 else ''} x {job.spec.hidden_size} dims, {cfg.dtype}"
+    hps = "" if len(job.captures) == 1 else f" x {len(job.captures)} hookpoints"
+    what = f"{n_layers} layer{'s' if n_layers != 1 else ''}{hps} x {job.spec.hidden_size} dims, {cfg.dtype}"
     if job.corpus is not None:
         per_row = per_vector if cfg.storage == "full_sequence" else 0
         if job.corpus.max_tokens is None:
@@ -516,7 +566,7 @@ def _announce(job: _Job, writer: DatasetWriter, out: Path, *, local: bool) -> No
     if planned is None or not cfg.space_check:
         return
     if not local and cfg.storage == "pooled":  # shards go to the bucket as they close
-        planned = min(planned, cfg.shard_bytes * (len(job.settings["layers"]) + 1))
+        planned = min(planned, cfg.shard_bytes * (len(job.settings["layers"]) * len(job.captures) + 1))
     free = shutil.disk_usage(out).free
     if free < planned:
         raise OutOfSpaceError(

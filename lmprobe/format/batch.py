@@ -22,7 +22,7 @@ class CheckedBatch:
     counts: np.ndarray  # (b,) int64 tokens per prompt
     positions: list[int]  # each prompt's row in the final index
     labels: list[Any]
-    hidden: dict[int, np.ndarray]  # layer -> storage-dtype rows: (b, dim) pooled, (sum(counts), dim) full_sequence
+    hidden: dict[str, np.ndarray]  # slot (spec.sites) -> storage-dtype rows: (b, dim) pooled, (sum(counts), dim) full_sequence
     logits: tuple[np.ndarray, np.ndarray] | None  # (values (b, k) float32, indices (b, k) int32)
     columns: dict[str, list]  # optional format columns (perplexity, token lists) and user columns
 
@@ -30,7 +30,7 @@ class CheckedBatch:
         return len(self.texts)
 
 
-def check_batch(spec: DatasetSpec, base: int, *, texts: Sequence[str], hidden: Mapping[int, Any],
+def check_batch(spec: DatasetSpec, base: int, *, texts: Sequence[str], hidden: Mapping[Any, Any],
                 num_tokens: Sequence[int], labels: Sequence[Any] | None = None,
                 columns: Mapping[str, Sequence[Any]] | None = None, logits_values: Any = None,
                 logits_indices: Any = None, perplexity_mean: Sequence[float] | None = None,
@@ -123,23 +123,55 @@ def _check_user_columns(spec: DatasetSpec, columns: Mapping[str, Sequence[Any]] 
     return out
 
 
-def _check_hidden(spec: DatasetSpec, hidden: Mapping[int, Any], counts: np.ndarray, base: int) -> dict[int, np.ndarray]:
-    missing = [x for x in spec.layers if x not in hidden]
-    extra = [x for x in hidden if x not in spec.layers]
+def hidden_by_slot(spec: DatasetSpec, hidden: Mapping[Any, Any]) -> dict[str, Any]:
+    """``hidden`` keyed by the spec's slots.
+
+    Accepted: ``{layer: array}`` (one hookpoint stored), ``{hookpoint: {layer: array}}`` or
+    ``{(hookpoint, layer): array}``.
+    """
+    if not isinstance(hidden, Mapping):
+        raise InvalidArgumentError(f"hidden must map layers to arrays, got {type(hidden).__name__}")
+    by_site: dict[tuple[str, Any], Any] = {}
+    for key, value in hidden.items():
+        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str):
+            by_site[key] = value
+        elif isinstance(key, str) and isinstance(value, Mapping):
+            by_site.update({(key, layer): v for layer, v in value.items()})
+        elif len(spec.hookpoints) == 1 and not isinstance(key, (str, tuple)):
+            by_site[(spec.hookpoints[0], key)] = value
+        else:
+            raise InvalidArgumentError(
+                f"hidden key {key!r}: this dataset stores hookpoints {list(spec.hookpoints)}; pass "
+                "{hookpoint: {layer: array}} or {(hookpoint, layer): array}")
+    want = {(hp, layer): slot for slot, (hp, layer) in spec.sites.items()}
+    missing = [k for k in want if k not in by_site]
+    extra = [k for k in by_site if k not in want]
     if missing or extra:
+        if len(spec.hookpoints) == 1:
+            missing, extra = [k[1] for k in missing], [k[1] for k in extra]
+            raise InvalidArgumentError(
+                f"hidden must hold exactly layers {list(spec.layers)}; missing {missing}, unexpected {extra}")
         raise InvalidArgumentError(
-            f"hidden must hold exactly layers {list(spec.layers)}; missing {missing}, unexpected {extra}")
+            f"hidden must hold layers {list(spec.layers)} of hookpoints {list(spec.hookpoints)}; "
+            f"missing {missing}, unexpected {extra}")
+    return {slot: by_site[k] for k, slot in want.items()}
+
+
+def _check_hidden(spec: DatasetSpec, hidden: Mapping[Any, Any], counts: np.ndarray, base: int) -> dict[str, np.ndarray]:
     rows = len(counts) if not spec.full_sequence else int(counts.sum())
     out = {}
-    for layer in spec.layers:
-        a = to_storage(hidden[layer], spec.dtype)
-        if a.shape != (rows, spec.dim):
+    sites = spec.sites
+    for slot, value in hidden_by_slot(spec, hidden).items():
+        a = to_storage(value, spec.dtype)
+        hp, layer = sites[slot]
+        if a.shape != (rows, spec.dim_of(hp)):
             what = "(batch, dim)" if not spec.full_sequence else "(sum(num_tokens), dim)"
+            name = f"hidden[{layer}]" if len(spec.hookpoints) == 1 else f"hidden[{hp!r}][{layer}]"
             raise InvalidArgumentError(
-                f"hidden[{layer}] has shape {tuple(a.shape)}; expected {what} = {(rows, spec.dim)} "
+                f"{name} has shape {tuple(a.shape)}; expected {what} = {(rows, spec.dim_of(hp))} "
                 f"for prompts {base}..{base + len(counts) - 1}"
             )
-        out[layer] = a
+        out[slot] = a
     return out
 
 

@@ -57,6 +57,9 @@ def _compatible(parts: list[Dataset]) -> list[str]:
         if s != a_settings:
             diff = sorted(k for k in set(s) | set(a_settings) if s.get(k) != a_settings.get(k))
             problems.append(f"part {i}: extraction settings differ from part 0's ({', '.join(diff)})")
+        if list(ds.meta.hookpoints) != list(first.meta.hookpoints):
+            problems.append(f"part {i} stores hookpoints {list(ds.meta.hookpoints)}, part 0 "
+                            f"{list(first.meta.hookpoints)}")
         if (ds.meta.statistics is None) != (first.meta.statistics is None):
             problems.append(f"part {i}: statistics are {'absent' if ds.meta.statistics is None else 'present'}, "
                             "unlike part 0")
@@ -124,11 +127,12 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
     shards_lt, shards_seq, logits_shards = [], [], []
     for k, ds in enumerate(dss):
         h = ds.meta.hidden
-        for s, desc in enumerate(h.shards):
+        for s in range(len(h.shards)):
             new = (lt_off[k] + s) if s < h.last_token_shards else (seq_off[k] + s - h.last_token_shards)
-            for layer in h.layers:
-                transfer(ds.fetch(h.file(layer, s), "shard file"), out / h0.file(layer, int(new)))
-            (shards_lt if s < h.last_token_shards else shards_seq).append(desc)
+            for hp, hd in ds.meta.hookpoints.items():  # every hookpoint shares the shard numbering
+                for layer in hd.layers:
+                    transfer(ds.fetch(hd.file(layer, s), "shard file"), out / first.meta.hookpoints[hp].file(layer, int(new)))
+            (shards_lt if s < h.last_token_shards else shards_seq).append((k, s))
         if lg0:
             lg = ds.meta.logits
             for s, desc in enumerate(lg.shards):
@@ -151,10 +155,11 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
         return pa.table(cols).cast(first.schema.remove_metadata())
 
     info = json.loads(json.dumps(first.info))
-    hidden = info["tensors"]["hidden_layers"]
-    hidden["shards"] = shards_lt + shards_seq
-    if full:
-        hidden["last_token_shards"] = len(shards_lt)
+    for hp, hd0 in first.meta.hookpoints.items():
+        hidden = info["tensors"][hd0.name]
+        hidden["shards"] = [dss[k].meta.hookpoints[hp].shards[s] for k, s in shards_lt + shards_seq]
+        if full:
+            hidden["last_token_shards"] = len(shards_lt)
     if lg0:
         info["tensors"]["logits_topk"]["shards"] = logits_shards
         info["tensors"]["logits_topk"]["file_pattern"] = lg0.file_pattern
@@ -190,9 +195,16 @@ def _logits_rel(lg0: Any, shard: int) -> str:
 
 def _merge_statistics(dss: list[Dataset], out: Path, desc: dict) -> dict:
     layers = desc["layers"]
-    merged = {layer: RunningStats.empty(dss[0].dim) for layer in layers}
-    for ds in dss:
-        for layer in layers:
-            merged[layer] = merged[layer].merge(RunningStats.from_result(ds.statistics(layer)))
-    new = write_statistics(out, merged, storage=dss[0].storage, checksums="sha256" in desc)
-    return {**desc, **{k: new[k] for k in ("file", "bytes", "sha256") if k in new}}
+    hookpoints = list(dss[0].hookpoints)
+
+    def merged(hp: str | None, layers: list[int]) -> dict[int, RunningStats]:
+        m = {layer: RunningStats.empty(dss[0].hidden_desc(hp).dim) for layer in layers}
+        for ds in dss:
+            for layer in layers:
+                m[layer] = m[layer].merge(RunningStats.from_result(ds.statistics(layer, hookpoint=hp)))
+        return m
+
+    others = {hp: merged(hp, layers) for hp in hookpoints[1:]}
+    new = write_statistics(out, merged(None, layers), storage=dss[0].storage, checksums="sha256" in desc,
+                           others=others)
+    return {**desc, **{k: new[k] for k in ("file", "bytes", "sha256", "hookpoints") if k in new}}

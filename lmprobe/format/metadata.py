@@ -15,6 +15,7 @@ from ..errors import FormatError
 from ..paths import check_pattern, check_relpath, format_relpath
 from ..version import __version__
 from .spec import (
+    DEFAULT_HOOKPOINT,
     DTYPES,
     FORMAT_VERSION,
     HIDDEN_DTYPES,
@@ -78,9 +79,11 @@ class HiddenDescriptor:
     row_bytes: int | None = None
     pooling: str | None = None
     raw: dict = field(default_factory=dict, repr=False)
+    name: str = "hidden_layers"  # the entry of ``lmprobe:tensors``
+    hookpoint: str = DEFAULT_HOOKPOINT  # where in the block the vectors were read
 
     def file(self, layer: int, shard: int) -> str:
-        return format_relpath(self.file_pattern, "hidden_layers.file_pattern", layer=layer, shard=shard)
+        return format_relpath(self.file_pattern, f"{self.name}.file_pattern", layer=layer, shard=shard)
 
     def key(self, layer: int) -> str:
         return self.key_pattern.format(layer=layer)
@@ -128,9 +131,9 @@ class LogitsDescriptor:
         )
 
 
-def parse_hidden(d: Any) -> HiddenDescriptor:
-    d = _dict(d, "tensors.hidden_layers")
-    w = "hidden_layers"
+def parse_hidden(d: Any, name: str = "hidden_layers") -> HiddenDescriptor:
+    d = _dict(d, f"tensors.{name}")
+    w = name
     layers = d.get("layers")
     if not isinstance(layers, list) or not layers:
         raise FormatError(f"{w}.layers must be a non-empty list of layer indices, got {layers!r}")
@@ -160,6 +163,9 @@ def parse_hidden(d: Any) -> HiddenDescriptor:
     if row_bytes is not None:
         row_bytes = _int(row_bytes, f"{w}.row_bytes")
     pooling = d.get("pooling")
+    hookpoint = d.get("hookpoint", DEFAULT_HOOKPOINT)
+    if not isinstance(hookpoint, str) or not hookpoint or len(hookpoint) > 200:
+        raise FormatError(f"{w}.hookpoint must be a hookpoint name, got {str(hookpoint)[:60]!r}")
     return HiddenDescriptor(
         layers=layers,
         dim=dim,
@@ -172,7 +178,21 @@ def parse_hidden(d: Any) -> HiddenDescriptor:
         row_bytes=row_bytes,
         pooling=pooling if isinstance(pooling, str) else None,
         raw=d,
+        name=name,
+        hookpoint=hookpoint,
     )
+
+
+def _check_same_shards(h: HiddenDescriptor, primary: HiddenDescriptor) -> None:
+    """Every hookpoint shares the shards of ``hidden_layers``: the index addresses them all alike."""
+    w = h.name
+    if h.storage != primary.storage or len(h.shards) != len(primary.shards) \
+            or h.last_token_shards != primary.last_token_shards:
+        raise FormatError(f"{w} does not have the shards of hidden_layers (storage, shard count or last-token shards "
+                          "differ); every hookpoint is addressed by the same index columns")
+    for i, (a, b) in enumerate(zip(h.shards, primary.shards, strict=True)):
+        if a.get("num_prompts") != b.get("num_prompts") or a.get("num_tokens") != b.get("num_tokens"):
+            raise FormatError(f"{w}.shards[{i}] holds other rows than hidden_layers.shards[{i}]")
 
 
 def parse_logits(d: Any) -> LogitsDescriptor:
@@ -224,9 +244,12 @@ class DatasetInfo:
     hidden: HiddenDescriptor | None
     logits: LogitsDescriptor | None
     statistics: StatisticsDescriptor | None = None
+    hookpoints: dict[str, HiddenDescriptor] = field(default_factory=dict)
+    """Every stored hookpoint's descriptor, ``hidden_layers``' first."""
 
-    def files(self, layers: list[int] | None = None, *, logits: bool = True) -> list[FileRecord]:
-        """Every shard file (of ``layers``, default all) and the statistics file, with their records."""
+    def files(self, layers: list[int] | None = None, *, logits: bool = True,
+              hookpoints: list[str] | None = None) -> list[FileRecord]:
+        """Every shard file (of ``layers`` and ``hookpoints``, default all) and the statistics file, with records."""
 
         def record(rel: str, rec: Any) -> FileRecord:
             rec = rec if isinstance(rec, dict) else {}
@@ -234,9 +257,10 @@ class DatasetInfo:
             return FileRecord(rel, size if isinstance(size, int) else None, sha if isinstance(sha, str) else None)
 
         out: list[FileRecord] = []
-        h = self.hidden
-        if h is not None:
-            for layer in h.layers if layers is None else layers:
+        for hp, h in self.hookpoints.items():
+            if hookpoints is not None and hp not in hookpoints:
+                continue
+            for layer in h.layers if layers is None else [x for x in layers if x in h.layers]:
                 for s, d in enumerate(h.shards):
                     out.append(record(h.file(layer, s), (d.get("files") or {}).get(str(layer))))
         if logits and self.logits is not None:
@@ -261,12 +285,23 @@ def parse_info(info: dict[str, Any]) -> DatasetInfo:
     num_prompts = _int(info.get("num_prompts"), "num_prompts")
     tensors = _dict(info.get("tensors", {}), "tensors")
     hidden = parse_hidden(tensors["hidden_layers"]) if "hidden_layers" in tensors else None
+    hookpoints: dict[str, HiddenDescriptor] = {hidden.hookpoint: hidden} if hidden is not None else {}
+    for name, d in tensors.items():
+        if name == "hidden_layers" or not isinstance(d, dict) or d.get("type") != "hidden":
+            continue
+        if hidden is None:
+            raise FormatError(f"tensors.{name} is a hidden descriptor but there is no hidden_layers")
+        h = parse_hidden(d, name)
+        if "hookpoint" not in d or h.hookpoint in hookpoints:
+            raise FormatError(f"tensors.{name} needs a hookpoint of its own (has {d.get('hookpoint')!r})")
+        _check_same_shards(h, hidden)
+        hookpoints[h.hookpoint] = h
     logits = parse_logits(tensors["logits_topk"]) if "logits_topk" in tensors else None
     # statistics have a key of their own: readers that walk every entry of `tensors` (lmprobe 0.10.3)
     # expect shards in each; datasets written before that kept them in `tensors`
     stats_raw = info["statistics"] if "statistics" in info else tensors.get("statistics")
     stats = parse_statistics(stats_raw) if stats_raw is not None else None
-    return DatasetInfo(info, version, num_prompts, hidden, logits, stats)
+    return DatasetInfo(info, version, num_prompts, hidden, logits, stats, hookpoints)
 
 
 @dataclass
@@ -278,6 +313,19 @@ class StatisticsDescriptor:
 
     def key(self, layer: int, stat: str) -> str:
         return self.key_pattern.format(layer=layer, stat=stat)
+
+    def for_hookpoint(self, hookpoint: str) -> StatisticsDescriptor:
+        """The statistics of another hookpoint than ``hidden_layers``' (same file, its own keys)."""
+        entry = (self.raw.get("hookpoints") or {}).get(hookpoint)
+        if not isinstance(entry, dict):
+            raise FormatError(f"the statistics file holds no statistics of hookpoint {hookpoint!r}")
+        layers = entry.get("layers")
+        if not isinstance(layers, list):
+            raise FormatError(f"statistics.hookpoints.{hookpoint}.layers must be a list of layers")
+        layers = [_int(x, f"statistics.hookpoints.{hookpoint}.layers[]") for x in layers]
+        key_pattern = check_pattern(entry.get("key_pattern"), ("layer", "stat"),
+                                    f"statistics.hookpoints.{hookpoint}.key_pattern")
+        return StatisticsDescriptor(self.file, layers, key_pattern, raw=entry)
 
 
 def parse_statistics(d: Any) -> StatisticsDescriptor:
@@ -323,38 +371,48 @@ def default_provenance() -> dict[str, Any]:
     }
 
 
-def _recorded_files(d: dict) -> dict[str, dict]:
-    """A closed shard's per-slot file records, without the writer's staging names."""
-    return {slot: {k: v for k, v in f.items() if k != "staging"} for slot, f in d["files"].items()}
+def _recorded_files(d: dict, slots: dict[str, int] | None = None) -> dict[str, dict]:
+    """A closed shard's file records without the writer's staging names; ``slots`` (slot -> layer) picks and rekeys."""
+    files = d["files"]
+    if slots is not None:
+        return {str(layer): {k: v for k, v in files[slot].items() if k != "staging"} for slot, layer in slots.items()}
+    return {slot: {k: v for k, v in f.items() if k != "staging"} for slot, f in files.items()}
 
 
-def build_hidden_descriptor(spec: DatasetSpec, last_closed: list[dict], seq_closed: list[dict]) -> dict[str, Any]:
-    """The ``hidden_layers`` descriptor from the closed last-token and sequence shards."""
+def build_hidden_descriptor(spec: DatasetSpec, last_closed: list[dict], seq_closed: list[dict],
+                            hookpoint: str | None = None) -> dict[str, Any]:
+    """The descriptor of one hookpoint (default: ``hidden_layers``') from the closed last-token and sequence shards."""
+    hp = spec.primary_hookpoint if hookpoint is None else hookpoint
+    slots = {slot: layer for slot, (h, layer) in spec.sites.items() if h == hp}
     full = spec.full_sequence
     shards = []
     for d in last_closed:
         s: dict[str, Any] = {"num_prompts": d["num_prompts"]}
         if full:
             s["num_tokens"] = d["num_tokens"]
-        s["files"] = _recorded_files(d)
+        s["files"] = _recorded_files(d, slots)
         shards.append(s)
     for d in seq_closed:
-        shards.append({"num_prompts": d["num_prompts"], "num_tokens": d["num_tokens"], "files": _recorded_files(d)})
+        shards.append({"num_prompts": d["num_prompts"], "num_tokens": d["num_tokens"],
+                       "files": _recorded_files(d, slots)})
+    file_pattern, key_pattern = spec.patterns(hp)
     hidden: dict[str, Any] = {
         "type": "hidden",
         "layers": list(spec.layers),
-        "dim": spec.dim,
+        "dim": spec.dim_of(hp),
         "dtype": spec.dtype,
         "layout": "per_layer",
-        "file_pattern": spec.file_pattern,
-        "key_pattern": spec.key_pattern,
+        "file_pattern": file_pattern,
+        "key_pattern": key_pattern,
         "storage": spec.storage,
     }
+    if hp != DEFAULT_HOOKPOINT:
+        hidden["hookpoint"] = hp  # hidden_layers of a default extraction stays as it always was
     if full:
         hidden["last_token_shards"] = len(last_closed)
     else:
         hidden["pooling"] = "last_token"
-    hidden["row_bytes"] = spec.row_bytes
+    hidden["row_bytes"] = spec.dim_of(hp) * DTYPES[spec.dtype].itemsize
     hidden["shards"] = shards
     return hidden
 

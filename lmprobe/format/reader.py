@@ -181,9 +181,25 @@ class Dataset:
             raise FormatError(f"{self.files}: this dataset stores no hidden states")
         return self.meta.hidden
 
+    def hidden_desc(self, hookpoint: str | None = None):
+        """The descriptor of ``hookpoint`` (None: ``hidden_layers``); LayerNotFoundError naming the stored ones."""
+        h = self._hidden_desc
+        if hookpoint is None or hookpoint == h.hookpoint:
+            return h
+        found = self.meta.hookpoints.get(hookpoint)
+        if found is None:
+            raise LayerNotFoundError(f"hookpoint {hookpoint!r} is not stored in this dataset; stored hookpoints: "
+                                     f"{list(self.meta.hookpoints)}", layer=hookpoint, available=self.hookpoints)
+        return found
+
     @property
     def layers(self) -> list[int]:
         return list(self._hidden_desc.layers)
+
+    @property
+    def hookpoints(self) -> list[str]:
+        """The stored hookpoints, the one ``hidden_layers`` holds first (``resid_post`` for a default extraction)."""
+        return list(self.meta.hookpoints) or [self._hidden_desc.hookpoint]
 
     @property
     def dim(self) -> int:
@@ -255,9 +271,9 @@ class Dataset:
             raise IndexError(f"row out of range for a dataset of {n} prompts")
         return arr
 
-    def check_layer(self, layer: int) -> int:
+    def check_layer(self, layer: int, hookpoint: str | None = None) -> int:
         """``layer`` as an int if the dataset stores it; else LayerNotFoundError naming the stored layers."""
-        h = self._hidden_desc
+        h = self.hidden_desc(hookpoint)
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in h.layers:
             raise LayerNotFoundError(f"layer {layer!r} is not stored in this dataset; stored layers: {h.layers}",
                                      layer=layer, available=list(h.layers))
@@ -300,9 +316,9 @@ class Dataset:
             raise FormatError(f"{rel}: tensor {key!r} has {entry.shape[0]} rows, the index needs {min_rows}")
         return path, entry
 
-    def hidden_shard(self, layer: int, shard: int) -> tuple[Path, TensorEntry]:
-        """Shard ``shard`` of ``layer``: local path and tensor entry, checked."""
-        h = self._hidden_desc
+    def hidden_shard(self, layer: int, shard: int, hookpoint: str | None = None) -> tuple[Path, TensorEntry]:
+        """Shard ``shard`` of ``layer`` (of ``hookpoint``): local path and tensor entry, checked."""
+        h = self.hidden_desc(hookpoint)
         if not 0 <= shard < len(h.shards):
             raise FormatError(f"{self.files}: shard {shard} is not among the {len(h.shards)} the metadata lists")
         return self.tensor(h.file(layer, shard), h.key(layer), h.dtype, (h.dim,), h.shard_rows(shard))
@@ -361,11 +377,12 @@ class Dataset:
             return bfloat16_bits_to_float32(arr)
         return arr
 
-    def read_hidden_rows(self, layer: int, shard_ids: np.ndarray, offsets: np.ndarray, *, as_torch: bool = False):
+    def read_hidden_rows(self, layer: int, shard_ids: np.ndarray, offsets: np.ndarray, *, as_torch: bool = False,
+                         hookpoint: str | None = None):
         """Rows ``offsets[i]`` of shards ``shard_ids[i]`` of ``layer``: (N, dim), one read pass per shard."""
-        h = self._hidden_desc
-        out = self._gather(shard_ids, offsets, lambda shard: self.hidden_shard(layer, shard), len(h.shards), (h.dim,),
-                           DTYPES[h.dtype].np_storage)
+        h = self.hidden_desc(hookpoint)
+        out = self._gather(shard_ids, offsets, lambda shard: self.hidden_shard(layer, shard, hookpoint), len(h.shards),
+                           (h.dim,), DTYPES[h.dtype].np_storage)
         return self._finish(out, h.dtype, as_torch)
 
     def token_addresses(self, rows: RowsArg = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -386,27 +403,30 @@ class Dataset:
 
     # ---------------------------------------------------------------- reading
 
-    def hidden(self, layer: int, rows: RowsArg = None, *, as_torch: bool = False):
+    def hidden(self, layer: int, rows: RowsArg = None, *, as_torch: bool = False, hookpoint: str | None = None):
         """Last-token hidden states of ``layer``: an (N, dim) array in index order.
+
+        ``hookpoint`` picks another stored hookpoint (``ds.hookpoints``); default: what
+        ``hidden_layers`` holds, the block outputs (resid_post) of a default extraction.
 
         ``rows`` selects prompts (an int, slice, list of ints or boolean mask); None reads all.
         bfloat16 data comes back as float32 numpy arrays (numpy has no bfloat16), or as a
         bfloat16 tensor with ``as_torch=True``.
         """
-        layer = self.check_layer(layer)
+        layer = self.check_layer(layer, hookpoint)
         r = self.row_indices(rows)
         shards = self.column("shard_index")[r]
         offsets = self.column("row_offset")[r]
         if len(r) and self.storage == "full_sequence" and shards.max() >= self._hidden_desc.last_token_shards:
             raise FormatError(f"{self.files}: shard_index points past the last-token shards")
-        return self.read_hidden_rows(layer, shards, offsets, as_torch=as_torch)
+        return self.read_hidden_rows(layer, shards, offsets, as_torch=as_torch, hookpoint=hookpoint)
 
-    def token_hidden(self, i: int, layer: int, *, as_torch: bool = False):
+    def token_hidden(self, i: int, layer: int, *, as_torch: bool = False, hookpoint: str | None = None):
         """All token activations of prompt ``i`` at ``layer``: (num_tokens, dim). Full-sequence datasets only."""
-        layer = self.check_layer(layer)
+        layer = self.check_layer(layer, hookpoint)
         (row,) = self.row_indices(i)
         ids, offs, _ = self.token_addresses([int(row)])
-        return self.read_hidden_rows(layer, ids, offs, as_torch=as_torch)
+        return self.read_hidden_rows(layer, ids, offs, as_torch=as_torch, hookpoint=hookpoint)
 
     def token_lengths(self) -> np.ndarray:
         """num_tokens of every prompt (from the token address lists when the column is null)."""
@@ -419,11 +439,14 @@ class Dataset:
                 return pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
         raise FormatError(f"{self.files}: num_tokens is null and no token list column gives the lengths")
 
-    def statistics(self, layer: int) -> dict[str, Any]:
+    def statistics(self, layer: int, hookpoint: str | None = None) -> dict[str, Any]:
         """Running statistics of ``layer`` over every stored vector: count, mean, std (ddof=0), mean_norm."""
         desc = self.meta.statistics
         if desc is None:
             raise FormatError("this dataset stores no statistics (extract with statistics on, the default)")
+        if hookpoint is not None and hookpoint != self._hidden_desc.hookpoint:
+            self.hidden_desc(hookpoint)  # stored at all?
+            desc = desc.for_hookpoint(hookpoint)
         if layer not in desc.layers:
             raise LayerNotFoundError(f"no statistics for layer {layer}; they cover layers {desc.layers}",
                                      layer=layer, available=desc.layers)

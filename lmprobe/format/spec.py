@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,37 @@ LEGACY_LOGITS_KEYS = ("logits_topk.values", "logits_topk.indices")
 DEFAULT_SHARD_SIZE = 1024**3
 
 STORAGES = ("pooled", "full_sequence")
+
+#: Named hookpoints, in the order a block computes them (docs/hookpoints.md says where each sits).
+HOOKPOINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post")
+#: What ``hidden_layers`` holds unless its descriptor's ``hookpoint`` says otherwise.
+DEFAULT_HOOKPOINT = "resid_post"
+_MODULE_HOOKPOINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*:(input|output)$")
+
+
+def check_hookpoint(hookpoint: object) -> str:
+    """A named hookpoint, or a module path relative to the block with ``:input``/``:output``; else an error."""
+    if isinstance(hookpoint, str) and (hookpoint in HOOKPOINTS or _MODULE_HOOKPOINT.match(hookpoint)):
+        return hookpoint
+    raise InvalidArgumentError(
+        f"unknown hookpoint {hookpoint!r}: use one of {', '.join(HOOKPOINTS)}, or a module path inside the block "
+        "with :input or :output, e.g. mlp.act_fn:output")
+
+
+def hookpoint_slug(hookpoint: str) -> str:
+    """A file-name-safe form of a hookpoint: ``mlp.act_fn:output`` -> ``mlp_act_fn_output``."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", hookpoint).strip("_")
+
+
+def hookpoint_patterns(hookpoint: str) -> tuple[str, str]:
+    """(file_pattern, key_pattern) of a hookpoint other than the one ``hidden_layers`` holds."""
+    slug = hookpoint_slug(hookpoint)
+    return f"tensors/{slug}_layer{{layer:03d}}_shard{{shard:03d}}.safetensors", f"{slug}.layer_{{layer}}"
+
+
+def hookpoint_tensor_name(hookpoint: str) -> str:
+    """The ``lmprobe:tensors`` entry of a hookpoint other than the one ``hidden_layers`` holds."""
+    return f"hidden_{hookpoint_slug(hookpoint)}"
 
 
 @dataclass(frozen=True)
@@ -129,6 +161,10 @@ class DatasetSpec:
     """Keep running per-layer statistics of every stored vector."""
     corpus: bool = False
     """Rows are windows cut from documents: the index has ``document`` and ``window_start`` columns."""
+    hookpoints: tuple[str, ...] = (DEFAULT_HOOKPOINT,)
+    """Where in each block the stored vectors were read; the first (resid_post when present) is ``hidden_layers``."""
+    hookpoint_dims: tuple[int, ...] = ()
+    """The width of each hookpoint's vectors, in ``hookpoints`` order (empty: ``dim`` for all)."""
     file_pattern: str = DEFAULT_HIDDEN_FILE_PATTERN
     key_pattern: str = DEFAULT_HIDDEN_KEY_PATTERN
     logits_file_pattern: str = DEFAULT_LOGITS_FILE_PATTERN
@@ -160,21 +196,62 @@ class DatasetSpec:
                     f"file_pattern {self.file_pattern!r} must use {{{f}}} so that every shard has its own file")
         if "{shard" not in self.logits_file_pattern:
             raise InvalidArgumentError(f"logits_file_pattern {self.logits_file_pattern!r} must use {{shard}}")
+        hps = self.hookpoints
+        if not hps or len(set(hps)) != len(hps):
+            raise InvalidArgumentError(f"hookpoints must be distinct and at least one, got {list(hps)}")
+        for hp in hps:
+            check_hookpoint(hp)
+        if self.hookpoint_dims and (len(self.hookpoint_dims) != len(hps)
+                                    or any(not isinstance(d, int) or d < 1 for d in self.hookpoint_dims)):
+            raise InvalidArgumentError(f"hookpoint_dims must give one positive width per hookpoint, got "
+                                       f"{list(self.hookpoint_dims)} for {list(hps)}")
+        slugs = [hookpoint_slug(hp) for hp in hps]
+        if len(set(slugs)) != len(slugs) or "hidden" in slugs:
+            raise InvalidArgumentError(f"hookpoints {list(hps)} would share file names; name each module once")
         for name in self.columns:
             if name in RESERVED_COLUMNS:
                 raise InvalidArgumentError(f"user column {name!r} collides with a column of the format; rename it")
 
     @property
+    def primary_hookpoint(self) -> str:
+        """The hookpoint ``hidden_layers`` holds: resid_post when stored, else the first one."""
+        return DEFAULT_HOOKPOINT if DEFAULT_HOOKPOINT in self.hookpoints else self.hookpoints[0]
+
+    def slot(self, hookpoint: str, layer: int) -> str:
+        """The writer's name for one (hookpoint, layer) series: the layer number for ``hidden_layers``."""
+        return str(layer) if hookpoint == self.primary_hookpoint else f"{hookpoint_slug(hookpoint)}.{layer}"
+
+    @property
+    def sites(self) -> dict[str, tuple[str, int]]:
+        """Every stored (hookpoint, layer), by slot: ``hidden_layers``' layers first."""
+        hps = [self.primary_hookpoint] + [hp for hp in self.hookpoints if hp != self.primary_hookpoint]
+        return {self.slot(hp, layer): (hp, layer) for hp in hps for layer in self.layers}
+
+    def patterns(self, hookpoint: str) -> tuple[str, str]:
+        """(file_pattern, key_pattern) of a stored hookpoint."""
+        if hookpoint == self.primary_hookpoint:
+            return self.file_pattern, self.key_pattern
+        return hookpoint_patterns(hookpoint)
+
+    @property
     def full_sequence(self) -> bool:
         return self.storage == "full_sequence"
 
+    def dim_of(self, hookpoint: str) -> int:
+        """The width of a stored hookpoint's vectors."""
+        if not self.hookpoint_dims:
+            return self.dim
+        return self.hookpoint_dims[self.hookpoints.index(hookpoint)]
+
     @property
     def row_bytes(self) -> int:
-        return self.dim * DTYPES[self.dtype].itemsize
+        return self.dim_of(self.primary_hookpoint) * DTYPES[self.dtype].itemsize
 
     @property
     def rows_per_shard(self) -> int:
-        return max(1, self.shard_size // self.row_bytes)
+        """Rows per shard: every hookpoint shares the shard structure, so the widest one decides."""
+        widest = max(self.dim_of(hp) for hp in self.hookpoints) * DTYPES[self.dtype].itemsize
+        return max(1, self.shard_size // widest)
 
     @property
     def logits_rows_per_shard(self) -> int:
@@ -201,5 +278,8 @@ class DatasetSpec:
             "token_strings": self.token_strings,
             "token_perplexity": self.token_perplexity,
             "statistics": self.statistics,
-            "corpus": self.corpus,
+            # added later: present only when set, so that partial outputs of earlier versions still resume
+            **({"corpus": True} if self.corpus else {}),
+            **({"hookpoints": list(self.hookpoints)} if self.hookpoints != (DEFAULT_HOOKPOINT,) else {}),
+            **({"hookpoint_dims": list(self.hookpoint_dims)} if self.hookpoint_dims else {}),
         }

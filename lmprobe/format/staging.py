@@ -102,13 +102,8 @@ def previous_dataset_files(out: Path) -> list[Path]:
         info = parse_info(decode_schema_metadata(pq.read_schema(index).metadata))
     except (FormatError, OSError, pa.ArrowInvalid):
         info = None
-    if info and info.hidden:
-        h = info.hidden
-        victims += [out / h.file(layer, s) for layer in h.layers for s in range(len(h.shards))]
-    if info and info.logits:
-        victims += [out / info.logits.file(s) for s in range(len(info.logits.shards))]
-    if info and info.statistics:
-        victims.append(out / info.statistics.file)
+    if info is not None:
+        victims += [out / f.rel for f in info.files()]  # every hookpoint's shards, logits, statistics
     return victims + [index, out / CARD_PATH]
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..atomic import atomic_output
 from ..hashing import sha256_file
+from .spec import hookpoint_slug
 
 STATS_FILE = "tensors/statistics.safetensors"
 KEY_PATTERN = "layer_{layer}.{stat}"
@@ -63,31 +64,45 @@ class RunningStats:
         return {"count": self.count, "mean": self.mean, "std": np.sqrt(self.m2 / self.count),
                 "mean_norm": self.norm_sum / self.count}
 
-    def to_tensors(self, layer: int) -> dict[str, np.ndarray]:
+    def to_tensors(self, layer: int, key_pattern: str = KEY_PATTERN) -> dict[str, np.ndarray]:
         r = self.result()
         return {
-            KEY_PATTERN.format(layer=layer, stat="count"): np.array([self.count], dtype=np.int64),
-            KEY_PATTERN.format(layer=layer, stat="mean"): r["mean"].astype(np.float64),
-            KEY_PATTERN.format(layer=layer, stat="std"): r["std"].astype(np.float64),
-            KEY_PATTERN.format(layer=layer, stat="mean_norm"): np.array([r["mean_norm"]], dtype=np.float64),
+            key_pattern.format(layer=layer, stat="count"): np.array([self.count], dtype=np.int64),
+            key_pattern.format(layer=layer, stat="mean"): r["mean"].astype(np.float64),
+            key_pattern.format(layer=layer, stat="std"): r["std"].astype(np.float64),
+            key_pattern.format(layer=layer, stat="mean_norm"): np.array([r["mean_norm"]], dtype=np.float64),
         }
 
 
-def save_stats(path: Path, stats: dict[int, RunningStats]) -> None:
+def hookpoint_key_pattern(hookpoint: str) -> str:
+    """Statistics keys of a hookpoint other than ``hidden_layers``': ``mlp_out.layer_{layer}.{stat}``."""
+    return f"{hookpoint_slug(hookpoint)}.{KEY_PATTERN}"
+
+
+def save_stats(path: Path, stats: dict[int, RunningStats],
+               others: dict[str, dict[int, RunningStats]] | None = None) -> None:
     from safetensors.numpy import save_file
 
     tensors: dict[str, np.ndarray] = {}
     for layer, s in stats.items():
         tensors.update(s.to_tensors(layer))
+    for hp, by_layer in (others or {}).items():
+        for layer, s in by_layer.items():
+            tensors.update(s.to_tensors(layer, hookpoint_key_pattern(hp)))
     with atomic_output(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "np"})
 
 
-def write_statistics(out_dir: Path, stats: dict[int, RunningStats], *, storage: str, checksums: bool) -> dict:
-    """Write the statistics file of a dataset; returns its descriptor (docs/format.md)."""
+def write_statistics(out_dir: Path, stats: dict[int, RunningStats], *, storage: str, checksums: bool,
+                     others: dict[str, dict[int, RunningStats]] | None = None) -> dict:
+    """Write the statistics file of a dataset; returns its descriptor (docs/format.md).
+
+    ``stats`` are those of ``hidden_layers``' layers; ``others`` those of each other hookpoint,
+    listed in the descriptor's ``hookpoints`` entry with their own key patterns.
+    """
     final = Path(out_dir) / STATS_FILE
     final.parent.mkdir(parents=True, exist_ok=True)
-    save_stats(final, stats)
+    save_stats(final, stats, others)
     desc = {
         "type": "statistics",
         "file": STATS_FILE,
@@ -99,28 +114,31 @@ def write_statistics(out_dir: Path, stats: dict[int, RunningStats], *, storage: 
         "dtype": "float64",
         "bytes": final.stat().st_size,
     }
+    if others:
+        desc["hookpoints"] = {hp: {"layers": list(by_layer), "key_pattern": hookpoint_key_pattern(hp)}
+                              for hp, by_layer in others.items()}
     if checksums:
         desc["sha256"] = sha256_file(final)
     return desc
 
 
-def save_accumulators(path: Path, stats: dict[int, RunningStats]) -> None:
+def save_accumulators(path: Path, stats: dict[str, RunningStats]) -> None:
     """Checkpoint the exact accumulators (count, mean, m2, norm sum), so a resumed run ends bit-identical."""
     from safetensors.numpy import save_file
 
     tensors: dict[str, np.ndarray] = {}
-    for layer, s in stats.items():
-        tensors[f"{layer}.count"] = np.array([s.count], dtype=np.int64)
-        tensors[f"{layer}.mean"] = s.mean
-        tensors[f"{layer}.m2"] = s.m2
-        tensors[f"{layer}.norm_sum"] = np.array([s.norm_sum], dtype=np.float64)
+    for slot, s in stats.items():  # slot: the writer's series name (the layer number for hidden_layers)
+        tensors[f"{slot}.count"] = np.array([s.count], dtype=np.int64)
+        tensors[f"{slot}.mean"] = s.mean
+        tensors[f"{slot}.m2"] = s.m2
+        tensors[f"{slot}.norm_sum"] = np.array([s.norm_sum], dtype=np.float64)
     with atomic_output(path) as tmp:
         save_file(tensors, str(tmp))
 
 
-def load_accumulators(path: Path, layers: list[int]) -> dict[int, RunningStats]:
+def load_accumulators(path: Path, slots: list[str]) -> dict[str, RunningStats]:
     from safetensors.numpy import load_file
 
     t = load_file(str(path))
-    return {layer: RunningStats(int(t[f"{layer}.count"][0]), t[f"{layer}.mean"], t[f"{layer}.m2"],
-                                float(t[f"{layer}.norm_sum"][0])) for layer in layers}
+    return {slot: RunningStats(int(t[f"{slot}.count"][0]), t[f"{slot}.mean"], t[f"{slot}.m2"],
+                               float(t[f"{slot}.norm_sum"][0])) for slot in slots}

@@ -229,16 +229,18 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
             rep.errors.append(f"hidden_layers.row_bytes is {h.row_bytes}, expected dim x {item} = {h.dim * item}")
         if h.raw.get("layout", "per_layer") != "per_layer":
             rep.errors.append(f"hidden_layers.layout is {h.raw.get('layout')!r}; only 'per_layer' is defined")
-        for s in range(len(h.shards)):
-            rows = h.shard_rows(s)
-            files = h.shards[s].get("files") or {}
-            for layer in h.layers:
-                try:
-                    rel = h.file(layer, s)
-                except FormatError as exc:
-                    rep.errors.append(str(exc))
-                    continue
-                _check_file(root, rel, {h.key(layer): (h.dtype, (rows, h.dim))}, rep, files.get(str(layer)), checksums)
+        for hd in info.hookpoints.values():  # hidden_layers, then every other hookpoint's descriptor
+            for s in range(len(hd.shards)):
+                rows = hd.shard_rows(s)
+                files = hd.shards[s].get("files") or {}
+                for layer in hd.layers:
+                    try:
+                        rel = hd.file(layer, s)
+                    except FormatError as exc:
+                        rep.errors.append(str(exc))
+                        continue
+                    _check_file(root, rel, {hd.key(layer): (hd.dtype, (rows, hd.dim))}, rep, files.get(str(layer)),
+                                checksums)
         lts = h.last_token_shards
         if shard_index is not None and row_offset is not None:
             _check_coverage("shard_index/row_offset", shard_index, row_offset,
@@ -290,12 +292,19 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
     if st is not None:
         dim = info.hidden.dim if info.hidden else None
         keys = {}
-        for layer in st.layers:
-            keys[st.key(layer, "count")] = ("int64", (1,))
-            keys[st.key(layer, "mean_norm")] = ("float64", (1,))
-            if dim:
-                keys[st.key(layer, "mean")] = ("float64", (dim,))
-                keys[st.key(layer, "std")] = ("float64", (dim,))
+        descs = [(st, dim)]
+        for hp, hd in list(info.hookpoints.items())[1:]:
+            try:
+                descs.append((st.for_hookpoint(hp), hd.dim))
+            except FormatError as exc:
+                rep.warnings.append(str(exc))
+        for d, dim in descs:
+            for layer in d.layers:
+                keys[d.key(layer, "count")] = ("int64", (1,))
+                keys[d.key(layer, "mean_norm")] = ("float64", (1,))
+                if dim:
+                    keys[d.key(layer, "mean")] = ("float64", (dim,))
+                    keys[d.key(layer, "std")] = ("float64", (dim,))
         _check_file(root, st.file, keys, rep, st.raw, checksums)
 
     # --- optional columns

@@ -34,7 +34,7 @@ from ..lock import OutputLock
 from ..paths import check_output_path, format_relpath
 from ..units import parse_size
 from . import card, index
-from .batch import check_batch
+from .batch import check_batch, hidden_by_slot
 from .layout import plan
 from .metadata import (
     build_hidden_descriptor,
@@ -49,12 +49,14 @@ from .spec import (
     CARD_PATH,
     DEFAULT_HIDDEN_FILE_PATTERN,
     DEFAULT_HIDDEN_KEY_PATTERN,
+    DEFAULT_HOOKPOINT,
     DEFAULT_LOGITS_FILE_PATTERN,
     DEFAULT_SHARD_SIZE,
     INDEX_PATH,
     LOGITS_INDICES_KEY,
     LOGITS_VALUES_KEY,
     DatasetSpec,
+    hookpoint_tensor_name,
 )
 from .staging import (
     STATE_VERSION,
@@ -119,6 +121,8 @@ class DatasetWriter:
         fsync: bool = False,
         statistics: bool = False,
         corpus: bool = False,
+        hookpoints: Sequence[str] = (DEFAULT_HOOKPOINT,),
+        hookpoint_dims: Sequence[int] = (),
         on_file_complete: Callable[[str], None] | None = None,
         resume: bool = True,
         overwrite: bool = False,
@@ -135,6 +139,8 @@ class DatasetWriter:
             label_type=label_type, columns={n: column_type_name(t) for n, t in (columns or {}).items()},
             perplexity=bool(perplexity), token_ids=bool(token_ids), token_strings=bool(token_strings),
             token_perplexity=bool(token_perplexity), statistics=bool(statistics), corpus=bool(corpus),
+            hookpoints=tuple(hookpoints) if not isinstance(hookpoints, str) else (hookpoints,),
+            hookpoint_dims=tuple(int(d) for d in hookpoint_dims),
             file_pattern=file_pattern,
             key_pattern=key_pattern, logits_file_pattern=logits_file_pattern,
         )
@@ -152,7 +158,8 @@ class DatasetWriter:
             self.fingerprint["caller"] = json.loads(json.dumps(dict(fingerprint), default=str))
 
         self.staging = Staging(self.out_dir, fsync=fsync)
-        self._stats = {layer: RunningStats.empty(spec.dim) for layer in spec.layers} if spec.statistics else {}
+        self._stats = ({slot: RunningStats.empty(spec.dim_of(hp)) for slot, (hp, _) in spec.sites.items()}
+                       if spec.statistics else {})
         self._stats_checkpoint = 0
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmprobe-sha256")
         self._pending: dict[str, list] = {c: [] for c in index.staging_schema(spec).names}
@@ -168,14 +175,17 @@ class DatasetWriter:
 
         st_meta = {"format": "pt"}
 
-        def hidden_spec(slot: str) -> list[TensorSpec]:  # slots are layer numbers
-            return [TensorSpec(spec.key_pattern.format(layer=int(slot)), spec.dtype, (spec.dim,))]
+        sites = spec.sites
+
+        def hidden_spec(slot: str) -> list[TensorSpec]:  # a slot is one (hookpoint, layer)
+            hp, layer = sites[slot]
+            return [TensorSpec(spec.patterns(hp)[1].format(layer=layer), spec.dtype, (spec.dim_of(hp),))]
 
         def series(name: str, slots: list[str], specs, cap: int) -> ShardSeries:
             return ShardSeries(name, slots, specs, cap, self.staging.path, checksums=checksums, hasher=self._hasher,
                                metadata=st_meta, fsync=fsync)
 
-        slots = [str(x) for x in spec.layers]
+        slots = list(sites)
         self._last = series("last", slots, hidden_spec, spec.rows_per_shard)
         self._seq = series("seq", slots, hidden_spec, spec.rows_per_shard) if spec.full_sequence else None
         self._logits = None
@@ -253,7 +263,8 @@ class DatasetWriter:
     def _final_name(self, series: str, slot: str, shard: int) -> str:
         if series == "logits":
             return format_relpath(self.spec.logits_file_pattern, "logits_file_pattern", shard=shard)
-        return format_relpath(self.spec.file_pattern, "file_pattern", layer=int(slot), shard=shard)
+        hp, layer = self.spec.sites[slot]
+        return format_relpath(self.spec.patterns(hp)[0], "file_pattern", layer=layer, shard=shard)
 
     def _restore(self, st: dict) -> None:
         old = st.get("fingerprint")
@@ -301,7 +312,7 @@ class DatasetWriter:
             known.add(stats_file)
         self.staging.prune(self._n_parts, known)
         if self._stats and stats_file:
-            self._stats = load_accumulators(self.staging.path / stats_file, list(self.spec.layers))
+            self._stats = load_accumulators(self.staging.path / stats_file, list(self.spec.sites))
             self._stats_checkpoint = int(stats_file.split("-")[1].split(".")[0])
         self._publish_closed()
 
@@ -330,7 +341,9 @@ class DatasetWriter:
                 batch[k] = to_numpy(v)[None] if v is not None else None
             else:
                 batch[k] = [v]
-        hidden_b = {layer: (to_numpy(h)[None] if not self.spec.full_sequence else h) for layer, h in hidden.items()}
+        sites = self.spec.sites
+        hidden_b = {sites[slot]: (to_numpy(h)[None] if not self.spec.full_sequence else h)
+                    for slot, h in hidden_by_slot(self.spec, hidden).items()}
         self.add_batch(texts=[text], hidden=hidden_b, num_tokens=[num_tokens], labels=[label], **batch)
 
     def add_batch(
@@ -384,18 +397,18 @@ class DatasetWriter:
         ones = np.ones(b, dtype=np.int64)
         if self.spec.full_sequence:
             ends = np.cumsum(counts) - 1
-            last_rows = {layer: a[ends] for layer, a in batch.hidden.items()}
+            last_rows = {slot: a[ends] for slot, a in batch.hidden.items()}
         else:
             last_rows = batch.hidden
         cols = self._pending  # per column, one chunk per batch (lists, numpy or Arrow arrays)
         p = plan(self._last.cursor, ones, self._last.cap_rows)
-        self._last.write(p, {str(layer): [a] for layer, a in last_rows.items()}, ones)
+        self._last.write(p, {slot: [a] for slot, a in last_rows.items()}, ones)
         cols["shard_index"].append(p.shard_of)
         cols["row_offset"].append(p.offset_of)
         if self._seq is not None:
             seq_counts = counts - 1
             p = plan(self._seq.cursor, seq_counts, self._seq.cap_rows)
-            self._seq.write(p, {str(layer): [a] for layer, a in batch.hidden.items()}, seq_counts, packed_counts=counts)
+            self._seq.write(p, {slot: [a] for slot, a in batch.hidden.items()}, seq_counts, packed_counts=counts)
             cols["_seq_shard"].append(p.shard_of)
             cols["_seq_offset"].append(p.offset_of)
         if self._logits is not None:
@@ -404,9 +417,9 @@ class DatasetWriter:
             cols["shard_index_logits"].append(p.shard_of)
             cols["row_offset_logits"].append(p.offset_of)
         if self._stats:
-            for layer, a in batch.hidden.items():  # every stored vector: last tokens, and the others when kept
+            for slot, a in batch.hidden.items():  # every stored vector: last tokens, and the others when kept
                 x = bfloat16_bits_to_float32(a) if self.spec.dtype == "bfloat16" else a
-                self._stats[layer] = self._stats[layer].merge(RunningStats.of(x))
+                self._stats[slot] = self._stats[slot].merge(RunningStats.of(x))
         cols["text"].append(batch.texts)
         cols["label"].append(batch.labels)
         cols["num_tokens"].append(counts)
@@ -514,12 +527,22 @@ class DatasetWriter:
         for j, d in enumerate(seq_closed):  # sequence shards are numbered after the last-token shards
             for slot, f in d["files"].items():
                 self._publish("seq", slot, n_last + j, f["staging"], required=True)
-        tensors: dict[str, Any] = {"hidden_layers": build_hidden_descriptor(self.spec, self._last.closed, seq_closed)}
+        spec = self.spec
+        tensors: dict[str, Any] = {"hidden_layers": build_hidden_descriptor(spec, self._last.closed, seq_closed)}
+        for hp in spec.hookpoints:  # each other hookpoint: one more descriptor with the same shards
+            if hp != spec.primary_hookpoint:
+                tensors[hookpoint_tensor_name(hp)] = build_hidden_descriptor(spec, self._last.closed, seq_closed, hp)
         if self._logits is not None:
             tensors["logits_topk"] = build_logits_descriptor(self.spec, self._logits.closed)
         extra = dict(self.metadata)
         if self._stats:
-            desc = write_statistics(self.out_dir, self._stats, storage=self.spec.storage, checksums=self.checksums)
+            by_hp: dict[str, dict[int, RunningStats]] = {}
+            for slot, st in self._stats.items():
+                hp, layer = spec.sites[slot]
+                by_hp.setdefault(hp, {})[layer] = st
+            primary = by_hp.pop(spec.primary_hookpoint)
+            desc = write_statistics(self.out_dir, primary, storage=spec.storage, checksums=self.checksums,
+                                    others=by_hp)
             if self.on_file_complete is not None:
                 self.on_file_complete(desc["file"])
             extra["statistics"] = desc  # its own key: every entry of `tensors` holds shards

@@ -22,13 +22,14 @@ def pull(
     out: str | os.PathLike,
     *,
     layers: Iterable[int] | None = None,
+    hookpoints: Iterable[str] | None = None,
     logits: bool = True,
     only: str | None = None,
     revision: str | None = None,
     token: str | None = None,
     quiet: bool = False,
 ) -> Path:
-    """Copy the index, the card and only the shards of ``layers`` (all when None) to a local folder.
+    """Copy the index, the card and only the shards of ``layers`` and ``hookpoints`` (all when None) to a local folder.
 
     ``only="saev"`` or ``"sae"`` (or a path such as ``"saev/<HASH>"``) copies just those
     attachments instead; ``only="dataset"`` (the default) copies the dataset.
@@ -40,10 +41,11 @@ def pull(
         raise InvalidArgumentError(f"{repo!r} is not a Hub repo id (OWNER/NAME or hf://datasets/OWNER/NAME)")
     out = check_output_path(out, "pull destination")
     with OutputLock(out):
-        return _pull(ref, out, layers=layers, logits=logits, only=only, token=token, quiet=quiet)
+        return _pull(ref, out, layers=layers, hookpoints=hookpoints, logits=logits, only=only, token=token,
+                     quiet=quiet)
 
 
-def _pull(ref, out: Path, *, layers, logits: bool, only: str | None, token, quiet: bool) -> Path:
+def _pull(ref, out: Path, *, layers, hookpoints, logits: bool, only: str | None, token, quiet: bool) -> Path:
     ds = open_hub(ref, token=token)
     files: HubFiles = ds.files
     from tqdm.auto import tqdm
@@ -67,7 +69,12 @@ def _pull(ref, out: Path, *, layers, logits: bool, only: str | None, token, quie
     if missing:
         raise LayerNotFoundError(f"layers {missing} are not in {files}; it stores {ds.layers}",
                                  layer=missing, available=ds.layers)
-    records = ds.meta.files(wanted, logits=logits)
+    hps = None if hookpoints is None else [str(h) for h in hookpoints]
+    unknown = [h for h in hps or [] if h not in ds.hookpoints]
+    if unknown:
+        raise LayerNotFoundError(f"hookpoints {unknown} are not in {files}; it stores {ds.hookpoints}",
+                                 layer=unknown, available=ds.hookpoints)
+    records = ds.meta.files(wanted, logits=logits, hookpoints=hps)
     rels = [r.rel for r in records]
     if CARD_PATH in files.repo_files:
         rels.append(CARD_PATH)
