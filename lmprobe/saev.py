@@ -32,6 +32,8 @@ from .opening import load
 from .paths import check_output_path, resolve_inside
 from .safeio import check_regular, read_json
 from .storage.hub import HubFiles, parse_hf_url
+from .stream import Engine, RowSource, rank_world
+from .units import parse_size
 
 PROTOCOL = "2.0"
 METADATA_KEYS = ("family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model", "n_ex", "patches_per_shard",
@@ -436,50 +438,27 @@ class SaevDataset:
         p = self._file("labels.bin", required=False)
         return np.memmap(p, dtype="u1", mode="r", shape=(self.n_ex, self.tokens_per_ex)) if p else None
 
-    def batches(self, layer: int, batch_size: int, *, seed: int = 0, shuffle: bool = True, run_examples: int = 64,
-                buffer_runs: int = 16, drop_last: bool = False, worker: tuple[int, int] = (0, 1)) -> Iterator[np.ndarray]:
-        """Yield (batch_size, d_model) float32 batches of one layer's token vectors.
+    def batches(self, layer: int, batch_size: int, *, seed: int = 0, shuffle: bool = True, memory: int | str = "1GiB",
+                drop_last: bool = False, worker: tuple[int, int] = (0, 1), rank: int | None = None,
+                world_size: int | None = None, epoch: int = 0) -> Iterator[np.ndarray]:
+        """Yield (batch_size, d_model) float32 batches of one layer's token vectors, globally shuffled.
 
-        Reads contiguous runs of ``run_examples`` examples (one slice of a memory map each), pools
-        ``buffer_runs`` runs, shuffles the pooled vectors and yields them: memory stays at about
-        run_examples x buffer_runs x T x D x 4 bytes. Each vector appears once per pass.
-        ``worker=(i, n)`` takes every n-th run, for DataLoader workers.
+        The same training reader as ``lmprobe.stream.ShardStream`` (docs/training.md): blocks of
+        consecutive vectors from all over the folder, read a memory budget's worth at a time and
+        shuffled together, so a batch mixes like a uniform sample. Each vector appears once per
+        pass; ``rank``/``world_size`` and ``worker=(i, n)`` split a pass without overlap.
         """
         li = self.layer_index(layer)
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
-        rng = np.random.default_rng(seed)
-        runs = []
-        for s, sh in enumerate(self.shards):
-            for a in range(0, sh["n_ex"], run_examples):
-                runs.append((s, a, min(sh["n_ex"], a + run_examples)))
-        if shuffle:
-            rng.shuffle(runs)
-        runs = runs[worker[0] :: worker[1]]
-        carry = np.zeros((0, self.d_model), dtype=np.float32)
-        T, D = self.tokens_per_ex, self.d_model
-        for g in range(0, len(runs), buffer_runs):
-            group = runs[g : g + buffer_runs]
-            pool = np.empty((len(carry) + sum(b - a for _, a, b in group) * T, D), dtype=np.float32)
-            pool[: len(carry)] = carry
-            at = len(carry)
-            for s, a, b in group:  # one strided copy per run, straight into the pool
-                n = (b - a) * T
-                np.copyto(pool[at : at + n].reshape(b - a, T, D), self.shard(s)[a:b, li])
-                at += n
-            order = rng.permutation(len(pool)) if shuffle else np.arange(len(pool))
-            n_full = len(pool) // batch_size * batch_size
-            for i in range(0, n_full, batch_size):
-                yield pool[order[i : i + batch_size]]
-            carry = pool[order[n_full:]]
-        if len(carry) and not drop_last:
-            yield carry
+        r, w = rank_world(rank, world_size)
+        engine = Engine(_SaevRows(self, li), batch_size, seed=seed, shuffle=shuffle, rank=r, world=w,
+                        memory=parse_size(memory), drop_last=drop_last)
+        for batch in engine.iterate(epoch, worker):
+            yield batch[:, 0]
 
     def torch_dataset(self, layer: int, batch_size: int, **kwargs: Any):
         """A torch IterableDataset of (batch_size, d_model) tensors; splits runs across DataLoader workers.
 
-        Use ``DataLoader(ds, batch_size=None, num_workers=N)``; the epoch seed is ``seed + epoch``
-        after ``set_epoch(epoch)``.
+        Use ``DataLoader(ds, batch_size=None, num_workers=N)``; ``set_epoch(epoch)`` reshuffles.
         """
         import torch
 
@@ -495,9 +474,7 @@ class SaevDataset:
             def __iter__(self):
                 info = torch.utils.data.get_worker_info()
                 worker = (info.id, info.num_workers) if info else (0, 1)
-                kw = dict(kwargs)
-                kw["seed"] = kw.get("seed", 0) + self.epoch
-                for batch in parent.batches(layer, batch_size, worker=worker, **kw):
+                for batch in parent.batches(layer, batch_size, worker=worker, epoch=self.epoch, **kwargs):
                     yield torch.from_numpy(batch)
 
         return _Iterable()
@@ -606,3 +583,21 @@ def is_saev_folder(path: str | os.PathLike) -> bool:
     return (p / "metadata.json").exists() and (p / "shards.json").exists() and not (p / "index").is_dir()
 
 
+
+
+class _SaevRows(RowSource):
+    """One layer of a saev folder as rows for the training reader: example after example, token after token."""
+
+    def __init__(self, sv: SaevDataset, li: int):
+        self.sv, self.li = sv, li
+        self.T = sv.tokens_per_ex
+        self.shard_rows = [sh["n_ex"] * self.T for sh in sv.shards]
+        self.n_sites, self.dim = 1, sv.d_model
+
+    def prepare(self, shards) -> None:
+        for s in shards:
+            self.sv.shard(s)  # downloaded (from the Hub) and size-checked here, on the reader's thread
+
+    def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
+        ex, tok = np.divmod(rows, self.T)
+        out[...] = self.sv.shard(shard)[ex, self.li, tok]

@@ -157,18 +157,18 @@ def test_shuffled_batches_cover_every_vector_once(tmp_path, source):
     path, src = source
     out = export_saev(path, tmp_path / "d", context_len=4, patches_per_shard=40, quiet=True)
     sv = SaevDataset(out)
-    batches = list(sv.batches(1, 7, seed=3, run_examples=2, buffer_runs=3))
+    batches = list(sv.batches(1, 7, seed=3, memory="2KB"))
     assert all(len(b) == 7 for b in batches[:-1])
     got = np.concatenate(batches)
     want = _source_tokens(src, 1)[: sv.n_ex * 4]
     assert len(got) == len(want)
     np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(want, axis=0))
     assert not np.array_equal(got, want)  # shuffled
-    again = np.concatenate(list(sv.batches(1, 7, seed=3, run_examples=2, buffer_runs=3)))
+    again = np.concatenate(list(sv.batches(1, 7, seed=3, memory="2KB")))
     np.testing.assert_array_equal(got, again)
     import torch
 
-    loader = torch.utils.data.DataLoader(sv.torch_dataset(1, 5, run_examples=2), batch_size=None, num_workers=0)
+    loader = torch.utils.data.DataLoader(sv.torch_dataset(1, 5, memory="2KB"), batch_size=None, num_workers=0)
     assert sum(len(b) for b in loader) == len(want)
 
 
@@ -280,3 +280,15 @@ def test_half_precision_sources_export_as_float32(tmp_path, rng, dtype):
     want = np.concatenate([ds.token_hidden(i, 0) for i in range(6)]).astype(np.float32)
     got = np.concatenate([np.asarray(sv.shard(i)).reshape(-1, 4) for i in range(len(sv.shards))])
     np.testing.assert_array_equal(got, want[: len(got)])
+
+
+def test_saev_batches_use_the_training_reader_ranks_and_all(tmp_path, source):
+    """The saev reader is the same engine as ShardStream: rank shares are disjoint and complete."""
+    path, src = source
+    out = export_saev(path, tmp_path / "d", context_len=4, patches_per_shard=40, quiet=True)
+    sv = SaevDataset(out)
+    shares = [np.concatenate(list(sv.batches(1, 5, seed=1, rank=r, world_size=2, memory="2KB"))) for r in range(2)]
+    want = _source_tokens(src, 1)[: sv.n_ex * 4]
+    got = np.concatenate(shares)
+    np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(want, axis=0))
+    assert min(len(s) for s in shares) > 0

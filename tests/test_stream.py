@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import numpy as np
+import pytest
 from conftest import write_dataset
 
 import lmprobe
+from lmprobe.errors import InvalidArgumentError
 from lmprobe.stream import ShardStream
 
 
@@ -17,7 +20,7 @@ def _all_vectors(src, layer):
 
 def test_every_vector_once_shuffled_and_seeded(tmp_path, rng):
     src = write_dataset(tmp_path / "ds", rng, n=40, layers=(0, 2), dim=4, storage="full_sequence", shard_size="256B")
-    stream = ShardStream(tmp_path / "ds", 2, 16, seed=5, pool_shards=2, prefetch=1)
+    stream = ShardStream(tmp_path / "ds", 2, 16, seed=5, memory="4KB", block_rows=2)
     batches = list(stream)
     got = np.concatenate(batches)
     want = _all_vectors(src, 2)
@@ -25,9 +28,9 @@ def test_every_vector_once_shuffled_and_seeded(tmp_path, rng):
     assert all(len(b) == 16 for b in batches[:-1])
     np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(want, axis=0))
     assert not np.array_equal(got, want)
-    np.testing.assert_array_equal(np.concatenate(list(ShardStream(tmp_path / "ds", 2, 16, seed=5, pool_shards=2))),
+    np.testing.assert_array_equal(np.concatenate(list(ShardStream(tmp_path / "ds", 2, 16, seed=5, memory="4KB", block_rows=2))),
                                   got)
-    other = np.concatenate(list(ShardStream(tmp_path / "ds", 2, 16, seed=6, pool_shards=2)))
+    other = np.concatenate(list(ShardStream(tmp_path / "ds", 2, 16, seed=6, memory="4KB", block_rows=2)))
     assert not np.array_equal(other, got)
 
 
@@ -54,3 +57,158 @@ def test_pooled_dataset_streams_last_tokens(tmp_path, rng):
     got = np.concatenate(list(ShardStream(tmp_path / "ds", 0, 10, shuffle=False)))
     np.testing.assert_array_equal(got, lmprobe.load(tmp_path / "ds").hidden(0))
     assert len(src["texts"]) == len(got)
+
+
+# ------------------------------------------------------------------ the training reader (issue 16)
+
+N_SORTED = 12000
+
+
+def _sorted_dataset(path, *, storage="pooled", n=N_SORTED, tokens=1, dim=6, layers=(0, 1), token_ids=False):
+    """Rows stored sorted by label (all 0s, then all 1s); component 0 of every vector is its token's global id,
+    component 1 its label, component 2 its position in the prompt; layer L adds L to component 3."""
+    from lmprobe.format.writer import DatasetWriter
+
+    with DatasetWriter(path, layers=list(layers), dim=dim, model_name="synthetic", storage=storage,
+                       shard_size=dim * 4 * 200, statistics=True, label_type="int", token_ids=token_ids) as w:
+        gid = 0
+        for start in range(0, n, 500):
+            b = min(500, n - start)
+            counts = np.full(b, tokens)
+            rows = int(counts.sum()) if storage == "full_sequence" else b
+            base = np.zeros((rows, dim), np.float32)
+            labels = [int(i >= n // 2) for i in range(start, start + b)]
+            base[:, 0] = np.arange(gid, gid + rows)
+            per = np.repeat(labels, tokens) if storage == "full_sequence" else np.array(labels)
+            base[:, 1] = per
+            base[:, 2] = np.tile(np.arange(tokens), b) if storage == "full_sequence" else tokens - 1
+            base[:, 4:] = np.random.default_rng(start).normal(size=(rows, dim - 4))
+            gid += rows
+            hidden = {}
+            for layer in layers:
+                h = base.copy()
+                h[:, 3] = layer
+                hidden[layer] = h
+            kw = {"token_ids": [list(range(100, 100 + tokens)) for _ in range(b)]} if token_ids else {}
+            w.add_batch(texts=["t"] * b, num_tokens=counts, hidden=hidden, labels=labels, **kw)
+    return lmprobe.load(path)
+
+
+def test_a_shuffled_pass_is_as_mixed_as_uniform_sampling(tmp_path):
+    ds = _sorted_dataset(tmp_path / "ds")
+    bs = 200
+    stream = ShardStream(ds, 0, bs, seed=3, memory="1MB", drop_last=True)
+    batches = list(stream)
+    fractions = np.array([b[:, 1].mean() for b in batches])
+    spread, binomial = fractions.std(), np.sqrt(0.25 / bs)
+    assert abs(spread / binomial - 1) < 0.25, (spread, binomial)
+    shard = ds.column("shard_index")
+    shards_per_batch = [len(np.unique(shard[b[:, 0].astype(np.int64)])) for b in batches]
+    assert min(shards_per_batch) >= 0.75 * len(np.unique(shard))  # each batch draws from (nearly) every shard
+    # the budget holds whatever the dataset: a window is at most memory / 2 bytes of rows
+    assert stream.engine.pool_rows * 6 * 4 <= 2**20 / 2
+    got = np.concatenate(batches)[:, 0]
+    assert len(np.unique(got)) == len(got) == N_SORTED // bs * bs
+
+
+def test_ranks_are_disjoint_and_complete_and_epochs_reshuffle(tmp_path):
+    ds = _sorted_dataset(tmp_path / "ds", n=3000)
+    shares = [np.concatenate(list(ShardStream(ds, 1, 64, seed=1, rank=r, world_size=3, memory="64KB")))[:, 0]
+              for r in range(3)]
+    everything = np.concatenate(shares)
+    assert len(everything) == len(np.unique(everything)) == 3000
+    assert sum(len(ShardStream(ds, 1, 64, rank=r, world_size=3)) for r in range(3)) == 3000
+    stream = ShardStream(ds, 1, 64, seed=1, memory="64KB")
+    first, second = (np.concatenate(list(stream))[:, 0] for _ in range(2))
+    assert stream.epoch == 2 and not np.array_equal(first, second)
+    np.testing.assert_array_equal(np.sort(first), np.sort(second))
+    with pytest.raises(InvalidArgumentError, match="rank must be in 0..world_size-1"):
+        ShardStream(ds, 1, 64, rank=3, world_size=3)
+
+
+@pytest.mark.parametrize("stop_after", [1, 7, 30])  # inside the first window, and past window boundaries
+def test_a_resumed_reader_continues_exactly(tmp_path, stop_after):
+    ds = _sorted_dataset(tmp_path / "ds", n=3000)
+    whole = [b.copy() for b in ShardStream(ds, 0, 50, seed=4, memory="40KB")]
+    stream = ShardStream(ds, 0, 50, seed=4, memory="40KB")
+    head = []
+    for b in stream:
+        head.append(b.copy())
+        if len(head) == stop_after:
+            break
+    state = json.loads(json.dumps(stream.state_dict()))  # plain JSON: saved beside a training checkpoint
+    resumed = ShardStream(ds, 0, 50, seed=4, memory="40KB")
+    resumed.load_state_dict(state)
+    rest = [b.copy() for b in resumed]
+    assert len(head) + len(rest) == len(whole)
+    for a, b in zip(head + rest, whole, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_normalisation_uses_the_stored_statistics(tmp_path):
+    ds = _sorted_dataset(tmp_path / "ds", n=2000)
+    x = np.concatenate(list(ShardStream(ds, 0, 128, normalize="mean_norm")))
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1).mean(), np.sqrt(6), rtol=1e-5)
+    stream = ShardStream(ds, 0, 128, normalize="mean_norm")
+    np.testing.assert_allclose(stream.scale[0, 0], np.sqrt(6) / ds.statistics(0)["mean_norm"], rtol=1e-6)
+    z = np.concatenate(list(ShardStream(ds, 0, 128, normalize="standardize")))
+    np.testing.assert_allclose(z[:, [0, 1, 4, 5]].mean(axis=0), 0, atol=1e-4)
+    np.testing.assert_allclose(z[:, [0, 1, 4, 5]].std(axis=0), 1, rtol=1e-4)
+
+
+def test_filters_drop_exactly_what_they_say(tmp_path):
+    ds = _sorted_dataset(tmp_path / "ds", storage="full_sequence", n=300, tokens=5, token_ids=True)
+    total = 300 * 5
+    x = np.concatenate(list(ShardStream(ds, 0, 64, skip_first_tokens=2)))
+    assert len(x) == len(ShardStream(ds, 0, 64, skip_first_tokens=2)) == total - 2 * 300
+    assert x[:, 2].min() == 2 and np.unique(x[:, 0]).size == len(x)
+    # token ids are 100..104 at positions 0..4: skipping id 103 drops position 3 only
+    y = np.concatenate(list(ShardStream(ds, 0, 64, skip_special_tokens=[103])))
+    assert len(y) == total - 300 and not (y[:, 2] == 3).any()
+
+
+def test_the_norm_filter_drops_outliers_and_counts_them(tmp_path):
+    from lmprobe.format.writer import DatasetWriter
+
+    rng = np.random.default_rng(0)
+    h = rng.normal(size=(1000, 8)).astype(np.float32)
+    h[[5, 500, 999]] *= 100  # attention-sink-like outliers
+    with DatasetWriter(tmp_path / "ds", layers=[0], dim=8, model_name="m", shard_size=8 * 4 * 128) as w:
+        w.add_batch(texts=["t"] * 1000, num_tokens=[1] * 1000, hidden={0: h})
+    stream = ShardStream(tmp_path / "ds", 0, 100, max_norm_ratio=10)
+    x = np.concatenate(list(stream))
+    assert len(x) == 997 == len(ShardStream(tmp_path / "ds", 0, 100, max_norm_ratio=10))
+    assert stream.dropped_by_norm == 3 and np.linalg.norm(x, axis=1).max() < 20
+
+
+def test_several_sites_give_the_same_tokens(tmp_path):
+    ds = _sorted_dataset(tmp_path / "ds", n=500, layers=(0, 1, 3))
+    batches = list(ShardStream(ds, batch_size=64, layers=[0, 3], memory="64KB"))
+    b = batches[0]
+    assert b.shape == (64, 2, 6)
+    np.testing.assert_array_equal(b[:, 0, 0], b[:, 1, 0])  # same token
+    assert (b[:, 0, 3] == 0).all() and (b[:, 1, 3] == 3).all()
+    assert sum(len(x) for x in batches) == 500
+
+
+def test_bad_reader_arguments_are_clear(tmp_path):
+    ds = _sorted_dataset(tmp_path / "ds", n=100)
+    with pytest.raises(InvalidArgumentError, match="normalize must be"):
+        ShardStream(ds, 0, 8, normalize="l2")
+    with pytest.raises(InvalidArgumentError, match="holds less than one batch"):
+        ShardStream(ds, 0, 4096, memory="64KB")
+    with pytest.raises(InvalidArgumentError, match="stores none"):
+        ShardStream(ds, 0, 8, skip_special_tokens=[1])
+
+
+def test_the_train_sae_example_runs_end_to_end(tmp_path):
+    """examples/train_sae.py: reader -> top-k SAE -> export-sae -> sae-topk, with the normalisation folded in."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "examples/train_sae.py", "--out", str(tmp_path), "--epochs", "3"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "epoch   2: FVU" in r.stdout and r.stdout.count("top 5 features for prompt") == 3
+    first, last = (float(line.split("FVU ")[1].split()[0]) for line in r.stdout.splitlines() if "FVU" in line)
+    assert last < first  # it trained
