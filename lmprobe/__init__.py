@@ -17,7 +17,7 @@ from .errors import LmprobeError
 from .version import __version__
 
 if TYPE_CHECKING:
-    from .api import extract, load, merge, pull, push_to_hub, validate
+    from .api import extract, features, load, merge, pull, push_to_hub, report, validate
     from .extraction.config import ExtractionConfig
     from .format.reader import Dataset
     from .format.writer import DatasetWriter
@@ -29,13 +29,15 @@ _LAZY = {
     "pull": "api",
     "push_to_hub": "api",
     "validate": "api",
+    "report": "api",
+    "features": "api",
     "ExtractionConfig": "extraction.config",
     "Dataset": "format.reader",
     "DatasetWriter": "format.writer",
 }
 
-__all__ = ["Dataset", "DatasetWriter", "ExtractionConfig", "LmprobeError", "__version__", "extract", "load", "merge",
-           "pull", "push_to_hub", "validate"]
+__all__ = ["Dataset", "DatasetWriter", "ExtractionConfig", "LmprobeError", "__version__", "extract", "features", "load",
+           "merge", "pull", "push_to_hub", "report", "validate"]
 
 
 def __getattr__(name: str) -> Any:

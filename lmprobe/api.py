@@ -20,11 +20,13 @@ from .format.reader import Dataset, open_local
 from .format.validate import Report
 from .format.validate import validate as validate_format
 from .opening import load
+from .pages.features import features
+from .pages.report import report
 from .publish.attachments import validate_attachments
 from .publish.pull import pull
 from .publish.push import push_to_hub
 
-__all__ = ["extract", "load", "merge", "pull", "push_to_hub", "validate"]
+__all__ = ["extract", "features", "load", "merge", "pull", "push_to_hub", "report", "validate"]
 
 
 def extract(

@@ -142,6 +142,21 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    path = api.report(args.dataset, args.out, prompts=args.prompts, sample=args.sample, tokenizer=args.tokenizer,
+                      probe=not args.no_probe, quiet=args.quiet)
+    print(f"wrote {path}")
+    return 0
+
+
+def _cmd_features(args: argparse.Namespace) -> int:
+    out = api.features(args.dataset, args.sae, args.dict, args.layer, args.out, top=args.top,
+                       hookpoint=args.hookpoint, memory=args.memory, pages=args.pages, tokenizer=args.tokenizer,
+                       overwrite=args.overwrite, quiet=args.quiet)
+    print(f"wrote {out / 'features.safetensors'}, {out / 'manifest.json'} and the browser {out / 'index.html'}")
+    return 0
+
+
 def _cmd_merge(args: argparse.Namespace) -> int:
     api.merge(args.parts, args.out, overwrite=args.overwrite)
     print(f"merged {len(args.parts)} datasets into {args.out}")
@@ -291,6 +306,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write accuracy against layer to this image")
     p.set_defaults(func=_cmd_probe)
+
+    p = sub.add_parser("report", help="a self-contained HTML page about a dataset: facts, plots, prompts, labels")
+    p.add_argument("dataset", metavar="DATASET", help="dataset folder, Hub repo or fsspec URL")
+    p.add_argument("--out", required=True, metavar="DIR", help="writes DIR/index.html")
+    p.add_argument("--prompts", default=None, metavar="ROWS", help="prompts to show besides the sample, e.g. 3,17")
+    p.add_argument("--sample", type=int, default=8, help="random prompts to show (default 8)")
+    p.add_argument("--tokenizer", default=None, help="decodes token ids (default: the dataset's model, if it loads)")
+    p.add_argument("--no-probe", action="store_true", help="skip the probe sweep of labelled datasets")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("features", help="run an SAE dictionary over every stored token: feature cache and browser")
+    p.add_argument("dataset", metavar="DATASET", help="a full_sequence dataset (folder, Hub repo or fsspec URL)")
+    p.add_argument("--sae", required=True, metavar="ROOT", help="folder (or hf:// repo) holding the dictionary")
+    p.add_argument("--dict", required=True, metavar="NAME", help="dictionary name")
+    p.add_argument("--layer", required=True, type=int)
+    p.add_argument("--hookpoint", default=None, help="stored hookpoint to read (default: hidden_layers')")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--top", type=_positive_int, default=20, help="top activating tokens kept per feature (default 20)")
+    p.add_argument("--memory", default="512MiB", help="memory for a batch of scores (default 512MiB)")
+    p.add_argument("--pages", type=int, default=None, help="feature pages for the N most frequent features "
+                   "(default: every feature that fired)")
+    p.add_argument("--tokenizer", default=None, help="decodes token ids (default: the dataset's model, if it loads)")
+    p.add_argument("--overwrite", action="store_true", help="recompute a cache made with other settings")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_features)
 
     p = sub.add_parser("export-saev", help="export a full_sequence dataset to the saev sharded activation protocol")
     p.add_argument("source", metavar="SOURCE", help="lmprobe full_sequence dataset (folder or Hub repo)")

@@ -27,7 +27,7 @@ def layer_of(module: str) -> str:
     if module in ("lmprobe", "lmprobe.api", "lmprobe.cli", "lmprobe.__main__"):
         return "api"
     if top in ("errors", "version", "paths", "atomic", "retry", "worker", "allocator", "hashing", "units", "tensors",
-               "safeio", "lock", "display"):
+               "safeio", "lock", "display", "html"):
         return "base"
     if top == "format":
         return "format"
@@ -35,7 +35,7 @@ def layer_of(module: str) -> str:
         return "storage"
     if top == "opening":
         return "open"
-    if top in ("extraction", "saev", "sae", "probe", "stream", "demo", "report", "features", "summary"):
+    if top in ("extraction", "saev", "sae", "probe", "stream", "demo", "pages", "summary"):
         return "features"
     if top == "publish":
         return "publish"

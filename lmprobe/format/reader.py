@@ -34,6 +34,7 @@ from .metadata import DatasetInfo, decode_schema_metadata, parse_info
 from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into
 from .spec import DTYPES, INDEX_PATH, PER_TOKEN_COLUMNS, STAGING_DIR
 from .values import bfloat16_bits_to_float32
+from .view import Prompt, dataset_html
 
 RowsArg = None | int | slice | Iterable[int] | np.ndarray
 
@@ -244,6 +245,35 @@ class Dataset:
         h = self.meta.hidden
         desc = f"layers={h.layers}, dim={h.dim}, dtype={h.dtype!r}, storage={h.storage!r}" if h else "no hidden states"
         return f"<lmprobe.Dataset {self.model.get('name')!r}: {self.num_prompts} prompts, {desc}, source={self.files}>"
+
+    def _repr_html_(self) -> str:
+        return dataset_html(self)
+
+    def prompt(self, i: int, *, tokenizer: Any = None) -> Prompt:
+        """Prompt ``i`` with what the dataset stores of its tokens; displays as coloured tokens in a notebook.
+
+        Token strings come from the ``token_strings`` column, else from ``tokenizer`` (a transformers
+        tokenizer) decoding the stored ids; top-k predictions from ``logits_topk``.
+        """
+        (row,) = self.row_indices(i)
+        row = int(row)
+        names = [n for n in ("token_ids", "token_strings", "token_perplexity") if n in self.schema.names]
+        lists = {n: c.to_pylist()[0] for n, c in self.token_columns(names, [row]).items()} if names else {}
+        ids = lists.get("token_ids")
+        strings = lists.get("token_strings")
+        if strings is None and ids is not None and tokenizer is not None:
+            strings = [tokenizer.decode([t]) for t in ids]
+        p = Prompt(row, self.texts[row], int(self.token_lengths()[row]), token_ids=ids, tokens=strings,
+                   token_perplexity=lists.get("token_perplexity"))
+        labels = self.labels
+        p.label = labels[row] if labels is not None else None
+        if "perplexity_mean" in self.schema.names:
+            p.perplexity_mean = self._prompt_table.column("perplexity_mean")[row].as_py()
+        if self.meta.logits is not None:
+            values, indices = self.logits_topk([row])
+            names = [tokenizer.decode([int(t)]) if tokenizer is not None else f"#{int(t)}" for t in indices[0]]
+            p.topk = list(zip(names, [float(v) for v in values[0]], strict=True))
+        return p
 
     # ---------------------------------------------------------------- the internal API
 

@@ -1,0 +1,223 @@
+"""Pages a person looks at: the dataset report, the feature cache and browser, rich notebook display.
+
+Pages are opened in a real headless Chromium (Debian's package; .ci/run installs it): they must
+render with no script error and show what they promise. Each page's screenshot is kept under
+tests/_screenshots/ for a person to look at.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lmprobe
+from lmprobe.errors import InvalidArgumentError
+from lmprobe.format.writer import DatasetWriter
+from lmprobe.html import page
+from lmprobe.pages.features import FeatureCache
+from lmprobe.sae.export import export_sae
+from lmprobe.sae.loader import SAEConfig, dense_encoder, load_dictionary
+from lmprobe.tensors import load_file
+
+SHOTS = Path(__file__).parent / "_screenshots"
+HOSTILE = 'Nice <script>document.title="pwned"</script> & <img src=x onerror=alert(1)> \x1b[31m'
+
+
+def chromium() -> str:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    assert exe, "these tests need Chromium: apt-get install chromium (.ci/run installs it)"
+    return exe
+
+
+def render(path: Path, name: str, *, height: int = 1600) -> str:
+    """The page's DOM after its scripts ran, and a screenshot in tests/_screenshots/NAME.png."""
+    SHOTS.mkdir(exist_ok=True)
+    base = [chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+            "--no-first-run", "--virtual-time-budget=3000"]
+    uri = path.resolve().as_uri()
+    dom = subprocess.run(base + ["--dump-dom", uri], capture_output=True, text=True, timeout=120).stdout
+    shot = SHOTS / f"{name}.png"
+    shot.unlink(missing_ok=True)
+    subprocess.run(base + [f"--window-size=1200,{height}", f"--screenshot={shot}", uri], capture_output=True,
+                   timeout=120)
+    assert shot.stat().st_size > 10_000, f"no screenshot of {path}"
+    return dom
+
+
+def assert_clean(dom: str) -> None:
+    assert 'data-rendered="ok"' in dom, "the page's script did not finish"
+    assert "data-errors" not in dom, re.findall(r'data-errors="[^"]*"', dom)
+    # self-contained: nothing is fetched at view time
+    assert not re.search(r'<(script|img|link|iframe)[^>]+(src|href)="(https?:)?//', dom)
+
+
+def test_the_harness_sees_script_errors(tmp_path):
+    (tmp_path / "bad.html").write_text(page("broken", "<script>notAFunction()</script>"))
+    dom = render(tmp_path / "bad.html", "harness-broken")
+    assert "data-errors" in dom and "notAFunction" in dom
+
+
+@pytest.fixture(scope="module")
+def tiny_ds(tmp_path_factory):
+    """lmprobe-tiny over labelled prompts (one hostile), every token, perplexity and top-k logits."""
+    prompts = [{"text": t, "label": i % 2} for i, t in enumerate([
+        "The film was great.", "The service was terrible.", HOSTILE, "In the end our hotel was wonderful.",
+        "Honestly, the trip was rude and I hated it.", "Everyone said the game was superb.",
+        "The coffee was cold.", "I loved the book."])]
+    out = tmp_path_factory.mktemp("pages") / "ds"
+    return lmprobe.extract("lmprobe-tiny", prompts, out=out, storage="full_sequence", perplexity=True,
+                           logits_topk=5, token_ids=True, quiet=True)
+
+
+def test_report_renders_facts_plots_prompts_and_labels(tiny_ds, tmp_path):
+    index = lmprobe.report(tiny_ds, tmp_path / "report", prompts="2", sample=3, quiet=True)
+    dom = render(index, "report", height=3200)
+    assert_clean(dom)
+    for heading in ("Dataset", "Activations", "Prompts", "Labels"):
+        assert f"<h2>{heading}</h2>" in dom
+    for chart in ("Mean L2 norm by layer", "Per-dimension std by layer", "Norm by token position", "Label balance",
+                  "Probe accuracy by layer"):
+        assert f"<b>{chart}</b>" in dom
+    assert dom.count("<svg") == 5
+    assert dom.count('class="prompt"') == 4  # 3 sampled + the chosen one
+    assert "perplexity" in dom and "next: " in dom  # tokens coloured by perplexity, top-k shown
+    assert "lmprobe-tiny" in dom and "full_sequence" in dom
+    # the hostile prompt is text, not markup
+    assert "pwned" not in re.search(r"<title>(.*?)</title>", dom).group(1)
+    assert "<script>document.title" not in dom and "<img" not in dom and "&lt;" in dom
+
+
+def test_report_errors_are_clear_and_early(tiny_ds, tmp_path):
+    with pytest.raises(InvalidArgumentError, match="prompt 99 does not exist"):
+        lmprobe.report(tiny_ds, tmp_path / "r", prompts="99", quiet=True)
+    assert not (tmp_path / "r").exists()
+
+
+def test_report_of_a_hub_dataset(tiny_ds, tmp_path, hub, fresh_hf_cache):
+    lmprobe.push_to_hub(tiny_ds.files.root, "me/pages", token="hf_testSECRETtoken1234567890", quiet=True)
+    index = lmprobe.report("hf://datasets/me/pages", tmp_path / "r", sample=2, probe=False, quiet=True)
+    assert_clean(render(index, "report-hub"))
+
+
+def _dictionary(ds, root: Path, layer: int, features: int = 48, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    W = rng.normal(size=(features, ds.dim)).astype(np.float32) / np.sqrt(ds.dim)
+    b = rng.normal(size=features).astype(np.float32) * 0.5 - 1.0
+    export_sae(layer=layer, root=root, dictionary="d", W_enc=W, b_enc=b, orientation="out_in")
+    weights = load_dictionary(SAEConfig(root_path=root, dictionary_name="d", device="cpu")).get_layer(layer)
+    return dense_encoder(weights), np.asarray(weights.bias, dtype=np.float32)
+
+
+def test_feature_cache_equals_brute_force(tiny_ds, tmp_path):
+    layer = tiny_ds.layers[-1]
+    W, b = _dictionary(tiny_ds, tmp_path / "sae", layer)
+    out = lmprobe.features(tiny_ds, tmp_path / "sae", "d", layer, tmp_path / "f", top=4, memory="40KB",
+                           checkpoint_tokens=5, quiet=True)
+    t = load_file(out / "features.safetensors")
+    # brute force: every token's dense scores at once
+    rows = [(p, i) for p in range(tiny_ds.num_prompts) for i in range(int(tiny_ds.token_lengths()[p]))]
+    X = np.concatenate([tiny_ds.token_hidden(p, layer) for p in range(tiny_ds.num_prompts)])
+    S = X @ W.T + b  # (tokens, features)
+    np.testing.assert_allclose(t["frequency"], (S > 0).mean(axis=0))
+    where = {r: i for i, r in enumerate(rows)}
+    for f in range(W.shape[0]):
+        fire = np.flatnonzero(S[:, f] > 0)
+        best = sorted(fire, key=lambda r: (-S[r, f], rows[r]))[:4]
+        n = len(best)
+        # the top values are the brute-force ones; equal scores (the same first tokens in several prompts)
+        # may come in either order, as matrix products of other shapes round them differently
+        np.testing.assert_allclose(t["top_values"][f][:n], S[best, f], rtol=1e-5, atol=1e-6)
+        got = list(zip(t["top_prompt"][f][:n].tolist(), t["top_token"][f][:n].tolist(), strict=True))
+        assert len(set(got)) == n
+        np.testing.assert_allclose([S[where[g], f] for g in got], t["top_values"][f][:n], rtol=1e-5, atol=1e-6)
+        assert (t["top_prompt"][f][n:] == -1).all() and (t["top_token"][f][n:] == -1).all()
+        assert (t["top_values"][f][n:] == 0).all()
+        assert np.all(np.diff(t["top_values"][f][:n]) <= 0)
+    import json
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["layer"] == layer and manifest["top"] == 4 and manifest["dictionary"] == "d"
+    assert manifest["tokens"] == len(rows)
+
+
+def test_running_top_n_does_not_depend_on_batching():
+    rng = np.random.default_rng(1)
+    S = rng.normal(size=(300, 20)).astype(np.float32)
+    prompt, token = np.repeat(np.arange(30), 10), np.tile(np.arange(10), 30)
+    one = FeatureCache(20, 7)
+    one.add(S, prompt, token)
+    many = FeatureCache(20, 7)
+    for a in range(0, 300, 13):
+        many.add(S[a : a + 13], prompt[a : a + 13], token[a : a + 13])
+    for k, v in one.tensors().items():
+        np.testing.assert_array_equal(v, many.tensors()[k], err_msg=k)
+
+
+def test_an_interrupted_feature_run_resumes_to_the_same_cache(tiny_ds, tmp_path, monkeypatch):
+    import lmprobe.pages.features as F
+
+    layer = tiny_ds.layers[0]
+    _dictionary(tiny_ds, tmp_path / "sae", layer, seed=2)
+    whole = F.features(tiny_ds, tmp_path / "sae", "d", layer, tmp_path / "a", top=3, memory="40KB", quiet=True,
+                       checkpoint_tokens=5)
+    calls = {"n": 0}
+    real_add = F.FeatureCache.add
+
+    def flaky(self, *a):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real_add(self, *a)
+
+    monkeypatch.setattr(F.FeatureCache, "add", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        F.features(tiny_ds, tmp_path / "sae", "d", layer, tmp_path / "b", top=3, memory="40KB", quiet=True,
+                   checkpoint_tokens=5)
+    assert (tmp_path / "b" / ".features-partial.json").exists() and not (tmp_path / "b" / "manifest.json").exists()
+    monkeypatch.setattr(F.FeatureCache, "add", real_add)
+    F.features(tiny_ds, tmp_path / "sae", "d", layer, tmp_path / "b", top=3, memory="40KB", quiet=True,
+               checkpoint_tokens=5)
+    a, b = load_file(whole / "features.safetensors"), load_file(tmp_path / "b" / "features.safetensors")
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_feature_browser_renders_index_and_pages(tiny_ds, tmp_path):
+    layer = tiny_ds.layers[-1]
+    W, b = _dictionary(tiny_ds, tmp_path / "sae", layer)
+    out = lmprobe.features(tiny_ds, tmp_path / "sae", "d", layer, tmp_path / "f", top=5, quiet=True)
+    t = load_file(out / "features.safetensors")
+    dom = render(out / "index.html", "features-index")
+    assert_clean(dom)
+    fired = int((t["frequency"] > 0).sum())
+    assert dom.count('<a href="feature/') == fired
+    f = int(np.argmax(t["frequency"]))
+    dom = render(out / "feature" / f"{f}.html", "feature-page")
+    assert_clean(dom)
+    assert dom.count('class="prompt"') == int((t["top_prompt"][f] >= 0).sum())
+    assert dom.count('class="tok hit"') == dom.count('class="prompt"')  # the activating token, highlighted
+    assert "background:rgba(44,160,44" in dom  # neighbours shaded by the feature's activation
+
+
+def test_features_need_every_token(tmp_path, rng):
+    with DatasetWriter(tmp_path / "pooled", layers=[0], dim=4, model_name="m") as w:
+        w.add_batch(texts=["a"], num_tokens=[1], hidden={0: np.zeros((1, 4))})
+    with pytest.raises(InvalidArgumentError, match="pooled"):
+        lmprobe.features(tmp_path / "pooled", tmp_path / "sae", "d", 0, tmp_path / "f", quiet=True)
+
+
+def test_notebook_display(tiny_ds, tmp_path):
+    html = tiny_ds._repr_html_()
+    assert "lmprobe-tiny" in html and "full_sequence" in html and "&lt;script&gt;" in html
+    p = tiny_ds.prompt(0)
+    assert p.num_tokens == int(tiny_ds.token_lengths()[0]) and len(p.token_perplexity) == p.num_tokens - 1
+    assert len(p.topk) == 5
+    view = p._repr_html_()
+    assert len(re.findall(r'class="tok[" ]', view)) == p.num_tokens and "perplexity" in view
+    (tmp_path / "nb.html").write_text(page("notebook views", html + view))
+    assert_clean(render(tmp_path / "nb.html", "notebook-views", height=700))
