@@ -599,5 +599,7 @@ class _SaevRows(RowSource):
             self.sv.shard(s)  # downloaded (from the Hub) and size-checked here, on the reader's thread
 
     def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
+        mm = self.sv.shard(shard)  # (n_ex, L, T, D)
         ex, tok = np.divmod(rows, self.T)
-        out[...] = self.sv.shard(shard)[ex, self.li, tok]
+        flat = (ex * mm.shape[1] + self.li) * self.T + tok  # the row in the shard's (n_ex * L * T, D) view
+        np.take(mm.reshape(-1, self.dim), flat, axis=0, out=out, mode="clip")  # one gather, no buffered copy
