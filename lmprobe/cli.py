@@ -119,7 +119,8 @@ def _cmd_export_saev(args: argparse.Namespace) -> int:
     layers = _stored_layers(args.layers, load(args.source).layers)
     folder = export_saev(args.source, args.out, layers=layers, context_len=args.context_len,
                          patches_per_shard=args.patches_per_shard, drop_first_token=args.drop_first_token,
-                         tokens=False if args.no_tokens else None, saev_compat=args.saev_compat, quiet=args.quiet)
+                         tokens=False if args.no_tokens else None, saev_compat=args.saev_compat,
+                         hookpoint=args.hookpoint, quiet=args.quiet)
     if args.push:
         where = publish_attachment(args.push, folder, "saev", token=args.token, quiet=args.quiet)
         if not args.quiet:
@@ -130,11 +131,13 @@ def _cmd_export_saev(args: argparse.Namespace) -> int:
 def _cmd_probe(args: argparse.Namespace) -> int:
     ds = load(args.dataset)
     layers = _stored_layers(args.layers, ds.layers)
+    hookpoints = [h.strip() for h in args.hookpoints.split(",") if h.strip()] if args.hookpoints else None
     table = sweep(ds, layers=layers, label_column=args.label_column, classifier=args.classifier, cv=args.cv,
-                  pooling=args.pooling, seed=args.seed)
+                  pooling=args.pooling, seed=args.seed, hookpoints=hookpoints)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     best = table.loc[table["accuracy"].idxmax()]
-    print(f"best layer {int(best['layer'])}: accuracy {best['accuracy']:.3f} +- {best['accuracy_std']:.3f} "
+    where = f"{best['hookpoint']} " if "hookpoint" in table.columns else ""
+    print(f"best {where}layer {int(best['layer'])}: accuracy {best['accuracy']:.3f} +- {best['accuracy_std']:.3f} "
           f"({args.cv}-fold, {args.classifier}, {args.pooling})")
     if args.plot:
         plot_sweep(table, args.plot, title=f"{ds.model.get('name')}: {args.label_column} probe")
@@ -303,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cv", type=_positive_int, default=5, help="folds (default 5)")
     p.add_argument("--pooling", choices=["last_token", "mean"], default="last_token",
                    help="mean needs a full_sequence dataset")
+    p.add_argument("--hookpoints", default=None, help="sweep these stored hookpoints too, a comma list "
+                   "(default: what hidden_layers holds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write accuracy against layer to this image")
     p.set_defaults(func=_cmd_probe)
@@ -337,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", metavar="SOURCE", help="lmprobe full_sequence dataset (folder or Hub repo)")
     p.add_argument("--out", required=True, metavar="DUMP_TO", help="writes DUMP_TO/<HASH>/")
     p.add_argument("--layers", default="all", help="layers to export (default: all stored)")
+    p.add_argument("--hookpoint", default=None, help="stored hookpoint to export (default: what hidden_layers holds)")
     p.add_argument("--context-len", type=_positive_int, default=128, metavar="T", help="tokens per example (default 128)")
     p.add_argument("--patches-per-shard", type=_positive_int, default=2_400_000, metavar="N",
                    help="vectors per shard budget (default 2,400,000: ~10 GiB at d_model 1024)")

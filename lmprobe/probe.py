@@ -41,7 +41,7 @@ def _sklearn():
         raise ProbeError("probing needs scikit-learn: pip install 'lmprobe[probe]'") from None
 
 
-def mean_hidden(ds: Any, layer: int, *, chunk_bytes: int = 64 * 2**20) -> np.ndarray:
+def mean_hidden(ds: Any, layer: int, *, chunk_bytes: int = 64 * 2**20, hookpoint: str | None = None) -> np.ndarray:
     """Mean over each prompt's tokens of ``layer`` (full_sequence datasets): (num_prompts, dim) float32."""
 
     ds = _dataset(ds)
@@ -49,27 +49,29 @@ def mean_hidden(ds: Any, layer: int, *, chunk_bytes: int = 64 * 2**20) -> np.nda
         raise ProbeError("mean pooling needs every token: this dataset is pooled (extract with --storage full_sequence)")
     lengths = ds.token_lengths()
     starts = np.concatenate([[0], np.cumsum(lengths)])
-    out = np.empty((len(lengths), ds.dim), dtype=np.float32)
-    per_chunk = max(1, chunk_bytes // (ds.dim * 4))
+    dim = ds.hidden_desc(hookpoint).dim
+    out = np.empty((len(lengths), dim), dtype=np.float32)
+    per_chunk = max(1, chunk_bytes // (dim * 4))
     i = 0
     while i < len(lengths):  # prompts in chunks of about chunk_bytes of token rows, addresses read per chunk
         j = int(np.searchsorted(starts, starts[i] + per_chunk, side="right")) - 1
         j = max(j, i + 1)
         ids, offs, n = ds.token_addresses(np.arange(i, j))
-        rows = np.asarray(ds.read_hidden_rows(layer, ids, offs), dtype=np.float32)
+        rows = np.asarray(ds.read_hidden_rows(layer, ids, offs, hookpoint=hookpoint), dtype=np.float32)
         local = np.concatenate([[0], np.cumsum(n)[:-1]])
         out[i:j] = np.add.reduceat(rows, local, axis=0) / n[:, None]
         i = j
     return out
 
 
-def features(ds: Any, layer: int, *, pooling: Pooling = "last_token", rows: Any = None) -> np.ndarray:
-    """(N, dim) float32 features of ``layer``: the last token's vector, or the mean over tokens."""
+def features(ds: Any, layer: int, *, pooling: Pooling = "last_token", rows: Any = None,
+             hookpoint: str | None = None) -> np.ndarray:
+    """(N, dim) float32 features of ``layer`` (of ``hookpoint``): the last token's vector, or the mean over tokens."""
     ds = _dataset(ds)
     if pooling == "last_token":
-        X = ds.hidden(layer, rows=rows)
+        X = ds.hidden(layer, rows=rows, hookpoint=hookpoint)
     elif pooling == "mean":
-        X = mean_hidden(ds, layer)
+        X = mean_hidden(ds, layer, hookpoint=hookpoint)
         if rows is not None:
             X = X[ds.row_indices(rows)]
     else:
@@ -115,8 +117,11 @@ def _estimator(classifier: Any, seed: int):
 
 
 def sweep(ds: Any, layers: Sequence[int] | None = None, label_column: str = "label", classifier: Any = "logistic",
-          cv: int = 5, pooling: Pooling = "last_token", seed: int = 0):
+          cv: int = 5, pooling: Pooling = "last_token", seed: int = 0, hookpoints: Sequence[str] | None = None):
     """Cross-validated linear probe accuracy per layer: a DataFrame with one row per layer.
+
+    ``hookpoints`` sweeps layers x hookpoints (a ``hookpoint`` column is added); default: what
+    ``hidden_layers`` holds.
 
     Columns: layer, accuracy (mean over folds), accuracy_std, auroc (binary labels; NaN otherwise),
     n_samples, n_features. Folds are stratified and shuffled with ``seed``: the same call gives the
@@ -136,10 +141,16 @@ def sweep(ds: Any, layers: Sequence[int] | None = None, label_column: str = "lab
     if len(classes) == 2:
         scoring["auroc"] = "roc_auc"
     rows = []
-    for layer in (ds.layers if layers is None else list(layers)):
-        X = features(ds, layer, pooling=pooling)
+    hps = [None] if hookpoints is None else list(hookpoints)
+    for hp in hps:
+        if hp is not None and hp not in ds.hookpoints:
+            raise ProbeError(f"hookpoint {hp!r} is not stored in this dataset; it stores {ds.hookpoints}")
+    grid = [(hp, layer) for hp in hps for layer in (ds.layers if layers is None else list(layers))]
+    for hp, layer in grid:
+        X = features(ds, layer, pooling=pooling, hookpoint=hp)
         res = cross_validate(_estimator(classifier, seed), X, y, cv=folds, scoring=scoring)
         rows.append({
+            **({"hookpoint": hp} if hookpoints is not None else {}),
             "layer": int(layer),
             "accuracy": float(res["test_accuracy"].mean()),
             "accuracy_std": float(res["test_accuracy"].std()),
@@ -158,10 +169,16 @@ def plot_sweep(table: Any, path: str | os.PathLike, *, title: str | None = None)
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(table["layer"], table["accuracy"], marker="o", label="accuracy")
-    ax.fill_between(table["layer"], table["accuracy"] - table["accuracy_std"], table["accuracy"] + table["accuracy_std"],
-                    alpha=0.2)
-    if table["auroc"].notna().any():
+    if "hookpoint" in table.columns:  # one line per hookpoint
+        for hp, part in table.groupby("hookpoint", sort=False):
+            ax.plot(part["layer"], part["accuracy"], marker="o", label=f"{hp} accuracy")
+            ax.fill_between(part["layer"], part["accuracy"] - part["accuracy_std"],
+                            part["accuracy"] + part["accuracy_std"], alpha=0.2)
+    else:
+        ax.plot(table["layer"], table["accuracy"], marker="o", label="accuracy")
+        ax.fill_between(table["layer"], table["accuracy"] - table["accuracy_std"],
+                        table["accuracy"] + table["accuracy_std"], alpha=0.2)
+    if "hookpoint" not in table.columns and table["auroc"].notna().any():
         ax.plot(table["layer"], table["auroc"], marker="s", linestyle="--", label="AUROC")
     ax.set_xlabel("layer")
     ax.set_ylabel("cross-validated score")

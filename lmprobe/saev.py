@@ -77,7 +77,8 @@ class _Plan:
 
 
 def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, patches_per_shard: int,
-          drop_first_token: bool, with_tokens: bool, index_sha256: str, saev_compat: bool) -> _Plan:
+          drop_first_token: bool, with_tokens: bool, index_sha256: str, saev_compat: bool,
+          hookpoint: str | None = None) -> _Plan:
     if ds.storage != "full_sequence":
         raise SaevError(
             f"{source_desc} stores only the last token of each prompt (pooled); the saev protocol needs token "
@@ -86,6 +87,9 @@ def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, pat
     bad = [x for x in layers if x not in ds.layers]
     if bad:
         raise SaevError(f"layers {bad} are not in {source_desc} (it stores {ds.layers})")
+    if hookpoint is not None and hookpoint not in ds.hookpoints:
+        raise SaevError(f"hookpoint {hookpoint!r} is not in {source_desc} (it stores {ds.hookpoints})")
+    h = ds.hidden_desc(hookpoint)
     if context_len < 1:
         raise SaevError("context_len must be >= 1")
     per = ex_per_shard(patches_per_shard, context_len, len(layers))
@@ -120,6 +124,7 @@ def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, pat
         "drop_first_token": bool(drop_first_token),
         "dropped_tail_tokens": int(total - n_pos),
         "source_dtype": ds.dtype,
+        **({"hookpoint": hookpoint} if hookpoint not in (None, ds.hookpoints[0]) else {}),
         "tokens_file": "tokens.bin" if with_tokens else None,
     }
     labels_ok = _int_labels(ds) is not None
@@ -135,7 +140,7 @@ def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, pat
         "layers": [int(x) for x in layers],
         "patches_per_ex": int(context_len),
         "cls_token": False,
-        "d_model": int(ds.dim),
+        "d_model": int(h.dim),
         "n_ex": int(n_ex),
         "patches_per_shard": int(patches_per_shard),
         "data": data,
@@ -165,6 +170,7 @@ def export_saev(
     drop_first_token: bool = False,
     tokens: bool | None = None,
     saev_compat: bool = False,
+    hookpoint: str | None = None,
     quiet: bool = False,
 ) -> Path:
     """Export a full_sequence lmprobe dataset (path, repo id or Dataset) to ``out/<HASH>/``; returns that folder.
@@ -179,6 +185,8 @@ def export_saev(
     set to a value saev's metadata type admits (``"clip"``; the true family is kept in
     ``data.source_family``). saev's loaders also require the folder at ``.../saev/shards/<HASH>``,
     so ``out`` must end in ``saev/shards``.
+
+    ``hookpoint``: which stored hookpoint to export (default: what ``hidden_layers`` holds).
 
     A folder that already exists for the same configuration is verified and kept (a no-op). An
     interrupted export resumes: finished shards are kept and the rest are written.
@@ -204,15 +212,15 @@ def export_saev(
               "to have it)", file=sys.stderr)
     plan = _plan(ds, source_desc, layers=layer_list, context_len=context_len, patches_per_shard=patches_per_shard,
                  drop_first_token=drop_first_token, with_tokens=with_tokens, index_sha256=_index_hash(ds),
-                 saev_compat=saev_compat)
+                 saev_compat=saev_compat, hookpoint=hookpoint)
     final = out / plan.hash
     check_output_path(out, "export folder")
     with OutputLock(out):
-        return _export(ds, plan, out, final, layer_list, context_len, with_tokens, saev_compat, quiet)
+        return _export(ds, plan, out, final, layer_list, context_len, with_tokens, saev_compat, quiet, hookpoint)
 
 
 def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int], context_len: int, with_tokens: bool,
-            saev_compat: bool, quiet: bool) -> Path:
+            saev_compat: bool, quiet: bool, hookpoint: str | None = None) -> Path:
     if (final / "metadata.json").exists():
         problems = validate_saev(final)
         if problems:
@@ -220,9 +228,9 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
         if not quiet:
             print(f"{final} already holds this export; nothing to do")
         return final
-    T, L, D = context_len, len(layer_list), ds.dim
+    h = ds.hidden_desc(hookpoint)
+    T, L, D = context_len, len(layer_list), h.dim
     vec_bytes = D * 4
-    h = ds.meta.hidden
     import pyarrow.compute as pc
 
     flat_ids, flat_offs, list_lengths = ds.token_addresses()
@@ -250,14 +258,14 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
 
     def source(layer: int, shard: int) -> np.ndarray:
         if (layer, shard) not in maps:
-            path, entry = ds.hidden_shard(layer, shard)
+            path, entry = ds.hidden_shard(layer, shard, hookpoint)
             maps[(layer, shard)] = np.memmap(path, dtype=DTYPES[h.dtype].np_storage, mode="r", offset=entry.start,
                                              shape=entry.shape)
         return maps[(layer, shard)]
 
     def source_fd(layer: int, shard: int) -> tuple[int, int]:
         if (layer, shard) not in fds:
-            path, entry = ds.hidden_shard(layer, shard)
+            path, entry = ds.hidden_shard(layer, shard, hookpoint)
             fds[(layer, shard)] = (os.open(path, os.O_RDONLY), entry.start)
         return fds[(layer, shard)]
 

@@ -47,6 +47,8 @@ def facts(ds: Dataset, *, path: str | None = None) -> list[tuple[str, str]]:
     h = ds.meta.hidden
     if h is not None:
         out.append(("layers", f"{len(h.layers)}: {_layers_text(h.layers)}"))
+        out.append(("hookpoints", ", ".join(ds.hookpoints)
+                    + ("" if len(ds.hookpoints) == 1 else " (hidden_layers holds the first)")))
         shards = (f"{h.last_token_shards} last-token + {len(h.shards) - h.last_token_shards} sequence shards"
                   if h.storage == "full_sequence" else f"{len(h.shards)} shards per layer")
         out.append(("hidden", f"dim {h.dim}, {h.dtype}, {h.storage} ({shards})"))

@@ -8,6 +8,7 @@ by structure and reads them in padded batches.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -183,3 +184,24 @@ def test_nnsight_backend_reads_the_same_hookpoints(request, family, tmp_path):
         for i in range(len(PROMPTS)):
             np.testing.assert_allclose(b.token_hidden(i, 1, hookpoint=hp), a.token_hidden(i, 1, hookpoint=hp),
                                        atol=1e-5, err_msg=hp)
+
+
+def test_saev_export_probe_sweep_and_info_take_a_hookpoint(llama_dir, tmp_path):
+    from lmprobe.probe import sweep
+    from lmprobe.saev import SaevDataset, export_saev
+    from lmprobe.summary import text
+
+    prompts = [{"text": t, "label": i % 2} for i, t in enumerate(PROMPTS * 3)]
+    ds = lmprobe.extract(str(llama_dir), prompts, out=tmp_path / "ds", layers="0,1", hookpoints="resid_post,mlp_out",
+                         storage="full_sequence", device="cpu", quiet=True)
+    folder = export_saev(ds, tmp_path / "saev", layers=[1], context_len=4, hookpoint="mlp_out", quiet=True)
+    sv = SaevDataset(folder)
+    first = np.concatenate([ds.token_hidden(i, 1, hookpoint="mlp_out") for i in range(2)])[:4]
+    np.testing.assert_array_equal(sv.shard(0)[0, 0], first)
+    other = export_saev(ds, tmp_path / "saev", layers=[1], context_len=4, quiet=True)
+    assert other != folder  # another hookpoint, another export
+    table = sweep(ds, hookpoints=["resid_post", "mlp_out"], cv=2)
+    assert list(table["hookpoint"]) == ["resid_post", "resid_post", "mlp_out", "mlp_out"]
+    assert re.search(r"hookpoints +resid_post, mlp_out", text(ds))
+    with pytest.raises(LmprobeError, match="hookpoint 'attn_out' is not"):
+        export_saev(ds, tmp_path / "saev", layers=[1], context_len=4, hookpoint="attn_out", quiet=True)
