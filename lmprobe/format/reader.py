@@ -263,12 +263,16 @@ class Dataset:
         strings = lists.get("token_strings")
         if strings is None and ids is not None and tokenizer is not None:
             strings = [tokenizer.decode([t]) for t in ids]
-        p = Prompt(row, self.texts[row], int(self.token_lengths()[row]), token_ids=ids, tokens=strings,
-                   token_perplexity=lists.get("token_perplexity"))
-        labels = self.labels
-        p.label = labels[row] if labels is not None else None
-        if "perplexity_mean" in self.schema.names:
-            p.perplexity_mean = self._prompt_table.column("perplexity_mean")[row].as_py()
+        table = self._prompt_table  # one row's values: never a whole column per call
+
+        def value(name: str) -> Any:
+            return table.column(name)[row].as_py() if name in table.column_names else None
+
+        n = value("num_tokens")
+        if n is None:  # lmprobe 0.10.3 left num_tokens null in pooled datasets
+            n = int(self.token_lengths()[row])
+        p = Prompt(row, value("text"), int(n), label=value("label"), token_ids=ids, tokens=strings,
+                   token_perplexity=lists.get("token_perplexity"), perplexity_mean=value("perplexity_mean"))
         if self.meta.logits is not None:
             values, indices = self.logits_topk([row])
             names = [tokenizer.decode([int(t)]) if tokenizer is not None else f"#{int(t)}" for t in indices[0]]

@@ -76,7 +76,8 @@ def dataset_html(ds: Any, *, rows: int = 3) -> str:
                   ("dim", h.dim), ("dtype", h.dtype), ("storage", h.storage)]
     facts.append(("source", str(ds.files)))
     body = [f"<div><b>lmprobe.Dataset</b>{table(facts)}"]
-    for i in range(min(rows, ds.num_prompts)):
-        body.append(f'<div class="meta">{i}: {esc(ds.texts[i][:200])}</div>')
+    first = ds.prompt_table.column("text").slice(0, rows).to_pylist()
+    for i, text in enumerate(first):
+        body.append(f'<div class="meta">{i}: {esc(text[:200])}</div>')
     body.append("</div>")
     return "".join(body)
