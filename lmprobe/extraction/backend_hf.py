@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +9,7 @@ import numpy as np
 
 from ..errors import ModelError
 from .hookpoints import Capture, Site, first_input, first_output
+from .model import forward_takes
 
 #: what a default extraction reads: the output of each block
 RESID_POST = Capture("resid_post", Site("", "output"), 0)
@@ -108,9 +108,8 @@ class TransformersBackend:
         self.model = model
         self.blocks = blocks
         self.causal_lm = causal_lm
-        params = inspect.signature(model.forward).parameters
-        self._takes_position_ids = "position_ids" in params
-        self._takes_use_cache = "use_cache" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+        self._takes_position_ids = forward_takes(model, "position_ids", via_kwargs=False)
+        self._takes_use_cache = forward_takes(model, "use_cache")
         self.device = next(model.parameters()).device
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,

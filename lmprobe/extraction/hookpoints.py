@@ -35,7 +35,7 @@ from typing import Any
 from ..errors import ModelError
 from ..format.spec import HOOKPOINTS as NAMED
 from ..format.spec import check_hookpoint
-from .model import find_blocks
+from .model import find_blocks, forward_takes
 
 __all__ = ["NAMED", "Anatomy", "Capture", "Site", "first_input", "first_output", "locate", "parse_hookpoints",
            "plan_captures", "probe_block", "probe_loaded", "probe_skeleton"]
@@ -341,11 +341,11 @@ def probe_skeleton(config: Any, *, trust_remote_code: bool = False, block_path: 
     ids = torch.zeros((1, 2), dtype=torch.long, device="meta")
     mask = torch.ones((1, 2), dtype=torch.long, device="meta")
     errors = []
+    no_cache = {"use_cache": False} if forward_takes(model, "use_cache") else {}
     for kwargs in ({"attention_mask": mask}, {}):  # decoders want a mask on meta; BERT's masking wants none
 
         def forward(kwargs=kwargs):
-            model(input_ids=ids, use_cache=False, **kwargs) if "use_cache" in _params(model) else model(
-                input_ids=ids, **kwargs)
+            model(input_ids=ids, **no_cache, **kwargs)
 
         try:
             return probe_block(block, forward), block
@@ -369,9 +369,3 @@ def probe_loaded(model: Any, block: Any, device: Any) -> Anatomy:
 
     return probe_block(block, forward)
 
-
-def _params(model: Any) -> set[str]:
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    return set(params) | ({"use_cache"} if any(p.kind == p.VAR_KEYWORD for p in params.values()) else set())

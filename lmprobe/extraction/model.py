@@ -150,6 +150,14 @@ def parse_layers(spec: str | int | list[int] | None, num_layers: int) -> list[in
     return sorted(out)
 
 
+def forward_takes(model: Any, name: str, *, via_kwargs: bool = True) -> bool:
+    """Whether ``model.forward`` accepts the keyword ``name`` (``via_kwargs``: a ``**kwargs`` counts)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return name in params or (via_kwargs and any(p.kind == p.VAR_KEYWORD for p in params.values()))
+
+
 def find_blocks(model: Any, num_layers: int, block_path: str | None = None):
     """The model's list of decoder blocks (an nn.ModuleList)."""
     return _get_path(model, find_block_path(model, num_layers, block_path))
