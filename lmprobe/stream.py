@@ -18,6 +18,7 @@ a uniform sample of the whole layer, and the bytes are read once, in runs of who
 from __future__ import annotations
 
 import sys
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -36,7 +37,7 @@ NORMALIZE = (None, "mean_norm", "standardize")
 DEFAULT_MEMORY = "1GiB"
 
 
-class RowSource:
+class RowSource(ABC):
     """What the engine reads from: shards of rows, each row one vector per site.
 
     Subclasses give ``shard_rows`` (rows per shard), ``n_sites``, ``dim``, and
@@ -48,11 +49,13 @@ class RowSource:
     n_sites: int
     dim: int
 
-    def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:  # pragma: no cover
-        raise NotImplementedError
+    @abstractmethod
+    def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
+        """Gather rows ``rows`` (sorted) of shard ``shard``, site ``site``, into ``out``."""
 
+    @abstractmethod
     def prepare(self, shards: Iterable[int]) -> None:
-        """Called on the reader's thread before a window is read (remote files download here)."""
+        """Called on the reader's thread before a window is read (remote files download and are checked here)."""
 
 
 class _DatasetRows(RowSource):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,16 +46,18 @@ class Record:
         return f"{self.file}, {self.at}"
 
 
-class Source:
+class Source(ABC):
     """A stream of records with a description (for messages) and an identity (for resuming)."""
 
     description: str = "prompts"
 
+    @abstractmethod
     def identity(self) -> dict[str, Any]:
-        raise NotImplementedError(f"{type(self).__name__} has no identity")  # pragma: no cover
+        """What makes this source this source, for the resume fingerprint (sizes, mtimes, revisions)."""
 
+    @abstractmethod
     def records(self, start: int = 0) -> Iterator[Record]:
-        raise NotImplementedError(f"{type(self).__name__} has no records")  # pragma: no cover
+        """The records from the ``start``-th on, in source order."""
 
     def head(self, n: int) -> list[Record]:
         out = []
