@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -206,21 +207,7 @@ def test_hub_dataset_source_streams_through_datasets(hub, llama_dir, corpus, tmp
         lmprobe.extract(str(llama_dir), f"hf://datasets/{repo}", out=tmp_path / "x", split="nope", **kw)
 
 
-CHILD = r"""
-import json, os, sys
-import lmprobe
-from lmprobe.extraction import backend_hf
-
-source, model, out, die_after, kw = json.loads(sys.argv[1])
-real, calls = backend_hf.TransformersBackend.run, [0]
-def run(self, *a, **k):
-    calls[0] += 1
-    if calls[0] > die_after:
-        os._exit(9)          # like kill -9: no cleanup, the writer thread dies mid-batch
-    return real(self, *a, **k)
-backend_hf.TransformersBackend.run = run
-lmprobe.extract(model, source, out=out, checkpoint_interval=0, **kw)
-"""
+CRASH_EXTRACT = Path(__file__).parent / "_crash_extract.py"  # extract, then die like kill -9
 
 
 @pytest.mark.slow
@@ -231,7 +218,7 @@ def test_killed_corpus_run_resumes_without_loss_or_duplicates(llama_dir, tmp_pat
               shard_size="2KB", quiet=True)
     ref = lmprobe.extract(str(llama_dir), f, out=tmp_path / "ref", **kw)
     out = tmp_path / "ds"
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps([str(f), str(llama_dir), str(out), die_after, kw])],
+    r = subprocess.run([sys.executable, str(CRASH_EXTRACT), json.dumps([str(f), str(llama_dir), str(out), die_after, kw])],
                        capture_output=True, text=True)
     assert r.returncode == 9, r.stderr
     ds = lmprobe.extract(str(llama_dir), f, out=out, **kw)

@@ -22,21 +22,7 @@ PROMPT_LIST = [dict(p, text=p["text"] + f" (variant {i})") for i in range(4) for
 KW = dict(layers="0,2", storage="full_sequence", batch_size=3, shard_size="3KB", logits_topk=3, perplexity=True,
           quiet=True)
 
-CHILD = r"""
-import json, os, sys
-import lmprobe
-from lmprobe.extraction import backend_hf
-
-prompts, model, out, die_after, kw = json.loads(sys.argv[1])
-real, calls = backend_hf.TransformersBackend.run, [0]
-def run(self, *a, **k):
-    calls[0] += 1
-    if calls[0] > die_after:
-        os._exit(9)          # like kill -9: no cleanup, the writer thread dies mid-batch
-    return real(self, *a, **k)
-backend_hf.TransformersBackend.run = run
-lmprobe.extract(model, prompts, out=out, checkpoint_interval=0, **kw)
-"""
+CRASH_EXTRACT = Path(__file__).parent / "_crash_extract.py"  # extract, then die like kill -9
 
 
 def _files(root):
@@ -68,7 +54,7 @@ def reference(llama_dir, tmp_path_factory):
 @pytest.mark.parametrize("die_after", [0, 1, 4, 7, 9])
 def test_killed_then_rerun_equals_uninterrupted(llama_dir, tmp_path, reference, die_after):
     out = tmp_path / "ds"
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps([PROMPT_LIST, str(llama_dir), str(out), die_after, KW])],
+    r = subprocess.run([sys.executable, str(CRASH_EXTRACT), json.dumps([PROMPT_LIST, str(llama_dir), str(out), die_after, KW])],
                        capture_output=True, text=True)
     assert r.returncode == 9, r.stderr
     assert not (out / "index").exists()
@@ -95,7 +81,7 @@ def test_sigkill_of_the_cli_then_rerun(llama_dir, tmp_path, reference):
 
 def test_changed_configuration_against_partial_output(llama_dir, tmp_path):
     out = tmp_path / "ds"
-    subprocess.run([sys.executable, "-c", CHILD, json.dumps([PROMPT_LIST, str(llama_dir), str(out), 3, KW])])
+    subprocess.run([sys.executable, str(CRASH_EXTRACT), json.dumps([PROMPT_LIST, str(llama_dir), str(out), 3, KW])])
     with pytest.raises(ValueError, match=r"different configuration.*layers: was \[0, 2\], now \[0, 1\]"):
         lmprobe.extract(str(llama_dir), PROMPT_LIST, out=out, **dict(KW, layers="0,1"))
     ds = lmprobe.extract(str(llama_dir), PROMPT_LIST, out=out, overwrite=True, **dict(KW, layers="0,1"))
