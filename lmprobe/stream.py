@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 
 from .errors import InvalidArgumentError
 from .format.reader import Dataset
@@ -208,11 +209,10 @@ class Engine:
         """Rows ``rows[i]`` of shards ``shard[i]`` (sorted by shard) into a (lead + n, n_sites, dim) pool."""
         src = self.source
         pool = np.empty((lead + len(rows), src.n_sites, src.dim), dtype=np.float32)
-        bounds = np.flatnonzero(np.diff(shard)) + 1
         at = lead
         scratch = None
-        for seg in np.split(np.arange(len(rows)), bounds) if len(rows) else []:
-            s, r = int(shard[seg[0]]), rows[seg]
+        for s, seg in _segments(shard):
+            r = rows[seg]
             for site in range(src.n_sites):
                 if src.n_sites == 1:
                     src.read_rows(s, r, 0, pool[at : at + len(r), 0])
@@ -234,9 +234,8 @@ class Engine:
         self.source.prepare(np.unique(shard).tolist())
         if self.keep is not None:
             ok = np.ones(len(rows), dtype=bool)
-            bounds = np.flatnonzero(np.diff(shard)) + 1
-            for seg in np.split(np.arange(len(rows)), bounds) if len(rows) else []:
-                m = self.keep(int(shard[seg[0]]))
+            for s, seg in _segments(shard):
+                m = self.keep(s)
                 if m is not None:
                     ok[seg] = m[rows[seg]]
             shard, rows = shard[ok], rows[ok]
@@ -404,46 +403,38 @@ class ShardStream:
         return np.asarray(ids, dtype=np.int64)
 
     def _keep_masks(self) -> list[np.ndarray]:
-        """Per shard, which rows pass the position and special-token filters (one byte per stored row)."""
+        """Per shard, which rows pass the position and special-token filters (one byte per stored row).
+
+        The masks are views of one flat array indexed by global row (shard base + row offset).
+        """
         ds = self.ds
         h = ds.hidden_desc(self.sites[0][0])
-        masks = [np.ones(h.shard_rows(s), dtype=bool) for s in range(len(h.shards))]
+        rows = np.array([h.shard_rows(s) for s in range(len(h.shards))], dtype=np.int64)
+        base = np.concatenate([[0], np.cumsum(rows)])
+        keep = np.ones(int(base[-1]), dtype=bool)
         k = self.skip_first_tokens
-        lengths = ds.token_lengths()
-        shard, offset = ds.column("shard_index"), ds.column("row_offset")
         if ds.storage != "full_sequence":
-            drop = lengths - 1 < k  # the one stored token is at position num_tokens-1
+            drop = ds.token_lengths() - 1 < k  # the one stored token is at position num_tokens-1
             if self._special is not None:
-                last_ids = np.array([ids[-1] if len(ids) else -1 for ids in
-                                     ds.token_columns(["token_ids"])["token_ids"].to_pylist()], dtype=np.int64)
-                drop |= np.isin(last_ids, self._special)
-            for s, o in zip(shard[drop].tolist(), offset[drop].tolist(), strict=True):
-                masks[s][o] = False
-            return masks
-        for t in ds.iter_index():  # row group by row group: memory stays small
-            ids_col, offs_col = t.column("token_shard_ids"), t.column("token_shard_offsets")
-            import pyarrow.compute as pc
-
-            n = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
-            sid = pc.list_flatten(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
-            off = pc.list_flatten(offs_col).to_numpy(zero_copy_only=False).astype(np.int64)
-            starts = np.repeat(np.cumsum(n) - n, n)
-            pos = np.arange(len(sid)) - starts
-            drop = pos < k
-            if self._special is not None:
-                tid = pc.list_flatten(t.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
-                drop |= np.isin(tid, self._special)
-            for s in np.unique(sid[drop]).tolist():
-                sel = drop & (sid == s)
-                masks[s][off[sel]] = False
-        return masks
+                drop |= np.isin(_last_values(ds.token_columns(["token_ids"])["token_ids"]), self._special)
+            keep[base[ds.column("shard_index")[drop]] + ds.column("row_offset")[drop]] = False
+        else:
+            for t in ds.iter_index():  # row group by row group: memory stays small
+                n = _flat(pc.list_value_length(t.column("token_shard_ids")))
+                sid = _flat(pc.list_flatten(t.column("token_shard_ids")))
+                off = _flat(pc.list_flatten(t.column("token_shard_offsets")))
+                drop = np.arange(len(sid)) - np.repeat(np.cumsum(n) - n, n) < k  # position in the prompt
+                if self._special is not None:
+                    drop |= np.isin(_flat(pc.list_flatten(t.column("token_ids"))), self._special)
+                keep[base[sid[drop]] + off[drop]] = False
+        return np.split(keep, base[1:-1])
 
     def _median_norms(self, keep: list[np.ndarray] | None) -> np.ndarray:
         """Each site's median norm, (1, n_sites), from up to 65,536 kept rows drawn at random."""
         total = sum(self.engine.source.shard_rows)
         ids = np.sort(np.random.default_rng(self.seed).choice(total, size=min(total, 65536), replace=False))
         if keep is not None:
-            ids = ids[np.concatenate(keep)[ids]]
+            ids = ids[np.concatenate(keep)[ids]]  # the masks are views of one flat array: this copies it once
         if not len(ids):
             return np.full((1, self.engine.source.n_sites), np.inf, dtype=np.float32)
         x = self.engine.read_ids(ids)
@@ -552,3 +543,28 @@ class ShardStream:
                     yield torch.from_numpy(batch)
 
         return _Iterable()
+
+
+def _flat(a: Any) -> np.ndarray:
+    """An Arrow integer array or chunked array as int64 numpy."""
+    return a.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _last_values(lists: Any) -> np.ndarray:
+    """The last element of every list (-1 for an empty one), without building Python lists."""
+    lists = lists.combine_chunks() if hasattr(lists, "combine_chunks") else lists
+    offsets = _flat(lists.offsets)
+    values = _flat(lists.values)
+    out = np.full(len(offsets) - 1, -1, dtype=np.int64)
+    full = offsets[1:] > offsets[:-1]
+    out[full] = values[offsets[1:][full] - 1]
+    return out
+
+
+def _segments(shard: np.ndarray) -> Iterator[tuple[int, slice]]:
+    """(shard, slice) for each run of equal values of a sorted shard array."""
+    if not len(shard):
+        return
+    edges = np.concatenate([[0], np.flatnonzero(np.diff(shard)) + 1, [len(shard)]]).tolist()
+    for a, b in zip(edges[:-1], edges[1:], strict=True):
+        yield int(shard[a]), slice(a, b)

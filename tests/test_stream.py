@@ -212,3 +212,17 @@ def test_the_train_sae_example_runs_end_to_end(tmp_path):
     assert "epoch   2: FVU" in r.stdout and r.stdout.count("top 5 features for prompt") == 3
     first, last = (float(line.split("FVU ")[1].split()[0]) for line in r.stdout.splitlines() if "FVU" in line)
     assert last < first  # it trained
+
+
+def test_filters_on_a_pooled_dataset_look_at_the_one_stored_token(tmp_path):
+    from lmprobe.format.writer import DatasetWriter
+
+    lengths = [1, 2, 3, 4, 2, 1]
+    ids = [[100 + j for j in range(n)] for n in lengths]  # the last token's id is 99 + num_tokens
+    h = np.arange(6, dtype=np.float32)[:, None].repeat(4, axis=1)
+    with DatasetWriter(tmp_path / "ds", layers=[0], dim=4, model_name="m", token_ids=True) as w:
+        w.add_batch(texts=["t"] * 6, num_tokens=lengths, hidden={0: h}, token_ids=ids)
+    got = np.concatenate(list(ShardStream(tmp_path / "ds", 0, 4, shuffle=False, skip_first_tokens=2)))[:, 0]
+    assert got.tolist() == [2, 3]  # stored at positions 2 and 3; the others sit before position 2
+    got = np.concatenate(list(ShardStream(tmp_path / "ds", 0, 4, shuffle=False, skip_special_tokens=[101])))[:, 0]
+    assert got.tolist() == [0, 2, 3, 5]  # prompts 1 and 4 end with id 101
