@@ -269,7 +269,9 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
             fds[(layer, shard)] = (os.open(path, os.O_RDONLY), entry.start)
         return fds[(layer, shard)]
 
-    direct = h.dtype == "float32" and hasattr(os, "preadv")
+    # float32 and bfloat16 runs are read with one preadv each straight into the block (bfloat16 into a
+    # block of raw bits, converted in one pass per chunk); other dtypes are copied out of memory maps
+    direct = h.dtype in ("float32", "bfloat16") and hasattr(os, "preadv")
 
 
     ex_chunk = max(1, _CHUNK_BYTES // (L * T * vec_bytes))
@@ -278,8 +280,9 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     bar = tqdm(total=plan.metadata["n_ex"], unit="ex", desc="export-saev", disable=quiet)
     shards_json = []
     block = np.empty((min(ex_chunk, max(plan.shard_sizes)), L, T, D), dtype="<f4")
+    bits = np.empty(block.shape, dtype=np.uint16) if direct and h.dtype == "bfloat16" else None
     try:
-        _write_shards(plan, partial, L, T, D, vec_bytes, ex_chunk, block, run_start, run_len, run_shard, run_off,
+        _write_shards(plan, partial, L, T, D, ex_chunk, block, bits, run_start, run_len, run_shard, run_off,
                       layer_list, source, source_fd, direct, h, bar, shards_json, pad_to=plan.per_shard
                       if saev_compat else None)
     finally:
@@ -303,12 +306,17 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     return final
 
 
-def _write_shards(plan, partial, L, T, D, vec_bytes, ex_chunk, block, run_start, run_len, run_shard, run_off,
+def _write_shards(plan, partial, L, T, D, ex_chunk, block, bits, run_start, run_len, run_shard, run_off,
                   layer_list, source, source_fd, direct, h, bar, shards_json, pad_to: int | None) -> None:
     """Write every shard not finished by an earlier run: acts*.bin.tmp, then renamed.
 
-    ``pad_to``: zero-pad each shard to this many examples (saev's loaders map every shard at full size).
+    ``bits``: for a bfloat16 source read directly, the block's raw bits, converted into ``block``
+    once per chunk. ``pad_to``: zero-pad each shard to this many examples (saev's loaders map every
+    shard at full size).
     """
+    vec_bytes = D * 4
+    src_bytes = D * DTYPES[h.dtype].itemsize
+    dst_block = block if bits is None else bits
     first_ex = 0
     for i, n in enumerate(plan.shard_sizes):
         name = f"acts{i:06d}.bin"
@@ -329,12 +337,14 @@ def _write_shards(plan, partial, L, T, D, vec_bytes, ex_chunk, block, run_start,
                         e, t = divmod(pos, T)
                         if direct:  # one read from the source file straight into the output block
                             fd, base = source_fd(layer, int(run_shard[r]))
-                            dst = memoryview(block[e - a, li, t : t + m]).cast("B")
-                            if os.preadv(fd, [dst], base + int(run_off[r]) * vec_bytes) != len(dst):
+                            dst = memoryview(dst_block[e - a, li, t : t + m]).cast("B")
+                            if os.preadv(fd, [dst], base + int(run_off[r]) * src_bytes) != len(dst):
                                 raise SaevError(f"{h.file(layer, int(run_shard[r]))} ended early; is the source complete?")
                             continue
                         rows = source(layer, int(run_shard[r]))[run_off[r] : run_off[r] + m]
                         block[e - a, li, t : t + m] = bfloat16_bits_to_float32(rows) if h.dtype == "bfloat16" else rows
+                if bits is not None:
+                    bfloat16_bits_to_float32(bits[: b - a], out=block[: b - a])
                 f.write(memoryview(block[: b - a]).cast("B"))
                 bar.update(b - a)
             if file_ex > n:

@@ -35,20 +35,23 @@ from .units import parse_size
 from .worker import prefetched
 
 NORMALIZE = (None, "mean_norm", "standardize")
+OUT_DTYPES = ("float32", "bfloat16")
 DEFAULT_MEMORY = "1GiB"
 
 
 class RowSource(ABC):
     """What the engine reads from: shards of rows, each row one vector per site.
 
-    Subclasses give ``shard_rows`` (rows per shard), ``n_sites``, ``dim``, and
-    ``read_rows(shard, rows, site, out)``, which gathers rows ``rows`` (sorted) of a shard into
-    ``out`` ((len(rows), dim) float32).
+    Subclasses give ``shard_rows`` (rows per shard), ``n_sites``, ``dim``, ``dtype`` (the stored
+    dtype name) and ``read_rows(shard, rows, site, out)``, which gathers rows ``rows`` (sorted) of a
+    shard into ``out`` ((len(rows), dim) in the stored dtype's numpy storage: raw uint16 bits for
+    bfloat16). Pools hold rows as stored: converting is done once, as a batch is formed.
     """
 
     shard_rows: list[int]
     n_sites: int
     dim: int
+    dtype: str = "float32"
 
     @abstractmethod
     def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
@@ -98,14 +101,8 @@ class _DatasetRows(RowSource):
                 self._map(s, site)
 
     def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
-        m = self._map(shard, site)
-        if self.dtype == "float32":
-            # mode="clip": no buffered copy (rows are in range by construction); one gather, page cache -> pool
-            np.take(m, rows, axis=0, out=out, mode="clip")
-        elif self.dtype == "bfloat16":
-            out[...] = bfloat16_bits_to_float32(np.take(m, rows, axis=0))
-        else:
-            out[...] = np.take(m, rows, axis=0)
+        # mode="clip": no buffered copy (rows are in range by construction); one gather, page cache -> pool
+        np.take(self._map(shard, site), rows, axis=0, out=out, mode="clip")
 
 
 def rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -125,24 +122,41 @@ def rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 _MAX_BLOCKS = 1 << 22
 
 
+#: rows converted per step when a batch is formed from a bfloat16 pool: the raw rows stay in cache
+_CONVERT_ROWS = 256
+
+
 class Engine:
-    """Windows of shuffled blocks from a ``RowSource``: the machinery behind ShardStream and saev's batches."""
+    """Windows of shuffled blocks from a ``RowSource``: the machinery behind ShardStream and saev's batches.
+
+    Pools hold rows as stored (bfloat16 as raw bits: twice the rows of a float32 pool in the same
+    memory). A batch is formed by one gather out of the pool, converted on the way in cache-sized
+    steps: ``out_dtype="float32"`` gives numpy float32 batches, ``"bfloat16"`` torch bfloat16
+    tensors; ``pin_memory`` allocates batches (as torch tensors) in page-locked memory.
+    """
 
     def __init__(self, source: RowSource, batch_size: int, *, seed: int, shuffle: bool, rank: int, world: int,
                  memory: int, drop_last: bool, keep: Callable[[int], np.ndarray | None] | None = None,
                  transform: Callable[[np.ndarray], np.ndarray] | None = None, max_norm: np.ndarray | None = None,
-                 block_rows: int | None = None):
+                 block_rows: int | None = None, out_dtype: str = "float32", pin_memory: bool = False,
+                 as_torch: bool = False, squeeze: bool = False):
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if out_dtype not in OUT_DTYPES:
+            raise InvalidArgumentError(f"dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
         self.source, self.batch_size = source, int(batch_size)
         self.seed, self.shuffle, self.rank, self.world = seed, shuffle, rank, world
         self.drop_last, self.keep, self.transform, self.max_norm = drop_last, keep, transform, max_norm
-        row = source.n_sites * source.dim * 4
+        self.out_dtype, self.pin_memory, self.squeeze = out_dtype, bool(pin_memory), squeeze
+        self.as_torch = as_torch or self.pin_memory or out_dtype != "float32"  # batches as torch tensors
+        self.storage = DTYPES[source.dtype].np_storage
+        row = source.n_sites * source.dim * DTYPES[source.dtype].itemsize
+        row_out = source.n_sites * source.dim * (4 if out_dtype == "float32" else 2)
         # two pools (one served, one being read; each with room for a carried batch), and the batches
         # in flight (the one being gathered and the one the consumer holds): all within ``memory``
-        self.pool_rows = int(memory // (2 * row)) - 3 * self.batch_size
+        self.pool_rows = int((memory - 4 * self.batch_size * row_out) // (2 * row)) - self.batch_size
         if self.pool_rows < self.batch_size:
-            need = (8 * self.batch_size) * row
+            need = 4 * self.batch_size * (row + row_out)
             raise InvalidArgumentError(f"memory={memory:,} bytes holds less than one batch per pool; give at least "
                                        f"{need:,} bytes (memory='{-(-need // 2**20)}MiB') or a smaller batch_size")
         total = sum(source.shard_rows)
@@ -208,7 +222,7 @@ class Engine:
     def gather(self, shard: np.ndarray, rows: np.ndarray, lead: int = 0) -> np.ndarray:
         """Rows ``rows[i]`` of shards ``shard[i]`` (sorted by shard) into a (lead + n, n_sites, dim) pool."""
         src = self.source
-        pool = np.empty((lead + len(rows), src.n_sites, src.dim), dtype=np.float32)
+        pool = np.empty((lead + len(rows), src.n_sites, src.dim), dtype=self.storage)
         at = lead
         scratch = None
         for s, seg in _segments(shard):
@@ -218,14 +232,14 @@ class Engine:
                     src.read_rows(s, r, 0, pool[at : at + len(r), 0])
                 else:
                     if scratch is None or len(scratch) < len(r):
-                        scratch = np.empty((len(r), src.dim), dtype=np.float32)
+                        scratch = np.empty((len(r), src.dim), dtype=self.storage)
                     src.read_rows(s, r, site, scratch[: len(r)])
                     pool[at : at + len(r), site] = scratch[: len(r)]
             at += len(r)
         return pool
 
     def _read_window(self, blocks: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """(pool (lead + rows, n_sites, dim) float32, global row ids) of a window's kept rows.
+        """(pool (lead + rows, n_sites, dim) as stored, global row ids) of a window's kept rows.
 
         The pool's first ``batch_size`` rows are left free for the rows the previous window carries
         over, so that joining them costs no copy of the window.
@@ -244,7 +258,7 @@ class Engine:
         ids = np.empty(len(pool), dtype=np.int64)
         ids[lead:] = self._base[shard] + rows
         if self.max_norm is not None and len(rows):
-            norms = np.sqrt(np.einsum("nsd,nsd->ns", pool[lead:], pool[lead:]))
+            norms = self.norms(pool[lead:])
             fine = np.all(norms <= self.max_norm, axis=1)
             if not fine.all():
                 self.dropped_by_norm += int((~fine).sum())
@@ -252,8 +266,28 @@ class Engine:
                 pool, ids = pool[keep], ids[keep]
         return pool, ids
 
+    def to_float32(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Pool rows (as stored) as float32."""
+        if rows.dtype == np.float32 and out is None:
+            return rows
+        if out is None:
+            out = np.empty(rows.shape, dtype=np.float32)
+        if rows.dtype == np.uint16:
+            return bfloat16_bits_to_float32(rows, out=out)
+        out[...] = rows
+        return out
+
+    def norms(self, rows: np.ndarray) -> np.ndarray:
+        """(n, n_sites) L2 norms of pool rows, converted a cache-sized step at a time."""
+        out = np.empty(rows.shape[:2], dtype=np.float32)
+        step = max(1, (1 << 20) // max(1, rows.shape[1] * rows.shape[2]))
+        for a in range(0, len(rows), step):
+            x = self.to_float32(rows[a : a + step])
+            out[a : a + step] = np.sqrt(np.einsum("nsd,nsd->ns", x, x))
+        return out
+
     def read_ids(self, ids: np.ndarray) -> np.ndarray:
-        """Rows by global id, in the order given (a resumed pass's carried rows)."""
+        """Rows by global id, in the order given (a resumed pass's carried rows), as stored."""
         ids = np.asarray(ids, dtype=np.int64)
         order = np.argsort(ids, kind="stable")
         shard = np.searchsorted(self._base, ids[order], side="right") - 1
@@ -295,7 +329,7 @@ class Engine:
                 for j, i in enumerate(range(0, n_full, bs)):
                     if j < skip:
                         continue
-                    yield self._finish(pool[order[i : i + bs]])
+                    yield self._finish(pool, order[i : i + bs])
                 skip = 0
                 rest = order[n_full:]
                 carry, carry_ids = pool[rest], pool_ids[rest]
@@ -304,12 +338,44 @@ class Engine:
                 if on_window is not None:
                     on_window(len(windows), carry_ids)
                 if skip == 0:
-                    yield self._finish(carry)
+                    yield self._finish(carry, np.arange(len(carry)))
         finally:
             reads.close()
 
-    def _finish(self, batch: np.ndarray) -> np.ndarray:
-        return self.transform(batch) if self.transform is not None else batch
+    def _finish(self, pool: np.ndarray, idx: np.ndarray) -> Any:
+        """The batch of pool rows ``idx``: one gather, converted on the way; transformed; squeezed."""
+        import_torch = self.as_torch
+        shape = (len(idx), *pool.shape[1:])
+        if self.out_dtype == "bfloat16" and pool.dtype == np.uint16 and self.transform is None:
+            import torch
+
+            t = torch.empty(shape, dtype=torch.bfloat16, pin_memory=self.pin_memory)
+            np.take(pool, idx, axis=0, out=t.view(torch.int16).numpy().view(np.uint16), mode="clip")
+            return t[:, 0] if self.squeeze else t
+        if import_torch:
+            import torch
+
+            t = torch.empty(shape, dtype=torch.float32, pin_memory=self.pin_memory and self.out_dtype == "float32")
+            batch = t.numpy()
+        else:
+            batch = np.empty(shape, dtype=np.float32)
+        if pool.dtype == np.float32:
+            np.take(pool, idx, axis=0, out=batch, mode="clip")
+        else:  # gather a few rows into a small buffer that stays in cache, convert them into the batch
+            step = max(1, min(len(idx), _CONVERT_ROWS * 4096 // max(1, pool.shape[1] * pool.shape[2])))
+            raw = np.empty((step, *pool.shape[1:]), dtype=pool.dtype)
+            for a in range(0, len(idx), step):
+                k = min(step, len(idx) - a)
+                np.take(pool, idx[a : a + k], axis=0, out=raw[:k], mode="clip")
+                self.to_float32(raw[:k], out=batch[a : a + k])
+        if self.transform is not None:
+            batch = self.transform(batch)
+        if import_torch:
+            if self.out_dtype == "bfloat16":
+                t = torch.empty(shape, dtype=torch.bfloat16, pin_memory=self.pin_memory)
+                t.copy_(torch.from_numpy(batch))
+            batch = t
+        return batch[:, 0] if self.squeeze else batch
 
 
 class ShardStream:
@@ -317,10 +383,14 @@ class ShardStream:
 
     ``ShardStream(dataset, layer, batch_size, seed=0, shuffle=True, rank=None, world_size=None,
     normalize=None, skip_first_tokens=0, skip_special_tokens=False, max_norm_ratio=None,
-    memory="1GiB", layers=None, hookpoints=None, drop_last=False)``
+    memory="1GiB", layers=None, hookpoints=None, drop_last=False, dtype="float32", pin_memory=False)``
 
     - iterating yields ``(batch_size, dim)`` arrays, or ``(batch_size, n_sites, dim)`` with
       ``layers=[...]`` and/or ``hookpoints=[...]`` (every layer x hookpoint, same tokens);
+    - ``dtype="float32"`` (default) yields numpy float32 arrays; ``dtype="bfloat16"`` yields torch
+      bfloat16 tensors (a bfloat16 dataset's rows as stored, no conversion: for trainers that cast
+      on the GPU); ``pin_memory=True`` yields torch tensors in page-locked memory, for fast
+      ``.to("cuda", non_blocking=True)`` copies (a warning and ordinary memory without CUDA);
     - a pass is as mixed as uniform sampling of the whole layer, in about ``memory`` bytes
       (module docstring); each epoch reshuffles from ``(seed, epoch)``; ``set_epoch(e)``;
     - ``rank``/``world_size`` (default: torch.distributed's when initialised) give each rank a
@@ -342,7 +412,8 @@ class ShardStream:
                  normalize: str | None = None, skip_first_tokens: int = 0,
                  skip_special_tokens: bool | Sequence[int] = False, max_norm_ratio: float | None = None,
                  memory: int | str = DEFAULT_MEMORY, layers: Sequence[int] | None = None,
-                 hookpoints: Sequence[str] | None = None, drop_last: bool = False, block_rows: int | None = None):
+                 hookpoints: Sequence[str] | None = None, drop_last: bool = False, block_rows: int | None = None,
+                 dtype: str = "float32", pin_memory: bool = False):
         if normalize not in NORMALIZE:
             raise InvalidArgumentError(f"normalize must be None, 'mean_norm' or 'standardize', got {normalize!r}")
         if isinstance(skip_first_tokens, bool) or not isinstance(skip_first_tokens, int) or skip_first_tokens < 0:
@@ -351,6 +422,9 @@ class ShardStream:
             raise InvalidArgumentError(f"max_norm_ratio must be a positive number, got {max_norm_ratio!r}")
         if (layer is None) == (layers is None):
             raise InvalidArgumentError("pass layer=L for one layer, or layers=[...] for several sites")
+        if dtype not in OUT_DTYPES:
+            raise InvalidArgumentError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        pinned = _check_pin_memory(pin_memory)
         self.batch_size, self.seed, self.shuffle, self.drop_last = batch_size, seed, shuffle, drop_last
         self.ds = dataset if isinstance(dataset, Dataset) else load(dataset)
         ds = self.ds
@@ -370,7 +444,8 @@ class ShardStream:
         self.engine = Engine(source, batch_size, seed=seed, shuffle=shuffle, rank=self.rank, world=self.world_size,
                              memory=parse_size(memory), drop_last=drop_last,
                              keep=(lambda s: keep[s]) if keep is not None else None,
-                             transform=self._transform, block_rows=block_rows)
+                             transform=self._transform if normalize else None, block_rows=block_rows,
+                             out_dtype=dtype, pin_memory=pinned, as_torch=bool(pin_memory), squeeze=not self.multi)
         if max_norm_ratio:
             self.engine.max_norm = self._median_norms(keep) * np.float32(max_norm_ratio)
         self.epoch = 0
@@ -437,8 +512,7 @@ class ShardStream:
             ids = ids[np.concatenate(keep)[ids]]  # the masks are views of one flat array: this copies it once
         if not len(ids):
             return np.full((1, self.engine.source.n_sites), np.inf, dtype=np.float32)
-        x = self.engine.read_ids(ids)
-        return np.median(np.sqrt(np.einsum("nsd,nsd->ns", x, x)), axis=0).astype(np.float32)[None, :]
+        return np.median(self.engine.norms(self.engine.read_ids(ids)), axis=0).astype(np.float32)[None, :]
 
     def _normalization(self, normalize: str | None) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(shift, scale) per site, (n_sites, dim) each, from the stored statistics."""
@@ -461,7 +535,7 @@ class ShardStream:
             batch -= self.shift
         if self.scale is not None:
             batch *= self.scale
-        return batch if self.multi else batch[:, 0]
+        return batch
 
     # ---------------------------------------------------------------- iterating
 
@@ -523,7 +597,7 @@ class ShardStream:
         return self.engine.iterate(self.epoch, worker)
 
     def torch_dataset(self):
-        """A torch IterableDataset of float32 tensors; DataLoader workers take disjoint blocks.
+        """A torch IterableDataset of tensors (float32, or the stream's ``dtype``); workers take disjoint blocks.
 
         Use ``DataLoader(stream.torch_dataset(), batch_size=None, num_workers=N)`` and call
         ``set_epoch(e)`` on it (or the stream) before each epoch to reshuffle.
@@ -540,9 +614,24 @@ class ShardStream:
                 info = torch.utils.data.get_worker_info()
                 worker = (info.id, info.num_workers) if info else (0, 1)
                 for batch in parent.iterate(worker):
-                    yield torch.from_numpy(batch)
+                    yield batch if isinstance(batch, torch.Tensor) else torch.from_numpy(batch)
 
         return _Iterable()
+
+
+def _check_pin_memory(pin_memory: bool) -> bool:
+    """Page-locked batches need CUDA; without it, say so once and use ordinary memory (as DataLoader does)."""
+    if not pin_memory:
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    import warnings
+
+    warnings.warn("pin_memory=True needs a CUDA device, and torch sees none: batches use ordinary memory",
+                  stacklevel=3)
+    return False
 
 
 def _flat(a: Any) -> np.ndarray:
