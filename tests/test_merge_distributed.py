@@ -46,8 +46,10 @@ def test_merge_of_parts_equals_the_whole(tmp_path, rng, storage):
     stored = stored.astype(np.float64)
     stats = ds.statistics(0)
     assert stats["count"] == len(stored)
-    np.testing.assert_allclose(stats["mean"], stored.mean(0), rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(stats["std"], stored.std(0), rtol=1e-9, atol=1e-12)
+    # float32 partials per batch, merged in float64: within 1e-6 of the float64 reference (a mean near
+    # zero at the data's scale)
+    np.testing.assert_allclose(stats["mean"], stored.mean(0), rtol=1e-6, atol=1e-6 * stored.std(0).max())
+    np.testing.assert_allclose(stats["std"], stored.std(0), rtol=1e-6)
 
 
 def test_merge_refuses_mismatched_parts(tmp_path, rng, capsys):

@@ -18,10 +18,11 @@ def _numpy_stats(x):
 
 
 def _check(got, want):
+    """Equal to the float64 reference within 1e-6 relative; a mean near zero is compared at the data's scale."""
     assert got["count"] == want["count"]
-    np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(got["std"], want["std"], rtol=1e-9, atol=1e-9)
-    assert got["mean_norm"] == pytest.approx(want["mean_norm"], rel=1e-9)
+    np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-6, atol=1e-6 * float(np.max(want["std"])))
+    np.testing.assert_allclose(got["std"], want["std"], rtol=1e-6)
+    assert got["mean_norm"] == pytest.approx(want["mean_norm"], rel=1e-6)
 
 
 @pytest.mark.parametrize("storage", ["pooled", "full_sequence"])

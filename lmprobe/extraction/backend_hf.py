@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelError
+from ..format.statistics import RunningStats, batch_statistics
 from .hookpoints import Capture, Site, first_input, first_output
 from .model import forward_takes
 
@@ -40,6 +41,13 @@ class BatchOutput:
     logits_values: np.ndarray | None = None  # (B, k) float32
     logits_indices: np.ndarray | None = None  # (B, k) int64
     perplexity: dict[str, list] = field(default_factory=dict)  # mean/min/max per prompt, token lists
+    #: (hookpoint, layer) -> the stored vectors' partial statistics, computed on the model's device
+    statistics: dict[tuple[str, int], RunningStats] | None = None
+
+
+def device_statistics(captured: dict[tuple[str, int], Any]) -> dict[tuple[str, int], RunningStats]:
+    """Each captured site's partial statistics, computed in torch where the tensors are (a GPU's work, not the host's)."""
+    return {key: batch_statistics(value) for key, value in captured.items()}
 
 
 def last_token_index(attention_mask):
@@ -113,11 +121,13 @@ class TransformersBackend:
         self.device = next(model.parameters()).device
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
-            logits_k: int | None, perplexity: bool, keep=None, captures: list[Capture] | None = None) -> BatchOutput:
+            logits_k: int | None, perplexity: bool, keep=None, captures: list[Capture] | None = None,
+            statistics: bool = False) -> BatchOutput:
         """``keep`` marks the tokens to store (default: every real token); the model sees them all.
 
         ``captures`` are the hookpoints to read in each block of ``layers`` (default: the block
-        outputs); ``BatchOutput.hidden`` is keyed by (hookpoint, layer).
+        outputs); ``BatchOutput.hidden`` is keyed by (hookpoint, layer). ``statistics``: compute each
+        site's partial statistics on the model's device (``BatchOutput.statistics``).
         """
         import torch
 
@@ -190,6 +200,7 @@ class TransformersBackend:
             hidden={key: value.cpu() for key, value in captured.items()},
             num_tokens=lengths.cpu().numpy().astype(np.int64),
             token_ids=token_ids,
+            statistics=device_statistics(captured) if statistics else None,
         )
         if need_head:
             logits = result.logits if hasattr(result, "logits") else result[0]

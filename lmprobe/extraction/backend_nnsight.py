@@ -20,6 +20,7 @@ from .backend_hf import (
     RESID_POST,
     BatchOutput,
     as_batch_tokens,
+    device_statistics,
     last_token_index,
     perplexity_from_nll,
     position_ids_for,
@@ -111,11 +112,13 @@ class NnsightBackend:
         raise NnsightError("cannot find the model's LM head for logits/perplexity")
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
-            logits_k: int | None, perplexity: bool, keep=None, captures: list[Capture] | None = None) -> BatchOutput:
+            logits_k: int | None, perplexity: bool, keep=None, captures: list[Capture] | None = None,
+            statistics: bool = False) -> BatchOutput:
         try:
             return call_with_retry(
                 lambda: self.run_once(input_ids, attention_mask, layers=layers, storage=storage, out_dtype=out_dtype,
-                                      logits_k=logits_k, perplexity=perplexity, keep=keep, captures=captures),
+                                      logits_k=logits_k, perplexity=perplexity, keep=keep, captures=captures,
+                                      statistics=statistics),
                 policy=self.retry)
         except Exception as exc:
             if self.retry.is_transient(exc):
@@ -126,7 +129,7 @@ class NnsightBackend:
             raise
 
     def run_once(self, input_ids, attention_mask, *, layers, storage, out_dtype, logits_k, perplexity,
-                  keep=None, captures: list[Capture] | None = None) -> BatchOutput:
+                  keep=None, captures: list[Capture] | None = None, statistics: bool = False) -> BatchOutput:
         import torch
 
         b = input_ids.shape[0]
@@ -169,6 +172,7 @@ class NnsightBackend:
             hidden={key: value.cpu() for key, value in saved.items()},
             num_tokens=lengths.numpy().astype(np.int64),
             token_ids=[t.tolist() for t in torch.split(ids, lengths.tolist())],
+            statistics=device_statistics(saved) if statistics else None,  # where the saved tensors are
         )
         if logits_k:
             out.logits_values = top_values.cpu().numpy().astype(np.float32)

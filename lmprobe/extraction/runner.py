@@ -449,7 +449,7 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: _Job, order
                 texts, ids=[p.input_ids[i] for i in idx] if p.input_ids is not None else None)
             res = backend.run(input_ids, attention_mask, layers=layers, storage=cfg.storage, out_dtype=out_dtype,
                               logits_k=cfg.logits_topk, perplexity=cfg.perplexity,
-                              keep=None if encoder.plain else keep, captures=job.captures)
+                              keep=None if encoder.plain else keep, captures=job.captures, statistics=cfg.statistics)
             item = _batch_item(job, texts, res)
             item["positions"] = idx
             if p.label_type is not None:
@@ -470,6 +470,8 @@ def _batch_item(job: _Job, texts: list[str], res: Any) -> dict[str, Any]:
     """The writer's ``add_batch`` arguments for one forward pass's results."""
     cfg = job.config
     item: dict[str, Any] = {"texts": texts, "hidden": res.hidden, "num_tokens": res.num_tokens}
+    if res.statistics is not None:  # computed on the model's device: the writer only merges them
+        item["statistics"] = res.statistics
     if cfg.logits_topk:
         item["logits_values"], item["logits_indices"] = res.logits_values, res.logits_indices
     if cfg.perplexity:
@@ -507,7 +509,8 @@ def _run_corpus(writer: DatasetWriter, job: _Job) -> None:
             for batch in batches(stream, cfg.batch_size):
                 input_ids, attention_mask = pad(batch, tok.pad_token_id, left)
                 res = backend.run(input_ids, attention_mask, layers=layers, storage=cfg.storage, out_dtype=out_dtype,
-                                  logits_k=cfg.logits_topk, perplexity=cfg.perplexity, captures=job.captures)
+                                  logits_k=cfg.logits_topk, perplexity=cfg.perplexity, captures=job.captures,
+                                  statistics=cfg.statistics)
                 item = _batch_item(job, [w.text for w in batch], res)
                 item["document"] = [w.document for w in batch]
                 item["window_start"] = [w.start for w in batch]

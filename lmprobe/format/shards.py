@@ -3,6 +3,11 @@
 The writer keeps three series (last-token, sequence, logits). A series has one file per "slot"
 (a layer, or the single logits file) and cuts all of them at the same rows; ``layout.plan`` says
 where. Files are written in the staging folder; the writer moves closed ones into place.
+
+Hashing is off the critical path: a shard's sha256 covers its header, written when it closes, so
+each closed file is opened at once and hashed from the page cache on the hasher thread while the
+next shard is written. Checkpoints record the hashes that are done and never wait for the others;
+a resumed writer re-hashes the closed shards whose hash its checkpoint lacks (``missing_hashes``).
 """
 
 from __future__ import annotations
@@ -96,16 +101,33 @@ class ShardSeries:
             size = w.finish(fsync=self.fsync)
             staged = self.staging / self.staging_name(slot, shard)
             files[slot] = {"bytes": size, "staging": staged.name}
-            if self.checksums:
-                self.hashes[(shard, slot)] = self.hasher.submit(sha256_file, staged)
+            if self.checksums:  # opened now: the writer may move the file before its turn comes
+                self.hash_later(shard, slot, open(staged, "rb", buffering=0))
         self.closed.append({"num_prompts": self.cursor.prompts, "num_tokens": self.cursor.rows, "files": files})
         self.writers = {}
         self.cursor = Cursor(shard + 1, 0, 0)
+        # backpressure: a hasher that falls far behind would re-read its shards from disk, not the page cache
+        while len(self.hashes) > 2 * len(self.slots):
+            self._resolve(*next(iter(self.hashes)))
 
-    def resolve_hashes(self) -> None:
+    def hash_later(self, shard: int, slot: str, f) -> None:
+        self.hashes[(shard, slot)] = self.hasher.submit(sha256_file, f)
+
+    def _resolve(self, shard: int, slot: str) -> None:
+        self.closed[shard]["files"][slot]["sha256"] = self.hashes.pop((shard, slot)).result()
+
+    def resolve_hashes(self, *, wait: bool) -> None:
+        """Record the hashes that are done (``wait``: all of them, waiting for the hasher)."""
         for (shard, slot), fut in list(self.hashes.items()):
-            self.closed[shard]["files"][slot]["sha256"] = fut.result()
-            del self.hashes[(shard, slot)]
+            if wait or fut.done():
+                self._resolve(shard, slot)
+
+    def missing_hashes(self) -> list[tuple[int, str]]:
+        """Closed (shard, slot) files whose hash is neither recorded nor under way (after a resume)."""
+        if not self.checksums:
+            return []
+        return [(shard, slot) for shard, d in enumerate(self.closed) for slot, f in d["files"].items()
+                if "sha256" not in f and (shard, slot) not in self.hashes]
 
     def flush(self) -> None:
         for w in self.writers.values():

@@ -1,14 +1,18 @@
 """Running per-layer statistics over every stored vector: count, mean, population std, mean L2 norm.
 
-Batches are merged with the parallel algorithm of Chan et al. (float64 accumulators), so the result
-does not depend on how the data was batched beyond floating-point rounding, and statistics of
-separately written parts merge exactly the same way (``lmprobe merge``, multi-process extraction).
+A batch's statistics are computed where its activations are (``batch_statistics``: torch, on the
+device that produced them, in float32 over chunks of bounded size, each chunk centred on its own
+mean), and come to the host as a few ``dim``-sized vectors. Batches are merged with the parallel
+algorithm of Chan et al. (float64 accumulators), so the result does not depend on how the data was
+batched beyond floating-point rounding, and statistics of separately written parts merge exactly
+the same way (``lmprobe merge``, multi-process extraction).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,12 +36,22 @@ class RunningStats:
         return cls(0, np.zeros(dim), np.zeros(dim), 0.0)
 
     @classmethod
-    def of(cls, x: np.ndarray) -> RunningStats:
-        x = np.asarray(x, dtype=np.float64)
-        if len(x) == 0:
-            return cls.empty(x.shape[1])
-        mean = x.mean(axis=0)
-        return cls(len(x), mean, ((x - mean) ** 2).sum(axis=0), float(np.linalg.norm(x, axis=1).sum()))
+    def of(cls, x: Any, *, bfloat16_bits: bool = False) -> RunningStats:
+        """The statistics of the rows of ``x`` (see ``batch_statistics``)."""
+        return batch_statistics(x, bfloat16_bits=bfloat16_bits)
+
+    @classmethod
+    def of_chunks(cls, counts: np.ndarray, sums: np.ndarray, m2s: np.ndarray, norm_sums: np.ndarray) -> RunningStats:
+        """Merge chunks in float64 (Chan et al., all at once): ``counts`` (k,), ``sums``/``m2s`` (k, dim)."""
+        counts = np.asarray(counts, dtype=np.float64)
+        sums, m2s = np.asarray(sums, dtype=np.float64), np.asarray(m2s, dtype=np.float64)
+        n = float(counts.sum())
+        if n == 0:
+            return cls.empty(sums.shape[1])
+        mean = sums.sum(axis=0) / n
+        dev = sums / counts[:, None] - mean  # each chunk's mean minus the whole's
+        m2 = m2s.sum(axis=0) + np.einsum("k,kd,kd->d", counts, dev, dev)
+        return cls(int(n), mean, m2, float(np.asarray(norm_sums, dtype=np.float64).sum()))
 
     @classmethod
     def from_result(cls, r: dict) -> RunningStats:
@@ -72,6 +86,76 @@ class RunningStats:
             key_pattern.format(layer=layer, stat="std"): r["std"].astype(np.float64),
             key_pattern.format(layer=layer, stat="mean_norm"): np.array([r["mean_norm"]], dtype=np.float64),
         }
+
+
+#: float32 values per chunk: on a CPU a chunk stays in cache (4 MiB), on a GPU it bounds the temporaries (1 GiB)
+_CHUNK_VALUES = {"cpu": 1 << 20, "other": 1 << 28}
+
+
+def batch_statistics(x: Any, *, bfloat16_bits: bool = False) -> RunningStats:
+    """Count, mean, M2 and summed L2 norms of the rows of ``x`` (n, dim), computed where ``x`` lives.
+
+    ``x`` is a torch tensor on any device (any floating dtype), or a numpy array (``bfloat16_bits``:
+    raw bfloat16 bits as uint16). The rows are taken in chunks of bounded size; each chunk is
+    converted to float32 (float64 data stays float64) once and centred on its own mean before squaring, so a large offset does
+    not cancel away the variance (naive float32 sums of squares do). Only the chunks' sums, M2 and
+    norm sums, a few ``dim``-sized float32 vectors, leave the device; they are merged in float64.
+
+    >>> s = batch_statistics(np.array([[1.0, 2.0], [3.0, 2.0]], dtype=np.float32))
+    >>> s.count, s.mean.tolist(), s.m2.tolist()
+    (2, [2.0, 2.0], [2.0, 0.0])
+    """
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+    else:
+        a = np.asarray(x)
+        if not a.flags.writeable:  # torch warns on read-only memory
+            a = a.copy()
+        if bfloat16_bits:
+            t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(a if a.dtype in (np.float32, np.float16, np.float64) else a.astype(np.float32))
+    if t.dim() != 2:
+        raise ValueError(f"expected (rows, dim) activations, got shape {tuple(t.shape)}")
+    n, dim = t.shape
+    if n == 0:
+        return RunningStats.empty(dim)
+    rows = max(1, _CHUNK_VALUES["cpu" if t.device.type == "cpu" else "other"] // max(1, dim))
+    k = -(-n // rows)
+    f32 = torch.float64 if t.dtype == torch.float64 else torch.float32  # float64 data keeps its precision
+    buf = torch.empty((min(rows, n), dim), dtype=f32, device=t.device)
+    means = torch.empty((k, dim), dtype=f32, device=t.device)  # each chunk's mean, as rounded to float32
+    res = torch.empty((k, dim), dtype=f32, device=t.device)  # sum of the deviations from it: the correction
+    m2s = torch.empty((k, dim), dtype=f32, device=t.device)  # sum of squared deviations from it
+    norm_sums = torch.empty(k, dtype=f32, device=t.device)
+    counts = np.empty(k, dtype=np.int64)
+    with torch.inference_mode():
+        for i, a in enumerate(range(0, n, rows)):
+            chunk = t[a : a + rows]
+            c = len(chunk)
+            b = buf[:c]
+            if chunk.dtype == f32:
+                torch.sum(chunk, 0, out=means[i])
+                norm_sums[i] = torch.linalg.vector_norm(chunk, dim=1).sum()
+                means[i] /= c
+                torch.sub(chunk, means[i], out=b)
+            else:
+                b.copy_(chunk)  # the one float32 copy of the chunk (a cast for bfloat16 and float16)
+                torch.sum(b, 0, out=means[i])
+                norm_sums[i] = torch.linalg.vector_norm(b, dim=1).sum()
+                means[i] /= c
+                b.sub_(means[i])
+            torch.sum(b, 0, out=res[i])
+            torch.sum(b.square_(), 0, out=m2s[i])
+            counts[i] = c
+        host = [v.cpu().numpy().astype(np.float64) for v in (means, res, m2s, norm_sums)]
+    mean_f32, dev_sum, sq, norms = host
+    c = counts[:, None].astype(np.float64)
+    # a chunk's float32 sum is off by ~1e-7 of its offset; the deviations' sum puts the mean right (to
+    # ~1e-7 of the spread), and the squares are moved from the rounded mean to the exact one
+    return RunningStats.of_chunks(counts, (mean_f32 + dev_sum / c) * c, sq - dev_sum**2 / c, norms)
 
 
 def hookpoint_key_pattern(hookpoint: str) -> str:

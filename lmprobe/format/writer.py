@@ -68,7 +68,7 @@ from .staging import (
     remove_files_inside,
 )
 from .statistics import RunningStats, load_accumulators, save_accumulators, write_statistics
-from .values import bfloat16_bits_to_float32, column_type_name, to_numpy
+from .values import column_type_name, to_numpy
 
 _MAX_PENDING_ROWS = 65536
 #: index rows wait in memory until a checkpoint writes them as a part: bounded by prompts and by tokens,
@@ -205,7 +205,9 @@ class DatasetWriter:
             raise
 
     def _release(self) -> None:
-        self._hasher.shutdown(wait=True)
+        # after close() every hash is recorded; after abort() the pending ones are not needed (a resume
+        # re-hashes what its checkpoint lacks)
+        self._hasher.shutdown(wait=True, cancel_futures=True)
         self._lock.release()
 
     # ------------------------------------------------------------------ the output folder
@@ -315,6 +317,7 @@ class DatasetWriter:
             self._stats = load_accumulators(self.staging.path / stats_file, list(self.spec.sites))
             self._stats_checkpoint = int(stats_file.split("-")[1].split(".")[0])
         self._publish_closed()
+        self._rehash_closed()
 
     # ------------------------------------------------------------------ adding data
 
@@ -366,6 +369,7 @@ class DatasetWriter:
         document: Sequence[int] | None = None,
         window_start: Sequence[int] | None = None,
         progress: Mapping[str, int] | None = None,
+        statistics: Mapping[Any, RunningStats] | None = None,
     ) -> None:
         """Add a batch of prompts. Everything is checked before any byte of the batch is written.
 
@@ -376,6 +380,10 @@ class DatasetWriter:
         ``document``/``window_start``: where each row came from, for a writer made with ``corpus=True``.
         ``progress``: the caller's position in its source after this batch (small ints); a checkpoint
         records it with the rows, and a resumed writer gives it back as ``writer.progress``.
+
+        ``statistics``: each site's partial statistics of this batch's stored vectors
+        (``statistics.batch_statistics``, computed where the activations were, keyed like ``hidden``),
+        for a writer made with ``statistics=True``; without them the writer computes them from the arrays.
         """
         if self._closed:
             raise RuntimeError("this DatasetWriter is closed")
@@ -391,6 +399,7 @@ class DatasetWriter:
         b = len(batch)
         if b == 0:
             return
+        parts = self._batch_statistics(batch.hidden, statistics)
 
         # --- write: last-token rows, then the other tokens, then logits
         counts = batch.counts
@@ -416,10 +425,8 @@ class DatasetWriter:
             self._logits.write(p, {"all": list(batch.logits)}, ones)
             cols["shard_index_logits"].append(p.shard_of)
             cols["row_offset_logits"].append(p.offset_of)
-        if self._stats:
-            for slot, a in batch.hidden.items():  # every stored vector: last tokens, and the others when kept
-                x = bfloat16_bits_to_float32(a) if self.spec.dtype == "bfloat16" else a
-                self._stats[slot] = self._stats[slot].merge(RunningStats.of(x))
+        for slot, part in parts.items():
+            self._stats[slot] = self._stats[slot].merge(part)
         cols["text"].append(batch.texts)
         cols["label"].append(batch.labels)
         cols["num_tokens"].append(counts)
@@ -439,13 +446,37 @@ class DatasetWriter:
         ):
             self.checkpoint()
 
+    def _batch_statistics(self, hidden: dict[str, np.ndarray], given: Mapping[Any, Any] | None) -> dict[str, RunningStats]:
+        """Each slot's statistics of a checked batch: the caller's partials (checked), or computed here."""
+        if not self._stats:
+            if given is not None:
+                raise InvalidArgumentError("statistics were given but the writer was created with statistics=False")
+            return {}
+        by_slot = hidden_by_slot(self.spec, given) if given is not None else {}
+        out = {}
+        for slot, a in hidden.items():  # every stored vector: last tokens, and the others when kept
+            part = by_slot.get(slot)
+            if part is None:
+                part = RunningStats.of(a, bfloat16_bits=self.spec.dtype == "bfloat16")
+            elif not isinstance(part, RunningStats) or part.count != len(a) or part.mean.shape != a.shape[1:]:
+                hp, layer = self.spec.sites[slot]
+                raise InvalidArgumentError(
+                    f"statistics for {hp} layer {layer} must be a RunningStats of the batch's {len(a)} stored "
+                    f"vectors of width {a.shape[1]} (statistics.batch_statistics), got {part!r:.80}")
+            out[slot] = part
+        return out
+
     # ------------------------------------------------------------------ checkpoints and closing
 
-    def checkpoint(self) -> None:
-        """Make everything added so far durable: a crash after this resumes from here."""
+    def checkpoint(self, *, wait_hashes: bool = False) -> None:
+        """Make everything added so far durable: a crash after this resumes from here.
+
+        Hashes of closed shards still on the hasher thread are not waited for (``wait_hashes``:
+        they are); a resumed writer re-hashes the closed shards whose hash this checkpoint lacks.
+        """
         for s in self._series():
             s.flush()
-            s.resolve_hashes()
+            s.resolve_hashes(wait=wait_hashes)
         if self._n_pending:
             index.write_part(self.staging.part_path(self._n_parts), self._pending, self.spec)
             self._n_parts += 1
@@ -481,6 +512,16 @@ class DatasetWriter:
         self._publish_closed()
         self._last_checkpoint = time.monotonic()
 
+    def _rehash_closed(self) -> None:
+        """Hash again the closed shards whose hash the checkpoint lacks (still on the hasher when it was taken)."""
+        for s in self._series():
+            for shard, slot in s.missing_hashes():
+                staged = self.staging.path / s.closed[shard]["files"][slot]["staging"]
+                path = staged if staged.exists() else self.out_dir / self._final_name(s.name, slot, shard)
+                if not path.is_file():
+                    raise FormatError(f"shard {path} is missing; the partial output is damaged, pass overwrite=True")
+                s.hash_later(shard, slot, open(path, "rb", buffering=0))
+
     def _publish(self, series: str, slot: str, shard: int, staged: str, *, required: bool = False) -> None:
         """Move a closed shard from staging to its final name (idempotent: done once, skipped after)."""
         src = self.staging.path / staged
@@ -508,7 +549,7 @@ class DatasetWriter:
             for s in self._series():
                 s.close_shard()
             self._phase = "finalizing"
-            self.checkpoint()
+            self.checkpoint(wait_hashes=True)  # only the last shards' hashing is serial
         self._finalize()
         self._closed = True
         self._release()

@@ -1,0 +1,261 @@
+"""The data path at GPU rate: device statistics, hashing off the critical path, bfloat16 at memory speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPTS, write_dataset
+
+import lmprobe
+from lmprobe.errors import InvalidArgumentError
+from lmprobe.format import shards as shards_module
+from lmprobe.format.statistics import RunningStats, batch_statistics
+from lmprobe.format.values import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from lmprobe.format.writer import DatasetWriter
+from lmprobe.stream import ShardStream
+
+# ----------------------------------------------------------------------------- bfloat16 -> float32
+
+
+def _shift_formula(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def test_bfloat16_conversion_is_bit_exact_on_every_pattern():
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)  # every bfloat16, NaN payloads included
+    want = _shift_formula(bits).view(np.uint32)
+    assert bfloat16_bits_to_float32(bits).view(np.uint32).tolist() == want.tolist()  # torch's vectorised cast
+    small = [bfloat16_bits_to_float32(c) for c in np.split(bits, 64)]  # below the threshold: numpy's shift
+    assert np.concatenate(small).view(np.uint32).tolist() == want.tolist()
+    # into a strided view of a bigger buffer (a pool's site, an export block), both paths
+    for n_rows in (2, 1 << 10):
+        b = np.resize(bits, (n_rows, 64)).copy()
+        out = np.full((n_rows, 3, 64), 7.0, dtype=np.float32)
+        bfloat16_bits_to_float32(b, out=out[:, 1])
+        assert out[:, 1].view(np.uint32).tolist() == _shift_formula(b).view(np.uint32).tolist()
+        assert (out[:, [0, 2]] == 7.0).all()
+
+
+def test_bfloat16_conversion_rejects_the_wrong_input():
+    with pytest.raises(TypeError, match="uint16"):
+        bfloat16_bits_to_float32(np.zeros(3, dtype=np.float32))
+    with pytest.raises(ValueError, match="float32 of shape"):
+        bfloat16_bits_to_float32(np.zeros(3, dtype=np.uint16), out=np.zeros(4, dtype=np.float32))
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def _reference(x64: np.ndarray) -> dict:
+    return {"count": len(x64), "mean": x64.mean(0), "std": x64.std(0),
+            "mean_norm": float(np.linalg.norm(x64, axis=1).mean())}
+
+
+def _assert_close(got: RunningStats, want: dict) -> None:
+    r = got.result()
+    assert r["count"] == want["count"]
+    np.testing.assert_allclose(r["mean"], want["mean"], rtol=1e-6)
+    np.testing.assert_allclose(r["std"], want["std"], rtol=1e-6)
+    assert r["mean_norm"] == pytest.approx(want["mean_norm"], rel=1e-6)
+
+
+def _offset_data(rng, n=1500, dim=2048, offset=300.0):
+    """A large mean offset over a small spread: what naive float32 sums of squares get wrong."""
+    return (rng.normal(size=(n, dim)) + offset + rng.normal(size=dim) * 50).astype(np.float32)
+
+
+def test_naive_float32_sums_of_squares_fail_on_this_data(rng):
+    x = _offset_data(rng)
+    t = torch.from_numpy(x)
+    n = len(x)
+    naive_var = (t.square().sum(0) / n - (t.sum(0) / n) ** 2).clamp(min=0).numpy()
+    err = np.abs(np.sqrt(naive_var) - x.astype(np.float64).std(0)) / x.astype(np.float64).std(0)
+    assert err.max() > 1e-3  # the reason for centring each chunk: this data is a real test
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_batch_statistics_equal_a_float64_reference(rng, dtype):
+    x = _offset_data(rng)  # 1500 rows of 2048: three chunks of 512 rows on a CPU
+    if dtype == "bfloat16":
+        bits = float32_to_bfloat16_bits(x)
+        stored = _shift_formula(bits).astype(np.float64)
+        _assert_close(batch_statistics(bits, bfloat16_bits=True), _reference(stored))
+        tensor = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+        _assert_close(batch_statistics(tensor), _reference(stored))  # a torch tensor, as a backend hands it
+    else:
+        a = x.astype(dtype)
+        _assert_close(batch_statistics(a), _reference(a.astype(np.float64)))
+        _assert_close(batch_statistics(torch.from_numpy(a)), _reference(a.astype(np.float64)))
+
+
+def test_statistics_merge_across_batches_and_chunks(rng):
+    x = _offset_data(rng, n=3001, dim=1024)
+    s = RunningStats.empty(1024)
+    for part in np.split(x, [1, 2, 1000, 1001, 2500]):  # uneven batches, one of a single row
+        s = s.merge(batch_statistics(part))
+    _assert_close(s, _reference(x.astype(np.float64)))
+    assert batch_statistics(x[:0]).count == 0
+
+
+def test_writer_statistics_equal_the_reference_in_bfloat16(tmp_path, rng):
+    x = _offset_data(rng, n=600, dim=1024)
+    with DatasetWriter(tmp_path / "ds", layers=[0], dim=1024, model_name="m", dtype="bfloat16",
+                       statistics=True) as w:
+        for a in range(0, 600, 150):
+            w.add_batch(texts=["t"] * 150, num_tokens=[1] * 150, hidden={0: x[a : a + 150]})
+    ds = lmprobe.load(tmp_path / "ds")
+    stored = ds.hidden(0).astype(np.float64)
+    got = ds.statistics(0)
+    want = _reference(stored)
+    np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-6)
+    np.testing.assert_allclose(got["std"], want["std"], rtol=1e-6)
+    assert got["mean_norm"] == pytest.approx(want["mean_norm"], rel=1e-6)
+
+
+def test_writer_takes_partial_statistics_and_checks_them(tmp_path, rng):
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    with DatasetWriter(tmp_path / "ds", layers=[0], dim=4, model_name="m", statistics=True) as w:
+        with pytest.raises(InvalidArgumentError, match="8 stored vectors"):
+            w.add_batch(texts=["t"] * 8, num_tokens=[1] * 8, hidden={0: x}, statistics={0: batch_statistics(x[:5])})
+        assert w.num_prompts == 0  # refused before any byte was written
+        w.add_batch(texts=["t"] * 8, num_tokens=[1] * 8, hidden={0: x}, statistics={0: batch_statistics(x)})
+    ds = lmprobe.load(tmp_path / "ds")
+    assert ds.num_prompts == 8
+    _assert_close(RunningStats.from_result(ds.statistics(0)), _reference(x.astype(np.float64)))
+    with DatasetWriter(tmp_path / "off", layers=[0], dim=4, model_name="m") as w:
+        with pytest.raises(InvalidArgumentError, match="statistics=False"):
+            w.add_batch(texts=["t"], num_tokens=[1], hidden={0: x[:1]}, statistics={0: batch_statistics(x[:1])})
+
+
+def test_extraction_statistics_come_from_the_backend(llama_dir, tmp_path, monkeypatch):
+    """The transformers backend computes the partials in torch (here on the CPU device); the writer only merges."""
+    def host_statistics(*_a, **_k):
+        raise AssertionError("the writer computed statistics that the backend should have handed it")
+
+    monkeypatch.setattr(RunningStats, "of", classmethod(host_statistics))
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "ds", layers="1,3", storage="full_sequence",
+                         dtype="bfloat16", batch_size=3, quiet=True)
+    for layer in (1, 3):
+        stored = np.concatenate([ds.token_hidden(i, layer) for i in range(ds.num_prompts)]).astype(np.float64)
+        got, want = ds.statistics(layer), _reference(stored)
+        assert got["count"] == want["count"]
+        np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-6, atol=1e-6 * float(want["std"].max()))
+        np.testing.assert_allclose(got["std"], want["std"], rtol=1e-6)
+        assert got["mean_norm"] == pytest.approx(want["mean_norm"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- hashing
+
+
+def _sha256sum(paths) -> dict[str, str]:
+    out = subprocess.run(["sha256sum", *map(str, paths)], check=True, capture_output=True, text=True).stdout
+    return {line.split()[1]: line.split()[0] for line in out.splitlines()}
+
+
+def _recorded_hashes(root) -> dict[str, str]:
+    """Every file's sha256 as the dataset's metadata records it (shards, logits, statistics)."""
+    return {str(root / f.rel): f.sha256 for f in lmprobe.load(root).meta.files()}
+
+
+def test_recorded_hashes_equal_sha256sum_of_the_finished_files(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=40, layers=(0, 3), dim=8, storage="full_sequence", shard_size="256B",
+                  logits_k=3, statistics=True)
+    recorded = _recorded_hashes(tmp_path / "ds")
+    shard_files = sorted((tmp_path / "ds").rglob("*.safetensors"))
+    assert len(shard_files) > 10 and set(map(str, shard_files)) == set(recorded)
+    assert _sha256sum(shard_files) == recorded
+
+
+def test_checkpoints_do_not_wait_for_hashes_and_a_resume_rehashes_only_those(tmp_path, rng, monkeypatch):
+    gate = threading.Event()
+    hashed = []
+    real = shards_module.sha256_file
+
+    def held_back(f):  # the hasher is slower than the writer: nothing finishes until the gate opens
+        gate.wait(30)
+        hashed.append(f.name)
+        return real(f)
+
+    monkeypatch.setattr(shards_module, "sha256_file", held_back)
+    x = rng.normal(size=(60, 8)).astype(np.float32)
+    out = tmp_path / "ds"
+    w = DatasetWriter(out, layers=[0, 1], dim=8, model_name="m", shard_size=8 * 4 * 10)  # 10 rows a shard
+    w.add_batch(texts=["t"] * 25, num_tokens=[1] * 25, hidden={0: x[:25], 1: x[:25]})
+    w.checkpoint()  # returns although two shards per layer are still waiting for their hash
+    state = json.loads((out / ".lmprobe-staging" / "state.json").read_text())
+    closed = [f for d in state["streams"]["last"]["closed"] for f in d["files"].values()]
+    assert len(closed) == 4 and not any("sha256" in f for f in closed)
+    gate.set()
+    w.abort()  # a crash now: the checkpoint on disk lacks these hashes
+    hashed.clear()
+    monkeypatch.setattr(shards_module, "sha256_file", lambda f: hashed.append(f.name) or real(f))
+    with DatasetWriter(out, layers=[0, 1], dim=8, model_name="m", shard_size=8 * 4 * 10) as w:
+        assert w.num_prompts == 25
+        w.add_batch(texts=["t"] * 35, num_tokens=[1] * 35, hidden={0: x[25:], 1: x[25:]})
+    # the four closed shards whose hash the checkpoint lacked, then the four new shards per layer
+    assert len(hashed) == 4 + 8
+    assert len(set(hashed)) == 12
+    recorded = _recorded_hashes(out)
+    assert _sha256sum(sorted(recorded)) == recorded
+    np.testing.assert_array_equal(lmprobe.load(out).hidden(1), x)
+
+
+# ----------------------------------------------------------------------------- training reader dtypes
+
+
+def test_stream_yields_bfloat16_as_stored_and_float32_converted(tmp_path, rng):
+    src = write_dataset(tmp_path / "ds", rng, n=300, layers=(0, 1), dim=64, dtype="bfloat16", shard_size="8KiB")
+    bits = float32_to_bfloat16_bits(src["hidden"][1])
+    f32 = list(ShardStream(tmp_path / "ds", 1, 64, seed=3, memory="256KiB"))
+    b16 = list(ShardStream(tmp_path / "ds", 1, 64, seed=3, memory="256KiB", dtype="bfloat16"))
+    assert all(isinstance(b, np.ndarray) and b.dtype == np.float32 for b in f32)
+    assert all(isinstance(b, torch.Tensor) and b.dtype == torch.bfloat16 for b in b16)
+    got_bits = np.concatenate([b.view(torch.int16).numpy().view(np.uint16) for b in b16])
+    # every stored vector once, as stored
+    assert sorted(map(bytes, got_bits)) == sorted(map(bytes, bits))
+    got_f32 = np.concatenate(f32)
+    assert sorted(map(bytes, got_f32)) == sorted(map(bytes, _shift_formula(bits)))
+    # a bfloat16 pool holds twice the rows of a float32 one in the same memory
+    s16 = ShardStream(tmp_path / "ds", 1, 64, memory="256KiB", dtype="bfloat16")
+    assert s16.engine.pool_rows > ShardStream(tmp_path / "ds", 1, 64, memory="256KiB").engine.pool_rows
+
+
+def test_stream_bfloat16_with_normalisation_and_several_sites(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=120, layers=(0, 1), dim=16, dtype="bfloat16", statistics=True)
+    f32 = np.concatenate(list(ShardStream(tmp_path / "ds", batch_size=32, layers=[0, 1], seed=1,
+                                          normalize="standardize", memory="64KiB")))
+    b16 = list(ShardStream(tmp_path / "ds", batch_size=32, layers=[0, 1], seed=1, normalize="standardize",
+                           memory="64KiB", dtype="bfloat16"))
+    assert b16[0].shape == (32, 2, 16) and b16[0].dtype == torch.bfloat16
+    expect = torch.from_numpy(f32).to(torch.bfloat16)
+    got = torch.cat(b16)
+    assert got.shape == expect.shape
+    # same multiset of normalised rows (the pools differ in size, so the order may too)
+    key = lambda t: sorted(map(bytes, t.view(torch.int16).reshape(len(t), -1).numpy()))  # noqa: E731
+    assert key(got) == key(expect)
+
+
+def test_stream_pin_memory_without_cuda_warns_and_yields_tensors(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=40, layers=(0,), dim=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stream = ShardStream(tmp_path / "ds", 0, 16, pin_memory=True, memory="64KiB")
+    if torch.cuda.is_available():  # pragma: no cover - CI has no GPU
+        assert all(b.is_pinned() for b in stream)
+        return
+    assert any("pin_memory=True needs a CUDA device" in str(w.message) for w in caught)
+    batches = list(stream)
+    assert all(isinstance(b, torch.Tensor) and b.dtype == torch.float32 for b in batches)
+    assert sum(len(b) for b in batches) == 40
+
+
+def test_stream_rejects_an_unknown_dtype(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=10, layers=(0,), dim=4)
+    with pytest.raises(InvalidArgumentError, match="dtype must be 'float32' or 'bfloat16'"):
+        ShardStream(tmp_path / "ds", 0, 4, dtype="float16")
