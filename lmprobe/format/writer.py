@@ -161,7 +161,11 @@ class DatasetWriter:
         self._stats = ({slot: RunningStats.empty(spec.dim_of(hp)) for slot, (hp, _) in spec.sites.items()}
                        if spec.statistics else {})
         self._stats_checkpoint = 0
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmprobe-sha256")
+        self._stats_worker: ThreadPoolExecutor | None = None  # made when a batch comes without partials
+        # one hashing thread per stored site, up to the cores but one: sha256 runs at ~1.3 GB/s a core, so
+        # a GPU node writing several layers at ~1 GB/s each needs several (docs/performance.md)
+        hashers = max(1, min(len(spec.sites) + (1 if spec.logits_k else 0), (os.cpu_count() or 2) - 1))
+        self._hasher = ThreadPoolExecutor(max_workers=hashers, thread_name_prefix="lmprobe-sha256")
         self._pending: dict[str, list] = {c: [] for c in index.staging_schema(spec).names}
         self._n_pending = 0
         self._n_pending_tokens = 0
@@ -208,6 +212,8 @@ class DatasetWriter:
         # after close() every hash is recorded; after abort() the pending ones are not needed (a resume
         # re-hashes what its checkpoint lacks)
         self._hasher.shutdown(wait=True, cancel_futures=True)
+        if self._stats_worker is not None:
+            self._stats_worker.shutdown(wait=True, cancel_futures=True)
         self._lock.release()
 
     # ------------------------------------------------------------------ the output folder
@@ -399,7 +405,7 @@ class DatasetWriter:
         b = len(batch)
         if b == 0:
             return
-        parts = self._batch_statistics(batch.hidden, statistics)
+        parts = self._batch_statistics(batch.hidden, statistics)  # computed alongside the writes below
 
         # --- write: last-token rows, then the other tokens, then logits
         counts = batch.counts
@@ -426,7 +432,7 @@ class DatasetWriter:
             cols["shard_index_logits"].append(p.shard_of)
             cols["row_offset_logits"].append(p.offset_of)
         for slot, part in parts.items():
-            self._stats[slot] = self._stats[slot].merge(part)
+            self._stats[slot] = self._stats[slot].merge(part if isinstance(part, RunningStats) else part.result())
         cols["text"].append(batch.texts)
         cols["label"].append(batch.labels)
         cols["num_tokens"].append(counts)
@@ -446,8 +452,12 @@ class DatasetWriter:
         ):
             self.checkpoint()
 
-    def _batch_statistics(self, hidden: dict[str, np.ndarray], given: Mapping[Any, Any] | None) -> dict[str, RunningStats]:
-        """Each slot's statistics of a checked batch: the caller's partials (checked), or computed here."""
+    def _batch_statistics(self, hidden: dict[str, np.ndarray], given: Mapping[Any, Any] | None) -> dict[str, Any]:
+        """Each slot's statistics of a checked batch: the caller's partials (checked), or a future of them.
+
+        Partials the caller did not give are computed on the writer's statistics thread (one torch
+        thread, set in that thread only) while this thread writes the batch's shards.
+        """
         if not self._stats:
             if given is not None:
                 raise InvalidArgumentError("statistics were given but the writer was created with statistics=False")
@@ -457,7 +467,10 @@ class DatasetWriter:
         for slot, a in hidden.items():  # every stored vector: last tokens, and the others when kept
             part = by_slot.get(slot)
             if part is None:
-                part = RunningStats.of(a, bfloat16_bits=self.spec.dtype == "bfloat16")
+                if self._stats_worker is None:
+                    self._stats_worker = ThreadPoolExecutor(1, thread_name_prefix="lmprobe-stats",
+                                                            initializer=_one_torch_thread)
+                part = self._stats_worker.submit(RunningStats.of, a, bfloat16_bits=self.spec.dtype == "bfloat16")
             elif not isinstance(part, RunningStats) or part.count != len(a) or part.mean.shape != a.shape[1:]:
                 hp, layer = self.spec.sites[slot]
                 raise InvalidArgumentError(
@@ -594,6 +607,14 @@ class DatasetWriter:
         index.write_index(self.out_dir / INDEX_PATH, self.staging.parts(self._n_parts), spec=self.spec, n_last=n_last,
                           metadata=encode_schema_metadata(info), fsync=self.fsync)
         self.staging.remove()
+
+
+def _one_torch_thread() -> None:
+    """The statistics thread's torch runs on one core (OpenMP's thread count is per calling thread):
+    the other cores are the hashers' and the caller's."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _check_progress(progress: Any) -> dict[str, int]:
