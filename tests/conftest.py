@@ -11,6 +11,7 @@ from pathlib import Path
 
 _HF_HOME = tempfile.mkdtemp(prefix="lmprobe-test-hf-")
 os.environ["HF_HOME"] = _HF_HOME
+os.environ["LMPROBE_CACHE"] = tempfile.mkdtemp(prefix="lmprobe-test-cache-")  # object-store and stream caches
 # Every Hub request goes to the test server on 127.0.0.1 (tests/hub_server.py), never out.
 with socket.socket() as _s:
     _s.bind(("127.0.0.1", 0))

@@ -191,6 +191,31 @@ class HubFiles:
                 raise _unreachable(self.ref, exc) from exc
             raise
 
+    def download(self, rel: str, dst: Path) -> None:
+        """Download ``rel`` (at the pinned commit) to ``dst``, outside the Hugging Face cache (bounded caches)."""
+        import shutil
+        import tempfile
+
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        check_relpath(rel, "file")
+        scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=dst.parent))
+        try:
+            got = Path(call_with_retry(
+                lambda: hf_hub_download(self.ref.repo_id, self.repo_path(rel), repo_type=self.ref.repo_type,
+                                        revision=self.commit, token=self.token, local_dir=scratch),
+                policy=hub_read_policy()))
+            os.replace(got, dst)
+        except EntryNotFoundError:
+            raise ShardMissingError(self.missing_hint(rel)) from None
+        except Exception as exc:
+            if hub_read_policy().is_transient(exc):
+                raise _unreachable(self.ref, exc) from exc
+            raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)  # hf_hub_download's own metadata for local_dir
+
     def fetch_optional(self, rel: str, *, what: str = "file") -> Path | None:
         """``fetch``, or None when the repo has no such file."""
         return self.fetch(rel, what=what) if rel in self.repo_files else None

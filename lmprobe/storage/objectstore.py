@@ -133,6 +133,7 @@ class ObjectStoreFiles:
         self.fs, self.root = filesystem(self.url)
         self.cache = cache_dir(self.url, "remote")
         self.policy = policy or object_store_policy()
+        self._seen: dict[str, dict[str, str]] = {}  # rel -> identity when this reader first downloaded it
 
     def __str__(self) -> str:
         return self.url
@@ -164,6 +165,36 @@ class ObjectStoreFiles:
             _call(f"downloading {self.url}/{rel}", lambda: self.fs.get_file(src, str(tmp)), self.policy)
         atomic_write(stamp, json.dumps(ident))
         return dst
+
+    def pin(self) -> None:
+        """Record every object's identity now: a later ``download`` of a changed object is an error."""
+        try:
+            found = _call(f"listing {self.url}", lambda: self.fs.find(self.root, detail=True), self.policy)
+        except FileNotFoundError:
+            return
+        for path, info in found.items():
+            rel = path[len(self.root) :].lstrip("/")
+            self._seen.setdefault(rel, object_identity(info))
+
+    def download(self, rel: str, dst: Path) -> None:
+        """Download ``rel`` to ``dst`` (bounded caches); the object must be the version first seen by this reader.
+
+        The first download of each object records its identity (ETag, size, modification time); an
+        object that changes afterwards, mid-pass, is an error naming it, never mixed data.
+        """
+        check_relpath(rel, "file")
+        src = f"{self.root}/{rel}"
+        try:
+            info = _call(f"reading {self.url}/{rel}", lambda: self.fs.info(src), self.policy)
+        except FileNotFoundError:
+            raise ShardMissingError(self.missing_hint(rel)) from None
+        ident = object_identity(info)
+        seen = self._seen.setdefault(rel, ident)  # pinned at open (``pin``), or at its first download
+        if seen != ident:
+            raise ObjectStoreError(f"{self.url}/{rel} changed on the remote while it was being read ({seen} -> "
+                                   f"{ident}); the dataset was replaced mid-pass: open it again to read the new one")
+        with atomic_output(dst) as tmp:
+            _call(f"downloading {self.url}/{rel}", lambda: self.fs.get_file(src, str(tmp)), self.policy)
 
     def missing_hint(self, rel: str) -> str:
         return f"{rel} is missing from {self.url}; the upload may be incomplete (re-run the extraction to resume)"

@@ -1,0 +1,337 @@
+"""The training reader: globally shuffled batches of stored vectors, in bounded memory, at disk speed.
+
+Works on any dataset ``lmprobe.load`` opens (local folder, ``owner/name`` / ``hf://`` on the Hub,
+``s3://`` and other fsspec URLs) and on saev folders (``SaevDataset.batches``), through one engine.
+
+>>> for batch in ShardStream("hf://datasets/me/acts", layer=12, batch_size=4096, seed=0):   # doctest: +SKIP
+...     train_step(batch)                                                                   # (4096, d) float32
+
+The package: ``engine`` (blocks, windows and batches of a pass: how it is shuffled), ``sources``
+(a dataset's rows, read in place, or from a remote dataset through ``storage.cache``'s bounded
+cache), and here ``ShardStream``, the reader users make (filters, normalisation, resume).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+
+from ..errors import InvalidArgumentError
+from ..format.reader import Dataset
+from ..opening import load
+from ..storage.cache import cache_root, default_budget
+from ..units import format_size, parse_size
+from .engine import OUT_DTYPES, Engine, RowSource, rank_world
+from .sources import DatasetRows, RemoteRows
+
+__all__ = ["ShardStream", "Engine", "RowSource", "rank_world", "DatasetRows", "RemoteRows", "NORMALIZE",
+           "DEFAULT_MEMORY", "OUT_DTYPES"]
+
+NORMALIZE = (None, "mean_norm", "standardize")
+DEFAULT_MEMORY = "1GiB"
+
+
+class ShardStream:
+    """Globally shuffled float32 batches of every stored vector of a layer (or several sites at once).
+
+    ``ShardStream(dataset, layer, batch_size, seed=0, shuffle=True, rank=None, world_size=None,
+    normalize=None, skip_first_tokens=0, skip_special_tokens=False, max_norm_ratio=None,
+    memory="1GiB", layers=None, hookpoints=None, drop_last=False, dtype="float32", pin_memory=False)``
+
+    - iterating yields ``(batch_size, dim)`` arrays, or ``(batch_size, n_sites, dim)`` with
+      ``layers=[...]`` and/or ``hookpoints=[...]`` (every layer x hookpoint, same tokens);
+    - ``dtype="float32"`` (default) yields numpy float32 arrays; ``dtype="bfloat16"`` yields torch
+      bfloat16 tensors (a bfloat16 dataset's rows as stored, no conversion: for trainers that cast
+      on the GPU); ``pin_memory=True`` yields torch tensors in page-locked memory, for fast
+      ``.to("cuda", non_blocking=True)`` copies (a warning and ordinary memory without CUDA);
+    - a pass is as mixed as uniform sampling of the whole layer, in about ``memory`` bytes
+      (module docstring); each epoch reshuffles from ``(seed, epoch)``; ``set_epoch(e)``;
+    - ``rank``/``world_size`` (default: torch.distributed's when initialised) give each rank a
+      disjoint share; together the ranks see every vector exactly once per epoch;
+    - ``normalize="mean_norm"`` scales each site so its mean L2 norm is sqrt(dim) (the factor is
+      ``stream.scale``, to fold into a trained SAE); ``"standardize"`` subtracts the per-dimension
+      mean and divides by the std, both from the dataset's stored statistics;
+    - filters: ``skip_first_tokens=k`` drops positions 0..k-1 of every prompt or window;
+      ``skip_special_tokens`` (True: the model's tokenizer's special ids; or a list of ids) drops
+      those tokens (needs stored token ids); ``max_norm_ratio=r`` drops vectors whose norm exceeds
+      r x the site's median norm (``stream.dropped_by_norm`` counts them);
+    - ``len(stream)`` is this rank's vectors per pass after the filters (with ``max_norm_ratio``,
+      computing it reads the data once); ``state_dict()``/``load_state_dict()`` resume mid-epoch
+      exactly; ``torch_dataset()`` is an IterableDataset for DataLoader workers.
+    """
+
+    def __init__(self, dataset: Any, layer: int | None = None, batch_size: int = 4096, *, seed: int = 0,
+                 shuffle: bool = True, rank: int | None = None, world_size: int | None = None,
+                 normalize: str | None = None, skip_first_tokens: int = 0,
+                 skip_special_tokens: bool | Sequence[int] = False, max_norm_ratio: float | None = None,
+                 memory: int | str = DEFAULT_MEMORY, layers: Sequence[int] | None = None,
+                 hookpoints: Sequence[str] | None = None, drop_last: bool = False, block_rows: int | None = None,
+                 dtype: str = "float32", pin_memory: bool = False, cache: int | str | None = None):
+        if normalize not in NORMALIZE:
+            raise InvalidArgumentError(f"normalize must be None, 'mean_norm' or 'standardize', got {normalize!r}")
+        if isinstance(skip_first_tokens, bool) or not isinstance(skip_first_tokens, int) or skip_first_tokens < 0:
+            raise InvalidArgumentError(f"skip_first_tokens must be a non-negative integer, got {skip_first_tokens!r}")
+        if max_norm_ratio is not None and not (isinstance(max_norm_ratio, (int, float)) and max_norm_ratio > 0):
+            raise InvalidArgumentError(f"max_norm_ratio must be a positive number, got {max_norm_ratio!r}")
+        if (layer is None) == (layers is None):
+            raise InvalidArgumentError("pass layer=L for one layer, or layers=[...] for several sites")
+        if dtype not in OUT_DTYPES:
+            raise InvalidArgumentError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        pinned = _check_pin_memory(pin_memory)
+        self.batch_size, self.seed, self.shuffle, self.drop_last = batch_size, seed, shuffle, drop_last
+        self.ds = dataset if isinstance(dataset, Dataset) else load(dataset)
+        ds = self.ds
+        layer_list = [layer] if layers is None else list(layers)
+        hps = [None] if hookpoints is None else list(hookpoints)
+        self.sites = [(hp, ds.check_layer(x, hp)) for x in layer_list for hp in hps]
+        self.multi = layers is not None or hookpoints is not None and len(hps) > 1
+        self.layer = self.sites[0][1]
+        self.rank, self.world_size = rank_world(rank, world_size)
+        source = self._source(cache)
+        self.dim = source.dim
+        self.normalize = normalize
+        self.skip_first_tokens, self.max_norm_ratio = skip_first_tokens, max_norm_ratio
+        self._special = self._special_ids(skip_special_tokens)
+        self.shift, self.scale = self._normalization(normalize)
+        keep = self._keep_masks() if (skip_first_tokens or self._special is not None) else None
+        self.engine = Engine(source, batch_size, seed=seed, shuffle=shuffle, rank=self.rank, world=self.world_size,
+                             memory=parse_size(memory), drop_last=drop_last,
+                             keep=(lambda s: keep[s]) if keep is not None else None,
+                             transform=self._transform if normalize else None, block_rows=block_rows,
+                             out_dtype=dtype, pin_memory=pinned, as_torch=bool(pin_memory), squeeze=not self.multi)
+        if isinstance(source, RemoteRows):
+            # a window draws its blocks from the shards resident together: this rank's share of K shards' rows
+            self.engine.resident = self.resident
+            per_shard = min(source.shard_rows) if source.shard_rows else 0
+            self.engine.limit_window(self.resident * per_shard // self.world_size)
+        if max_norm_ratio:
+            self.engine.max_norm = self._median_norms(keep) * np.float32(max_norm_ratio)
+        self.epoch = 0
+        self._state: dict | None = None  # where the current pass stands
+        self._resume: dict | None = None
+        self._len: int | None = None
+
+    # ---------------------------------------------------------------- setup
+
+    def _source(self, cache: int | str | None) -> DatasetRows:
+        """Local rows, or (a remote dataset) rows through a bounded cache holding ``resident`` shards' worth twice."""
+        self.resident: int | None = None
+        self.cache_budget: int | None = None
+        if not hasattr(self.ds.files, "download"):  # a local folder: read in place, no cache
+            return DatasetRows(self.ds, self.sites)
+        budget = parse_size(cache) if cache is not None else default_budget(cache_root())
+        source = RemoteRows(self.ds, self.sites, budget)
+        biggest = max(source.shard_bytes)
+        if budget < 2 * biggest:
+            raise InvalidArgumentError(
+                f"cache={format_size(budget)} holds fewer than two shards of {self.ds.files} ({format_size(biggest)} "
+                f"each, all sites); give at least cache='{format_size(2 * biggest)}'")
+        if cache is None:
+            print(f"lmprobe: reading {self.ds.files} through a local cache of at most {format_size(budget)} "
+                  "(cache= / --cache to change it)", file=sys.stderr)
+        self.resident, self.cache_budget = budget // (2 * biggest), budget
+        return source
+
+    def close(self) -> None:
+        """Stop the downloads of a remote dataset and delete its cached files (also done when the stream goes)."""
+        src = self.engine.source
+        if isinstance(src, RemoteRows):
+            src.close()
+
+    def _special_ids(self, skip: bool | Sequence[int]) -> np.ndarray | None:
+        if skip is False or skip is None:
+            return None
+        if skip is True:
+            name = self.ds.model.get("name")
+            try:
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(name, revision=self.ds.model.get("revision") or None)
+            except Exception as exc:
+                raise InvalidArgumentError(
+                    f"skip_special_tokens=True reads the special token ids from the tokenizer of {name!r}, which "
+                    f"cannot be loaded here ({type(exc).__name__}); pass the ids instead: skip_special_tokens=[...]"
+                ) from None
+            ids = sorted(set(tok.all_special_ids))
+        else:
+            ids = sorted({int(x) for x in skip})
+        if "token_ids" not in self.ds.schema.names:
+            raise InvalidArgumentError("skip_special_tokens needs the token ids, and this dataset stores none "
+                                       "(extract with --token-ids)")
+        return np.asarray(ids, dtype=np.int64)
+
+    def _keep_masks(self) -> list[np.ndarray]:
+        """Per shard, which rows pass the position and special-token filters (one byte per stored row).
+
+        The masks are views of one flat array indexed by global row (shard base + row offset).
+        """
+        ds = self.ds
+        h = ds.hidden_desc(self.sites[0][0])
+        rows = np.array([h.shard_rows(s) for s in range(len(h.shards))], dtype=np.int64)
+        base = np.concatenate([[0], np.cumsum(rows)])
+        keep = np.ones(int(base[-1]), dtype=bool)
+        k = self.skip_first_tokens
+        if ds.storage != "full_sequence":
+            drop = ds.token_lengths() - 1 < k  # the one stored token is at position num_tokens-1
+            if self._special is not None:
+                drop |= np.isin(_last_values(ds.token_columns(["token_ids"])["token_ids"]), self._special)
+            keep[base[ds.column("shard_index")[drop]] + ds.column("row_offset")[drop]] = False
+        else:
+            for t in ds.iter_index():  # row group by row group: memory stays small
+                n = _flat(pc.list_value_length(t.column("token_shard_ids")))
+                sid = _flat(pc.list_flatten(t.column("token_shard_ids")))
+                off = _flat(pc.list_flatten(t.column("token_shard_offsets")))
+                drop = np.arange(len(sid)) - np.repeat(np.cumsum(n) - n, n) < k  # position in the prompt
+                if self._special is not None:
+                    drop |= np.isin(_flat(pc.list_flatten(t.column("token_ids"))), self._special)
+                keep[base[sid[drop]] + off[drop]] = False
+        return np.split(keep, base[1:-1])
+
+    def _median_norms(self, keep: list[np.ndarray] | None) -> np.ndarray:
+        """Each site's median norm, (1, n_sites), from up to 65,536 kept rows drawn at random."""
+        total = sum(self.engine.source.shard_rows)
+        ids = np.sort(np.random.default_rng(self.seed).choice(total, size=min(total, 65536), replace=False))
+        if keep is not None:
+            ids = ids[np.concatenate(keep)[ids]]  # the masks are views of one flat array: this copies it once
+        if not len(ids):
+            return np.full((1, self.engine.source.n_sites), np.inf, dtype=np.float32)
+        return np.median(self.engine.norms(self.engine.read_ids(ids)), axis=0).astype(np.float32)[None, :]
+
+    def _normalization(self, normalize: str | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(shift, scale) per site, (n_sites, dim) each, from the stored statistics."""
+        if normalize is None:
+            return None, None
+        if self.ds.meta.statistics is None:
+            raise InvalidArgumentError(f"normalize={normalize!r} uses the dataset's statistics, and it stores none "
+                                       "(extract without --no-statistics)")
+        stats = [self.ds.statistics(layer, hookpoint=hp) for hp, layer in self.sites]
+        d = self.dim
+        if normalize == "mean_norm":
+            scale = np.array([np.sqrt(d) / s["mean_norm"] for s in stats], dtype=np.float32)[:, None]
+            return None, np.broadcast_to(scale, (len(stats), d)).copy()
+        mean = np.stack([s["mean"] for s in stats]).astype(np.float32)
+        std = np.stack([s["std"] for s in stats]).astype(np.float32)
+        return mean, (1.0 / np.where(std > 0, std, 1.0)).astype(np.float32)
+
+    def _transform(self, batch: np.ndarray) -> np.ndarray:
+        if self.shift is not None:
+            batch -= self.shift
+        if self.scale is not None:
+            batch *= self.scale
+        return batch
+
+    # ---------------------------------------------------------------- iterating
+
+    @property
+    def dropped_by_norm(self) -> int:
+        """Vectors the ``max_norm_ratio`` filter dropped so far."""
+        return self.engine.dropped_by_norm
+
+    def __len__(self) -> int:
+        """This rank's vectors per pass, after the filters."""
+        if self._len is None:
+            if self.max_norm_ratio is None:
+                self._len = self.engine.count(self.epoch)
+            else:  # the norm filter needs the data: count it once
+                before = self.engine.dropped_by_norm
+                shard, start = self.engine.blocks(self.epoch)
+                self._len = sum(len(self.engine._read_window((shard[w], start[w]))[0]) - self.engine.batch_size
+                                for w in self.engine.windows(shard, start))
+                self.engine.dropped_by_norm = before
+        return self._len
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def state_dict(self) -> dict:
+        """Where the current pass stands: give it to ``load_state_dict`` to continue exactly from here."""
+        st = self._state or {"window": 0, "batches": 0, "carry": []}
+        return {"epoch": self.epoch, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+                "batch_size": self.batch_size, "window": st["window"], "batches": st["batches"],
+                "carry": [int(x) for x in st["carry"]]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "rank", "world_size", "batch_size"):
+            if state.get(key) != getattr(self, key):
+                raise InvalidArgumentError(f"this state was saved with {key}={state.get(key)!r}; this reader has "
+                                           f"{getattr(self, key)!r}")
+        self.epoch = int(state["epoch"])
+        self._resume = {"window": int(state["window"]), "batches": int(state["batches"]),
+                        "carry": np.asarray(state["carry"], dtype=np.int64)}
+        self._state = dict(self._resume)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        resume, self._resume = self._resume, None
+        st = dict(resume) if resume else {"window": 0, "batches": 0, "carry": np.zeros(0, np.int64)}
+        self._state = st
+
+        def on_window(w: int, carry: np.ndarray) -> None:
+            if w != st["window"]:
+                st.update(window=w, batches=0, carry=carry)
+
+        for batch in self.engine.iterate(self.epoch, state=resume, on_window=on_window):
+            st["batches"] += 1
+            yield batch
+        st.update(window=0, batches=0, carry=np.zeros(0, np.int64))
+        self.epoch += 1  # the next pass reshuffles
+
+    def iterate(self, worker: tuple[int, int] = (0, 1)) -> Iterator[np.ndarray]:
+        """One pass over this rank's share, split between ``worker[1]`` DataLoader workers."""
+        return self.engine.iterate(self.epoch, worker)
+
+    def torch_dataset(self):
+        """A torch IterableDataset of tensors (float32, or the stream's ``dtype``); workers take disjoint blocks.
+
+        Use ``DataLoader(stream.torch_dataset(), batch_size=None, num_workers=N)`` and call
+        ``set_epoch(e)`` on it (or the stream) before each epoch to reshuffle.
+        """
+        import torch
+
+        parent = self
+
+        class _Iterable(torch.utils.data.IterableDataset):
+            def set_epoch(self, epoch: int) -> None:
+                parent.set_epoch(epoch)
+
+            def __iter__(self):
+                info = torch.utils.data.get_worker_info()
+                worker = (info.id, info.num_workers) if info else (0, 1)
+                for batch in parent.iterate(worker):
+                    yield batch if isinstance(batch, torch.Tensor) else torch.from_numpy(batch)
+
+        return _Iterable()
+
+
+def _check_pin_memory(pin_memory: bool) -> bool:
+    """Page-locked batches need CUDA; without it, say so once and use ordinary memory (as DataLoader does)."""
+    if not pin_memory:
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    import warnings
+
+    warnings.warn("pin_memory=True needs a CUDA device, and torch sees none: batches use ordinary memory",
+                  stacklevel=3)
+    return False
+
+
+def _flat(a: Any) -> np.ndarray:
+    """An Arrow integer array or chunked array as int64 numpy."""
+    return a.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _last_values(lists: Any) -> np.ndarray:
+    """The last element of every list (-1 for an empty one), without building Python lists."""
+    lists = lists.combine_chunks() if hasattr(lists, "combine_chunks") else lists
+    offsets = _flat(lists.offsets)
+    values = _flat(lists.values)
+    out = np.full(len(offsets) - 1, -1, dtype=np.int64)
+    full = offsets[1:] > offsets[:-1]
+    out[full] = values[offsets[1:][full] - 1]
+    return out

@@ -1,0 +1,374 @@
+"""The engine of the training reader: a pass's blocks, windows of them read ahead, batches.
+
+How a pass is shuffled (docs/training.md): every stored vector of the layer belongs to a *block* of
+a few consecutive rows of one shard. The blocks of the whole dataset are put in a random order
+(seeded by ``(seed, epoch)``), dealt to the ranks, and read a *window* at a time: a window is as many
+blocks as fit in the memory budget, read from all over the dataset into one pool, which is
+shuffled and served as batches while the next window is read on a background thread. Blocks are
+small enough that each window holds at least four blocks per batch row, so a batch is as mixed as
+a uniform sample of the whole layer, and the bytes are read once, in runs of whole blocks.
+A remote source (``sources.RemoteRows``) takes its shards in a random order a group at a time
+(``Engine.resident``), so that a window reads only the shards resident in its bounded cache.
+"""
+
+from __future__ import annotations
+
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from ..format.spec import DTYPES
+from ..format.values import bfloat16_bits_to_float32
+from ..worker import prefetched
+
+OUT_DTYPES = ("float32", "bfloat16")
+
+
+class RowSource(ABC):
+    """What the engine reads from: shards of rows, each row one vector per site.
+
+    Subclasses give ``shard_rows`` (rows per shard), ``n_sites``, ``dim``, ``dtype`` (the stored
+    dtype name) and ``read_rows(shard, rows, site, out)``, which gathers rows ``rows`` (sorted) of a
+    shard into ``out`` ((len(rows), dim) in the stored dtype's numpy storage: raw uint16 bits for
+    bfloat16). Pools hold rows as stored: converting is done once, as a batch is formed.
+    """
+
+    shard_rows: list[int]
+    n_sites: int
+    dim: int
+    dtype: str = "float32"
+
+    @abstractmethod
+    def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
+        """Gather rows ``rows`` (sorted) of shard ``shard``, site ``site``, into ``out``."""
+
+    @abstractmethod
+    def prepare(self, shards: Iterable[int]) -> None:
+        """Called on the reader's thread before a window is read (remote files download and are checked here)."""
+
+    def plan(self, windows: list[np.ndarray], share: int = 1) -> None:
+        """The shards each coming window will read, in order (a remote source downloads them ahead).
+
+        ``share``: how many readers of this process split the source's resources (DataLoader workers).
+        A local source reads in place and has nothing to do.
+        """
+        return None
+
+    def done(self, shards: Iterable[int]) -> None:
+        """A window (or a ``read_ids``) has gathered its rows from these shards."""
+        return None
+
+    def cancel(self) -> None:
+        """A pass ended early: forget the windows planned and not read."""
+        return None
+
+
+def rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size): as given, else torch.distributed's when it is initialised, else (0, 1)."""
+    if rank is None and world_size is None:
+        dist = sys.modules.get("torch.distributed")  # not imported: not initialised (and torch is slow to import)
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    rank, world = int(rank or 0), int(world_size or 1)
+    if world < 1 or not 0 <= rank < world:
+        raise InvalidArgumentError(f"rank must be in 0..world_size-1, got rank={rank}, world_size={world}")
+    return rank, world
+
+
+#: blocks per pass are kept below this, so that the plan of a pass stays small (tens of MB)
+_MAX_BLOCKS = 1 << 22
+
+
+#: rows converted per step when a batch is formed from a bfloat16 pool: the raw rows stay in cache
+_CONVERT_ROWS = 256
+
+
+class Engine:
+    """Windows of shuffled blocks from a ``RowSource``: the machinery behind ShardStream and saev's batches.
+
+    Pools hold rows as stored (bfloat16 as raw bits: twice the rows of a float32 pool in the same
+    memory). A batch is formed by one gather out of the pool, converted on the way in cache-sized
+    steps: ``out_dtype="float32"`` gives numpy float32 batches, ``"bfloat16"`` torch bfloat16
+    tensors; ``pin_memory`` allocates batches (as torch tensors) in page-locked memory.
+    """
+
+    def __init__(self, source: RowSource, batch_size: int, *, seed: int, shuffle: bool, rank: int, world: int,
+                 memory: int, drop_last: bool, keep: Callable[[int], np.ndarray | None] | None = None,
+                 transform: Callable[[np.ndarray], np.ndarray] | None = None, max_norm: np.ndarray | None = None,
+                 block_rows: int | None = None, out_dtype: str = "float32", pin_memory: bool = False,
+                 as_torch: bool = False, squeeze: bool = False):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if out_dtype not in OUT_DTYPES:
+            raise InvalidArgumentError(f"dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
+        self.source, self.batch_size = source, int(batch_size)
+        self.seed, self.shuffle, self.rank, self.world = seed, shuffle, rank, world
+        self.drop_last, self.keep, self.transform, self.max_norm = drop_last, keep, transform, max_norm
+        self.out_dtype, self.pin_memory, self.squeeze = out_dtype, bool(pin_memory), squeeze
+        self.as_torch = as_torch or self.pin_memory or out_dtype != "float32"  # batches as torch tensors
+        self.storage = DTYPES[source.dtype].np_storage
+        row = source.n_sites * source.dim * DTYPES[source.dtype].itemsize
+        row_out = source.n_sites * source.dim * (4 if out_dtype == "float32" else 2)
+        # two pools (one served, one being read; each with room for a carried batch), and the batches
+        # in flight (the one being gathered and the one the consumer holds): all within ``memory``
+        self.pool_rows = int((memory - 4 * self.batch_size * row_out) // (2 * row)) - self.batch_size
+        if self.pool_rows < self.batch_size:
+            need = 4 * self.batch_size * (row + row_out)
+            raise InvalidArgumentError(f"memory={memory:,} bytes holds less than one batch per pool; give at least "
+                                       f"{need:,} bytes (memory='{-(-need // 2**20)}MiB') or a smaller batch_size")
+        self._given_block_rows = block_rows
+        self._set_block_rows()
+        self.dropped_by_norm = 0
+        self._base = np.concatenate([[0], np.cumsum(source.shard_rows)]).astype(np.int64)
+        #: shards resident at a time (a remote source): a pass takes the shards in a random order, this many
+        #: at a time, and shuffles the blocks of each group together; None: every block of the dataset together
+        self.resident: int | None = None
+
+    def _set_block_rows(self) -> None:
+        total = sum(self.source.shard_rows)
+        # blocks of r rows, W = pool_rows / r of them per window: a batch's label fraction then varies
+        # like a uniform sample's times sqrt(1 + B (r - 1) / pool_rows) <= sqrt(1.4)
+        mixing = 1 + int(0.4 * self.pool_rows / self.batch_size)
+        self.block_rows = int(self._given_block_rows or max(mixing, -(-total // _MAX_BLOCKS)))
+
+    def limit_window(self, rows: int) -> None:
+        """At most ``rows`` rows a window (a remote source: a window reads only the shards resident together)."""
+        self.pool_rows = max(self.batch_size, min(self.pool_rows, int(rows)))
+        self._set_block_rows()
+
+    # ---------------------------------------------------------------- the plan of a pass
+
+    def blocks(self, epoch: int, worker: tuple[int, int] = (0, 1)) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's (and worker's) blocks of ``epoch`` in reading order: (shard, first row) arrays."""
+        r = self.block_rows
+        per = [-(-n // r) for n in self.source.shard_rows]
+        shard = np.repeat(np.arange(len(per)), per).astype(np.int64)
+        start = (np.arange(len(shard)) - np.repeat(np.cumsum(per) - per, per)) * r
+        if self.shuffle:
+            rng = np.random.default_rng((self.seed, epoch))
+            order = rng.permutation(len(shard))
+            n_shards = len(per)
+            if self.resident and self.resident < n_shards:  # groups of shards in a random order, blocks shuffled within
+                group = np.empty(n_shards, dtype=np.int64)
+                group[rng.permutation(n_shards)] = np.arange(n_shards) // self.resident
+                order = order[np.argsort(group[shard[order]], kind="stable")]
+            shard, start = shard[order], start[order]
+        sel = slice(self.rank, None, self.world)
+        shard, start = shard[sel], start[sel]
+        return shard[worker[0] :: worker[1]], start[worker[0] :: worker[1]]
+
+    def _lengths(self, shard: np.ndarray, start: np.ndarray) -> np.ndarray:
+        rows = np.asarray(self.source.shard_rows, dtype=np.int64)
+        return np.minimum(self.block_rows, rows[shard] - start)
+
+    def windows(self, shard: np.ndarray, start: np.ndarray) -> list[slice]:
+        """Consecutive runs of blocks of at most ``pool_rows`` rows (a block never splits)."""
+        lengths = self._lengths(shard, start)
+        ends = np.cumsum(lengths)
+        cuts = [0]
+        while cuts[-1] < len(lengths):
+            before = ends[cuts[-1] - 1] if cuts[-1] else 0
+            nxt = int(np.searchsorted(ends, before + self.pool_rows, side="right"))
+            cuts.append(max(nxt, cuts[-1] + 1))
+        return [slice(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+    def count(self, epoch: int = 0) -> int:
+        """Vectors this rank gets per pass after the filters that need no data (positions, special tokens)."""
+        shard, start = self.blocks(epoch)
+        if self.keep is None:
+            return int(self._lengths(shard, start).sum())
+        total = 0
+        for s, a, n in zip(shard.tolist(), start.tolist(), self._lengths(shard, start).tolist(), strict=True):
+            m = self.keep(s)
+            total += n if m is None else int(m[a : a + n].sum())
+        return total
+
+    # ---------------------------------------------------------------- reading
+
+    def _rows(self, shard: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every row of some blocks, sorted by (shard, row): (shard, row) arrays."""
+        order = np.lexsort((start, shard))
+        shard, start = shard[order], start[order]
+        n = self._lengths(shard, start)
+        first = np.repeat(np.cumsum(n) - n, n)
+        rows = np.repeat(start, n) + (np.arange(int(n.sum())) - first)
+        return np.repeat(shard, n), rows
+
+    def gather(self, shard: np.ndarray, rows: np.ndarray, lead: int = 0) -> np.ndarray:
+        """Rows ``rows[i]`` of shards ``shard[i]`` (sorted by shard) into a (lead + n, n_sites, dim) pool."""
+        src = self.source
+        pool = np.empty((lead + len(rows), src.n_sites, src.dim), dtype=self.storage)
+        at = lead
+        scratch = None
+        for s, seg in segments(shard):
+            r = rows[seg]
+            for site in range(src.n_sites):
+                if src.n_sites == 1:
+                    src.read_rows(s, r, 0, pool[at : at + len(r), 0])
+                else:
+                    if scratch is None or len(scratch) < len(r):
+                        scratch = np.empty((len(r), src.dim), dtype=self.storage)
+                    src.read_rows(s, r, site, scratch[: len(r)])
+                    pool[at : at + len(r), site] = scratch[: len(r)]
+            at += len(r)
+        return pool
+
+    def _read_window(self, blocks: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(pool (lead + rows, n_sites, dim) as stored, global row ids) of a window's kept rows.
+
+        The pool's first ``batch_size`` rows are left free for the rows the previous window carries
+        over, so that joining them costs no copy of the window.
+        """
+        shard, rows = self._rows(*blocks)
+        used = np.unique(shard).tolist()
+        self.source.prepare(used)
+        if self.keep is not None:
+            ok = np.ones(len(rows), dtype=bool)
+            for s, seg in segments(shard):
+                m = self.keep(s)
+                if m is not None:
+                    ok[seg] = m[rows[seg]]
+            shard, rows = shard[ok], rows[ok]
+        lead = self.batch_size
+        pool = self.gather(shard, rows, lead)
+        self.source.done(used)
+        ids = np.empty(len(pool), dtype=np.int64)
+        ids[lead:] = self._base[shard] + rows
+        if self.max_norm is not None and len(rows):
+            norms = self.norms(pool[lead:])
+            fine = np.all(norms <= self.max_norm, axis=1)
+            if not fine.all():
+                self.dropped_by_norm += int((~fine).sum())
+                keep = np.concatenate([np.ones(lead, dtype=bool), fine])
+                pool, ids = pool[keep], ids[keep]
+        return pool, ids
+
+    def to_float32(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Pool rows (as stored) as float32."""
+        if rows.dtype == np.float32 and out is None:
+            return rows
+        if out is None:
+            out = np.empty(rows.shape, dtype=np.float32)
+        if rows.dtype == np.uint16:
+            return bfloat16_bits_to_float32(rows, out=out)
+        out[...] = rows
+        return out
+
+    def norms(self, rows: np.ndarray) -> np.ndarray:
+        """(n, n_sites) L2 norms of pool rows, converted a cache-sized step at a time."""
+        out = np.empty(rows.shape[:2], dtype=np.float32)
+        step = max(1, (1 << 20) // max(1, rows.shape[1] * rows.shape[2]))
+        for a in range(0, len(rows), step):
+            x = self.to_float32(rows[a : a + step])
+            out[a : a + step] = np.sqrt(np.einsum("nsd,nsd->ns", x, x))
+        return out
+
+    def read_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Rows by global id, in the order given (a resumed pass's carried rows), as stored."""
+        ids = np.asarray(ids, dtype=np.int64)
+        order = np.argsort(ids, kind="stable")
+        shard = np.searchsorted(self._base, ids[order], side="right") - 1
+        used = np.unique(shard)
+        self.source.plan([used])
+        self.source.prepare(used.tolist())
+        pool = self.gather(shard, ids[order] - self._base[shard])
+        self.source.done(used.tolist())
+        out = np.empty_like(pool)
+        out[order] = pool
+        return out
+
+    def iterate(self, epoch: int, worker: tuple[int, int] = (0, 1), state: dict | None = None,
+                on_window: Callable[[int, np.ndarray], None] | None = None) -> Iterator[np.ndarray]:
+        """Batches of one pass: (batch, n_sites, dim) float32.
+
+        ``state`` resumes: ``{"window": w, "batches": j, "carry": ids}`` starts at window ``w`` with
+        the carried rows ``ids``, skipping its first ``j`` batches. ``on_window(w, carry_ids)`` is
+        called as each window's pool is formed (what a state_dict records).
+        """
+        shard, start = self.blocks(epoch, worker)
+        windows = self.windows(shard, start)
+        w0 = int(state["window"]) if state else 0
+        skip = int(state["batches"]) if state else 0
+        carry_ids = np.asarray(state["carry"], dtype=np.int64) if state else np.zeros(0, np.int64)
+        carry = self.read_ids(carry_ids)
+        plans = [(shard[w], start[w]) for w in windows[w0:]]
+        self.source.plan([np.unique(s) for s, _ in plans], share=worker[1])
+        reads = prefetched(self._read_window, plans, depth=1, name="lmprobe-reader")
+        bs = lead = self.batch_size
+        try:
+            for w, (pool, pool_ids) in enumerate(reads, start=w0):
+                if on_window is not None:
+                    on_window(w, carry_ids)
+                c = len(carry)  # the carried rows go just before the window's, in the room left for them
+                pool[lead - c : lead], pool_ids[lead - c : lead] = carry, carry_ids
+                pool, pool_ids = pool[lead - c :], pool_ids[lead - c :]
+                if self.shuffle:
+                    order = np.random.default_rng((self.seed, epoch, self.rank, worker[0], w)).permutation(len(pool))
+                else:
+                    order = np.arange(len(pool))
+                n_full = len(pool) // bs * bs
+                for j, i in enumerate(range(0, n_full, bs)):
+                    if j < skip:
+                        continue
+                    yield self._finish(pool, order[i : i + bs])
+                skip = 0
+                rest = order[n_full:]
+                carry, carry_ids = pool[rest], pool_ids[rest]
+                del pool, pool_ids
+            if len(carry) and not self.drop_last:
+                if on_window is not None:
+                    on_window(len(windows), carry_ids)
+                if skip == 0:
+                    yield self._finish(carry, np.arange(len(carry)))
+        finally:
+            reads.close()
+            self.source.cancel()
+
+    def _finish(self, pool: np.ndarray, idx: np.ndarray) -> Any:
+        """The batch of pool rows ``idx``: one gather, converted on the way; transformed; squeezed."""
+        import_torch = self.as_torch
+        shape = (len(idx), *pool.shape[1:])
+        if self.out_dtype == "bfloat16" and pool.dtype == np.uint16 and self.transform is None:
+            import torch
+
+            t = torch.empty(shape, dtype=torch.bfloat16, pin_memory=self.pin_memory)
+            np.take(pool, idx, axis=0, out=t.view(torch.int16).numpy().view(np.uint16), mode="clip")
+            return t[:, 0] if self.squeeze else t
+        if import_torch:
+            import torch
+
+            t = torch.empty(shape, dtype=torch.float32, pin_memory=self.pin_memory and self.out_dtype == "float32")
+            batch = t.numpy()
+        else:
+            batch = np.empty(shape, dtype=np.float32)
+        if pool.dtype == np.float32:
+            np.take(pool, idx, axis=0, out=batch, mode="clip")
+        else:  # gather a few rows into a small buffer that stays in cache, convert them into the batch
+            step = max(1, min(len(idx), _CONVERT_ROWS * 4096 // max(1, pool.shape[1] * pool.shape[2])))
+            raw = np.empty((step, *pool.shape[1:]), dtype=pool.dtype)
+            for a in range(0, len(idx), step):
+                k = min(step, len(idx) - a)
+                np.take(pool, idx[a : a + k], axis=0, out=raw[:k], mode="clip")
+                self.to_float32(raw[:k], out=batch[a : a + k])
+        if self.transform is not None:
+            batch = self.transform(batch)
+        if import_torch:
+            if self.out_dtype == "bfloat16":
+                t = torch.empty(shape, dtype=torch.bfloat16, pin_memory=self.pin_memory)
+                t.copy_(torch.from_numpy(batch))
+            batch = t
+        return batch[:, 0] if self.squeeze else batch
+
+
+def segments(shard: np.ndarray) -> Iterator[tuple[int, slice]]:
+    """(shard, slice) for each run of equal values of a sorted shard array."""
+    if not len(shard):
+        return
+    edges = np.concatenate([[0], np.flatnonzero(np.diff(shard)) + 1, [len(shard)]]).tolist()
+    for a, b in zip(edges[:-1], edges[1:], strict=True):
+        yield int(shard[a]), slice(a, b)
