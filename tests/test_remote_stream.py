@@ -13,7 +13,8 @@ from conftest import write_dataset
 
 import lmprobe
 from lmprobe.errors import InvalidArgumentError, ObjectStoreError
-from lmprobe.storage.cache import BoundedCache, cache_root as stream_root
+from lmprobe.storage.cache import BoundedCache
+from lmprobe.storage.cache import cache_root as stream_root
 from lmprobe.storage.hub import HubFiles
 from lmprobe.stream import Engine, ShardStream
 
