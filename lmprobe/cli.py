@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from . import api, summary
 from .demo import write_demo
@@ -14,15 +15,16 @@ from .errors import InvalidArgumentError, LmprobeError
 from .extraction.config import ExtractionConfig
 from .extraction.model import parse_layers
 from .extraction.runner import run
-from .opening import load
+from .opening import is_remote, load
 from .probe import plot_sweep, sweep
 from .publish.attachments import publish_attachment
 from .publish.dictionary import push_dictionary
 from .sae.cli import add_topk_arguments, run_topk
 from .sae.export import export_sae
 from .saev import export_saev, is_saev_folder, validate_saev
+from .storage.cache import cache_root, default_budget
 from .storage.hub import check_repo_id
-from .units import parse_count
+from .units import format_size, parse_count, parse_size
 from .version import __version__
 
 
@@ -115,9 +117,21 @@ def _cmd_export_sae(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_source(path: str, cache: str | None, quiet: bool) -> Any:
+    """A dataset for a command that reads it whole: a remote one through a bounded cache (said on stderr)."""
+    if not is_remote(path):
+        return load(path)
+    budget = parse_size(cache) if cache is not None else default_budget(cache_root())
+    if not quiet:
+        print(f"lmprobe: reading {path} through a local cache of at most {format_size(budget)} "
+              "(--cache to change it)", file=sys.stderr)
+    return load(path, cache=budget)
+
+
 def _cmd_export_saev(args: argparse.Namespace) -> int:
-    layers = _stored_layers(args.layers, load(args.source).layers)
-    folder = export_saev(args.source, args.out, layers=layers, context_len=args.context_len,
+    ds = _open_source(args.source, args.cache, args.quiet)
+    layers = _stored_layers(args.layers, ds.layers)
+    folder = export_saev(ds, args.out, layers=layers, context_len=args.context_len,
                          patches_per_shard=args.patches_per_shard, drop_first_token=args.drop_first_token,
                          tokens=False if args.no_tokens else None, saev_compat=args.saev_compat,
                          hookpoint=args.hookpoint, quiet=args.quiet)
@@ -146,14 +160,14 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    path = api.report(args.dataset, args.out, prompts=args.prompts, sample=args.sample, tokenizer=args.tokenizer,
+    path = api.report(_open_source(args.dataset, args.cache, args.quiet), args.out, prompts=args.prompts, sample=args.sample, tokenizer=args.tokenizer,
                       probe=not args.no_probe, quiet=args.quiet)
     print(f"wrote {path}")
     return 0
 
 
 def _cmd_features(args: argparse.Namespace) -> int:
-    out = api.features(args.dataset, args.sae, args.dict, args.layer, args.out, top=args.top,
+    out = api.features(_open_source(args.dataset, args.cache, args.quiet), args.sae, args.dict, args.layer, args.out, top=args.top,
                        hookpoint=args.hookpoint, memory=args.memory, pages=args.pages, tokenizer=args.tokenizer,
                        overwrite=args.overwrite, quiet=args.quiet)
     print(f"wrote {out / 'features.safetensors'}, {out / 'manifest.json'} and the browser {out / 'index.html'}")
@@ -182,6 +196,12 @@ def _count(text: str) -> int:
         return parse_count(text)
     except InvalidArgumentError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_cache_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", default=None, metavar="SIZE",
+                   help="for a remote dataset (Hub, s3://): local disk for its files, e.g. 50GiB; least recently "
+                   "read files are deleted first (default: the smaller of 20 GiB and half the free space)")
 
 
 def _positive_int(text: str) -> int:
@@ -319,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", type=int, default=8, help="random prompts to show (default 8)")
     p.add_argument("--tokenizer", default=None, help="decodes token ids (default: the dataset's model, if it loads)")
     p.add_argument("--no-probe", action="store_true", help="skip the probe sweep of labelled datasets")
+    _add_cache_option(p)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_report)
 
@@ -335,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: every feature that fired)")
     p.add_argument("--tokenizer", default=None, help="decodes token ids (default: the dataset's model, if it loads)")
     p.add_argument("--overwrite", action="store_true", help="recompute a cache made with other settings")
+    _add_cache_option(p)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_features)
 
@@ -343,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DUMP_TO", help="writes DUMP_TO/<HASH>/")
     p.add_argument("--layers", default="all", help="layers to export (default: all stored)")
     p.add_argument("--hookpoint", default=None, help="stored hookpoint to export (default: what hidden_layers holds)")
+    _add_cache_option(p)
     p.add_argument("--context-len", type=_positive_int, default=128, metavar="T", help="tokens per example (default 128)")
     p.add_argument("--patches-per-shard", type=_positive_int, default=2_400_000, metavar="N",
                    help="vectors per shard budget (default 2,400,000: ~10 GiB at d_model 1024)")

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from .errors import DatasetNotFoundError, InvalidArgumentError, ShardMissingError
 from .format.reader import Dataset, open_local
 from .format.spec import INDEX_PATH
+from .storage.cache import LruFiles
 from .storage.hub import HubFiles, HubRef, parse_dataset_ref
 from .storage.objectstore import ObjectStoreFiles, is_object_store_url
+from .units import parse_size
 
 
-def open_hub(ref: HubRef, *, token: str | bool | None = None) -> Dataset:
-    """Open a dataset in a Hub repo: the index now, shards when a call reads them."""
+def open_hub(ref: HubRef, *, token: str | bool | None = None, cache: int | None = None) -> Dataset:
+    """Open a dataset in a Hub repo: the index now, shards when a call reads them.
+
+    ``cache``: shards go through a folder of at most that many bytes (``LruFiles``); the index
+    stays in the Hugging Face cache, as the reader keeps it open.
+    """
     files = HubFiles(ref, token=token)
     if INDEX_PATH in files.repo_files:
         index = INDEX_PATH
@@ -21,36 +28,49 @@ def open_hub(ref: HubRef, *, token: str | bool | None = None) -> Dataset:
         if len(found) != 1:
             raise DatasetNotFoundError(f"{files} holds no lmprobe dataset: {INDEX_PATH} is missing")
         index = found[0]
-    return Dataset(files, files.fetch(index, what="index"))
+    index_path = files.fetch(index, what="index")
+    return Dataset(LruFiles(files, cache) if cache is not None else files, index_path)
 
 
-def open_object_store(url: str) -> Dataset:
-    """Open a dataset at an fsspec URL (``s3://bucket/prefix``)."""
+def open_object_store(url: str, *, cache: int | None = None) -> Dataset:
+    """Open a dataset at an fsspec URL (``s3://bucket/prefix``); ``cache`` as for ``open_hub``."""
     files = ObjectStoreFiles(url)
     try:
         index = files.fetch(INDEX_PATH, what="index")
     except ShardMissingError:
         raise DatasetNotFoundError(f"{url} holds no complete lmprobe dataset ({INDEX_PATH} is missing)") from None
-    return Dataset(files, index)
+    if cache is None:
+        return Dataset(files, index)
+    files.pin()
+    return Dataset(LruFiles(files, cache), index)
 
 
-def load(path: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None) -> Dataset:
+def is_remote(path: Any) -> bool:
+    """Whether ``path`` names a dataset on the Hub or in object storage (not a local folder)."""
+    return is_object_store_url(path) or parse_dataset_ref(path) is not None
+
+
+def load(path: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None,
+         cache: int | str | None = None) -> Dataset:
     """Open an lmprobe dataset: a local folder, ``owner/name`` or ``hf://datasets/owner/name`` on the Hub,
     or an object-storage URL such as ``s3://bucket/prefix``.
 
     From the Hub, the index is fetched first and shard files only when a call reads them (through
     the Hugging Face cache, all from the commit the revision pointed at when the dataset was opened).
+    ``cache="20GiB"`` reads a remote dataset's files through a folder of at most that size instead
+    (least recently read files deleted first); it has no effect on a local folder.
 
     >>> ds = lmprobe.load("out/my-dataset")     # doctest: +SKIP
     >>> ds = lmprobe.load("hf://datasets/me/acts", revision="main")  # doctest: +SKIP
     >>> ds.hidden(ds.layers[-1]).shape          # doctest: +SKIP
     (1000, 4096)
     """
+    budget = parse_size(cache) if cache is not None else None
     if is_object_store_url(path):
-        return open_object_store(str(path))
+        return open_object_store(str(path), cache=budget)
     ref = parse_dataset_ref(path, revision)
     if ref is not None:
-        return open_hub(ref, token=token)
+        return open_hub(ref, token=token, cache=budget)
     if revision is not None:
         raise InvalidArgumentError(f"revision= applies to Hub repos; {path} is a local folder")
     return open_local(path)

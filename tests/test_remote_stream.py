@@ -236,3 +236,45 @@ def s3_server(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+# ----------------------------------------------------------------------------- commands that read a remote dataset
+
+
+def test_export_saev_from_the_hub_reads_through_a_bounded_cache(hub, tmp_path, rng, fresh_hf_cache, capsys):
+    from lmprobe.cli import main as cli_main
+    from lmprobe.storage.cache import LruFiles
+
+    _, url = _push(hub, tmp_path, rng, n=60)
+    biggest = max(f.bytes for f in lmprobe.load(url).meta.files() if f.rel.startswith("tensors/hidden"))
+    peaks = []
+    real = LruFiles.fetch
+
+    def watched(self, rel, *, what="file"):
+        path = real(self, rel, what=what)
+        peaks.append(_du(self.dir))
+        return path
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LruFiles, "fetch", watched)
+        assert cli_main(["export-saev", url, "--out", str(tmp_path / "saev"), "--context-len", "4",
+                         "--cache", str(3 * biggest)]) == 0
+    assert peaks and max(peaks) <= 3 * biggest
+    assert not list(fresh_hf_cache.rglob("*.safetensors"))
+    from lmprobe.saev import SaevDataset
+
+    (folder,) = [p.parent for p in (tmp_path / "saev").rglob("metadata.json")]
+    sv = SaevDataset(folder)
+    assert sv.n_ex * sv.tokens_per_ex >= 60  # every prompt's tokens, from the remote copy
+    assert cli_main(["export-saev", url, "--out", str(tmp_path / "saev2"), "--cache", "10"]) == 2
+    assert "cannot hold" in capsys.readouterr().err
+
+
+def test_load_with_a_cache_reads_the_same_values_in_bounded_space(hub, tmp_path, rng, fresh_hf_cache):
+    src, url = _push(hub, tmp_path, rng, n=40)
+    biggest = max(f.bytes for f in lmprobe.load(url).meta.files() if f.rel.startswith("tensors/hidden"))
+    ds = lmprobe.load(url, cache=2 * biggest)
+    for i in range(ds.num_prompts):
+        np.testing.assert_array_equal(ds.token_hidden(i, 0), src["hidden"][0][src["tok_start"][i]:src["tok_start"][i + 1]])
+    assert ds.files.peak <= 2 * biggest
+    assert not list(fresh_hf_cache.rglob("*.safetensors"))

@@ -187,3 +187,62 @@ class BoundedCache:
                 else:
                     self._state[rel] = "ready"
                 self._cv.notify_all()
+
+
+class LruFiles:
+    """A remote dataset's files, fetched into a folder that never holds more than ``budget`` bytes.
+
+    For readers that fetch files one call at a time (``lmprobe report``, ``features``,
+    ``export-saev`` on a remote dataset): before a download, the least recently fetched files are
+    deleted until the new one fits. A file a reader still has open keeps its disk space until it
+    is closed. Everything else (``download``, ``pin``, ``repo_files``) is the wrapped source's.
+    """
+
+    def __init__(self, files: Any, budget: int, *, root: Path | None = None):
+        if budget <= 0:
+            raise InvalidArgumentError(f"cache budget must be positive, got {budget}")
+        self.files, self.budget = files, int(budget)
+        base = root or cache_root()
+        base.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="files-", dir=base))
+        self._have: dict[str, int] = {}  # rel -> bytes, least recently fetched first
+        self.bytes = self.peak = 0
+        self._lock = threading.Lock()
+
+    def __str__(self) -> str:
+        return str(self.files)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.files, name)
+
+    def fetch(self, rel: str, *, what: str = "file") -> Path:
+        check_relpath(rel, what)
+        dst = self.dir / rel
+        with self._lock:
+            if rel in self._have:
+                self._have[rel] = self._have.pop(rel)  # most recently used now
+                return dst
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(dst.name + ".part")
+            self.files.download(rel, tmp)
+            size = tmp.stat().st_size
+            if size > self.budget:
+                tmp.unlink(missing_ok=True)
+                raise InvalidArgumentError(f"cache={format_size(self.budget)} cannot hold {rel} ({format_size(size)});"
+                                           " give a larger --cache")
+            while self._have and self.bytes + size > self.budget:
+                old = next(iter(self._have))
+                self.bytes -= self._have.pop(old)
+                (self.dir / old).unlink(missing_ok=True)
+            os.replace(tmp, dst)
+            self._have[rel] = size
+            self.bytes += size
+            self.peak = max(self.peak, self.bytes)
+            return dst
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __del__(self) -> None:  # pragma: no cover - removed with the dataset
+        if getattr(self, "dir", None) is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
