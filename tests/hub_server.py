@@ -72,6 +72,8 @@ class HubState:
         self.lost_commit_answers = 0  # commits applied whose answer is then dropped
         self.log: list[tuple[str, str]] = []
         self.auth_headers: list[str] = []
+        self.rate: float | None = None  # bytes/s of file downloads, shared by all connections (one link)
+        self.link_free_at = 0.0
 
     def lfs_path(self, oid: str) -> Path:
         return self.root / "lfs" / oid
@@ -445,7 +447,22 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         if self.command == "GET":
+            self._write_throttled(data)
+
+    def _write_throttled(self, data: bytes) -> None:
+        """The body at the server's link rate: every connection shares one link, as on a real network."""
+        if self.state.rate is None:
             self.wfile.write(data)
+            return
+        view = memoryview(data)
+        for i in range(0, len(view), 1 << 18):
+            chunk = view[i : i + (1 << 18)]
+            with self.state.lock:
+                start = max(time.monotonic(), self.state.link_free_at)
+                self.state.link_free_at = start + len(chunk) / self.state.rate
+                done = self.state.link_free_at
+            time.sleep(max(0.0, done - time.monotonic()))
+            self.wfile.write(chunk)
 
 
 class HubServer:
@@ -469,6 +486,11 @@ class HubServer:
         self.httpd.server_close()
 
     # faults and inspection
+    def throttle(self, bytes_per_s: float | None) -> None:
+        """Serve file downloads at most this fast in all (None: as fast as the loopback goes)."""
+        with self.state.lock:
+            self.state.rate, self.state.link_free_at = bytes_per_s, 0.0
+
     def fail(self, method: str, pattern: str, status: int, times: int = 1, skip: int = 0) -> None:
         with self.state.lock:
             self.state.faults.append(Fault(method, re.compile(pattern), status, times, skip))
