@@ -16,7 +16,7 @@ from lmprobe.errors import InvalidArgumentError, ObjectStoreError
 from lmprobe.storage.cache import BoundedCache
 from lmprobe.storage.cache import cache_root as stream_root
 from lmprobe.storage.hub import HubFiles
-from lmprobe.stream import Engine, ShardStream
+from lmprobe.stream import Engine, RemoteRows, ShardStream
 
 # ----------------------------------------------------------------------------- the cache on its own
 
@@ -52,7 +52,7 @@ def test_the_cache_never_holds_more_than_its_budget(tmp_path):
     sizes = {f"s{i}.bin": 1000 for i in range(40)}
     holder = {}
     files = _SlowFiles(sizes, lambda: holder["cache"].dir)
-    cache = BoundedCache(files, budget=3500, sizes=sizes, workers=4, root=tmp_path)
+    cache = BoundedCache(files.download, budget=3500, sizes=sizes, workers=4, root=tmp_path)
     holder["cache"] = cache
     seq = [f"s{i}.bin" for i in range(40)]
     cache.schedule(seq)
@@ -72,14 +72,15 @@ def test_the_cache_never_holds_more_than_its_budget(tmp_path):
 
 def test_the_cache_hands_a_download_error_to_the_consumer_and_rejects_oversized_files(tmp_path):
     sizes = {"a": 12, "b": 12}
-    cache = BoundedCache(_SlowFiles(sizes, lambda: tmp_path, fail={"b"}), budget=100, sizes=sizes, root=tmp_path)
+    cache = BoundedCache(_SlowFiles(sizes, lambda: tmp_path, fail={"b"}).download, budget=100, sizes=sizes,
+                         root=tmp_path)
     cache.schedule(["a", "b"])
     assert cache.get("a").exists()
     with pytest.raises(ConnectionError, match="the link dropped"):
         cache.get("b")
     cache.close()
     with pytest.raises(InvalidArgumentError, match="cannot hold big"):
-        BoundedCache(_SlowFiles({"big": 50}, lambda: tmp_path), budget=20, sizes={"big": 50}, root=tmp_path)
+        BoundedCache(_SlowFiles({"big": 50}, lambda: tmp_path).download, budget=20, sizes={"big": 50}, root=tmp_path)
 
 
 def test_remote_shuffle_takes_shards_a_group_at_a_time():
@@ -134,19 +135,21 @@ def test_hub_stream_in_a_bounded_cache(hub, tmp_path, rng, fresh_hf_cache, monke
     ds = lmprobe.load(url)
     sizes = [f.bytes for f in ds.meta.files() if f.rel.startswith("tensors/hidden")]
     budget = 4 * max(sizes)
-    on_disk = []
-    real = HubFiles.download
+    on_disk, ranges = [], []
+    real, real_range = RemoteRows._download, HubFiles.read_range
 
-    def watched(self, rel, dst):
-        real(self, rel, dst)
+    def watched(self, key, dst):  # the bytes on disk after every download, all readers' caches together
+        real(self, key, dst)
         on_disk.append(_du(stream_root()))
 
-    monkeypatch.setattr(HubFiles, "download", watched)
+    monkeypatch.setattr(RemoteRows, "_download", watched)
+    monkeypatch.setattr(HubFiles, "read_range", lambda self, rel, a, b: ranges.append(b - a) or real_range(self, rel, a, b))
     stream = ShardStream(url, 0, 7, seed=1, cache=budget, memory="64KiB")
-    assert stream.resident == 2
+    assert stream.resident >= 2  # pieces: the shards' rows without their headers
     got = _rows(list(stream))
     np.testing.assert_array_equal(got, np.sort(src["hidden"][0], axis=0))  # every vector, once
     assert len(on_disk) >= len(sizes) and max(on_disk) <= budget
+    assert sum(ranges) < 2 * sum(sizes)  # headers once, then each row once: nothing read twice
     cache = stream.engine.source.cache()
     assert cache.peak <= budget and cache.bytes == 0  # everything deleted once read
     # the Hugging Face cache holds no shard: it is not a side store for these reads
@@ -175,11 +178,11 @@ def test_hub_stream_ranks_cover_every_vector_once_and_resume_exactly(hub, tmp_pa
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_cache_smaller_than_two_shards_is_refused_before_any_download(hub, tmp_path, rng, fresh_hf_cache):
+def test_a_cache_smaller_than_two_pieces_is_refused_before_any_download(hub, tmp_path, rng, fresh_hf_cache):
     _, url = _push(hub, tmp_path, rng, n=20)
-    biggest = max(f.bytes for f in lmprobe.load(url).meta.files() if f.rel.startswith("tensors/hidden"))
-    with pytest.raises(InvalidArgumentError, match="holds fewer than two shards"):
-        ShardStream(url, 0, 5, cache=biggest)
+    with pytest.raises(InvalidArgumentError, match="holds fewer than two pieces"):
+        ShardStream(url, 0, 5, cache=100)
+    assert not list(stream_root().rglob("*.rows-*"))
 
 
 def test_the_default_cache_is_bounded_and_said(hub, tmp_path, rng, fresh_hf_cache, capsys):

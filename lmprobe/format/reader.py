@@ -347,7 +347,17 @@ class Dataset:
     def check_tensor(self, path: Path, rel: str, key: str, dtype: str, row_shape: tuple[int, ...],
                      min_rows: int) -> tuple[Path, TensorEntry]:
         """The local file ``path`` holding ``rel``: its tensor ``key``, checked against the metadata."""
-        header = self._header(path)
+        return path, self.check_entry(self._header(path), rel, key, dtype, row_shape, min_rows)
+
+    def hidden_header_entry(self, header: SafetensorsHeader, layer: int, shard: int,
+                            hookpoint: str | None = None) -> TensorEntry:
+        """The tensor entry of shard ``shard`` of ``layer`` in a header read remotely (range requests), checked."""
+        h = self.hidden_desc(hookpoint)
+        return self.check_entry(header, h.file(layer, shard), h.key(layer), h.dtype, (h.dim,), h.shard_rows(shard))
+
+    def check_entry(self, header: SafetensorsHeader, rel: str, key: str, dtype: str, row_shape: tuple[int, ...],
+                    min_rows: int) -> TensorEntry:
+        """Tensor ``key`` of the parsed header of ``rel``, checked against what the metadata says."""
         entry = header.tensors.get(key)
         if entry is None:
             raise FormatError(f"{rel}: no tensor {key!r} (has {sorted(header.tensors)})")
@@ -357,7 +367,7 @@ class Dataset:
             raise FormatError(f"{rel}: tensor {key!r} has shape {list(entry.shape)}, expected rows of {list(row_shape)}")
         if entry.shape[0] < min_rows:
             raise FormatError(f"{rel}: tensor {key!r} has {entry.shape[0]} rows, the index needs {min_rows}")
-        return path, entry
+        return entry
 
     def hidden_shard(self, layer: int, shard: int, hookpoint: str | None = None) -> tuple[Path, TensorEntry]:
         """Shard ``shard`` of ``layer`` (of ``hookpoint``): local path and tensor entry, checked."""

@@ -170,13 +170,25 @@ def read_header(path: Path) -> SafetensorsHeader:
     check_regular(path, "shard file")
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise FormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise FormatError(f"{path}: header length {n} is larger than the file ({size} bytes)")
+        n = header_length(f.read(8), size, path)
         raw = f.read(n)
+    return parse_header(raw, size, path)
+
+
+def header_length(head: bytes, size: int, path: Path | str) -> int:
+    """The JSON length a safetensors file's first 8 bytes give, checked against the file's ``size``."""
+    if len(head) < 8:
+        raise FormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise FormatError(f"{path}: header length {n} is larger than the file ({size} bytes)")
+    return n
+
+
+def parse_header(raw: bytes, size: int, path: Path | str) -> SafetensorsHeader:
+    """Check the header JSON ``raw`` of a ``size``-byte file (read locally, or by a range request)."""
+    path = Path(path)
+    n = len(raw)
     header = loads(raw, what=f"{path}: the safetensors header")
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not a JSON object")

@@ -7,7 +7,7 @@ them ahead of the consumer, several at a time, but never beyond ``budget`` bytes
 and gives it back (``release``); a file nobody needs any more is deleted at once, which frees
 room for the next downloads. Files are counted in full from the moment their download starts.
 
->>> cache = BoundedCache(files, budget=20 * 2**30, sizes={"a.bin": 10})   # doctest: +SKIP
+>>> cache = BoundedCache(files.download, budget=20 * 2**30, sizes={"a.bin": 10})   # doctest: +SKIP
 >>> cache.schedule(["a.bin"]); path = cache.get("a.bin"); ...; cache.release("a.bin")  # doctest: +SKIP
 """
 
@@ -44,17 +44,19 @@ def cache_root() -> Path:
 class BoundedCache:
     """Remote files on local disk within ``budget`` bytes; see the module docstring.
 
-    ``files`` has ``download(rel, dst)``; ``sizes`` gives each file's size in bytes (from the
-    dataset's metadata: a downloaded file of another size is an error, as the remote changed).
+    ``download(key, dst)`` writes the item ``key`` (a file, or a byte range of one) to ``dst``;
+    ``sizes`` gives each item's size in bytes (from the dataset's metadata: a download of another
+    size is an error, as the remote changed); ``label`` names the remote in messages.
     ``on_bytes(n)``, if given, is called with the bytes on disk whenever they change (tests and
     benchmarks sample it). The cache's folder is removed by ``close()`` (or when the object goes).
     """
 
-    def __init__(self, files: Any, budget: int, sizes: dict[str, int], *, workers: int = 4,
-                 root: Path | None = None, on_bytes: Callable[[int], None] | None = None):
+    def __init__(self, download: Callable[[str, Path], None], budget: int, sizes: dict[str, int], *,
+                 label: str = "the remote", workers: int = 4, root: Path | None = None,
+                 on_bytes: Callable[[int], None] | None = None):
         if budget <= 0:
             raise InvalidArgumentError(f"cache budget must be positive, got {budget}")
-        self.files, self.budget, self.sizes = files, int(budget), dict(sizes)
+        self.download, self.label, self.budget, self.sizes = download, label, int(budget), dict(sizes)
         too_big = [rel for rel, n in self.sizes.items() if n > self.budget]
         if too_big:
             raise InvalidArgumentError(
@@ -167,11 +169,11 @@ class BoundedCache:
             try:
                 check_relpath(rel, "file")
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                self.files.download(rel, dst)
+                self.download(rel, dst)
                 size = dst.stat().st_size
                 if size != self.sizes[rel]:
                     raise ShardMissingError(
-                        f"{rel} from {self.files} is {size} bytes, the dataset's metadata says {self.sizes[rel]}: the "
+                        f"{rel} from {self.label} is {size} bytes, the dataset's metadata says {self.sizes[rel]}: the "
                         "remote dataset changed after it was opened; open it again")
             except BaseException as exc:  # handed to the consumer in get(), with its traceback
                 error = exc

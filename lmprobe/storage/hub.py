@@ -216,6 +216,34 @@ class HubFiles:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)  # hf_hub_download's own metadata for local_dir
 
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of ``rel`` at the pinned commit, with one HTTP range request."""
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        check_relpath(rel, "file")
+        if end <= start:
+            return b""
+        url = hf_hub_url(self.ref.repo_id, self.repo_path(rel), repo_type=self.ref.repo_type, revision=self.commit)
+        headers = {**build_hf_headers(token=self.token), "Range": f"bytes={start}-{end - 1}"}
+
+        def get() -> bytes:
+            r = get_session().get(url, headers=headers, follow_redirects=True)
+            if r.status_code == 404:
+                raise ShardMissingError(self.missing_hint(rel))
+            hf_raise_for_status(r)
+            if r.status_code != 206 or len(r.content) != end - start:
+                raise HubError(f"{self}: a range request for bytes {start}-{end} of {rel} got {len(r.content)} bytes "
+                               f"(status {r.status_code})")
+            return r.content
+
+        try:
+            return call_with_retry(get, policy=hub_read_policy())
+        except Exception as exc:
+            if hub_read_policy().is_transient(exc):
+                raise _unreachable(self.ref, exc) from exc
+            raise
+
     def fetch_optional(self, rel: str, *, what: str = "file") -> Path | None:
         """``fetch``, or None when the repo has no such file."""
         return self.fetch(rel, what=what) if rel in self.repo_files else None

@@ -176,25 +176,41 @@ class ObjectStoreFiles:
             rel = path[len(self.root) :].lstrip("/")
             self._seen.setdefault(rel, object_identity(info))
 
-    def download(self, rel: str, dst: Path) -> None:
-        """Download ``rel`` to ``dst`` (bounded caches); the object must be the version first seen by this reader.
-
-        The first download of each object records its identity (ETag, size, modification time); an
-        object that changes afterwards, mid-pass, is an error naming it, never mixed data.
-        """
-        check_relpath(rel, "file")
-        src = f"{self.root}/{rel}"
+    def _check_pinned(self, rel: str, src: str) -> None:
+        """The object is the version pinned at open (or first seen): else an error naming it, never mixed data."""
+        self.fs.invalidate_cache(src)  # ask the store, not fsspec's listing cache
         try:
             info = _call(f"reading {self.url}/{rel}", lambda: self.fs.info(src), self.policy)
         except FileNotFoundError:
             raise ShardMissingError(self.missing_hint(rel)) from None
         ident = object_identity(info)
-        seen = self._seen.setdefault(rel, ident)  # pinned at open (``pin``), or at its first download
+        seen = self._seen.setdefault(rel, ident)  # pinned at open (``pin``), or at its first read
         if seen != ident:
             raise ObjectStoreError(f"{self.url}/{rel} changed on the remote while it was being read ({seen} -> "
                                    f"{ident}); the dataset was replaced mid-pass: open it again to read the new one")
+
+    def download(self, rel: str, dst: Path) -> None:
+        """Download ``rel`` to ``dst`` (bounded caches); the object must be the pinned version (``_check_pinned``)."""
+        check_relpath(rel, "file")
+        src = f"{self.root}/{rel}"
+        self._check_pinned(rel, src)
         with atomic_output(dst) as tmp:
             _call(f"downloading {self.url}/{rel}", lambda: self.fs.get_file(src, str(tmp)), self.policy)
+
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of ``rel``, after checking the object is still the pinned version.
+
+        One metadata request per range (fsspec reads ranges without a version condition): the price
+        of never mixing two versions of a dataset.
+        """
+        check_relpath(rel, "file")
+        src = f"{self.root}/{rel}"
+        self._check_pinned(rel, src)
+        data = _call(f"reading {self.url}/{rel}", lambda: self.fs.cat_file(src, start=start, end=end), self.policy)
+        if len(data) != end - start:
+            raise ObjectStoreError(f"{self.url}/{rel}: asked for bytes {start}-{end}, got {len(data)}; the object is "
+                                   "shorter than the dataset's metadata says (replaced mid-pass?)")
+        return data
 
     def missing_hint(self, rel: str) -> str:
         return f"{rel} is missing from {self.url}; the upload may be incomplete (re-run the extraction to resume)"

@@ -92,6 +92,7 @@ class ShardStream:
         self.layer = self.sites[0][1]
         self.rank, self.world_size = rank_world(rank, world_size)
         source = self._source(cache)
+        self._engine_rows = list(source.shard_rows)  # the engine's shards (a remote source's are byte-range pieces)
         self.dim = source.dim
         self.normalize = normalize
         self.skip_first_tokens, self.max_norm_ratio = skip_first_tokens, max_norm_ratio
@@ -128,7 +129,7 @@ class ShardStream:
         biggest = max(source.shard_bytes)
         if budget < 2 * biggest:
             raise InvalidArgumentError(
-                f"cache={format_size(budget)} holds fewer than two shards of {self.ds.files} ({format_size(biggest)} "
+                f"cache={format_size(budget)} holds fewer than two pieces of {self.ds.files} ({format_size(biggest)} "
                 f"each, all sites); give at least cache='{format_size(2 * biggest)}'")
         if cache is None:
             print(f"lmprobe: reading {self.ds.files} through a local cache of at most {format_size(budget)} "
@@ -189,7 +190,7 @@ class ShardStream:
                 if self._special is not None:
                     drop |= np.isin(_flat(pc.list_flatten(t.column("token_ids"))), self._special)
                 keep[base[sid[drop]] + off[drop]] = False
-        return np.split(keep, base[1:-1])
+        return np.split(keep, np.cumsum(self._engine_rows)[:-1])
 
     def _median_norms(self, keep: list[np.ndarray] | None) -> np.ndarray:
         """Each site's median norm, (1, n_sites), from up to 65,536 kept rows drawn at random."""
