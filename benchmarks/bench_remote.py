@@ -84,30 +84,34 @@ def spread(batches: list[np.ndarray], b: int) -> float:
 
 
 def bench_mixing(server, tmp: Path, quick: bool) -> None:
+    """Mixing against the number of pieces the cache holds: pieces of 64 KiB here stand for 4 MiB pieces of a
+    dataset 64x larger (what matters is the cache's size in pieces)."""
+    import lmprobe.stream.sources as sources
     from lmprobe.stream import ShardStream
 
-    n, dim, shard = (65_536, 32, "256KiB") if quick else (262_144, 64, "2MiB")
+    n, dim, shard = (65_536, 64, "2MiB") if quick else (262_144, 64, "8MiB")
     write_sorted(tmp / "sorted", n, dim, shard)
     url = push(server, tmp / "sorted")
-    import lmprobe
-
-    ds = lmprobe.load(url)
-    sizes = [f.bytes for f in ds.meta.files() if f.rel.startswith("tensors/")]
-    total, biggest = sum(sizes), max(sizes)
+    sources.PIECE_BYTES = 64 * 2**10
+    total = n * dim * 4
+    pieces = total // sources.PIECE_BYTES
     b = 1024
     local = spread(list(ShardStream(tmp / "sorted", 0, b, seed=0, drop_last=True, memory="64MiB")), b)
-    print(f"mixing: {n:,} label-sorted vectors x {dim} ({total / 2**20:.0f} MiB in {len(sizes)} shards), batch {b}, "
-          f"memory 64MiB; label-fraction spread against a uniform sample's (1.00 = uniform)")
-    print(f"  local dataset, global shuffle                         {local:5.2f}x")
-    for k in (1, 2, 4, 8, 16, len(sizes)):
-        budget = 2 * k * biggest
+    print(f"mixing: {n:,} label-sorted vectors x {dim} ({total / 2**20:.0f} MiB in {shard} shards, {pieces} pieces of "
+          f"64 KiB), batch {b}, memory 64MiB; label-fraction spread against a uniform sample's (1.00 = uniform)")
+    print(f"  local dataset, global shuffle                                    {local:5.2f}x")
+    for k in (4, 16, 64, 256, 1024):
+        if k > pieces:
+            break
+        budget = 2 * k * sources.PIECE_BYTES
         s = ShardStream(url, 0, b, seed=0, drop_last=True, memory="64MiB", cache=budget)
         batches = list(s)
         peak = s.engine.source.cache().peak
         s.close()
-        print(f"  cache {budget / 2**20:7.1f} MiB ({budget / total:5.1%} of the data, K = {s.resident:3d} shards) "
+        print(f"  cache {budget / 2**20:6.1f} MiB ({budget / total:6.1%} of the data), K = {s.resident:4d} pieces resident "
               f"{spread(batches, b):5.2f}x   peak on disk {peak / 2**20:6.1f} MiB")
-    print("  default cache (20 GiB here, or half the free space): holds the whole benchmark dataset, K = all shards")
+    sources.PIECE_BYTES = 4 * 2**20
+    print("  the default cache, min(20 GiB, half the free space), holds K = 2,560 pieces of 4 MiB")
 
 
 def bench_link(server, tmp: Path, quick: bool, rate: float) -> None:

@@ -439,8 +439,10 @@ class Handler(BaseHTTPRequestHandler):
             if start >= len(data):
                 return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})
             headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
-            return self._send(206, data[start : end + 1], headers, ctype="application/octet-stream")
-        self.send_response(200)
+            data, status = data[start : end + 1], 206
+        else:
+            status = 200
+        self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
         for k, v in headers.items():
             self.send_header(k, v)

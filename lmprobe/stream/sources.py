@@ -80,7 +80,7 @@ class RemoteRows(DatasetRows):
     """
 
     def __init__(self, ds: Dataset, sites: list[tuple[str | None, int]], budget: int, workers: int = 4,
-                 piece_bytes: int = PIECE_BYTES):
+                 piece_bytes: int | None = None):
         super().__init__(ds, sites)
         self.budget, self.workers = budget, workers
         if hasattr(ds.files, "pin"):  # object storage: the version of every object is fixed now (Hub: the commit)
@@ -95,7 +95,7 @@ class RemoteRows(DatasetRows):
                                            "needs; download the dataset (`lmprobe pull`) and read the local copy")
         starts = self._data_starts(rels, recorded)
         row_bytes = self.dim * DTYPES[self.dtype].itemsize
-        per_piece = max(1, piece_bytes // row_bytes)
+        per_piece = max(1, (piece_bytes or PIECE_BYTES) // row_bytes)
         self.pieces: list[tuple[int, int, int]] = [(s, lo, min(n, lo + per_piece))
                                                    for s, n in enumerate(real_rows) for lo in range(0, n, per_piece)]
         self.shard_rows = [hi - lo for _, lo, hi in self.pieces]  # the engine's shards are the pieces
