@@ -14,11 +14,12 @@ Floors:
   ``tofile`` without hashing is printed beside it, and is the floor for the checksums-off writer.
   "tofile" is ``f.write`` of each array's buffer: numpy's own ``ndarray.tofile`` ran 2-3x slower
   than that on this machine, and a floor must be the fastest plain write.
-- training reader: ``np.fromfile`` of every shard, then the same rows gathered into batches by a
-  random permutation and converted to float32 at memory speed (bfloat16: torch's cast into a
-  preallocated numpy batch).
-- bulk reads (``ds.hidden`` / ``ds.token_hidden``): ``np.fromfile`` of the tensor bytes, then the
-  same conversion into a preallocated float32 array.
+- training reader: every shard's tensor bytes read (``readinto``) into one buffer allocated before the
+  clock, then every row gathered into batches by a random permutation and converted to float32 at
+  memory speed into a reused batch (bfloat16: torch's cast into the numpy batch). The reader does
+  more than this floor: it yields a new batch each time (the caller keeps it).
+- bulk reads (``ds.hidden`` / ``ds.token_hidden``): ``readinto`` of the tensor bytes into a new
+  array, then the same conversion into a new float32 array (the allocations a reader's result needs).
 - export-saev: ``cp`` of a file of the output's size.
 """
 
@@ -195,20 +196,6 @@ def make_dataset(out: Path, dtype: str, n_vectors: int, dim: int, shard: str, st
             w.add_batch(texts=[""] * (len(x) // tokens), num_tokens=[tokens] * (len(x) // tokens), hidden={0: t})
 
 
-def shard_arrays(ds_dir: Path) -> list[np.ndarray]:
-    """Every shard's tensor bytes, read with np.fromfile (the floors' read)."""
-    ds = lmprobe.load(ds_dir)
-    out = []
-    for s in range(len(ds.hidden_desc().shards)):
-        path, entry = ds.hidden_shard(0, s)
-        with open(path, "rb") as f:
-            f.seek(entry.start)
-            raw = np.fromfile(f, dtype=np.uint16 if entry.dtype == "bfloat16" else np.float32,
-                              count=int(np.prod(entry.shape)))
-        out.append(raw.reshape(entry.shape))
-    return out
-
-
 def convert_into(src: np.ndarray, out: np.ndarray) -> None:
     if src.dtype == np.uint16:
         torch.from_numpy(out).copy_(torch.from_numpy(src.view(np.int16)).view(torch.bfloat16))
@@ -221,13 +208,29 @@ def bench_stream(tmp: Path, reps: int, n_vectors: int, dim: int, batch: int) -> 
         d = tmp / f"stream-{dtype}"
         make_dataset(d, dtype, n_vectors, dim, "64MiB")
 
-        def floor(d=d):
-            shards = shard_arrays(d)
-            whole = np.concatenate(shards) if len(shards) > 1 else shards[0]
+        ds = lmprobe.load(d)
+        files = [ds.hidden_shard(0, s) for s in range(len(ds.hidden_desc().shards))]
+        storage = np.uint16 if dtype == "bfloat16" else np.float32
+        whole = np.ones((n_vectors, dim), dtype=storage)  # allocated and faulted in before the clock
+        out = np.ones((batch, dim), dtype=np.float32)
+
+        def floor(files=files, whole=whole, out=out, storage=storage):
+            """The least work: every byte read once into memory, every row gathered once and converted."""
+            at = 0
+            for path, entry in files:
+                with open(path, "rb", buffering=0) as f:
+                    f.seek(entry.start)
+                    view = memoryview(whole[at : at + entry.shape[0]]).cast("B")
+                    got = 0
+                    while got < len(view):
+                        got += f.readinto(view[got:])
+                at += entry.shape[0]
             perm = np.random.default_rng(0).permutation(len(whole))
+            raw = np.empty((batch, dim), dtype=storage)
             for a in range(0, len(perm), batch):
-                rows = np.take(whole, perm[a : a + batch], axis=0)
-                convert_into(rows, np.empty(rows.shape, dtype=np.float32))
+                k = min(batch, len(perm) - a)
+                np.take(whole, perm[a : a + k], axis=0, out=raw[:k], mode="clip")
+                convert_into(raw[:k], out[:k])
 
         def ours(d=d):
             for _ in ShardStream(d, 0, batch, seed=0, memory="256MiB"):
@@ -260,14 +263,23 @@ def bench_read(tmp: Path, reps: int, n_vectors: int, dim: int, tokens: int) -> N
     make_dataset(seq, "bfloat16", n_vectors, dim, "1GiB", storage="full_sequence", tokens=tokens)
 
     def floor(d: Path):
+        """Read every shard's tensor bytes (readinto) into a new array, convert them into a new float32 array."""
+        ds = lmprobe.load(d)
+        files = [ds.hidden_shard(0, s) for s in range(len(ds.hidden_desc().shards))]
+
         def run():
-            shards = shard_arrays(d)
-            n = sum(len(s) for s in shards)
-            out = np.empty((n, dim), dtype=np.float32)
+            n = sum(e.shape[0] for _, e in files)
+            raw = np.empty((n, dim), dtype=np.uint16)
             at = 0
-            for s in shards:
-                convert_into(s, out[at : at + len(s)])
-                at += len(s)
+            for path, entry in files:
+                with open(path, "rb", buffering=0) as f:
+                    f.seek(entry.start)
+                    view = memoryview(raw[at : at + entry.shape[0]]).cast("B")
+                    got = 0
+                    while got < len(view):
+                        got += f.readinto(view[got:])
+                at += entry.shape[0]
+            convert_into(raw, np.empty((n, dim), dtype=np.float32))
         return run
 
     ds_p = lmprobe.load(pooled)

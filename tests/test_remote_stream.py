@@ -281,3 +281,23 @@ def test_load_with_a_cache_reads_the_same_values_in_bounded_space(hub, tmp_path,
         np.testing.assert_array_equal(ds.token_hidden(i, 0), src["hidden"][0][src["tok_start"][i]:src["tok_start"][i + 1]])
     assert ds.files.peak <= 2 * biggest
     assert not list(fresh_hf_cache.rglob("*.safetensors"))
+
+
+def test_hub_stream_with_filters_normalisation_len_and_dataloader_workers(hub, tmp_path, rng, fresh_hf_cache):
+    import torch
+
+    src = write_dataset(tmp_path / "ds", rng, n=50, layers=(0,), dim=4, storage="full_sequence", shard_size="256B",
+                        statistics=True, min_tokens=2)
+    repo = f"tester/remote-{uuid.uuid4().hex[:8]}"
+    lmprobe.push_to_hub(tmp_path / "ds", repo, quiet=True)
+    url = f"hf://datasets/{repo}"
+    budget = 4 * max(f.bytes for f in lmprobe.load(url).meta.files() if f.rel.startswith("tensors/hidden"))
+    kw = {"skip_first_tokens": 1, "normalize": "standardize", "memory": "64KiB", "seed": 2}
+    local = ShardStream(tmp_path / "ds", 0, 6, **kw)
+    remote = ShardStream(url, 0, 6, cache=budget, **kw)
+    assert len(remote) == len(local) == int((src["n_tok"] - 1).sum())
+    np.testing.assert_allclose(_rows(list(remote)), _rows(list(local)), rtol=1e-6)
+    loader = torch.utils.data.DataLoader(ShardStream(url, 0, 6, cache=budget, memory="64KiB").torch_dataset(),
+                                         batch_size=None, num_workers=2)
+    got = torch.cat(list(loader)).numpy()
+    np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][0], axis=0))
