@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -172,15 +172,23 @@ def bfloat16_bits_to_float32(bits: np.ndarray, out: np.ndarray | None = None) ->
         out = np.empty(bits.shape, dtype=np.float32)
     elif out.dtype != np.float32 or out.shape != bits.shape:
         raise ValueError(f"out must be float32 of shape {bits.shape}, got {out.dtype} {out.shape}")
+    bfloat16_to_float32_later(bits, out).result()
+    return out
+
+
+def bfloat16_to_float32_later(bits: np.ndarray, out: np.ndarray) -> Future:
+    """Start converting ``bits`` into ``out`` (checked as above) on the converter thread; the caller
+    may do other work, and must not touch either array, until the returned future is done."""
     if bits.size >= _TORCH_CONVERT_MIN and bits.flags.writeable:  # torch warns on read-only memory (maps)
         import torch
 
         src = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
         # a strided ``out`` is fine: torch writes through the view
-        _converter().submit(torch.from_numpy(out).copy_, src).result()
-        return out
+        return _converter().submit(torch.from_numpy(out).copy_, src)
     np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
-    return out
+    done: Future = Future()
+    done.set_result(out)
+    return done
 
 
 def torch_dtype(name: str):

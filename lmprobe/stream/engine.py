@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..format.spec import DTYPES
-from ..format.values import bfloat16_bits_to_float32
+from ..format.values import bfloat16_bits_to_float32, bfloat16_to_float32_later
 from ..worker import prefetched
 
 OUT_DTYPES = ("float32", "bfloat16")
@@ -336,33 +336,56 @@ class Engine:
         if self.out_dtype == "bfloat16" and pool.dtype == np.uint16 and self.transform is None:
             import torch
 
-            t = torch.empty(shape, dtype=torch.bfloat16, pin_memory=self.pin_memory)
-            np.take(pool, idx, axis=0, out=t.view(torch.int16).numpy().view(np.uint16), mode="clip")
+            raw = _empty(shape, np.uint16, self.pin_memory)
+            np.take(pool, idx, axis=0, out=raw.view(torch.int16).numpy().view(np.uint16), mode="clip")
+            t = raw.view(torch.int16).view(torch.bfloat16)
             return t[:, 0] if self.squeeze else t
         if import_torch:
             import torch
 
-            t = torch.empty(shape, dtype=torch.float32, pin_memory=self.pin_memory and self.out_dtype == "float32")
+            t = _empty(shape, np.float32, self.pin_memory and self.out_dtype == "float32")
             batch = t.numpy()
         else:
             batch = np.empty(shape, dtype=np.float32)
         if pool.dtype == np.float32:
             np.take(pool, idx, axis=0, out=batch, mode="clip")
-        else:  # gather a few rows into a small buffer that stays in cache, convert them into the batch
+        elif pool.dtype == np.uint16:
+            # gather a few rows into a small buffer that stays in cache while the converter thread casts
+            # the previous few into the batch: two buffers, the gather and the cast overlap
             step = max(1, min(len(idx), _CONVERT_ROWS * 4096 // max(1, pool.shape[1] * pool.shape[2])))
-            raw = np.empty((step, *pool.shape[1:]), dtype=pool.dtype)
-            for a in range(0, len(idx), step):
+            raws = [np.empty((step, *pool.shape[1:]), dtype=pool.dtype) for _ in range(2)]
+            pending = None
+            for j, a in enumerate(range(0, len(idx), step)):
                 k = min(step, len(idx) - a)
-                np.take(pool, idx[a : a + k], axis=0, out=raw[:k], mode="clip")
-                self.to_float32(raw[:k], out=batch[a : a + k])
+                raw = raws[j % 2][:k]
+                np.take(pool, idx[a : a + k], axis=0, out=raw, mode="clip")
+                if pending is not None:
+                    pending.result()
+                pending = bfloat16_to_float32_later(raw, batch[a : a + k])
+            if pending is not None:
+                pending.result()
+        else:
+            batch[...] = np.take(pool, idx, axis=0)
         if self.transform is not None:
             batch = self.transform(batch)
         if import_torch:
             if self.out_dtype == "bfloat16":
-                t = torch.empty(shape, dtype=torch.bfloat16, pin_memory=self.pin_memory)
+                t = _empty(shape, np.uint16, self.pin_memory).view(torch.int16).view(torch.bfloat16)
                 t.copy_(torch.from_numpy(batch))
             batch = t
         return batch[:, 0] if self.squeeze else batch
+
+
+def _empty(shape: tuple[int, ...], dtype: Any, pinned: bool):
+    """A new torch tensor for a batch: page-locked, or in numpy's memory (numpy asks for huge pages on large
+    arrays; torch's own fresh allocations fault 4 KiB pages, 2.5x slower here). bfloat16 goes as uint16."""
+    import torch
+
+    if pinned:
+        tdtype = torch.int16 if dtype == np.uint16 else torch.float32
+        return torch.empty(shape, dtype=tdtype, pin_memory=True)
+    a = np.empty(shape, dtype=np.int16 if dtype == np.uint16 else dtype)
+    return torch.from_numpy(a)
 
 
 def segments(shard: np.ndarray) -> Iterator[tuple[int, slice]]:
