@@ -36,6 +36,8 @@ from .stream import Engine, RowSource, rank_world
 from .units import parse_size
 
 PROTOCOL = "2.0"
+#: source shard files an export keeps open at once (runs follow the source's order, so few are needed)
+_OPEN_SOURCES = 16
 METADATA_KEYS = ("family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model", "n_ex", "patches_per_shard",
                  "data", "dataset", "dtype", "protocol")
 DEFAULT_PATCHES_PER_SHARD = 2_400_000
@@ -258,6 +260,8 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
 
     def source(layer: int, shard: int) -> np.ndarray:
         if (layer, shard) not in maps:
+            while len(maps) >= _OPEN_SOURCES:
+                maps.pop(next(iter(maps)))
             path, entry = ds.hidden_shard(layer, shard, hookpoint)
             maps[(layer, shard)] = np.memmap(path, dtype=DTYPES[h.dtype].np_storage, mode="r", offset=entry.start,
                                              shape=entry.shape)
@@ -265,6 +269,10 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
 
     def source_fd(layer: int, shard: int) -> tuple[int, int]:
         if (layer, shard) not in fds:
+            # a few source files open at a time: a remote source read through a bounded cache (--cache)
+            # frees a deleted file's disk space only once it is closed
+            while len(fds) >= _OPEN_SOURCES:
+                os.close(fds.pop(next(iter(fds)))[0])
             path, entry = ds.hidden_shard(layer, shard, hookpoint)
             fds[(layer, shard)] = (os.open(path, os.O_RDONLY), entry.start)
         return fds[(layer, shard)]
