@@ -33,6 +33,8 @@ def test_bfloat16_conversion_is_bit_exact_on_every_pattern():
     assert bfloat16_bits_to_float32(bits).view(np.uint32).tolist() == want.tolist()  # torch's vectorised cast
     small = [bfloat16_bits_to_float32(c) for c in np.split(bits, 64)]  # below the threshold: numpy's shift
     assert np.concatenate(small).view(np.uint32).tolist() == want.tolist()
+    rows = np.tile(bits, (256, 1))  # large enough to be split between the converter threads
+    assert (bfloat16_bits_to_float32(rows).view(np.uint32) == np.tile(want, (256, 1))).all()
     # into a strided view of a bigger buffer (a pool's site, an export block), both paths
     for n_rows in (2, 1 << 10):
         b = np.resize(bits, (n_rows, 64)).copy()

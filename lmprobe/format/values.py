@@ -132,18 +132,45 @@ _TORCH_CONVERT_MIN = 1 << 16
 _CONVERTER: tuple[int, ThreadPoolExecutor] | None = None
 
 
-def _converter() -> ThreadPoolExecutor:
-    """The thread that runs torch's casts, with one torch thread (OpenMP's count is per calling thread).
+#: values from which a cast is split between the converter threads (64 MiB of float32)
+_SPLIT_CONVERT_MIN = 1 << 24
+#: converter threads: each casts ~7 GB/s; two keep up with any reader here, more are rarely useful
+_CONVERT_THREADS = max(1, min(2, os.cpu_count() or 1))
 
-    torch would split a cast over every core; next to the threads of a reader, a writer or a
-    training loop its threads wait on each other and the cast ran 2.2x slower than on one thread
-    (4.6 against 2.1 ms for 2M values with the other core busy). One thread casts ~7 GB/s.
+
+def _converter() -> ThreadPoolExecutor:
+    """The threads that run torch's casts, each with one torch thread (OpenMP's count is per calling thread).
+
+    torch would split a cast over every core with OpenMP; next to the threads of a reader, a writer
+    or a training loop its threads spin waiting on each other, and the cast ran 2.2x slower than on
+    one thread (4.6 against 2.1 ms for 2M values with the other core busy). Independent threads,
+    each casting a part, use an idle core without that penalty on a busy one.
     """
     global _CONVERTER
     if _CONVERTER is None or _CONVERTER[0] != os.getpid():  # a forked DataLoader worker makes its own
-        _CONVERTER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="lmprobe-bf16",
+        _CONVERTER = (os.getpid(), ThreadPoolExecutor(_CONVERT_THREADS, thread_name_prefix="lmprobe-bf16",
                                                       initializer=_one_torch_thread))
     return _CONVERTER[1]
+
+
+def _all_done(futures: list[Future], result: Any) -> Future:
+    """A future done when all of ``futures`` are (with the first error among them)."""
+    done: Future = Future()
+    left = [len(futures)]
+
+    def one(f: Future) -> None:
+        if done.done():
+            return
+        if f.exception() is not None:
+            done.set_exception(f.exception())
+            return
+        left[0] -= 1
+        if left[0] == 0:
+            done.set_result(result)
+
+    for f in futures:
+        f.add_done_callback(one)
+    return done
 
 
 def _one_torch_thread() -> None:
@@ -183,8 +210,14 @@ def bfloat16_to_float32_later(bits: np.ndarray, out: np.ndarray) -> Future:
         import torch
 
         src = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
-        # a strided ``out`` is fine: torch writes through the view
-        return _converter().submit(torch.from_numpy(out).copy_, src)
+        dst = torch.from_numpy(out)  # a strided ``out`` is fine: torch writes through the view
+        # a bulk read is split between the converter threads; a batch's few MB are not (the splitting
+        # cost more than it saved in the training reader, which casts while it gathers)
+        parts = min(_CONVERT_THREADS, len(bits) if bits.ndim else 1) if bits.size >= _SPLIT_CONVERT_MIN else 1
+        if parts <= 1:
+            return _converter().submit(dst.copy_, src)
+        cuts = np.linspace(0, len(bits), parts + 1).astype(int)  # rows split between the converter threads
+        return _all_done([_converter().submit(dst[a:b].copy_, src[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)], out)
     np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
     done: Future = Future()
     done.set_result(out)
