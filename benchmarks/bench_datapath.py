@@ -196,6 +196,19 @@ def make_dataset(out: Path, dtype: str, n_vectors: int, dim: int, shard: str, st
             w.add_batch(texts=[""] * (len(x) // tokens), num_tokens=[tokens] * (len(x) // tokens), hidden={0: t})
 
 
+def read_all(files: list, out: np.ndarray) -> None:
+    """Every shard's tensor bytes, one after the other, into ``out`` with ``readinto`` (the floors' read)."""
+    at = 0
+    for path, entry in files:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(entry.start)
+            view = memoryview(out[at : at + entry.shape[0]]).cast("B")
+            got = 0
+            while got < len(view):
+                got += f.readinto(view[got:])
+        at += entry.shape[0]
+
+
 def convert_into(src: np.ndarray, out: np.ndarray) -> None:
     if src.dtype == np.uint16:
         torch.from_numpy(out).copy_(torch.from_numpy(src.view(np.int16)).view(torch.bfloat16))
@@ -216,15 +229,7 @@ def bench_stream(tmp: Path, reps: int, n_vectors: int, dim: int, batch: int) -> 
 
         def floor(files=files, whole=whole, out=out, storage=storage):
             """The least work: every byte read once into memory, every row gathered once and converted."""
-            at = 0
-            for path, entry in files:
-                with open(path, "rb", buffering=0) as f:
-                    f.seek(entry.start)
-                    view = memoryview(whole[at : at + entry.shape[0]]).cast("B")
-                    got = 0
-                    while got < len(view):
-                        got += f.readinto(view[got:])
-                at += entry.shape[0]
+            read_all(files, whole)
             perm = np.random.default_rng(0).permutation(len(whole))
             raw = np.empty((batch, dim), dtype=storage)
             for a in range(0, len(perm), batch):
@@ -273,15 +278,7 @@ def bench_read(tmp: Path, reps: int, n_vectors: int, dim: int, tokens: int) -> N
         def run():
             n = sum(e.shape[0] for _, e in files)
             raw = np.empty((n, dim), dtype=np.uint16)
-            at = 0
-            for path, entry in files:
-                with open(path, "rb", buffering=0) as f:
-                    f.seek(entry.start)
-                    view = memoryview(raw[at : at + entry.shape[0]]).cast("B")
-                    got = 0
-                    while got < len(view):
-                        got += f.readinto(view[got:])
-                at += entry.shape[0]
+            read_all(files, raw)
             convert_into(raw, np.empty((n, dim), dtype=np.float32))
         return run
 

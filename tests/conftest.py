@@ -136,3 +136,28 @@ def fresh_hf_cache(tmp_path, monkeypatch):
     cache = tmp_path / "hf-cache"
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
     return cache
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on 127.0.0.1 with a bucket "acts"; AWS_ENDPOINT_URL points at it."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    os.environ["LMPROBE_CACHE"] = str(tmp_path_factory.mktemp("lmprobe-cache"))
+    import boto3
+
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="acts")
+    yield env["AWS_ENDPOINT_URL"]
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -197,7 +197,7 @@ def test_the_default_cache_is_bounded_and_said(hub, tmp_path, rng, fresh_hf_cach
 # ----------------------------------------------------------------------------- from S3
 
 
-def test_s3_stream_errors_when_a_shard_changes_mid_pass(tmp_path, rng, s3_server):
+def test_s3_stream_errors_when_a_shard_changes_mid_pass(tmp_path, rng, s3):
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
@@ -215,30 +215,6 @@ def test_s3_stream_errors_when_a_shard_changes_mid_pass(tmp_path, rng, s3_server
     stream.close()
 
 
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    import os
-
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "LMPROBE_CACHE": str(tmp_path_factory.mktemp("lmprobe-cache"))}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import boto3
-
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="acts")
-    yield env["AWS_ENDPOINT_URL"]
-    server.stop()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 # ----------------------------------------------------------------------------- commands that read a remote dataset

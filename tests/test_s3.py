@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import uuid
 
 import numpy as np
@@ -11,30 +10,6 @@ import pytest
 from conftest import PROMPTS, write_dataset
 
 import lmprobe
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    os.environ["LMPROBE_CACHE"] = str(tmp_path_factory.mktemp("lmprobe-cache"))
-    import boto3
-
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="acts")
-    yield env["AWS_ENDPOINT_URL"]
-    server.stop()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def _s3fs():

@@ -172,16 +172,12 @@ class HubFiles:
     def repo_path(self, rel: str) -> str:
         return f"{self.ref.path}/{rel}" if self.ref.path else rel
 
-    def fetch(self, rel: str, *, what: str = "file") -> Path:
-        from huggingface_hub import hf_hub_download
+    def _call(self, fn: Any, rel: str) -> Any:
+        """``fn()`` with the Hub's retries; a missing file or an unreachable Hub as lmprobe's errors."""
         from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-        check_relpath(rel, what)
         try:
-            return Path(call_with_retry(
-                lambda: hf_hub_download(self.ref.repo_id, self.repo_path(rel), repo_type=self.ref.repo_type,
-                                        revision=self.commit, token=self.token),
-                policy=hub_read_policy()))
+            return call_with_retry(fn, policy=hub_read_policy())
         except LocalEntryNotFoundError as exc:  # not in the cache, and the Hub could not be asked
             raise _unreachable(self.ref, exc) from exc
         except EntryNotFoundError:
@@ -191,28 +187,26 @@ class HubFiles:
                 raise _unreachable(self.ref, exc) from exc
             raise
 
+    def fetch(self, rel: str, *, what: str = "file") -> Path:
+        from huggingface_hub import hf_hub_download
+
+        check_relpath(rel, what)
+        return Path(self._call(lambda: hf_hub_download(self.ref.repo_id, self.repo_path(rel), repo_type=self.ref.repo_type,
+                                                       revision=self.commit, token=self.token), rel))
+
     def download(self, rel: str, dst: Path) -> None:
         """Download ``rel`` (at the pinned commit) to ``dst``, outside the Hugging Face cache (bounded caches)."""
         import shutil
         import tempfile
 
         from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError
 
         check_relpath(rel, "file")
         scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=dst.parent))
         try:
-            got = Path(call_with_retry(
-                lambda: hf_hub_download(self.ref.repo_id, self.repo_path(rel), repo_type=self.ref.repo_type,
-                                        revision=self.commit, token=self.token, local_dir=scratch),
-                policy=hub_read_policy()))
+            got = self._call(lambda: hf_hub_download(self.ref.repo_id, self.repo_path(rel), repo_type=self.ref.repo_type,
+                                                     revision=self.commit, token=self.token, local_dir=scratch), rel)
             os.replace(got, dst)
-        except EntryNotFoundError:
-            raise ShardMissingError(self.missing_hint(rel)) from None
-        except Exception as exc:
-            if hub_read_policy().is_transient(exc):
-                raise _unreachable(self.ref, exc) from exc
-            raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)  # hf_hub_download's own metadata for local_dir
 
@@ -237,12 +231,7 @@ class HubFiles:
                                f"(status {r.status_code})")
             return r.content
 
-        try:
-            return call_with_retry(get, policy=hub_read_policy())
-        except Exception as exc:
-            if hub_read_policy().is_transient(exc):
-                raise _unreachable(self.ref, exc) from exc
-            raise
+        return self._call(get, rel)
 
     def fetch_optional(self, rel: str, *, what: str = "file") -> Path | None:
         """``fetch``, or None when the repo has no such file."""
