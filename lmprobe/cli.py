@@ -22,9 +22,9 @@ from .publish.dictionary import push_dictionary
 from .sae.cli import add_topk_arguments, run_topk
 from .sae.export import export_sae
 from .saev import export_saev, is_saev_folder, validate_saev
-from .storage.cache import cache_root, default_budget
+from .storage.cache import cache_budget
 from .storage.hub import check_repo_id
-from .units import format_size, parse_count, parse_size
+from .units import parse_count
 from .version import __version__
 
 
@@ -121,11 +121,7 @@ def _open_source(path: str, cache: str | None, quiet: bool) -> Any:
     """A dataset for a command that reads it whole: a remote one through a bounded cache (said on stderr)."""
     if not is_remote(path):
         return load(path)
-    budget = parse_size(cache) if cache is not None else default_budget(cache_root())
-    if not quiet:
-        print(f"lmprobe: reading {path} through a local cache of at most {format_size(budget)} "
-              "(--cache to change it)", file=sys.stderr)
-    return load(path, cache=budget)
+    return load(path, cache=cache_budget(cache, path, announce=not quiet))
 
 
 def _cmd_export_saev(args: argparse.Namespace) -> int:

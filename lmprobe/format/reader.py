@@ -339,11 +339,6 @@ class Dataset:
         """The shard file ``rel`` and its tensor ``key``, checked against what the metadata says."""
         return self.check_tensor(self.fetch(rel, "shard file"), rel, key, dtype, row_shape, min_rows)
 
-    def hidden_entry(self, path: Path, layer: int, shard: int, hookpoint: str | None = None) -> TensorEntry:
-        """The tensor entry of a local copy of shard ``shard`` of ``layer`` (a bounded cache's), checked."""
-        h = self.hidden_desc(hookpoint)
-        return self.check_tensor(path, h.file(layer, shard), h.key(layer), h.dtype, (h.dim,), h.shard_rows(shard))[1]
-
     def check_tensor(self, path: Path, rel: str, key: str, dtype: str, row_shape: tuple[int, ...],
                      min_rows: int) -> tuple[Path, TensorEntry]:
         """The local file ``path`` holding ``rel``: its tensor ``key``, checked against the metadata."""

@@ -149,7 +149,7 @@ def _converter() -> ThreadPoolExecutor:
     global _CONVERTER
     if _CONVERTER is None or _CONVERTER[0] != os.getpid():  # a forked DataLoader worker makes its own
         _CONVERTER = (os.getpid(), ThreadPoolExecutor(_CONVERT_THREADS, thread_name_prefix="lmprobe-bf16",
-                                                      initializer=_one_torch_thread))
+                                                      initializer=one_torch_thread))
     return _CONVERTER[1]
 
 
@@ -173,7 +173,9 @@ def _all_done(futures: list[Future], result: Any) -> Future:
     return done
 
 
-def _one_torch_thread() -> None:
+def one_torch_thread() -> None:
+    """A thread initializer: torch runs this thread's ops on one core (OpenMP's count is per calling
+    thread), leaving the other cores to the caller, the hashers and the other workers."""
     import torch
 
     torch.set_num_threads(1)

@@ -68,7 +68,7 @@ from .staging import (
     remove_files_inside,
 )
 from .statistics import RunningStats, load_accumulators, save_accumulators, write_statistics
-from .values import column_type_name, to_numpy
+from .values import column_type_name, one_torch_thread, to_numpy
 
 _MAX_PENDING_ROWS = 65536
 #: index rows wait in memory until a checkpoint writes them as a part: bounded by prompts and by tokens,
@@ -469,7 +469,7 @@ class DatasetWriter:
             if part is None:
                 if self._stats_worker is None:
                     self._stats_worker = ThreadPoolExecutor(1, thread_name_prefix="lmprobe-stats",
-                                                            initializer=_one_torch_thread)
+                                                            initializer=one_torch_thread)
                 part = self._stats_worker.submit(RunningStats.of, a, bfloat16_bits=self.spec.dtype == "bfloat16")
             elif not isinstance(part, RunningStats) or part.count != len(a) or part.mean.shape != a.shape[1:]:
                 hp, layer = self.spec.sites[slot]
@@ -607,14 +607,6 @@ class DatasetWriter:
         index.write_index(self.out_dir / INDEX_PATH, self.staging.parts(self._n_parts), spec=self.spec, n_last=n_last,
                           metadata=encode_schema_metadata(info), fsync=self.fsync)
         self.staging.remove()
-
-
-def _one_torch_thread() -> None:
-    """The statistics thread's torch runs on one core (OpenMP's thread count is per calling thread):
-    the other cores are the hashers' and the caller's."""
-    import torch
-
-    torch.set_num_threads(1)
 
 
 def _check_progress(progress: Any) -> dict[str, int]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, ShardMissingError
 from ..paths import check_relpath
-from ..units import format_size
+from ..units import format_size, parse_size
 
 #: the default budget: the smaller of this and half the free space where the cache lives
 DEFAULT_CACHE_CAP = 20 * 2**30
@@ -34,6 +34,18 @@ def default_budget(where: Path) -> int:
     """min(20 GiB, half the free space of ``where``'s file system)."""
     where.mkdir(parents=True, exist_ok=True)
     return int(min(DEFAULT_CACHE_CAP, shutil.disk_usage(where).free // 2))
+
+
+def cache_budget(cache: int | str | None, source: object, *, announce: bool) -> int:
+    """The byte budget of a bounded cache for ``source``: ``cache`` parsed, else the default; ``announce``
+    says it on stderr (a user who did not choose it learns what it is and how to change it)."""
+    import sys
+
+    budget = parse_size(cache) if cache is not None else default_budget(cache_root())
+    if announce:
+        print(f"lmprobe: reading {source} through a local cache of at most {format_size(budget)} "
+              "(cache= / --cache to change it)", file=sys.stderr)
+    return budget
 
 
 def cache_root() -> Path:

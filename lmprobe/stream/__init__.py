@@ -13,7 +13,6 @@ cache), and here ``ShardStream``, the reader users make (filters, normalisation,
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,7 +22,7 @@ import pyarrow.compute as pc
 from ..errors import InvalidArgumentError
 from ..format.reader import Dataset
 from ..opening import load
-from ..storage.cache import cache_root, default_budget
+from ..storage.cache import cache_budget
 from ..units import format_size, parse_size
 from .engine import OUT_DTYPES, Engine, RowSource, rank_world
 from .sources import DatasetRows, RemoteRows
@@ -124,16 +123,13 @@ class ShardStream:
         self.cache_budget: int | None = None
         if not hasattr(self.ds.files, "download"):  # a local folder: read in place, no cache
             return DatasetRows(self.ds, self.sites)
-        budget = parse_size(cache) if cache is not None else default_budget(cache_root())
+        budget = cache_budget(cache, self.ds.files, announce=cache is None)
         source = RemoteRows(self.ds, self.sites, budget)
         biggest = max(source.shard_bytes)
         if budget < 2 * biggest:
             raise InvalidArgumentError(
                 f"cache={format_size(budget)} holds fewer than two pieces of {self.ds.files} ({format_size(biggest)} "
                 f"each, all sites); give at least cache='{format_size(2 * biggest)}'")
-        if cache is None:
-            print(f"lmprobe: reading {self.ds.files} through a local cache of at most {format_size(budget)} "
-                  "(cache= / --cache to change it)", file=sys.stderr)
         self.resident, self.cache_budget = budget // (2 * biggest), budget
         return source
 
