@@ -226,3 +226,79 @@ def test_filters_on_a_pooled_dataset_look_at_the_one_stored_token(tmp_path):
     assert got.tolist() == [2, 3]  # stored at positions 2 and 3; the others sit before position 2
     got = np.concatenate(list(ShardStream(tmp_path / "ds", 0, 4, shuffle=False, skip_special_tokens=[101])))[:, 0]
     assert got.tolist() == [0, 2, 3, 5]  # prompts 1 and 4 end with id 101
+
+
+def _stopped_state(stream, after):
+    for i, _ in enumerate(stream, start=1):
+        if i == after:
+            break
+    return json.loads(json.dumps(stream.state_dict()))
+
+
+@pytest.mark.parametrize(("changed", "named"), [
+    ({"memory": "20KB"}, "memory"),
+    ({"skip_first_tokens": 1}, "skip_first_tokens"),
+    ({"block_rows": 3}, "block_rows"),
+    ({"normalize": "mean_norm"}, "normalize"),
+    ({"drop_last": True}, "drop_last"),
+    ({"shuffle": False}, "shuffle"),
+    ({"seed": 5}, "seed"),
+    ({"batch_size": 40}, "batch_size"),
+])
+def test_a_state_is_refused_by_a_reader_that_would_serve_another_sequence(tmp_path, changed, named):
+    ds = _sorted_dataset(tmp_path / "ds", storage="full_sequence", n=300, tokens=5, token_ids=True)
+    base = {"seed": 4, "memory": "40KB", "batch_size": 50}
+    state = _stopped_state(ShardStream(ds, 0, **base), 7)
+    other = ShardStream(ds, 0, **{**base, **changed})
+    with pytest.raises(InvalidArgumentError, match=rf"^this reader state was saved by a reader with {named}=.*; "
+                                                   r"this reader has .*the same settings"):
+        other.load_state_dict(state)
+    # the error left the reader as it was: a full fresh pass
+    assert sum(len(b) for b in other) == len(other)
+
+
+def test_a_state_saved_over_another_dataset_is_refused(tmp_path):
+    a = _sorted_dataset(tmp_path / "a", n=3000)
+    b = _sorted_dataset(tmp_path / "b", n=2999)
+    state = _stopped_state(ShardStream(a, 0, 50, seed=4, memory="40KB"), 3)
+    with pytest.raises(InvalidArgumentError, match="saved by a reader with dataset="):
+        ShardStream(b, 0, 50, seed=4, memory="40KB").load_state_dict(state)
+    with pytest.raises(InvalidArgumentError, match="saved by a reader with sites="):
+        ShardStream(a, 1, 50, seed=4, memory="40KB").load_state_dict(state)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"carry": list(range(60))}, "carry"),
+    ({"carry": [1] * 20}, "carry"),
+    ({"carry": [2**70]}, "carry"),
+    ({"carry": [-1]}, "carry"),
+    ({"carry": "x"}, "carry"),
+    ({"window": -1}, "window"),
+    ({"window": 10**6}, "window"),
+    ({"window": 1.5}, "window"),
+    ({"epoch": "x"}, "epoch"),
+    ({"epoch": True}, "epoch"),
+    ({"batches": -5}, "batches"),
+    ({"batches": 10**6}, "batches"),
+    ({"settings": None}, "settings"),
+    ({"fingerprint": "0" * 64}, "fingerprint"),
+])
+def test_a_tampered_state_is_a_one_line_error(tmp_path, edit, message):
+    ds = _sorted_dataset(tmp_path / "ds", n=3000)
+    state = _stopped_state(ShardStream(ds, 0, 50, seed=4, memory="40KB"), 30)
+    assert state["window"] >= 1 and state["carry"]
+    fresh = ShardStream(ds, 0, 50, seed=4, memory="40KB")
+    with pytest.raises(InvalidArgumentError, match=message) as err:
+        fresh.load_state_dict({**state, **edit})
+    assert "\n" not in str(err.value)
+    for key in state:
+        with pytest.raises(InvalidArgumentError, match=f"'{key}'"):
+            fresh.load_state_dict({k: v for k, v in state.items() if k != key})
+    with pytest.raises(InvalidArgumentError, match="a dict"):
+        fresh.load_state_dict([state])
+
+
+def test_world_size_zero_is_refused(tmp_path):
+    ds = _sorted_dataset(tmp_path / "ds", n=300)
+    with pytest.raises(InvalidArgumentError, match="world_size"):
+        ShardStream(ds, 0, 50, rank=0, world_size=0)

@@ -13,6 +13,8 @@ cache), and here ``ShardStream``, the reader users make (filters, normalisation,
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -244,22 +246,102 @@ class ShardStream:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    def settings(self) -> dict:
+        """Everything that decides this reader's batch sequence, as a JSON-able dict (what a state is checked against)."""
+        e = self.engine
+        return {
+            # the settings a user passes first, then what they derive (a message names the first difference)
+            "dataset": self._dataset_id(), "sites": [[hp, layer] for hp, layer in self.sites],
+            "seed": self.seed, "shuffle": self.shuffle, "rank": self.rank, "world_size": self.world_size,
+            "batch_size": self.batch_size, "drop_last": self.drop_last, "skip_first_tokens": self.skip_first_tokens,
+            "skip_special_tokens": None if self._special is None else sorted(set(self._special.tolist())),
+            "max_norm_ratio": self.max_norm_ratio, "normalize": self.normalize,
+            "memory": e.pool_rows, "block_rows": e.block_rows, "cache": self.resident,
+        }
+
+    def _dataset_id(self) -> str:
+        """The dataset's identity and revision: a digest of its index's metadata (shard names, sizes, checksums)."""
+        md = self.ds.schema.metadata or {}
+        h = hashlib.sha256()
+        for k in sorted(md):
+            h.update(len(k).to_bytes(8, "little") + k + len(md[k]).to_bytes(8, "little") + md[k])
+        return h.hexdigest()[:16]
+
     def state_dict(self) -> dict:
-        """Where the current pass stands: give it to ``load_state_dict`` to continue exactly from here."""
+        """Where the current pass stands: give it to ``load_state_dict`` to continue exactly from here.
+
+        A plain JSON-able dict: the epoch, the window, the batches served from it, the ids of the rows
+        carried into it, and ``settings()`` with their fingerprint.
+        """
         st = self._state or {"window": 0, "batches": 0, "carry": []}
-        return {"epoch": self.epoch, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
-                "batch_size": self.batch_size, "window": st["window"], "batches": st["batches"],
-                "carry": [int(x) for x in st["carry"]]}
+        settings = self.settings()
+        return {"epoch": self.epoch, "window": int(st["window"]), "batches": int(st["batches"]),
+                "carry": [int(x) for x in st["carry"]], "settings": settings, "fingerprint": fingerprint(settings)}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "rank", "world_size", "batch_size"):
-            if state.get(key) != getattr(self, key):
-                raise InvalidArgumentError(f"this state was saved with {key}={state.get(key)!r}; this reader has "
-                                           f"{getattr(self, key)!r}")
-        self.epoch = int(state["epoch"])
-        self._resume = {"window": int(state["window"]), "batches": int(state["batches"]),
-                        "carry": np.asarray(state["carry"], dtype=np.int64)}
+        """Continue from a ``state_dict()``: refused (one line, naming the setting) unless this reader would serve
+        the same batch sequence, and unless every field is well-formed and in range."""
+        if not isinstance(state, dict):
+            raise InvalidArgumentError(f"a reader state must be a dict (from state_dict()), got {type(state).__name__}")
+        for key in ("epoch", "window", "batches", "carry", "settings", "fingerprint"):
+            if key not in state:
+                raise InvalidArgumentError(f"the reader state has no {key!r}: pass the dict state_dict() returned")
+        saved = state["settings"]
+        if not isinstance(saved, dict) or state["fingerprint"] != fingerprint(saved):
+            raise InvalidArgumentError("the reader state's settings do not match its fingerprint: it was edited "
+                                       "or damaged; pass the dict state_dict() returned")
+        mine = self.settings()
+        for key, value in mine.items():
+            if saved.get(key) != value:
+                shown = f"{saved.get(key)!r}"[:80]
+                raise InvalidArgumentError(
+                    f"this reader state was saved by a reader with {key}={shown}{_UNITS.get(key, '')}; this reader "
+                    f"has {value!r}{_UNITS.get(key, '')}: resume with the same settings, or start the pass over")
+        epoch = _count(state, "epoch", 2**62)
+        shard, start = self.engine.blocks(epoch)
+        windows = self.engine.windows(shard, start)
+        window = _count(state, "window", len(windows))
+        carry = state["carry"]
+        if not isinstance(carry, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in carry):
+            raise InvalidArgumentError("the reader state's carry must be a list of row ids")
+        carry_ids = np.asarray(carry, dtype=object)
+        self._check_carry(carry_ids, shard, start, windows[:window])
+        carry_ids = carry_ids.astype(np.int64)
+        rows = self.engine.window_rows(shard, start, windows[window]) if window < len(windows) else 0
+        most = (rows + len(carry_ids)) // self.batch_size
+        if window == len(windows):
+            most = int(bool(len(carry_ids)) and not self.drop_last)
+        batches = _count(state, "batches", most)
+        self.epoch = epoch
+        self._resume = {"window": window, "batches": batches, "carry": carry_ids}
         self._state = dict(self._resume)
+
+    def _check_carry(self, carry: np.ndarray, shard: np.ndarray, start: np.ndarray, before: list[slice]) -> None:
+        """Carried rows: fewer than a batch, distinct, and rows of this rank's earlier windows that pass the filters."""
+        if len(carry) >= self.batch_size:
+            raise InvalidArgumentError(f"the reader state's carry holds {len(carry)} rows; a carry is shorter than "
+                                       f"a batch ({self.batch_size})")
+        total = int(self.engine.row_base[-1])
+        if any(not 0 <= x < total for x in carry):
+            raise InvalidArgumentError(f"the reader state's carry names rows outside 0..{total - 1}")
+        ids = carry.astype(np.int64)
+        if len(np.unique(ids)) != len(ids):
+            raise InvalidArgumentError("the reader state's carry names a row twice")
+        if not len(ids):
+            return
+        served = slice(0, before[-1].stop if before else 0)
+        s = np.searchsorted(self.engine.row_base, ids, side="right") - 1
+        row = ids - self.engine.row_base[s]
+        r = self.engine.block_rows
+        key = s * (self.engine.row_base[-1] + r) + row // r * r
+        earlier = shard[served] * (self.engine.row_base[-1] + r) + start[served]
+        kept = np.isin(key, earlier)
+        if self.engine.keep is not None:
+            kept &= np.array([m is None or bool(m[x]) for m, x in zip(map(self.engine.keep, s.tolist()), row.tolist(),
+                                                                      strict=True)], dtype=bool)
+        if not kept.all():
+            raise InvalidArgumentError("the reader state's carry names rows this reader has not served before its "
+                                       "window: it was saved by another reader or edited")
 
     def __iter__(self) -> Iterator[np.ndarray]:
         resume, self._resume = self._resume, None
@@ -301,6 +383,23 @@ class ShardStream:
                     yield batch if isinstance(batch, torch.Tensor) else torch.from_numpy(batch)
 
         return _Iterable()
+
+
+#: how a setting's value reads in a message
+_UNITS = {"memory": " rows per window", "cache": " shards resident"}
+
+
+def fingerprint(settings: dict) -> str:
+    """sha256 of the settings as canonical JSON: what a reader state is checked against."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _count(state: dict, key: str, most: int) -> int:
+    """A non-negative integer field of a reader state, at most ``most``."""
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise InvalidArgumentError(f"the reader state's {key} must be an integer in 0..{most}, got {value!r:.40}")
+    return value
 
 
 def _check_pin_memory(pin_memory: bool) -> bool:

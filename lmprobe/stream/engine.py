@@ -74,7 +74,8 @@ def rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
         if dist is not None and dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
-    rank, world = int(rank or 0), int(world_size or 1)
+    rank = 0 if rank is None else int(rank)
+    world = 1 if world_size is None else int(world_size)
     if world < 1 or not 0 <= rank < world:
         raise InvalidArgumentError(f"rank must be in 0..world_size-1, got rank={rank}, world_size={world}")
     return rank, world
@@ -124,7 +125,7 @@ class Engine:
         self._given_block_rows = block_rows
         self._set_block_rows()
         self.dropped_by_norm = 0
-        self._base = np.concatenate([[0], np.cumsum(source.shard_rows)]).astype(np.int64)
+        self.row_base = np.concatenate([[0], np.cumsum(source.shard_rows)]).astype(np.int64)
         #: shards resident at a time (a remote source): a pass takes the shards in a random order, this many
         #: at a time, and shuffles the blocks of each group together; None: every block of the dataset together
         self.resident: int | None = None
@@ -177,16 +178,22 @@ class Engine:
             cuts.append(max(nxt, cuts[-1] + 1))
         return [slice(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
+    def window_rows(self, shard: np.ndarray, start: np.ndarray, window: slice) -> int:
+        """Rows a window reads that pass the filters needing no data (its batches are at most this over batch_size)."""
+        s, a = shard[window], start[window]
+        n = self._lengths(s, a)
+        if self.keep is None:
+            return int(n.sum())
+        total = 0
+        for sh, first, k in zip(s.tolist(), a.tolist(), n.tolist(), strict=True):
+            m = self.keep(sh)
+            total += k if m is None else int(m[first : first + k].sum())
+        return total
+
     def count(self, epoch: int = 0) -> int:
         """Vectors this rank gets per pass after the filters that need no data (positions, special tokens)."""
         shard, start = self.blocks(epoch)
-        if self.keep is None:
-            return int(self._lengths(shard, start).sum())
-        total = 0
-        for s, a, n in zip(shard.tolist(), start.tolist(), self._lengths(shard, start).tolist(), strict=True):
-            m = self.keep(s)
-            total += n if m is None else int(m[a : a + n].sum())
-        return total
+        return self.window_rows(shard, start, slice(None))
 
     # ---------------------------------------------------------------- reading
 
@@ -238,7 +245,7 @@ class Engine:
         pool = self.gather(shard, rows, lead)
         self.source.done(used)
         ids = np.empty(len(pool), dtype=np.int64)
-        ids[lead:] = self._base[shard] + rows
+        ids[lead:] = self.row_base[shard] + rows
         if self.max_norm is not None and len(rows):
             norms = self.norms(pool[lead:])
             fine = np.all(norms <= self.max_norm, axis=1)
@@ -272,11 +279,11 @@ class Engine:
         """Rows by global id, in the order given (a resumed pass's carried rows), as stored."""
         ids = np.asarray(ids, dtype=np.int64)
         order = np.argsort(ids, kind="stable")
-        shard = np.searchsorted(self._base, ids[order], side="right") - 1
+        shard = np.searchsorted(self.row_base, ids[order], side="right") - 1
         used = np.unique(shard)
         self.source.plan([used])
         self.source.prepare(used.tolist())
-        pool = self.gather(shard, ids[order] - self._base[shard])
+        pool = self.gather(shard, ids[order] - self.row_base[shard])
         self.source.done(used.tolist())
         out = np.empty_like(pool)
         out[order] = pool
