@@ -242,6 +242,11 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     del flat_ids, flat_offs, src_pos
     # the index's addresses are untrusted: rows are copied straight out of the shard files
     ds.check_addresses(shard_of, offset_of, h.shard_rows, len(h.shards))
+    if with_tokens:  # checked before any byte is written: the lists must hold num_tokens ids per prompt
+        ids = ds.token_columns(["token_ids"])["token_ids"]
+        ds.check_token_counts(pc.list_value_length(ids).to_numpy(zero_copy_only=False), None, "token ids")
+        tok = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
+        del ids
     partial = out / f".{plan.hash}.partial"
     partial.mkdir(parents=True, exist_ok=True)
     n_pos = plan.metadata["n_ex"] * T
@@ -299,7 +304,6 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
             os.close(fd)
     maps.clear()
     if with_tokens:
-        tok = pc.list_flatten(ds.token_columns(["token_ids"])["token_ids"]).to_numpy()
         atomic_write(partial / "tokens.bin", np.ascontiguousarray(tok[list_start[plan.prompt_of] + plan.token_in_prompt],
                                                                   dtype="<u4").tobytes())
     labels = _int_labels(ds)

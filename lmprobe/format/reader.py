@@ -433,6 +433,20 @@ class Dataset:
                            (h.dim,), DTYPES[h.dtype].np_storage)
         return self._finish(out, h.dtype, as_torch)
 
+    def check_token_counts(self, counts: np.ndarray, rows: RowsArg, what: str) -> None:
+        """Per-token lists must hold num_tokens entries per prompt (a damaged index must not shift every later prompt)."""
+        col = self._prompt_table.column("num_tokens")
+        if col.null_count:
+            return  # lmprobe 0.10.3's pooled datasets: the lists give the lengths
+        r = self.row_indices(rows)
+        want = col.to_numpy()[r].astype(np.int64)
+        bad = np.flatnonzero(want != counts)
+        if len(bad):
+            i = int(bad[0])
+            raise FormatError(f"{self.files}: the index is damaged: row {int(r[i])}: {int(counts[i])} {what} for "
+                              f"num_tokens={int(want[i])} ({len(bad)} row(s) disagree); `lmprobe validate` lists "
+                              "every problem")
+
     def token_addresses(self, rows: RowsArg = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-token addresses of the prompts ``rows``: (shard ids, offsets, tokens per prompt), flattened."""
         if self.storage != "full_sequence":
@@ -445,6 +459,7 @@ class Dataset:
         lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
         if not np.array_equal(lengths, pc.list_value_length(offs_col).to_numpy(zero_copy_only=False)):
             raise FormatError(f"{self.files}: token_shard_ids and token_shard_offsets differ in length")
+        self.check_token_counts(lengths, rows, "token addresses")
         ids = pc.list_flatten(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
         offs = pc.list_flatten(offs_col).to_numpy(zero_copy_only=False).astype(np.int64)
         return ids, offs, lengths

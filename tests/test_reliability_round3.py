@@ -1,0 +1,65 @@
+"""Reliability, round 3 (issue 27): what an outside red-team pass found, one test per finding.
+
+Each test failed on main before its fix. The interrupted-operation matrix is in docs/security.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_dataset
+
+import lmprobe
+from lmprobe.cli import main as cli_main
+from lmprobe.errors import FormatError
+
+INDEX = "index/train-00000-of-00001.parquet"
+
+
+def edit_index_column(root, name, edit):
+    """Rewrite one index column (keeping the schema metadata): ``edit(list) -> list``."""
+    path = root / INDEX
+    table = pq.read_table(path)
+    field = table.schema.field(name)
+    values = edit(table.column(name).to_pylist())
+    table = table.set_column(table.column_names.index(name), field, pa.array(values, field.type))
+    pq.write_table(table.replace_schema_metadata(pq.read_schema(path).metadata), path)
+
+
+# ------------------------------------------------------------------ 3. num_tokens beyond the address lists
+
+
+@pytest.mark.parametrize("extra", [1, 5, 10**6])
+def test_num_tokens_beyond_the_address_lists_is_a_format_error(tmp_path, rng, capsys, extra):
+    write_dataset(tmp_path / "ds", rng, n=20, layers=(0,), dim=4, storage="full_sequence", shard_size="256B",
+                  token_ids=True)
+
+    def more(n):
+        n[3] += extra
+        return n
+
+    edit_index_column(tmp_path / "ds", "num_tokens", more)
+    with pytest.raises(FormatError, match="row 3: .* token addresses for num_tokens="):
+        lmprobe.load(tmp_path / "ds").token_addresses()
+    assert cli_main(["export-saev", str(tmp_path / "ds"), "--out", str(tmp_path / "saev"), "--context-len", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "num_tokens" in err[0] and "lmprobe validate" in err[0], err
+    assert not list((tmp_path / "saev").glob("[!.]*"))
+
+
+def test_token_id_lists_shorter_than_num_tokens_are_refused_before_export(tmp_path, rng):
+    from lmprobe.saev import export_saev
+
+    write_dataset(tmp_path / "ds", rng, n=20, layers=(0,), dim=4, storage="full_sequence", shard_size="256B",
+                  token_ids=True)
+
+    def shorter(lists):
+        lists[2] = lists[2][:-1]
+        return lists
+
+    edit_index_column(tmp_path / "ds", "token_ids", shorter)
+    with pytest.raises(FormatError, match="row 2: .* token ids for num_tokens="):
+        export_saev(tmp_path / "ds", tmp_path / "saev", context_len=4, quiet=True)
+    assert not list((tmp_path / "saev").glob("[!.]*"))
