@@ -63,3 +63,25 @@ def test_token_id_lists_shorter_than_num_tokens_are_refused_before_export(tmp_pa
     with pytest.raises(FormatError, match="row 2: .* token ids for num_tokens="):
         export_saev(tmp_path / "ds", tmp_path / "saev", context_len=4, quiet=True)
     assert not list((tmp_path / "saev").glob("[!.]*"))
+
+
+# ------------------------------------------------------------------ 4. metadata listing 100,000 layers
+
+
+def test_validate_of_metadata_listing_huge_numbers_of_layers_counts_the_missing_files(tmp_path, rng):
+    import json
+
+    write_dataset(tmp_path / "ds", rng, n=20, layers=(0,), dim=4, storage="full_sequence", shard_size="256B")
+    path = tmp_path / "ds" / INDEX
+    meta = dict(pq.read_schema(path).metadata)
+    tensors = json.loads(meta[b"lmprobe:tensors"])
+    n_shards = len(tensors["hidden_layers"]["shards"])
+    tensors["hidden_layers"]["layers"] = list(range(20_000))
+    meta[b"lmprobe:tensors"] = json.dumps(tensors).encode()
+    pq.write_table(pq.read_table(path).replace_schema_metadata(meta), path)
+    report = lmprobe.validate(tmp_path / "ds")
+    assert not report.ok and report.checked_files == n_shards  # layer 0's files, each checked
+    assert len(report.errors) <= 51, len(report.errors)  # listed one by one, then counted
+    listed = sum("file is missing" in e for e in report.errors)
+    assert report.errors[-1] == (f"... and {19_999 * n_shards - listed:,} more shard files listed in the metadata "
+                                 "are missing (20,000 layers listed)")
