@@ -8,6 +8,7 @@ before a file is touched. Statistics merge exactly (Chan's parallel algorithm).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -32,6 +33,9 @@ from .statistics import RunningStats, write_statistics
 
 # extraction settings that may differ between parts of one job
 _PART_SETTINGS = {"prompts_sha256", "num_prompts", "part"}
+
+#: what a merge in progress records in its output: the same command finds it and finishes the merge
+_MARKER = ".lmprobe-merge.json"
 
 
 def _compatible(parts: list[Dataset]) -> list[str]:
@@ -68,6 +72,8 @@ def _compatible(parts: list[Dataset]) -> list[str]:
 
 def _link(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.exists() and os.path.samefile(src, dst):
+        return  # linked by an interrupted run of this merge (renaming a link onto its twin would do nothing)
     with atomic_output(dst) as tmp:
         if tmp.exists():
             tmp.unlink()
@@ -108,10 +114,20 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
            settings: dict | None) -> Path:
     if (out / INDEX_PATH).exists() and not overwrite:
         raise OutputExistsError(f"{out} already holds a dataset; pass --overwrite to replace it")
-    if out.exists() and any(not c.name.startswith(".lmprobe-") for c in out.iterdir()) and not (out / INDEX_PATH).exists():
-        raise OutputExistsError(f"{out} is not empty; choose an empty or new folder")
+    # what this merge is: a re-run of the same command over a killed merge's files finishes it
+    plan = {"sources": sources, "indexes": [_index_digest(d) for d in dss], "move": move}
+    marker = out / _MARKER
+    if out.exists() and not (out / INDEX_PATH).exists() and any(not c.name.startswith(".lmprobe-")
+                                                                 for c in out.iterdir()):
+        if not marker.is_file():
+            raise OutputExistsError(f"{out} is not empty; choose an empty or new folder")
+        if _read_marker(marker) != plan and not overwrite:
+            raise OutputExistsError(f"{out} holds an interrupted merge of other inputs; re-run that merge to "
+                                    "finish it, pass --overwrite to replace it, or choose a new folder")
     if (out / INDEX_PATH).exists():
         (out / INDEX_PATH).unlink()  # the index goes first, so a half-replaced folder never looks complete
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(marker, json.dumps(plan))
 
     first = dss[0]
     h0 = first.meta.hidden
@@ -184,7 +200,24 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
         for k, ds in enumerate(dss):  # row group by row group: the index is never whole in memory
             for t in ds.iter_index():
                 pw.write_table(renumbered(k, ds, t))
+    marker.unlink()
     return out
+
+
+def _index_digest(ds: Dataset) -> str:
+    """A part's identity and revision: its index's schema metadata (shard lists, sizes, checksums)."""
+    md = ds.schema.metadata or {}
+    return hashlib.sha256(json.dumps(sorted((k.hex(), v.hex()) for k, v in md.items())).encode()).hexdigest()
+
+
+def _read_marker(path: Path) -> Any:
+    """The recorded plan of an interrupted merge (None when unreadable: then it is not this merge's)."""
+    if path.is_symlink() or path.stat().st_size > 1 << 20:
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def _logits_rel(lg0: Any, shard: int) -> str:
