@@ -107,6 +107,7 @@ def _cmd_export_sae(args: argparse.Namespace) -> int:
         model_revision=args.model_revision,
         model_config=args.model_config,
         file_format=args.file_format,
+        activation=args.activation,
     )
     print(report)
     if args.push and args.repo_type == "dataset":
@@ -399,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-revision", default=None, help="commit hash of the model (recorded as model_hash)")
     p.add_argument("--model-config", default=None, help="config.json of the model (its sha256 becomes model_hash)")
     p.add_argument("--file-format", choices=["npz", "safetensors"], default="npz")
+    p.add_argument("--activation", default=None, metavar="RULE",
+                   help="the SAE's activation rule for a .safetensors/.npz file: relu (default), topk:K, groupmax:K, "
+                   "jumprelu or batchtopk:THRESHOLD (a SAELens or sparsify save records its own)")
     p.add_argument("--push", default=None, metavar="REPO", help="publish the dictionary to this Hub repo")
     p.add_argument("--repo-type", choices=["model", "dataset"], default="model",
                    help="model: REPO/<dict>/ (default); dataset: beside a dataset, under sae/<dict>/, index updated")

@@ -180,7 +180,7 @@ def test_cli_export_and_topk(tmp_path, rng, capsys, llama_dir):
     assert cli_main(["export-sae", str(tmp_path / "sae.safetensors"), "--layer", "2", "--root", str(tmp_path / "r"),
                      "--dict", "tiny", "--weight-key", "enc.weight", "--bias-key", "enc.bias",
                      "--topk-per-feature", "16"]) == 0
-    assert "of the weight mass" in capsys.readouterr().out
+    assert "activation relu; 1024 encoder weights kept (50.0% of the weight matrix" in capsys.readouterr().out
     assert cli_main(["sae-topk", "--root", str(tmp_path / "r"), "--dict", "tiny", "--layer", "2", "--topk", "3",
                      "--dataset", str(tmp_path / "ds"), "--prompt", "1"]) == 0
     out = capsys.readouterr().out

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 from lmprobe.cli import main as cli_main
 from lmprobe.sae import SAEConfig, load_dictionary
 from lmprobe.sae.export import export_sae
-from lmprobe.sae.loader import batch_scores
+from lmprobe.sae.loader import batch_scores, encode, encode_topk
 
 D_IN, D_SAE = 16, 40
 
@@ -54,6 +54,19 @@ def sparsify_folder(path: Path, rng, *, cfg: dict) -> dict:
     save_file({k: v.astype(np.float32) for k, v in t.items()}, str(path / "sae.safetensors"))
     (path / "cfg.json").write_text(json.dumps({"d_in": D_IN, "num_latents": D_SAE, "expansion_factor": 32, **cfg}))
     return {k: v.astype(np.float32).astype(np.float64) for k, v in t.items()}
+
+
+def layer_of(root: Path, name: str, layer: int):
+    return load_dictionary(SAEConfig(root_path=root, dictionary_name=name)).get_layer(layer)
+
+
+def agree_on_firing(got: np.ndarray, want: np.ndarray) -> None:
+    """The same features fire (up to float16 near-ties), with the same activations where both fire."""
+    overlap = [len(set(np.flatnonzero(a)) & set(np.flatnonzero(b))) / max(np.count_nonzero(b), 1)
+               for a, b in zip(got, want, strict=True)]
+    assert np.mean(overlap) > 0.97, np.mean(overlap)
+    both = (got > 0) & (want > 0)
+    close(got[both], want[both])
 
 
 def close(got: np.ndarray, want: np.ndarray) -> None:
@@ -155,8 +168,8 @@ def test_sparsify_save_as_it_is(tmp_path, rng):
     want = (X - t["b_dec"]) @ t["encoder.weight"].T + t["encoder.bias"]
     close(scores(tmp_path / "root", "s", 6, X), want)
     src = json.loads((tmp_path / "root/s/meta.json").read_text())["layer_sources"]["6"]
-    assert src == {"source": "sparsify", "architecture": "sae", "b_dec_folded": True, "activation": "topk", "k": 8,
-                   "hookpoint": "layers.6"}
+    assert src == {"source": "sparsify", "architecture": "sae", "b_dec_folded": True,
+                   "activation": {"rule": "topk", "k": 8}, "hookpoint": "layers.6"}
 
 
 def test_sparsify_transcoder_keeps_its_bias(tmp_path, rng):
@@ -230,6 +243,12 @@ def test_saelens_own_encode_agrees(library_saes, tmp_path, name):
         np.testing.assert_array_equal((s > 0)[margin], fires[margin])
     if name.startswith("standard"):
         close(np.maximum(s, 0), acts)
+    # the recorded rule gives the library's own activations: k at most per token for top-k
+    a = encode(layer_of(tmp_path, "d", 2), X)
+    if name.startswith("topk"):
+        assert (np.count_nonzero(a, axis=1) <= 6).all() and np.count_nonzero(a, axis=1).mean() > 5
+    if name != "gated":  # the gated magnitude path is not stored (docs/sae.md)
+        agree_on_firing(a, acts)
 
 
 @pytest.mark.slow
@@ -244,3 +263,125 @@ def test_sparsify_own_encode_agrees(library_saes, tmp_path, name):
     theirs = enc[f"sparsify/{name}/top_indices"]
     agree = np.mean([len(set(a) & set(b)) / 6 for a, b in zip(top, theirs, strict=True)])
     assert agree > 0.97
+    # sparsify's encode: its top-k activations, every other latent zero
+    want = np.zeros_like(s)
+    np.put_along_axis(want, theirs.astype(np.int64), enc[f"sparsify/{name}/top_acts"], axis=1)
+    agree_on_firing(encode(layer_of(tmp_path, "d", 3), X), want)
+
+
+# ---------------------------------------------------------------------------------------------- activation rules
+
+
+def test_a_topk_sae_fires_k_features_per_token_in_features_and_sae_topk(tmp_path, rng, capsys):
+    """Finding 6 of issue 27: top-k SAEs looked dense (a feature counted as firing whenever W x + b > 0)."""
+    from conftest import write_dataset
+
+    import lmprobe
+    from lmprobe.pages.features import features
+
+    ds = tmp_path / "ds"
+    write_dataset(ds, rng, n=12, layers=(0,), dim=D_IN, storage="full_sequence", shard_size="1KB")
+    t = sparsify_folder(tmp_path / "layers.0", rng, cfg={"k": 8, "activation": "topk"})
+    t["encoder.bias"] += 5.0  # every score positive: a relu rule would fire all 40
+    save_file({k: v.astype(np.float32) for k, v in t.items()}, str(tmp_path / "layers.0" / "sae.safetensors"))
+    export_sae(tmp_path / "layers.0", layer=0, root=tmp_path / "root", dictionary="k8")
+    out = features(ds, tmp_path / "root", "k8", 0, tmp_path / "feat", quiet=True)
+    freq = load_file(str(out / "features.safetensors"))["frequency"]
+    np.testing.assert_allclose(freq.sum(), 8.0)  # k firing features per token, not 40
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["activation"] == {"rule": "topk", "k": 8} and "topk (k=8)" in manifest["score"]
+    # the top activations equal the SAE's own encode on the same vectors
+    X = np.concatenate([lmprobe.load(ds).token_hidden(i, 0) for i in range(lmprobe.load(ds).num_prompts)])
+    pre = np.maximum((X - t["b_dec"]) @ t["encoder.weight"].T + t["encoder.bias"], 0)
+    want = np.where(pre >= np.sort(pre, axis=1)[:, -8:-7], pre, 0)
+    top = load_file(str(out / "features.safetensors"))["top_values"]
+    for f in range(D_SAE):
+        col = np.sort(want[:, f])[::-1][: top.shape[1]]
+        close(top[f][: np.count_nonzero(col)], col[: np.count_nonzero(col)])
+    # sae-topk prints at most k firing features, and the raw scores with --scores
+    args = ["sae-topk", "--root", str(tmp_path / "root"), "--dict", "k8", "--layer", "0", "--topk", "20"]
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("feat_") == 8 and "activation topk (k=8)" in printed
+    assert cli_main([*args, "--scores"]) == 0
+    assert capsys.readouterr().out.count("feat_") == 20
+
+
+def test_jumprelu_activations_are_the_pre_activations_above_the_threshold(tmp_path, rng):
+    theta = np.abs(rng.normal(size=D_SAE)) * 0.5
+    t = saelens_folder(tmp_path / "sae", rng, cfg={"d_in": D_IN, "d_sae": D_SAE, "architecture": "jumprelu"},
+                       extra={"threshold": theta})
+    X = rng.normal(size=(100, D_IN))
+    for fmt in ("npz", "safetensors"):
+        export_sae(tmp_path / "sae", layer=1, root=tmp_path / fmt, dictionary="d", file_format=fmt)
+        pre = (X - t["b_dec"]) @ t["W_enc"] + t["b_enc"]
+        want = np.where(pre > t["threshold"], np.maximum(pre, 0), 0)  # SAELens' JumpReLU encode
+        layer = layer_of(tmp_path / fmt, "d", 1)
+        assert layer.activation == {"rule": "jumprelu"} and layer.threshold is not None
+        agree_on_firing(encode(layer, X), want)
+        best = encode_topk(layer, X[0], k=3)
+        np.testing.assert_allclose([a for _, a in best], np.sort(want[0])[::-1][:3], rtol=2e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize(("rule", "fires"), [("relu", None), ("topk:3", 3), ("groupmax:4", 4), ("batchtopk:0.5", None)])
+def test_rules_given_for_plain_arrays_and_their_pure_python_path(tmp_path, rng, rule, fires, monkeypatch):
+    W = rng.normal(size=(D_SAE, D_IN)).astype(np.float32)
+    b = (rng.normal(size=D_SAE) + 2).astype(np.float32)
+    export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W, b_enc=b, orientation="out_in", activation=rule)
+    layer = layer_of(tmp_path, "d", 0)
+    X = rng.normal(size=(30, D_IN)).astype(np.float32)
+    a = encode(layer, X)
+    s = batch_scores(layer, X)
+    if fires:
+        assert (np.count_nonzero(a, axis=1) == fires).all()
+    if rule == "batchtopk:0.5":
+        np.testing.assert_array_equal(a > 0, s > 0.5)
+    if rule == "groupmax:4":  # one per group of 10 features
+        assert (np.count_nonzero(a.reshape(30, 4, 10), axis=2) == 1).all()
+    want = encode_topk(layer, X[0], k=5)
+    import lmprobe.sae.loader as loader
+
+    monkeypatch.setattr(loader, "_numpy", lambda: None)
+    plain = load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d")).get_layer(0)
+    got = encode_topk(plain, X[0].tolist(), k=5)
+    assert [i for i, _ in got] == [i for i, _ in want]
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("rule", "message"), [
+    ("topk:0", "k in 1..40"), ("topk:x", "use relu, topk:K"), ("groupmax:3", "divisible"), ("softmax", "use relu"),
+])
+def test_a_bad_rule_is_a_one_line_error(tmp_path, rng, rule, message, capsys):
+    W = rng.normal(size=(D_IN, D_SAE)).astype(np.float32)
+    save_file({"w": W}, str(tmp_path / "sae.safetensors"))
+    assert cli_main(["export-sae", str(tmp_path / "sae.safetensors"), "--layer", "0", "--root", str(tmp_path / "r"),
+                     "--dict", "d", "--weight-key", "w", "--orientation", "in_out", "--activation", rule]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "\\n" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r" / "d").exists()
+
+
+def test_a_tampered_rule_in_meta_json_is_refused(tmp_path, rng):
+    from lmprobe.errors import DictionaryError
+
+    W = rng.normal(size=(D_SAE, D_IN)).astype(np.float32)
+    export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W, orientation="out_in", activation="topk:4")
+    meta_path = tmp_path / "d" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["layer_sources"]["0"]["activation"] = {"rule": "topk", "k": 10**9}
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(DictionaryError, match="k in 1..40"):
+        layer_of(tmp_path, "d", 0)
+
+
+def test_dictionaries_exported_before_the_one_spelling_keep_their_rule(tmp_path, rng):
+    W = rng.normal(size=(D_SAE, D_IN)).astype(np.float32)
+    export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W, orientation="out_in")
+    meta_path = tmp_path / "d" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for old, want in [({"activation": "topk", "k": 5}, {"rule": "topk", "k": 5}),
+                      ({"architecture": "topk", "k": 6}, {"rule": "topk", "k": 6}),
+                      ({"threshold_folded": True}, {"rule": "jumprelu"}), ({}, {"rule": "relu"})]:
+        meta["layer_sources"]["0"] = {"source": "old", **old}
+        meta_path.write_text(json.dumps(meta))
+        assert layer_of(tmp_path, "d", 0).activation == want

@@ -5,11 +5,14 @@ The cache (docs/features.md) is for any tool to read without lmprobe:
 - ``features.safetensors``: ``top_values`` (features x N float32, descending), ``top_prompt`` and
   ``top_token`` (features x N int64: the prompt's index row and the token's position in it; -1
   where the feature fired fewer than N times, with value 0), ``frequency`` (features float64: the
-  fraction of stored tokens whose score is above zero) and ``max_value`` (features float32);
-- ``manifest.json``: the dataset, dictionary, layer, hookpoint, N, token count and what the score is.
+  fraction of stored tokens on which the feature fires) and ``max_value`` (features float32);
+- ``manifest.json``: the dataset, dictionary, layer, hookpoint, activation rule, N, token count and
+  what the values are.
 
-Scores are the dictionary's own (``W x + b``, what ``lmprobe sae-topk`` ranks); a feature *fires* on
-a token when its score is above zero. Tokens are read prompt after prompt in batches sized by
+Values are the SAE's feature activations: the dictionary's scores ``W x + b`` under the layer's
+recorded activation rule (lmprobe.sae.activation: relu, top-k, JumpReLU, ...), as
+``lmprobe.sae.encode`` and ``lmprobe sae-topk`` give them; a feature *fires* on a token when its
+activation is above zero, so a top-k SAE fires k features per token. Tokens are read prompt after prompt in batches sized by
 ``memory``; the running top-N is merged batch by batch, so memory does not grow with the dataset.
 A checkpoint every ``checkpoint_tokens`` tokens lets an interrupted run resume where it stopped.
 """
@@ -31,6 +34,7 @@ from ..html import esc, page, table, tokens_html
 from ..lock import OutputLock
 from ..opening import load
 from ..paths import check_output_path
+from ..sae.activation import activate, describe
 from ..sae.loader import SAEConfig, dense_encoder, load_dictionary
 from ..safeio import read_json
 from ..tensors import load_file, save_file
@@ -59,7 +63,7 @@ class FeatureCache:
         self.tokens_seen = 0
 
     def add(self, scores: np.ndarray, prompt: np.ndarray, token: np.ndarray) -> None:
-        """Merge a batch: ``scores`` (tokens, features), each token's prompt row and position."""
+        """Merge a batch: ``scores`` (tokens, features) activations, each token's prompt row and position."""
         n = len(scores)
         if n == 0:
             return
@@ -128,9 +132,10 @@ def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: 
         raise InvalidArgumentError(f"dictionary {dictionary!r} layer {layer} reads {W.shape[1]}-dim vectors; the "
                                    f"dataset stores {ds.hidden_desc(hookpoint).dim}")
     b = np.zeros(W.shape[0], np.float32) if weights.bias is None else np.asarray(weights.bias, dtype=np.float32)
+    enc = _Encoder(W, b, weights.activation, weights.threshold)
     settings = {"dataset": ds.source, "num_prompts": ds.num_prompts, "dictionary": dictionary,
                 "sae_root": os.fspath(sae_root), "layer": layer, "hookpoint": hookpoint or ds.hookpoints[0], "top": top,
-                "features": int(W.shape[0])}
+                "features": int(W.shape[0]), "activation": weights.activation}
     out.mkdir(parents=True, exist_ok=True)
     with OutputLock(out):
         if (out / MANIFEST_FILE).exists() and not overwrite:
@@ -139,9 +144,10 @@ def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: 
                 raise InvalidArgumentError(f"{out} holds a feature cache made with other settings; pass "
                                            "overwrite=True (--overwrite) or choose another --out")
         else:
-            cache = _compute(ds, W, b, settings, out, layer, hookpoint, budget, checkpoint_tokens, overwrite, quiet)
+            cache = _compute(ds, enc, settings, out, layer, hookpoint, budget, checkpoint_tokens, overwrite, quiet)
             manifest = {**settings, "tokens": cache.tokens_seen, "file": CACHE_FILE,
-                        "score": "W x + b of the dictionary's layer (lmprobe sae-topk's score); fires when > 0",
+                        "score": f"the feature's activation: W x + b of the dictionary's layer under its activation "
+                                 f"rule, {describe(weights.activation)}; fires when > 0",
                         "top_token": "position of the token in its prompt (0-based)",
                         "top_prompt": "row of the dataset's index"}
             with atomic_output(out / CACHE_FILE) as tmp:
@@ -150,14 +156,26 @@ def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: 
             for name in (_PARTIAL, _PARTIAL_STATE):
                 (out / name).unlink(missing_ok=True)
         t = load_file(out / CACHE_FILE)
-        _browser(ds, W, b, t, out, layer, hookpoint, settings, pages, load_tokenizer_for(ds, tokenizer))
+        _browser(ds, enc, t, out, layer, hookpoint, settings, pages, load_tokenizer_for(ds, tokenizer))
     if not quiet:
         print(f"wrote {out / CACHE_FILE} and {out / 'index.html'}", file=sys.stderr)
     return out
 
 
-def _compute(ds: Dataset, W: np.ndarray, b: np.ndarray, settings: dict, out: Path, layer: int,
+class _Encoder:
+    """The layer's activations of a batch of vectors: ``W x + b`` under its rule."""
+
+    def __init__(self, W: np.ndarray, b: np.ndarray, rule: dict, threshold: np.ndarray | None):
+        self.W, self.b, self.rule, self.threshold = W, b, rule, threshold
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """(tokens, features) activations of ``x`` (tokens, dim)."""
+        return activate(self.rule, x @ self.W.T + self.b, self.threshold)
+
+
+def _compute(ds: Dataset, enc: _Encoder, settings: dict, out: Path, layer: int,
              hookpoint: str | None, budget: int, checkpoint_tokens: int, overwrite: bool, quiet: bool) -> FeatureCache:
+    W = enc.W
     n_features = W.shape[0]
     cache = FeatureCache(n_features, settings["top"])
     start = 0
@@ -168,7 +186,7 @@ def _compute(ds: Dataset, W: np.ndarray, b: np.ndarray, settings: dict, out: Pat
             cache.restore(load_file(out / _PARTIAL))
             start = int(st["next_prompt"])
     # a batch's scores (tokens x features float32) and its vectors fit the budget
-    per_token = 4 * (n_features + W.shape[1]) * 3
+    per_token = 4 * (n_features + W.shape[1]) * 5  # scores, activations, a top-k rule's int64 selection
     batch_tokens = max(1, budget // per_token)
     lengths = ds.token_lengths()
     from tqdm.auto import tqdm
@@ -189,7 +207,7 @@ def _compute(ds: Dataset, W: np.ndarray, b: np.ndarray, settings: dict, out: Pat
             for a in range(0, len(ids), batch_tokens):  # a prompt longer than the batch goes in pieces
                 x = np.asarray(ds.read_hidden_rows(layer, ids[a : a + batch_tokens], offs[a : a + batch_tokens],
                                                    hookpoint=hookpoint), dtype=np.float32)
-                cache.add(x @ W.T + b, prompt[a : a + batch_tokens], token[a : a + batch_tokens])
+                cache.add(enc(x), prompt[a : a + batch_tokens], token[a : a + batch_tokens])
             bar.update(len(ids))
             since += len(ids)
             p = q
@@ -203,14 +221,14 @@ def _compute(ds: Dataset, W: np.ndarray, b: np.ndarray, settings: dict, out: Pat
     return cache
 
 
-def _browser(ds: Dataset, W: np.ndarray, b: np.ndarray, t: dict, out: Path, layer: int, hookpoint: str | None,
+def _browser(ds: Dataset, enc: _Encoder, t: dict, out: Path, layer: int, hookpoint: str | None,
              settings: dict, pages: int | None, tok: Any) -> None:
     freq, maxv = t["frequency"], t["max_value"]
     fired = np.flatnonzero(freq > 0)
     order = fired[np.lexsort((fired, -freq[fired]))]
     shown = order if pages is None else order[: max(0, int(pages))]
     token_text = _TokenText(ds, tok)
-    contexts = _contexts(ds, W, b, t, shown, layer, hookpoint)
+    contexts = _contexts(ds, enc, t, shown, layer, hookpoint)
     (out / "feature").mkdir(exist_ok=True)
     rows = []
     for f in order.tolist():
@@ -243,9 +261,9 @@ def _tokens_note(ds: Dataset) -> str:
     return f"{int(ds.token_lengths().sum()):,} stored tokens of {ds.num_prompts:,} prompts"
 
 
-def _contexts(ds: Dataset, W: np.ndarray, b: np.ndarray, t: dict, shown: np.ndarray, layer: int,
+def _contexts(ds: Dataset, enc: _Encoder, t: dict, shown: np.ndarray, layer: int,
               hookpoint: str | None) -> dict[int, list]:
-    """For each shown feature, its top contexts with the feature's score at every token of the prompt.
+    """For each shown feature, its top contexts with the feature's activation at every token of the prompt.
 
     Each prompt is read once, whatever the number of features that list it.
     """
@@ -256,7 +274,7 @@ def _contexts(ds: Dataset, W: np.ndarray, b: np.ndarray, t: dict, shown: np.ndar
     scores: dict[tuple[int, int], np.ndarray] = {}
     for p, feats in sorted(need.items()):
         x = np.asarray(ds.token_hidden(p, layer, hookpoint=hookpoint), dtype=np.float32)
-        s = x @ W[feats].T + b[feats]  # (tokens, len(feats))
+        s = enc(x)[:, feats]  # (tokens, len(feats)): a top-k rule needs every feature's score
         for j, f in enumerate(feats):
             scores[(p, f)] = s[:, j]
     out: dict[int, list] = {}

@@ -1,7 +1,8 @@
 """SAE dictionaries: sparse CSR encoders per layer, a lazy loader and top-k projection.
 
 Public names follow the SAE dictionary document: SAEConfig, SAELayerWeights, SAEDictionary,
-load_dictionary, project_topk. numpy is optional for loading and projecting.
+load_dictionary, project_topk. numpy is optional for loading and projecting. ``encode`` and
+``encode_topk`` apply each layer's recorded activation rule (``lmprobe.sae.activation``).
 """
 
 from .loader import (
@@ -10,6 +11,8 @@ from .loader import (
     SAELayerWeights,
     dense_encoder,
     detect_device,
+    encode,
+    encode_topk,
     load_dictionary,
     project_topk,
     project_topk_batch,
@@ -22,6 +25,8 @@ __all__ = [
     "SAELayerWeights",
     "dense_encoder",
     "detect_device",
+    "encode",
+    "encode_topk",
     "export_sae",
     "load_dictionary",
     "project_topk",

@@ -9,7 +9,8 @@ import time
 from collections.abc import Sequence
 
 from ..errors import LmprobeError
-from .loader import SAEConfig, load_dictionary, project_topk
+from .activation import describe
+from .loader import SAEConfig, encode_topk, load_dictionary, project_topk
 
 
 def add_topk_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,6 +22,9 @@ def add_topk_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=0, help="with --dataset: the prompt (index row) to use")
     p.add_argument("--seed", type=int, default=0, help="seed of the random probe vector")
     p.add_argument("--device", default="auto")
+    p.add_argument("--scores", action="store_true",
+                   help="rank raw scores W x + b (the dictionary format's projection) instead of the SAE's "
+                   "activations under its recorded rule (relu, top-k, JumpReLU)")
 
 
 def run_topk(args: argparse.Namespace) -> int:
@@ -39,11 +43,13 @@ def run_topk(args: argparse.Namespace) -> int:
         vec = [rng.gauss(0.0, 1.0) for _ in range(layer.hidden_dim)]
         what = f"a random probe vector (seed {args.seed})"
     t1 = time.perf_counter()
-    top = project_topk(layer, vec, k=args.topk)
+    top = project_topk(layer, vec, k=args.topk) if args.scores else encode_topk(layer, vec, k=args.topk)
     t_proj = time.perf_counter() - t1
     print(f"dictionary {args.dictionary!r} layer {args.layer}: {layer.feature_count} features x {layer.hidden_dim} "
-          f"dims, {layer.nnz} weights (loaded in {t_load * 1000:.0f} ms, device {dct.device})")
-    print(f"top {len(top)} features for {what} ({t_proj * 1000:.1f} ms):")
+          f"dims, {layer.nnz} weights, activation {describe(layer.activation)} (loaded in {t_load * 1000:.0f} ms, "
+          f"device {dct.device})")
+    ranked = "raw scores W x + b" if args.scores else "activations; features that do not fire are left out"
+    print(f"top {len(top)} features for {what} by {ranked} ({t_proj * 1000:.1f} ms):")
     for idx, score in top:
         print(f"  feat_{idx}\t{score:.6f}")
     return 0

@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from ..errors import DictionaryError
 from ..format.values import to_numpy
 from ..lock import OutputLock
 from ..paths import check_output_path
+from .activation import RELU, check_rule, describe, parse_rule
 from .loader import SAEConfig, load_dictionary, validate_dictionary
 from .sources import EncoderWeights, load_tensors, read_sae_folder
 
@@ -32,11 +33,13 @@ class ExportReport:
     nnz: int
     mass_kept: float  # fraction of the encoder's L1 weight mass kept by sparsification
     path: Path
+    activation: dict = field(default_factory=lambda: dict(RELU))  # the SAE's activation rule
 
     def __str__(self) -> str:
         density = self.nnz / (self.features * self.hidden_dim)
-        return (f"layer {self.layer}: {self.features} features x {self.hidden_dim} dims, {self.nnz} weights kept "
-                f"({density:.1%} dense), {self.mass_kept:.1%} of the weight mass -> {self.path}")
+        return (f"layer {self.layer}: {self.features} features x {self.hidden_dim} dims, activation "
+                f"{describe(self.activation)}; {self.nnz} encoder weights kept ({density:.1%} of the weight matrix, "
+                f"{self.mass_kept:.1%} of its weight mass) -> {self.path}")
 
 
 def read_encoder(source: str | os.PathLike, *, weight_key: str | None = None, bias_key: str | None = None,
@@ -165,6 +168,7 @@ def export_sae(
     model_revision: str | None = None,
     model_config: dict | str | os.PathLike | None = None,
     file_format: str = "npz",
+    activation: str | dict | None = None,
 ) -> ExportReport:
     """Add one layer's encoder to dictionary ``root/dictionary`` (created if needed); returns a report.
 
@@ -177,6 +181,11 @@ def export_sae(
     input are folded into the bias (``b' = b_enc - W_enc b_dec``), so the dictionary's scores equal
     the SAE's own pre-activations; meta.json records what was folded for each layer.
 
+    ``activation`` is the SAE's activation rule (``relu``, ``topk:K``, ``groupmax:K``, ``jumprelu``,
+    ``batchtopk:T``, or its dict; lmprobe.sae.activation): a SAELens or sparsify save records its
+    own, and plain arrays default to relu. meta.json keeps it, so that ``lmprobe features``,
+    ``sae-topk`` and ``encode`` fire features as the SAE does.
+
     Layers already in the dictionary are replaced; meta.json's feature_count and layer_ranges are
     rewritten to match. Every file is written under a temporary name and renamed into place, the
     metadata last, and the result is validated.
@@ -187,23 +196,29 @@ def export_sae(
         raise DictionaryError("file_format must be 'npz' or 'safetensors'")
     if (source is None) == (W_enc is None):
         raise DictionaryError("pass either a source (file or SAELens folder) or W_enc arrays")
+    given = parse_rule(activation) if isinstance(activation, str) else activation  # checked before reading weights
     if source is not None:
         enc = read_encoder(source, weight_key=weight_key, bias_key=bias_key, b_dec_key=b_dec_key,
                            orientation=orientation, hookpoint=hookpoint)
-        W, b, source_info = enc.W, enc.b, enc.info
+        W, b, source_info, folded = enc.W, enc.b, dict(enc.info), enc.threshold
     else:
         b = None if b_enc is None else to_numpy(b_enc).astype(np.float32).reshape(-1)
         W = orient(to_numpy(W_enc).astype(np.float32), b, orientation)
-        source_info = {"source": "arrays", "b_dec_folded": False}
+        source_info, folded = {"source": "arrays", "b_dec_folded": False}, None
+    recorded = source_info.get("activation")
+    if given is not None and recorded is not None and given != recorded:
+        raise DictionaryError(f"the save records activation {describe(recorded)}; --activation {describe(given)} "
+                              "contradicts it (leave --activation out for a SAELens or sparsify save)")
+    source_info["activation"] = check_rule(given or recorded or dict(RELU), W.shape[0], "the activation rule")
     data, indices, indptr, mass = sparsify(W, threshold=threshold, topk_per_feature=topk_per_feature)
     ddir = check_output_path(Path(root) / dictionary, "dictionary")
     with OutputLock(ddir):
         return _write_layer(ddir, layer, W, b, data, indices, indptr, mass, source_info, file_format=file_format,
-                            model_revision=model_revision, model_config=model_config)
+                            model_revision=model_revision, model_config=model_config, threshold=folded)
 
 
 def _write_layer(ddir: Path, layer: int, W, b, data, indices, indptr, mass: float, source_info: dict, *,
-                 file_format: str, model_revision, model_config) -> ExportReport:
+                 file_format: str, model_revision, model_config, threshold: np.ndarray | None) -> ExportReport:
     root, dictionary = ddir.parent, ddir.name
     fmt = "csr.npz" if file_format == "npz" else "csr.safetensors"
     ddir.mkdir(parents=True, exist_ok=True)
@@ -221,12 +236,16 @@ def _write_layer(ddir: Path, layer: int, W, b, data, indices, indptr, mass: floa
             np.savez(f, data=data, indices=indices, indptr=indptr, shape=shape)
         if b is not None:
             np.save(tmp / "bias.npy", b.astype(np.float16))
+        if threshold is not None:
+            np.save(tmp / "threshold.npy", threshold.astype(np.float32))
     else:
         from safetensors.numpy import save_file
 
         save_file({"data": data, "indices": indices, "indptr": indptr, "shape": shape}, str(tmp / "encoder.safetensors"))
         if b is not None:
             save_file({"bias": b.astype(np.float16)}, str(tmp / "bias.safetensors"))
+        if threshold is not None:
+            save_file({"threshold": threshold.astype(np.float32)}, str(tmp / "threshold.safetensors"))
     final = ddir / f"layer_{layer}"
     old = None
     if final.exists():
@@ -266,7 +285,7 @@ def _write_layer(ddir: Path, layer: int, W, b, data, indices, indptr, mass: floa
     problems = validate_dictionary(root, dictionary)
     if problems:
         raise DictionaryError("the exported dictionary does not validate: " + "; ".join(problems))
-    return ExportReport(layer, W.shape[0], W.shape[1], int(data.size), mass, final)
+    return ExportReport(layer, W.shape[0], W.shape[1], int(data.size), mass, final, source_info["activation"])
 
 
 def _features_of(ddir: Path, layer: int, meta: dict | None) -> int:

@@ -29,6 +29,7 @@ from ..errors import DictionaryError, InvalidArgumentError, UnsafePathError
 from ..paths import resolve_inside
 from ..safeio import check_regular, read_json
 from ..storage.hub import HubFiles, parse_hf_url
+from .activation import RELU, activate, activate_list, activation_rule, check_rule
 from .npyio import load_npy, load_npz, load_safetensors
 
 REQUIRED_META = {"version": str, "model_hash": str, "feature_count": int, "dtype": str, "format": str}
@@ -117,6 +118,8 @@ class SAELayerWeights:
     shape: tuple[int, int]  # (features, hidden_dim)
     bias: Any = None  # float16 (float32 when loaded with dtype="fp32"), one per feature
     device: str = "cpu"  # where batched projections of this layer run
+    activation: dict = field(default_factory=lambda: dict(RELU))  # the SAE's rule (lmprobe.sae.activation)
+    threshold: Any = None  # jumprelu: the threshold folded into the bias, one per feature (float32)
     _dense: Any = field(default=None, repr=False)
     _data32: Any = field(default=None, repr=False)
     _dense_torch: Any = field(default=None, repr=False)
@@ -294,6 +297,12 @@ class SAEDictionary:
                     f"[{start}, {end}]"
                 )
         weights.device = self.cfg.device
+        where = f"{self._source.describe('meta.json')} layer {layer}"
+        source = (self.meta.get("layer_sources") or {}).get(str(layer)) if isinstance(
+            self.meta.get("layer_sources"), dict) else None
+        weights.activation = check_rule(activation_rule(source), weights.feature_count, where)
+        if weights.activation["rule"] == "jumprelu":
+            weights.threshold = self._threshold(layer, weights.feature_count)
         np = _numpy()
         if self.cfg.dtype == "fp32":
             if np is not None:
@@ -308,6 +317,31 @@ class SAEDictionary:
         while len(self._cache) > self.cfg.cache_layers:
             self._cache.popitem(last=False)
         return weights
+
+    def _threshold(self, layer: int, features: int) -> Any:
+        """A JumpReLU layer's folded thresholds (``layer_<L>/threshold.npy`` or ``.safetensors``), or None."""
+        npz = self.meta["format"] == "csr.npz"
+        rel = f"layer_{layer}/threshold.{'npy' if npz else 'safetensors'}"
+        path = self._source.fetch(rel, required=False)
+        if path is None:
+            return None
+        np = _numpy()
+        try:
+            if npz:
+                t = np.load(path, allow_pickle=False) if np is not None else load_npy(path)[0]
+            else:
+                if np is not None:
+                    from safetensors.numpy import load_file
+
+                    t = load_file(str(path)).get("threshold")
+                else:
+                    t = load_safetensors(path).get("threshold")
+                    t = t[0] if t is not None else None
+        except (OSError, KeyError, ValueError, EOFError, struct.error) as exc:
+            raise DictionaryError(f"{path}: cannot read the thresholds ({type(exc).__name__}: {exc})") from None
+        if t is None or len(t) != features or (np is not None and getattr(t, "ndim", 1) != 1):
+            raise DictionaryError(f"{path}: expected one threshold per feature ({features})")
+        return np.asarray(t, dtype=np.float32) if np is not None else [float(v) for v in t]
 
     def cached_layers(self) -> list[int]:
         return list(self._cache)
@@ -455,6 +489,35 @@ def project_topk_batch(layer: SAELayerWeights, vectors: Any, k: int = 256, *, ch
         S = batch_scores(layer, X[s : s + chunk])  # (chunk, features)
         out.extend(_topk_from_scores(np, row, k) for row in S)
     return out
+
+
+def encode(layer: SAELayerWeights, X: Any):
+    """(batch, features) float32 feature activations of ``X`` (batch, hidden_dim) under the layer's recorded rule.
+
+    What the SAE's own ``encode`` gives on the same vectors (lmprobe.sae.activation): a top-k
+    layer's rows hold at most k non-zero activations; a relu layer's, every positive score.
+    """
+    return activate(layer.activation, batch_scores(layer, X), layer.threshold)
+
+
+def encode_topk(layer: SAELayerWeights, dense_vec: Any, k: int = 256) -> list[tuple[int, float]]:
+    """The ``k`` strongest *firing* features of one vector under the layer's rule: ``[(feature, activation)]``.
+
+    Unlike ``project_topk`` (raw scores, as the dictionary format defines it), features that do not
+    fire are left out, so a top-k SAE gives at most its k.
+    """
+    if not isinstance(k, int) or k < 1:
+        raise InvalidArgumentError(f"k must be a positive integer, got {k!r}")
+    np = _numpy()
+    if np is not None and hasattr(layer.data, "dtype"):
+        x = np.asarray(dense_vec, dtype=np.float32).reshape(-1)
+        _check_vec_len(x.shape[0], layer)
+        acts = activate(layer.activation, _scores_numpy(np, layer, x)[None, :], layer.threshold)[0]
+        return [(i, a) for i, a in _topk_from_scores(np, acts, k) if a > 0]
+    scores = [s for _, s in sorted(project_topk(layer, dense_vec, k=layer.feature_count))]
+    acts = activate_list(layer.activation, scores, layer.threshold)
+    best = sorted(((a, i) for i, a in enumerate(acts) if a > 0), key=lambda t: (-t[0], t[1]))[:k]
+    return [(i, a) for a, i in best]
 
 
 def batch_scores(layer: SAELayerWeights, X):

@@ -34,6 +34,7 @@ from ..format.safetensors_io import read_header
 from ..format.spec import DTYPES
 from ..format.values import bfloat16_bits_to_float32
 from ..safeio import read_json
+from .activation import check_rule
 
 SAELENS_WEIGHTS = "sae_weights.safetensors"
 SPARSIFY_WEIGHTS = "sae.safetensors"
@@ -50,7 +51,9 @@ class EncoderWeights:
     W: np.ndarray
     b: np.ndarray | None
     info: dict[str, Any] = field(default_factory=dict)
-    """What it was read from and what was folded (recorded in the dictionary's meta.json)."""
+    """What it was read from, what was folded, and its ``activation`` rule (recorded in the dictionary's meta.json)."""
+    threshold: np.ndarray | None = None
+    """A JumpReLU SAE's threshold folded into ``b``, one per feature (stored beside the layer: activation values)."""
 
 
 def load_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -185,18 +188,30 @@ def _read_saelens(folder: Path) -> EncoderWeights:
         scale = np.linalg.norm(t["W_dec"], axis=-1)
         W, b = W * scale[:, None], b * scale
         info["decoder_norm_folded"] = True
+    folded = None
     if "threshold" in t or "log_threshold" in t:
         theta = t["threshold"] if "threshold" in t else np.exp(t["log_threshold"])
-        b = b - np.maximum(theta.reshape(-1), 0.0)  # fires iff pre > threshold: iff score > 0
+        folded = np.broadcast_to(np.maximum(theta.reshape(-1), 0.0), b.shape).astype(np.float32)
+        b = b - folded  # fires iff pre > threshold: iff score > 0; the activation is then score + folded
         info["threshold_folded"] = True
-    if arch == "topk":
-        info["k"] = cfg.get("k", (cfg.get("activation_fn_kwargs") or {}).get("k"))
+        info["activation"] = {"rule": "jumprelu"}
+    elif "topk_threshold" in t:  # a batch-top-k training save: its inference threshold
+        info["activation"] = {"rule": "batchtopk", "threshold": float(np.asarray(t["topk_threshold"]).reshape(-1)[0])}
+    elif arch == "topk":
+        k = cfg.get("k", (cfg.get("activation_fn_kwargs") or {}).get("k"))
+        info["activation"] = {"rule": "topk", "k": k}
+    elif arch == "batchtopk":
+        raise DictionaryError(f"{folder}: a batchtopk SAE saved without its topk_threshold has no inference rule; "
+                              "save it for inference (SAELens converts it to JumpReLU)")
+    else:
+        info["activation"] = {"rule": "relu"}
     if norm != "none":
         info["input_normalisation_folded"] = norm
     hook = (cfg.get("metadata") or {}).get("hook_name") or cfg.get("hook_name") or cfg.get("hook_point")
     if hook:
         info["hook_name"] = hook
-    return EncoderWeights(np.ascontiguousarray(W, dtype=np.float32), b.astype(np.float32), info)
+    check_rule(info["activation"], W.shape[0], str(folder / "cfg.json"))
+    return EncoderWeights(np.ascontiguousarray(W, dtype=np.float32), b.astype(np.float32), info, folded)
 
 
 def _read_sparsify(folder: Path) -> EncoderWeights:
@@ -215,8 +230,12 @@ def _read_sparsify(folder: Path) -> EncoderWeights:
         if "b_dec" not in t:
             raise DictionaryError(f"{folder / SPARSIFY_WEIGHTS} has no b_dec (has {sorted(t)})")
         b = b - W @ t["b_dec"].reshape(-1)  # sparsify encodes x - b_dec
+    act = cfg.get("activation", "topk")
+    if act not in ("topk", "groupmax"):
+        raise DictionaryError(f"{folder / 'cfg.json'}: sparsify activation {act!r} is not one lmprobe knows "
+                              "(topk, groupmax)")
     info = {"source": "sparsify", "architecture": "transcoder" if transcode else "sae", "b_dec_folded": not transcode,
-            "activation": cfg.get("activation", "topk"), "k": cfg.get("k")}
+            "activation": check_rule({"rule": act, "k": cfg.get("k")}, W.shape[0], str(folder / "cfg.json"))}
     if cfg.get("signed"):
         info["signed"] = True
     return EncoderWeights(np.ascontiguousarray(W, dtype=np.float32), b.astype(np.float32), info)
