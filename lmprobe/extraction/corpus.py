@@ -118,8 +118,14 @@ def stream_windows(plan: CorpusPlan, tok: Any, text_column: str, *, resume: dict
                     return
 
 
-def check_first_record(source: Source, text_column: str, vocab_size: int | None) -> None:
-    """Read the source's first record before the model loads: a missing column or bad ids fail at once."""
+def check_first_record(source: Source, text_column: str, vocab_size: int | None, *, label_column: str | None = None,
+                       windows_asked: bool = True) -> list[str]:
+    """Read the source's first record before the model loads: a missing column or bad ids fail at once.
+
+    Returns the source's other columns, which corpus extraction does not store. Labelled prompts
+    given only ``--max-tokens`` (``windows_asked`` False) are refused: corpus extraction would drop
+    their labels without being asked for windows.
+    """
     head = source.head(1)
     if not head:
         raise PromptError(f"{source.description}: no documents found")
@@ -131,6 +137,16 @@ def check_first_record(source: Source, text_column: str, vocab_size: int | None)
                           "to choose the text column")
     else:
         record_text(r, text_column, required=False)
+    others = [c for c in r.values if c not in (text_column, PRETOKENIZED_COLUMN)]
+    label = label_column or "label"
+    if label in r.values and not windows_asked:
+        rest = [c for c in others if c != label]
+        also = f" (and {', '.join(repr(c) for c in rest)})" if rest else ""
+        raise PromptError(f"{source.description} holds labelled prompts: a {label!r} column{also}; --max-tokens "
+                          "alone makes this corpus extraction, which stores windows of documents and drops those "
+                          "columns: leave out --max-tokens to extract the prompts, or add --context-len T to cut "
+                          "them into windows on purpose")
+    return others
 
 
 def batches(stream: Iterator[Window], batch_size: int) -> Iterator[list[Window]]:

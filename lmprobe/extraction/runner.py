@@ -211,7 +211,12 @@ def _prepare_corpus(cfg: ExtractionConfig, source: Any, spec: ModelSpec, tok: An
                               f"pass --context-len {limit} or less")
     affixes = affixes_of(tok, special_tokens=cfg.special_tokens)
     affixes.content_per_window(context_len)  # room for content, or a clear error now
-    check_first_record(source, cfg.text_column, vocab)
+    dropped = check_first_record(source, cfg.text_column, vocab, label_column=cfg.label_column,
+                                 windows_asked=cfg.context_len is not None)
+    if dropped:  # said even with --quiet: it is about what the dataset will not hold
+        print(f"note: corpus extraction stores windows of documents; the source's other columns "
+              f"({', '.join(repr(c) for c in dropped)}) are not stored: join them on each row's `document` column",
+              file=sys.stderr)
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, layers=layer_list,
                             max_length=context_len, source=source.identity())
     plan = CorpusPlan(source, affixes, context_len, cfg.max_tokens, vocab)
