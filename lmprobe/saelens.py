@@ -245,12 +245,6 @@ def _write_cache(ds: Dataset, plan: ExportPlan, out: Path, with_tokens: bool, qu
 # ---------------------------------------------------------------------------------------------- import
 
 
-def is_saelens_cache(path: str | os.PathLike) -> bool:
-    """A folder holding a datasets ``state.json`` and no lmprobe index is judged as a SAELens cache."""
-    p = Path(path)
-    return (p / "state.json").is_file() and (p / "dataset_info.json").is_file() and not (p / "index").exists()
-
-
 @dataclass(frozen=True)
 class CacheInfo:
     """A SAELens cache as read from its description: where its rows are and what they hold."""
