@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -190,7 +191,7 @@ def export_saelens(source: Any, out: str | os.PathLike, *, layer: int | None = N
     out = check_output_path(out, "SAELens cache folder")
     if out.exists() and any(out.iterdir()):
         raise SaelensError(f"{out} is not empty; SAELens caches are written into a new or empty folder")
-    with OutputLock(out.parent / f".{out.name}"):
+    with OutputLock(out):
         return _write_cache(ds, plan, out, with_tokens, quiet)
 
 
@@ -199,7 +200,9 @@ def _write_cache(ds: Dataset, plan: ExportPlan, out: Path, with_tokens: bool, qu
     from tqdm.auto import tqdm
 
     partial = out.parent / f".{out.name}.partial"
-    partial.mkdir(parents=True, exist_ok=True)
+    if partial.exists():
+        shutil.rmtree(partial)  # an interrupted export's files; this one writes them all again
+    partial.mkdir(parents=True)
     schema = _schema(plan.hook, plan.context, plan.d_in, with_tokens)
     batch_rows = max(1, _BATCH_BYTES // (plan.context * plan.d_in * 4))
     names = [f"data-{i:05d}-of-{plan.n_files:05d}.arrow" for i in range(plan.n_files)]
@@ -361,21 +364,39 @@ def _hub_info(hub: HubFiles) -> CacheInfo:
 
 
 def _batches(info: CacheInfo) -> Iterator[pa.RecordBatch]:
-    """The cache's rows, a record batch at a time, in order (memory-mapped Arrow streams, or Parquet row groups)."""
+    """The cache's rows in order, at most ~64 MiB of activations at a time (memory-mapped Arrow streams,
+    whose record batches datasets writes 1,000 rows long, are sliced; Parquet is read in batches)."""
+    rows = max(1, _BATCH_BYTES // (info.context * info.d_in * 4))
     for name in info.files:
         path = info.fetch(name)
         try:
             if info.parquet:
                 import pyarrow.parquet as pq
 
-                rows = max(1, _BATCH_BYTES // (info.context * info.d_in * 4))
                 yield from pq.ParquetFile(path).iter_batches(batch_size=rows)
             else:
                 with pa.memory_map(str(path)) as src:
-                    yield from pa.ipc.open_stream(src)
+                    for batch in pa.ipc.open_stream(src):
+                        for a in range(0, len(batch), rows):
+                            yield batch.slice(a, rows)
         except (pa.ArrowException, OSError) as exc:
             raise SaelensError(f"{name} of {info.source} cannot be read as Arrow data "
                                f"({escape_controls(str(exc)[:200])})") from None
+
+
+def _check_schemas(info: CacheInfo) -> None:
+    """Every Arrow data file opens as a stream holding the activation column (its schema only is read)."""
+    if info.parquet:
+        return
+    for name in info.files:
+        try:
+            with pa.memory_map(str(info.fetch(name))) as src:
+                schema = pa.ipc.open_stream(src).schema
+        except (pa.ArrowException, OSError) as exc:
+            raise SaelensError(f"{name} of {info.source} cannot be read as Arrow data "
+                               f"({escape_controls(str(exc)[:200])})") from None
+        if info.hook not in schema.names:
+            raise SaelensError(f"{name} of {info.source} has no column {escape_controls(info.hook)!r}")
 
 
 def _column_values(batch: pa.RecordBatch, name: str, shape: tuple[int, ...], where: str) -> np.ndarray:
@@ -420,6 +441,7 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
     config's, on the Hub; else "unknown").
     """
     info = read_cache_info(cache, revision=revision, token=token)
+    _check_schemas(info)  # before the output is created
     name = model_name or info.model_name or "unknown"
     from tqdm.auto import tqdm
 

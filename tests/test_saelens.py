@@ -83,6 +83,24 @@ def test_export_writes_the_datasets_layout_row_by_row(tmp_path, source):
     np.testing.assert_array_equal(np.stack([back.token_hidden(i, 1) for i in range(12)]), windows(src, 1))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_sources_round_trip_in_small_batches(tmp_path, rng, monkeypatch, dtype):
+    """Values equal lmprobe's reader (as float32), with batches far smaller than a data file."""
+    import lmprobe.saelens as saelens
+
+    monkeypatch.setattr(saelens, "_BATCH_BYTES", 3 * 4 * 4 * 4)  # three rows of (4 tokens, 4 dims) at a time
+    write_dataset(tmp_path / "ds", rng, n=10, layers=(2,), dim=4, storage="full_sequence", dtype=dtype, min_tokens=4,
+                  max_tokens=4)
+    ds = lmprobe.load(tmp_path / "ds")
+    want = np.stack([np.asarray(ds.token_hidden(i, 2), dtype=np.float32) for i in range(10)])
+    cache = export_saelens(ds, tmp_path / "cache", hookpoint="resid_post", quiet=True)
+    _, batches = read_cache(cache)
+    assert [len(b) for b in batches] == [3, 3, 3, 1] and "token_ids" not in batches[0].schema.names
+    back = lmprobe.load(import_saelens(cache, tmp_path / "back", quiet=True))
+    assert back.dtype == "float32" and "token_ids" not in back.column_names
+    np.testing.assert_array_equal(np.stack([back.token_hidden(i, 2) for i in range(10)]), want)
+
+
 def test_export_takes_windows_of_one_length_and_says_what_it_left_out(tmp_path, rng, capsys):
     write_dataset(tmp_path / "ds", rng, n=10, layers=(3,), dim=4, storage="full_sequence", min_tokens=2,
                   max_tokens=6, token_ids=True)
@@ -153,9 +171,12 @@ def test_import_refuses_unsafe_or_broken_caches(tmp_path, source, capsys):
         (broken("garbage", data_bytes=b"\x1b[31mnot arrow"), "cannot be read as Arrow data"),
     ]
     for folder, message in cases:
-        assert cli_main(["import-saelens", str(folder), "--out", str(tmp_path / f"out-{folder.name}"), "--quiet"]) == 2
+        out = tmp_path / f"out-{folder.name}"
+        assert cli_main(["import-saelens", str(folder), "--out", str(out), "--quiet"]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1 and "\x1b" not in err, err
+        # found in the description or a file's schema: nothing written (a wrong shape shows in the data)
+        assert out.exists() == (folder.name == "shape")
 
 
 def test_an_imported_cache_pushes_and_streams_like_any_dataset(tmp_path, source, hub, fresh_hf_cache):
