@@ -262,3 +262,18 @@ def test_import_a_cache_pushed_to_the_hub(tmp_path, saelens_cache, hub, fresh_hf
         hub_acts = z["hub_acts"]
     np.testing.assert_array_equal(np.stack([ds.token_hidden(i, 1) for i in range(ds.num_prompts)]), hub_acts)
     assert ds.model["name"] == "tiny"  # from cache_activations_runner_cfg.json
+
+
+def test_import_a_cache_folder_uploaded_to_the_hub_as_it_is(tmp_path, source, hub, fresh_hf_cache):
+    """A save_to_disk folder uploaded whole (state.json, dataset_info.json, Arrow files) reads like the folder."""
+    import uuid
+
+    from huggingface_hub import HfApi
+
+    path, src = source
+    cache = export_saelens(path, tmp_path / "cache", layer=0, shard_bytes=5 * (CTX * DIM * 4 + CTX * 4), quiet=True)
+    repo = f"tester/cache-{uuid.uuid4().hex[:8]}"
+    HfApi().create_repo(repo, repo_type="dataset")
+    HfApi().upload_folder(repo_id=repo, repo_type="dataset", folder_path=str(cache))
+    ds = lmprobe.load(import_saelens(repo, tmp_path / "imported", model_name="test/model", quiet=True))
+    np.testing.assert_array_equal(np.stack([ds.token_hidden(i, 0) for i in range(12)]), windows(src, 0))
