@@ -17,12 +17,25 @@ from .errors import LmprobeError
 from .version import __version__
 
 if TYPE_CHECKING:
-    from .api import extract, features, load, merge, pull, push_to_hub, report, validate
+    from .api import (
+        export_saelens,
+        extract,
+        features,
+        import_saelens,
+        load,
+        merge,
+        pull,
+        push_to_hub,
+        report,
+        validate,
+    )
     from .extraction.config import ExtractionConfig
     from .format.reader import Dataset
     from .format.writer import DatasetWriter
 
 _LAZY = {
+    "export_saelens": "api",
+    "import_saelens": "api",
     "extract": "api",
     "load": "api",
     "merge": "api",
@@ -36,8 +49,8 @@ _LAZY = {
     "DatasetWriter": "format.writer",
 }
 
-__all__ = ["Dataset", "DatasetWriter", "ExtractionConfig", "LmprobeError", "__version__", "extract", "features", "load",
-           "merge", "pull", "push_to_hub", "report", "validate"]
+__all__ = ["Dataset", "DatasetWriter", "ExtractionConfig", "LmprobeError", "__version__", "export_saelens", "extract",
+           "features", "import_saelens", "load", "merge", "pull", "push_to_hub", "report", "validate"]
 
 
 def __getattr__(name: str) -> Any:

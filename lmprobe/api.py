@@ -25,8 +25,10 @@ from .pages.report import report
 from .publish.attachments import validate_attachments
 from .publish.pull import pull
 from .publish.push import push_to_hub
+from .saelens import export_saelens, import_saelens
 
-__all__ = ["extract", "features", "load", "merge", "pull", "push_to_hub", "report", "validate"]
+__all__ = ["export_saelens", "extract", "features", "import_saelens", "load", "merge", "pull", "push_to_hub", "report",
+           "validate"]
 
 
 def extract(

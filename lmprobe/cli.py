@@ -21,7 +21,8 @@ from .publish.attachments import publish_attachment
 from .publish.dictionary import push_dictionary
 from .sae.cli import add_topk_arguments, run_topk
 from .sae.export import export_sae
-from .saev import export_saev, is_saev_folder, validate_saev
+from .saelens import export_saelens, import_saelens
+from .saev import compat_mode, export_saev, is_saev_folder, validate_saev
 from .storage.cache import cache_budget
 from .storage.hub import check_repo_id
 from .units import parse_count
@@ -125,7 +126,21 @@ def _open_source(path: str, cache: str | None, quiet: bool) -> Any:
     return load(path, cache=cache_budget(cache, path, announce=not quiet))
 
 
+def _cmd_export_saelens(args: argparse.Namespace) -> int:
+    export_saelens(_open_source(args.source, args.cache, args.quiet), args.out, layer=args.layer,
+                   hookpoint=args.hookpoint, context_len=args.context_len, tokens=False if args.no_tokens else None,
+                   quiet=args.quiet)
+    return 0
+
+
+def _cmd_import_saelens(args: argparse.Namespace) -> int:
+    import_saelens(args.cache, args.out, model_name=args.model_name, revision=args.revision, token=args.token,
+                   quiet=args.quiet)
+    return 0
+
+
 def _cmd_export_saev(args: argparse.Namespace) -> int:
+    compat_mode(args.saev_compat)  # an unknown version fails before the source is opened
     ds = _open_source(args.source, args.cache, args.quiet)
     layers = _stored_layers(args.layers, ds.layers)
     folder = export_saev(ds, args.out, layers=layers, context_len=args.context_len,
@@ -369,14 +384,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-first-token", action="store_true", help="leave out each prompt's first token (e.g. BOS)")
     p.add_argument("--no-tokens", action="store_true",
                    help="do not write tokens.bin (written by default when the source stores token ids)")
-    p.add_argument("--saev-compat", action="store_true",
-                   help="write what saev's own loaders accept: a zero-padded last shard and a family value its "
-                   "metadata type admits (--out must end in saev/shards); see docs/saev.md")
+    p.add_argument("--saev-compat", nargs="?", const="2.0", default=None, metavar="VERSION",
+                   help="write what saev's own loaders read: 2.0 (alone: saev e43e7dd) or 2.1 (saev 3d73f1f); "
+                   "--out must end in saev/shards; see docs/saev.md")
     p.add_argument("--push", default=None, metavar="REPO",
                    help="publish the export into this dataset repo under saev/<HASH>/ (the dataset must be there)")
     p.add_argument("--token", default=None)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_export_saev)
+
+    p = sub.add_parser("export-saelens", help="write a full_sequence dataset as a SAELens activation cache")
+    p.add_argument("source", metavar="SOURCE", help="lmprobe full_sequence dataset (folder or Hub repo)")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder (cached_activations_path)")
+    p.add_argument("--layer", type=int, default=None, help="the layer to write (needed when the source stores several)")
+    p.add_argument("--hookpoint", default=None, help="stored hookpoint to write (default: what hidden_layers holds)")
+    p.add_argument("--context-len", type=_positive_int, default=None, metavar="T",
+                   help="window length (default: the longest prompt's); prompts of another length are left out")
+    p.add_argument("--no-tokens", action="store_true", help="leave out token_ids (written when the source has them)")
+    _add_cache_option(p)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_export_saelens)
+
+    p = sub.add_parser("import-saelens", help="write a SAELens activation cache (folder or Hub repo) as a dataset")
+    p.add_argument("cache", metavar="CACHE", help="a SAELens cache folder, or a Hub dataset repo (owner/name)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the lmprobe dataset to write")
+    p.add_argument("--model-name", default=None, help="the model to record (default: the runner config's, else unknown)")
+    p.add_argument("--revision", default=None, help="Hub revision of CACHE")
+    p.add_argument("--token", default=None)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_import_saelens)
 
     p = sub.add_parser("export-sae", help="export a trained SAE encoder layer as a sparse dictionary")
     p.add_argument("source", metavar="SOURCE",

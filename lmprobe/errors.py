@@ -127,6 +127,10 @@ class SaevError(LmprobeError, ValueError):
     """A saev export or folder is invalid."""
 
 
+class SaelensError(LmprobeError, ValueError):
+    """A SAELens activation cache is invalid, or a dataset cannot be exported to one."""
+
+
 class DictionaryError(LmprobeError, ValueError):
     """An SAE dictionary (meta.json, a layer's encoder or bias) is missing or invalid, or an SAE cannot be exported."""
 

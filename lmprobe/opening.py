@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from .errors import DatasetNotFoundError, InvalidArgumentError, ShardMissingError
@@ -45,6 +46,12 @@ def open_object_store(url: str, *, cache: int | None = None) -> Dataset:
     return Dataset(LruFiles(files, cache), index)
 
 
+def is_datasets_folder(path: str | os.PathLike) -> bool:
+    """A Hugging Face ``datasets`` save_to_disk folder (as SAELens' CacheActivationsRunner writes), not lmprobe's."""
+    p = Path(path)
+    return (p / "state.json").is_file() and (p / "dataset_info.json").is_file() and not (p / "index").exists()
+
+
 def is_remote(path: Any) -> bool:
     """Whether ``path`` names a dataset on the Hub or in object storage (not a local folder)."""
     return is_object_store_url(path) or parse_dataset_ref(path) is not None
@@ -73,4 +80,7 @@ def load(path: str | os.PathLike, *, revision: str | None = None, token: str | b
         return open_hub(ref, token=token, cache=budget)
     if revision is not None:
         raise InvalidArgumentError(f"revision= applies to Hub repos; {path} is a local folder")
+    if is_datasets_folder(path):
+        raise DatasetNotFoundError(f"{path} is a Hugging Face datasets folder (a SAELens activation cache?), not an "
+                                   f"lmprobe dataset: convert it with `lmprobe import-saelens {path} --out DIR`")
     return open_local(path)

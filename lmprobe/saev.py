@@ -1,4 +1,4 @@
-"""Export to the saev sharded activation protocol 2.0, and read it back (docs/saev.md).
+"""Export to the saev sharded activation protocol 2.0 (and saev's 2.1), and read it back (docs/saev.md).
 
     <dump_to>/<HASH>/metadata.json  shards.json  acts000000.bin ...  [labels.bin]  [tokens.bin]
 
@@ -7,6 +7,12 @@ lmprobe dataset are concatenated in index order (optionally without each prompt'
 cut into windows of T tokens, and the final partial window is dropped. Each shard holds
 (n_ex, L, T, D) float32, C order, little-endian. HASH is the sha256 of the canonical JSON of
 metadata.json, so identical configurations share a folder and different ones never collide.
+
+``saev_compat`` writes what saev's own loaders read instead: "2.0" for saev e43e7dd (the protocol
+document's keys plus ``pixel_agg: null``), "2.1" for saev 3d73f1f (renamed keys, ``n_examples`` in
+shards.json, ``data`` a string, and HASH the first 8 hex digits of sha256 over the metadata's JSON
+in field order). Both hash the metadata the way that saev commit does, so saev's
+``Metadata.hash`` equals the folder name. lmprobe reads all three layouts.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
@@ -40,18 +46,58 @@ PROTOCOL = "2.0"
 _OPEN_SOURCES = 16
 METADATA_KEYS = ("family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model", "n_ex", "patches_per_shard",
                  "data", "dataset", "dtype", "protocol")
+#: saev 3d73f1f's Metadata fields, in field order (its hash is over them in this order)
+METADATA_KEYS_21 = ("family", "ckpt", "layers", "content_tokens_per_example", "cls_token", "d_model", "n_examples",
+                    "max_tokens_per_shard", "data", "dataset", "pixel_agg", "dtype", "protocol")
+#: 2.1 name -> the protocol 2.0 name lmprobe reads by
+RENAMED_21 = {"content_tokens_per_example": "patches_per_ex", "n_examples": "n_ex",
+              "max_tokens_per_shard": "patches_per_shard"}
+#: saev 3d73f1f's PixelAgg values; its loader turns the key into that enum, so it cannot be null
+PIXEL_AGG_21 = ("majority", "prefer-fg")
+COMPAT = ("2.0", "2.1")
 DEFAULT_PATCHES_PER_SHARD = 2_400_000
 FAMILY = "llm"
 #: what saev_compat=True writes as `family`: saev's Metadata admits only vision model families
 SAEV_COMPAT_FAMILY = "clip"
-#: the saev code the compatible layout was checked against: the commit that implements protocol 2.0
-SAEV_CHECKED = "saev e43e7dd (2025-10-03), shuffled loader"
+#: the saev code each compatible layout was checked against (tests/reference/saev holds their loaders)
+SAEV_CHECKED = {"2.0": "saev e43e7dd (2025-10-03), shuffled loader",
+                "2.1": "saev 3d73f1f, shuffled, ordered and indexed loaders"}
 _CHUNK_BYTES = 64 * 2**20
 
 
 def metadata_hash(metadata: dict) -> str:
-    """The protocol's HASH: sha256 of json.dumps(metadata, sort_keys=True, separators=(',', ':'))."""
+    """The folder name of a metadata.json, as saev computes it.
+
+    Protocol 2.0 (and saev e43e7dd): sha256 of json.dumps(metadata, sort_keys=True, separators=(',', ':')).
+    Protocol 2.1 (saev 3d73f1f): the first 8 hex digits of sha256 over orjson's dump of its Metadata
+    dataclass: fields in declaration order, compact, non-ASCII unescaped.
+    """
+    if metadata.get("protocol") == "2.1":
+        ordered = {k: metadata[k] for k in METADATA_KEYS_21 if k in metadata}
+        raw = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        return hashlib.sha256(raw).hexdigest()[:8]
     return hashlib.sha256(json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def compat_mode(saev_compat: bool | str | None) -> str | None:
+    """``saev_compat`` as a protocol version: False/None -> None, True -> "2.0", "2.0"/"2.1" as they are."""
+    if saev_compat is None or saev_compat is False:
+        return None
+    if saev_compat is True:
+        return "2.0"
+    if saev_compat in COMPAT:
+        return str(saev_compat)
+    raise SaevError(f"--saev-compat {saev_compat!r}: choose one of {', '.join(COMPAT)} (the saev protocol to write)")
+
+
+def canonical_metadata(m: dict) -> dict:
+    """A metadata.json of any layout under the protocol 2.0 key names lmprobe reads by (2.1 keys renamed)."""
+    return {RENAMED_21.get(k, k): v for k, v in m.items()}
+
+
+def read_saev_metadata(folder: str | os.PathLike) -> dict:
+    """A saev folder's metadata.json under the protocol 2.0 key names (2.1 folders' keys renamed)."""
+    return canonical_metadata(read_json(_file_inside(Path(folder), "metadata.json"), error=SaevError))
 
 
 def ex_per_shard(patches_per_shard: int, tokens_per_ex: int, n_layers: int) -> int:
@@ -77,9 +123,13 @@ class _Plan:
     prompt_of: np.ndarray  # (n_ex * T,) index row of each stored position
     token_in_prompt: np.ndarray  # (n_ex * T,) token index within that prompt
 
+    @property
+    def n_ex(self) -> int:
+        return canonical_metadata(self.metadata)["n_ex"]
+
 
 def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, patches_per_shard: int,
-          drop_first_token: bool, with_tokens: bool, index_sha256: str, saev_compat: bool,
+          drop_first_token: bool, with_tokens: bool, index_sha256: str, saev_compat: str | None,
           hookpoint: str | None = None) -> _Plan:
     if ds.storage != "full_sequence":
         raise SaevError(
@@ -135,7 +185,7 @@ def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, pat
         # saev's Metadata type admits vision families only; its loaders never read the family
         data["source_family"] = FAMILY
         data["last_shard_padded"] = True
-        data["saev_compat"] = SAEV_CHECKED
+        data["saev_compat"] = SAEV_CHECKED[saev_compat]
     metadata = {
         "family": SAEV_COMPAT_FAMILY if saev_compat else FAMILY,
         "ckpt": ckpt,
@@ -150,7 +200,31 @@ def _plan(ds: Any, source_desc: str, *, layers: list[int], context_len: int, pat
         "dtype": "float32",
         "protocol": PROTOCOL,
     }
+    if saev_compat:
+        # saev's Metadata.load turns `dataset` into a Path and hashes str(Path): write it as that string
+        metadata["dataset"] = str(PurePath(source_desc))
+    if saev_compat == "2.0":
+        # e43e7dd's Metadata has a pixel_agg field defaulting to None, and hashes it
+        metadata = {**{k: v for k, v in metadata.items() if k not in ("dtype", "protocol")}, "pixel_agg": None,
+                    "dtype": "float32", "protocol": PROTOCOL}
+    elif saev_compat == "2.1":
+        metadata = metadata_21(metadata)
     return _Plan(metadata, metadata_hash(metadata), shard_sizes(n_ex, per), per, prompt_of, token_in_prompt)
+
+
+def metadata_21(m: dict) -> dict:
+    """Protocol 2.0 metadata as saev 3d73f1f's Metadata: renamed keys in its field order, ``data`` as a string.
+
+    saev stores ``data`` as a base64 pickle of its dataset config, which its loaders never read;
+    lmprobe writes no pickle: ``data`` is the compact JSON text of lmprobe's description instead.
+    ``pixel_agg`` is "majority", saev's default (the enum admits no null; no labels are aggregated).
+    """
+    to_21 = {old: new for new, old in RENAMED_21.items()}
+    renamed = {to_21.get(k, k): v for k, v in m.items()}
+    renamed["data"] = json.dumps(m["data"], sort_keys=True, separators=(",", ":"))
+    renamed["pixel_agg"] = "majority"
+    renamed["protocol"] = "2.1"
+    return {k: renamed[k] for k in METADATA_KEYS_21}
 
 
 def _int_labels(ds: Any) -> np.ndarray | None:
@@ -171,7 +245,7 @@ def export_saev(
     patches_per_shard: int = DEFAULT_PATCHES_PER_SHARD,
     drop_first_token: bool = False,
     tokens: bool | None = None,
-    saev_compat: bool = False,
+    saev_compat: bool | str = False,
     hookpoint: str | None = None,
     quiet: bool = False,
 ) -> Path:
@@ -182,17 +256,19 @@ def export_saev(
     ``tokens``: write tokens.bin (an lmprobe addition: the token id of every position). None: when
     the source stores token ids; True: required; False: never.
 
-    ``saev_compat``: write what saev's own loaders accept (checked against ``SAEV_CHECKED``): the last
-    shard zero-padded to the full shard size (shards.json keeps its true ``n_ex``), and ``family``
-    set to a value saev's metadata type admits (``"clip"``; the true family is kept in
-    ``data.source_family``). saev's loaders also require the folder at ``.../saev/shards/<HASH>``,
-    so ``out`` must end in ``saev/shards``.
+    ``saev_compat``: write what saev's own loaders accept (checked against ``SAEV_CHECKED``): "2.0"
+    (or True) for saev e43e7dd, "2.1" for saev 3d73f1f (renamed keys, ``n_examples``, an 8-digit
+    HASH; see ``metadata_21``). Both zero-pad the last shard to the full shard size (shards.json
+    keeps its true count), set ``family`` to a value saev's metadata type admits (``"clip"``; the
+    true family is kept in ``data.source_family``) and hash the metadata as that saev does. saev's
+    loaders also require the folder at ``.../saev/shards/<HASH>``, so ``out`` must end in ``saev/shards``.
 
     ``hookpoint``: which stored hookpoint to export (default: what ``hidden_layers`` holds).
 
     A folder that already exists for the same configuration is verified and kept (a no-op). An
     interrupted export resumes: finished shards are kept and the rest are written.
     """
+    saev_compat = compat_mode(saev_compat)
     ds = source if isinstance(source, Dataset) else load(source)
     source_desc = ds.source if not isinstance(source, (str, os.PathLike)) else str(source)
     if isinstance(source, (str, os.PathLike)) and Path(source).exists():
@@ -222,7 +298,7 @@ def export_saev(
 
 
 def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int], context_len: int, with_tokens: bool,
-            saev_compat: bool, quiet: bool, hookpoint: str | None = None) -> Path:
+            saev_compat: str | None, quiet: bool, hookpoint: str | None = None) -> Path:
     if (final / "metadata.json").exists():
         problems = validate_saev(final)
         if problems:
@@ -249,7 +325,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
         del ids
     partial = out / f".{plan.hash}.partial"
     partial.mkdir(parents=True, exist_ok=True)
-    n_pos = plan.metadata["n_ex"] * T
+    n_pos = plan.n_ex * T
     # runs of stored positions that are consecutive rows of one source shard, cut at example boundaries:
     # each run is one memcpy out of a memory-mapped source shard
     cut = np.zeros(n_pos, dtype=bool)
@@ -290,7 +366,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     ex_chunk = max(1, _CHUNK_BYTES // (L * T * vec_bytes))
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=plan.metadata["n_ex"], unit="ex", desc="export-saev", disable=quiet)
+    bar = tqdm(total=plan.n_ex, unit="ex", desc="export-saev", disable=quiet)
     shards_json = []
     block = np.empty((min(ex_chunk, max(plan.shard_sizes)), L, T, D), dtype="<f4")
     bits = np.empty(block.shape, dtype=np.uint16) if direct and h.dtype == "bfloat16" else None
@@ -309,11 +385,13 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     labels = _int_labels(ds)
     if labels is not None:
         atomic_write(partial / "labels.bin", labels[plan.prompt_of][:n_pos].tobytes())
+    if saev_compat == "2.1":
+        shards_json = [{"name": sh["name"], "n_examples": sh["n_ex"]} for sh in shards_json]
     atomic_write(partial / "shards.json", json.dumps(shards_json, indent=2) + "\n")
     atomic_write(partial / "metadata.json", json.dumps(plan.metadata, indent=2) + "\n")  # last
     move_into_place(partial, final)
     if not quiet:
-        print(f"wrote {plan.metadata['n_ex']} examples x {L} layers x {T} tokens x {D} dims "
+        print(f"wrote {plan.n_ex} examples x {L} layers x {T} tokens x {D} dims "
               f"in {len(shards_json)} shard(s) to {final}")
     return final
 
@@ -397,8 +475,9 @@ class SaevDataset:
                                  local=self._hub is None)
         if problems:
             raise SaevError(f"{self.path}: " + "; ".join(problems))
-        self.metadata = read_json(self._local("metadata.json"), error=SaevError)
-        self.shards = read_json(self._local("shards.json"), error=SaevError)
+        # protocol 2.1 folders are read under the 2.0 names (n_examples -> n_ex, ...)
+        self.metadata = canonical_metadata(read_json(self._local("metadata.json"), error=SaevError))
+        self.shards = [canonical_metadata(sh) for sh in read_json(self._local("shards.json"), error=SaevError)]
         m = self.metadata
         self.layers: list[int] = list(m["layers"])
         self.tokens_per_ex = m["patches_per_ex"] + (1 if m["cls_token"] else 0)
@@ -528,22 +607,30 @@ def validate_saev(path: str | os.PathLike, *, check_hash: bool = True, check_siz
         return [str(exc)]
     if not isinstance(m, dict):
         return ["metadata.json must hold an object"]
+    v21 = m.get("protocol") == "2.1"
     keys = set(m)
-    if keys != set(METADATA_KEYS):
-        missing, extra = sorted(set(METADATA_KEYS) - keys), sorted(keys - set(METADATA_KEYS))
+    # saev e43e7dd writes pixel_agg (null, or a label aggregation) beside the protocol document's keys
+    allowed = [set(METADATA_KEYS_21)] if v21 else [set(METADATA_KEYS), {*METADATA_KEYS, "pixel_agg"}]
+    if keys not in allowed:
+        missing, extra = sorted(allowed[0] - keys), sorted(keys - allowed[-1])
         problems.append(f"metadata.json keys differ from the protocol's (missing {missing}, extra {extra})")
+    if "pixel_agg" in m and m["pixel_agg"] not in (PIXEL_AGG_21 if v21 else (None, *PIXEL_AGG_21)):
+        problems.append(f"metadata.json pixel_agg {m['pixel_agg']!r} is not one of {list(PIXEL_AGG_21)}")
+    hash_name = metadata_hash(m)
+    m = canonical_metadata(m)
     types = {"family": str, "ckpt": str, "layers": list, "patches_per_ex": int, "cls_token": bool, "d_model": int,
-             "n_ex": int, "patches_per_shard": int, "data": dict, "dataset": str, "dtype": str, "protocol": str}
+             "n_ex": int, "patches_per_shard": int, "data": str if v21 else dict, "dataset": str, "dtype": str,
+             "protocol": str}
     bad_types = [f"metadata.json {k!r} must be a {t.__name__}" for k, t in types.items()
                  if k in m and (not isinstance(m[k], t) or (t is int and isinstance(m[k], bool)))]
-    if bad_types or not set(types) <= keys:
+    if bad_types or not set(types) <= set(m):
         return problems + bad_types  # the checks below need every key, well typed
     if m["protocol"].split(".")[0] != PROTOCOL.split(".")[0]:
         problems.append(f"protocol {m['protocol']!r} is not {PROTOCOL} (a different major version)")
     if m["dtype"] != "float32":
         problems.append(f"dtype {m['dtype']!r}: the protocol fixes float32")
-    if check_hash and p.name != metadata_hash(m):
-        problems.append(f"folder name {p.name} is not the sha256 of metadata.json ({metadata_hash(m)})")
+    if check_hash and p.name != hash_name:
+        problems.append(f"folder name {p.name} is not the sha256 of metadata.json ({hash_name})")
     if not m["layers"] or not all(isinstance(x, int) and not isinstance(x, bool) for x in m["layers"]):
         problems.append("layers must be a non-empty list of integers")
         return problems
@@ -557,9 +644,11 @@ def validate_saev(path: str | os.PathLike, *, check_hash: bool = True, check_siz
         shards = read_json(_inside(p, "shards.json"), what="shards.json", error=SaevError)
     except SaevError as exc:
         return problems + [str(exc)]
+    count = "n_examples" if v21 else "n_ex"
     if not isinstance(shards, list) or not all(isinstance(s, dict) and isinstance(s.get("name"), str)
-                                               and isinstance(s.get("n_ex"), int) for s in shards):
-        return problems + ["shards.json must be a list of {name, n_ex}"]
+                                               and isinstance(s.get(count), int) for s in shards):
+        return problems + [f"shards.json must be a list of {{name, {count}}}"]
+    shards = [canonical_metadata(s) for s in shards]
     per = ex_per_shard(m["patches_per_shard"], T, L)
     try:
         want = shard_sizes(m["n_ex"], per)

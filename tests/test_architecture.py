@@ -35,7 +35,7 @@ def layer_of(module: str) -> str:
         return "storage"
     if top == "opening":
         return "open"
-    if top in ("extraction", "saev", "sae", "probe", "stream", "demo", "pages", "summary"):
+    if top in ("extraction", "saev", "saelens", "sae", "probe", "stream", "demo", "pages", "summary"):
         return "features"
     if top == "publish":
         return "publish"

@@ -28,7 +28,7 @@ from ..lock import OutputLock
 from ..opening import load
 from ..paths import resolve_inside
 from ..sae.loader import SAEConfig, load_dictionary, validate_dictionary
-from ..saev import validate_saev
+from ..saev import read_saev_metadata, validate_saev
 from .commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, RepoFile, push_policy
 
 SAEV_DIR = "saev"
@@ -43,7 +43,7 @@ def describe_saev(d: Path) -> dict:
     problems = validate_saev(d)
     if problems:
         raise AttachmentError(f"{d} is not a valid saev export: {'; '.join(problems)}")
-    m = json.loads((d / "metadata.json").read_text())
+    m = read_saev_metadata(d)  # a saev 2.1 folder's keys under the 2.0 names
     return {"path": f"{SAEV_DIR}/{d.name}", "layers": m["layers"], "context_len": m["patches_per_ex"],
             "n_ex": m["n_ex"], "d_model": m["d_model"]}
 

@@ -2,7 +2,9 @@
 
 - ``.venv-ref``: the reference implementation, ``lmprobe==0.10.3`` from PyPI, with what its
   readers import (not transformers), for tests/test_reference_0103.py;
-- ``.venv-interop``: SAELens and EleutherAI's sparsify, for tests/test_sae_sources.py.
+- ``.venv-interop``: SAELens and EleutherAI's sparsify, for tests/test_sae_sources.py and
+  tests/test_saelens.py; with orjson and Pillow, which saev's loader modules import (saev itself
+  is vendored under tests/reference/saev: tests/test_saev_interop.py).
 
 ``python tests/reference/envs.py`` makes both (.ci/run does, before the tests); the tests make
 a missing one themselves. ``$LMPROBE_REF_VENV`` / ``$LMPROBE_INTEROP_VENV`` move them elsewhere.
@@ -19,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCH = "torch==2.13.0"  # the CPU build (a plain `torch` would pull the CUDA one)
 REFERENCE = ["lmprobe==0.10.3"]
 REFERENCE_DEPS = ["numpy", "scikit-learn", "tqdm", "huggingface_hub", "packaging", "pyarrow", "safetensors"]
-INTEROP = ["sae-lens==6.54.12", "eai-sparsify==1.3.3"]
+INTEROP = ["sae-lens==6.54.12", "eai-sparsify==1.3.3", "orjson==3.13.0", "pillow==13.0.0"]
 
 
 def _works(python: Path, check: str) -> bool:
@@ -48,7 +50,7 @@ def reference_python() -> Path:
 
 def interop_python() -> Path:
     where = Path(os.environ.get("LMPROBE_INTEROP_VENV", ROOT / ".venv-interop"))
-    return _make(where, "import sae_lens, sparsify", [[TORCH], INTEROP])
+    return _make(where, "import sae_lens, sparsify, orjson, PIL", [[TORCH], INTEROP])
 
 
 if __name__ == "__main__":

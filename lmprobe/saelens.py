@@ -1,0 +1,477 @@
+"""SAELens' activation cache, both ways (docs/saelens.md).
+
+SAELens' ``CacheActivationsRunner`` saves a Hugging Face ``datasets`` dataset to disk:
+
+    DIR/state.json  dataset_info.json  data-00000-of-0000N.arrow ...  [cache-<fingerprint>.arrow]
+
+Each row is one context window: a column named after the TransformerLens hook (e.g.
+``blocks.6.hook_resid_post``), an ``Array2D`` of shape (context_size, d_in), and ``token_ids``, a
+list of context_size int32. The data files are Arrow IPC streams listed, in order, by state.json's
+``_data_files``; ``cache-*.arrow`` is the index mapping of ``dataset.shuffle(seed)``, which the
+runner computes after saving and which state.json does not reference, so ``datasets.load_from_disk``
+(and SAELens' ``ActivationsStore``) read the rows in ``_data_files`` order. Pushed to the Hub with
+``push_to_hub``, the same dataset is Parquet files under ``data/``.
+
+``export_saelens`` writes that layout from a full_sequence lmprobe dataset, one row per stored
+prompt (window), with pyarrow only; ``import_saelens`` reads it (a folder, or a Hub dataset repo)
+into an lmprobe dataset through the public ``DatasetWriter``. Both stream: a batch of rows at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .atomic import atomic_write, move_into_place
+from .display import escape_controls
+from .errors import SaelensError, UnsafePathError
+from .format.reader import Dataset
+from .format.writer import DatasetWriter
+from .lock import OutputLock
+from .opening import load
+from .paths import check_output_path, resolve_inside
+from .safeio import check_regular, loads, read_json
+from .storage.hub import HubFiles, parse_dataset_ref
+
+#: the SAELens release the layout was checked against (with the datasets release it installs)
+SAELENS_CHECKED = "sae-lens 6.54.12 (datasets 5.2.0)"
+#: lmprobe hookpoint -> TransformerLens hook of block {layer} (docs/hookpoints.md)
+TL_HOOKS = {
+    "resid_pre": "blocks.{layer}.hook_resid_pre",
+    "attn_out": "blocks.{layer}.hook_attn_out",
+    "resid_mid": "blocks.{layer}.hook_resid_mid",
+    "mlp_in": "blocks.{layer}.ln2.hook_normalized",
+    "mlp_out": "blocks.{layer}.hook_mlp_out",
+    "resid_post": "blocks.{layer}.hook_resid_post",
+    "self_attn.o_proj:input": "blocks.{layer}.attn.hook_z",
+}
+_TL_NAME = re.compile(r"blocks\.(\d{1,6})\.(.+)")
+_ARRAY2D = "datasets.features.features.Array2DExtensionType"
+#: datasets' default max_shard_size for save_to_disk
+SHARD_BYTES = 500 * 2**20
+_BATCH_BYTES = 64 * 2**20
+
+
+def tl_hook_name(hookpoint: str, layer: int) -> str:
+    """The TransformerLens (and SAELens) name of an lmprobe hookpoint of block ``layer``.
+
+    >>> tl_hook_name("resid_post", 6)
+    'blocks.6.hook_resid_post'
+    """
+    if hookpoint not in TL_HOOKS:
+        raise SaelensError(f"hookpoint {hookpoint!r} has no TransformerLens hook name; SAELens caches can hold "
+                           f"{sorted(TL_HOOKS)}")
+    return TL_HOOKS[hookpoint].format(layer=int(layer))
+
+
+def parse_tl_hook(name: str) -> tuple[int, str]:
+    """(layer, lmprobe hookpoint) of a TransformerLens hook name such as ``blocks.6.hook_resid_post``."""
+    m = _TL_NAME.fullmatch(name)
+    if m:
+        for hp, pattern in TL_HOOKS.items():
+            if pattern.format(layer=m.group(1)) == name:
+                return int(m.group(1)), hp
+    raise SaelensError(f"activation column {escape_controls(name)!r} is not a TransformerLens hook lmprobe maps "
+                       f"(blocks.<L>.{{{', '.join(p.split('.', 2)[2] for p in TL_HOOKS.values())}}})")
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def _features(hook: str, context: int, d_in: int, with_tokens: bool) -> dict:
+    f: dict[str, Any] = {hook: {"shape": [context, d_in], "dtype": "float32", "_type": "Array2D"}}
+    if with_tokens:
+        f["token_ids"] = {"feature": {"dtype": "int32", "_type": "Value"}, "length": context, "_type": "List"}
+    return f
+
+
+def _schema(hook: str, context: int, d_in: int, with_tokens: bool) -> pa.Schema:
+    """The Arrow schema datasets writes for these features (Array2D as its extension type's storage)."""
+    fields = [pa.field(hook, pa.list_(pa.list_(pa.float32())), metadata={
+        "ARROW:extension:metadata": json.dumps([[context, d_in], "float32"]),
+        "ARROW:extension:name": _ARRAY2D})]
+    if with_tokens:
+        fields.append(pa.field("token_ids", pa.list_(pa.int32(), context)))
+    info = {"info": {"features": _features(hook, context, d_in, with_tokens)}}
+    return pa.schema(fields, metadata={"huggingface": json.dumps(info)})
+
+
+def _record_batch(schema: pa.Schema, acts_btd: np.ndarray, tokens_bt: np.ndarray | None) -> pa.RecordBatch:
+    b, t, d = acts_btd.shape
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(b * t + 1, dtype=np.int32) * d),
+                                     pa.array(acts_btd.reshape(-1), type=pa.float32()))
+    outer = pa.ListArray.from_arrays(pa.array(np.arange(b + 1, dtype=np.int32) * t), inner)
+    cols = [outer]
+    if tokens_bt is not None:
+        cols.append(pa.FixedSizeListArray.from_arrays(pa.array(tokens_bt.reshape(-1).astype(np.int32)), t))
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What an export writes: which rows of the source, and how they split into data files."""
+
+    hook: str
+    layer: int
+    hookpoint: str
+    context: int
+    d_in: int
+    rows: np.ndarray  # source rows exported, in index order
+    n_skipped: int  # rows of another length, left out
+    rows_per_file: int
+
+    @property
+    def n_files(self) -> int:
+        return max(1, -(-len(self.rows) // self.rows_per_file))
+
+
+def plan_export(ds: Dataset, source_desc: str, *, layer: int | None, hookpoint: str | None,
+                context_len: int | None = None, shard_bytes: int = SHARD_BYTES) -> ExportPlan:
+    """Check the source and choose rows and files, before anything is written."""
+    if ds.storage != "full_sequence":
+        raise SaelensError(f"{source_desc} is pooled (it stores only each prompt's last token); a SAELens cache "
+                           "holds every token of each window: extract with --storage full_sequence")
+    hp = hookpoint or ds.hookpoints[0]
+    if hp not in ds.hookpoints:
+        raise SaelensError(f"hookpoint {hp!r} is not in {source_desc} (it stores {ds.hookpoints})")
+    if layer is None:
+        if len(ds.layers) != 1:
+            raise SaelensError(f"{source_desc} stores layers {ds.layers} and a SAELens cache holds one hook: "
+                               "pass --layer")
+        layer = ds.layers[0]
+    if layer not in ds.layers:
+        raise SaelensError(f"layer {layer} is not in {source_desc} (it stores {ds.layers})")
+    hook = tl_hook_name(hp, layer)
+    lengths = ds.token_lengths()
+    if not len(lengths):
+        raise SaelensError(f"{source_desc} holds no prompts")
+    context = int(lengths.max()) if context_len is None else int(context_len)
+    rows = np.flatnonzero(lengths == context)
+    if not len(rows):
+        raise SaelensError(f"no prompt of {source_desc} holds exactly {context} tokens (lengths "
+                           f"{int(lengths.min())}..{int(lengths.max())}); SAELens windows all have one length")
+    d_in = ds.hidden_desc(hp).dim
+    row_bytes = context * d_in * 4 + context * 4
+    return ExportPlan(hook, int(layer), hp, context, d_in, rows, int(len(lengths) - len(rows)),
+                      max(1, shard_bytes // row_bytes))
+
+
+def export_saelens(source: Any, out: str | os.PathLike, *, layer: int | None = None, hookpoint: str | None = None,
+                   context_len: int | None = None, tokens: bool | None = None, shard_bytes: int = SHARD_BYTES,
+                   quiet: bool = False) -> Path:
+    """Write a full_sequence lmprobe dataset as the activation cache SAELens' ``CacheActivationsRunner`` writes.
+
+    >>> export_saelens("out/acts", "saelens-cache", layer=6)  # doctest: +SKIP
+
+    One row per stored prompt, in index order: its ``context_len`` tokens (default: the longest
+    prompt's length; prompts of another length, such as a document's short last window, are left
+    out and counted). Train with ``LanguageModelSAERunnerConfig(cached_activations_path=out,
+    context_size=<that length>, hook_name=<the column>)``. Values are float32 (half-precision
+    sources are converted). ``tokens``: write ``token_ids`` (None: when the source stores them).
+    """
+    ds = source if isinstance(source, Dataset) else load(source)
+    source_desc = str(source) if isinstance(source, (str, os.PathLike)) else ds.source
+    plan = plan_export(ds, source_desc, layer=layer, hookpoint=hookpoint, context_len=context_len,
+                       shard_bytes=shard_bytes)
+    has_ids = "token_ids" in ds.column_names
+    if tokens and not has_ids:
+        raise SaelensError(f"{source_desc} has no token_ids column: extract with --token-ids, or leave them out")
+    with_tokens = has_ids if tokens is None else bool(tokens)
+    out = check_output_path(out, "SAELens cache folder")
+    if out.exists() and any(out.iterdir()):
+        raise SaelensError(f"{out} is not empty; SAELens caches are written into a new or empty folder")
+    with OutputLock(out):
+        return _write_cache(ds, plan, out, with_tokens, quiet)
+
+
+def _write_cache(ds: Dataset, plan: ExportPlan, out: Path, with_tokens: bool, quiet: bool) -> Path:
+    import pyarrow.compute as pc
+    from tqdm.auto import tqdm
+
+    partial = out.parent / f".{out.name}.partial"
+    if partial.exists():
+        shutil.rmtree(partial)  # an interrupted export's files; this one writes them all again
+    partial.mkdir(parents=True)
+    schema = _schema(plan.hook, plan.context, plan.d_in, with_tokens)
+    batch_rows = max(1, _BATCH_BYTES // (plan.context * plan.d_in * 4))
+    names = [f"data-{i:05d}-of-{plan.n_files:05d}.arrow" for i in range(plan.n_files)]
+    digest = hashlib.sha256(json.dumps([plan.hook, plan.context, plan.d_in, ds.source]).encode())
+    bar = tqdm(total=len(plan.rows), unit="row", desc="export-saelens", disable=quiet)
+    try:
+        for i, name in enumerate(names):
+            part = plan.rows[i * plan.rows_per_file : (i + 1) * plan.rows_per_file]
+            with pa.OSFile(str(partial / name), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+                for a in range(0, len(part), batch_rows):
+                    rows = part[a : a + batch_rows]
+                    ids, offs, _ = ds.token_addresses(rows)
+                    acts = np.asarray(ds.read_hidden_rows(plan.layer, ids, offs, hookpoint=plan.hookpoint),
+                                      dtype=np.float32).reshape(len(rows), plan.context, plan.d_in)
+                    tok = None
+                    if with_tokens:
+                        col = ds.token_columns(["token_ids"], rows)["token_ids"]
+                        tok = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+                        tok = tok.reshape(len(rows), plan.context)
+                    writer.write_batch(_record_batch(schema, acts, tok))
+                    digest.update(acts.tobytes())
+                    bar.update(len(rows))
+    finally:
+        bar.close()
+    info = {"citation": "", "description": f"lmprobe export-saelens of {ds.source}", "features":
+            _features(plan.hook, plan.context, plan.d_in, with_tokens), "homepage": "", "license": ""}
+    atomic_write(partial / "dataset_info.json", json.dumps(info, indent=2))
+    state = {"_data_files": [{"filename": n} for n in names], "_fingerprint": digest.hexdigest()[:16],
+             "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
+             "_split": None}
+    atomic_write(partial / "state.json", json.dumps(state, indent=2))  # last: it lists the data files
+    if out.exists():
+        out.rmdir()  # empty (checked before writing)
+    move_into_place(partial, out)
+    if not quiet:
+        skipped = f"; {plan.n_skipped} prompt(s) of another length left out" if plan.n_skipped else ""
+        print(f"wrote {len(plan.rows)} windows x {plan.context} tokens x {plan.d_in} dims of {plan.hook} to {out}"
+              f"{skipped}; configure SAELens with context_size={plan.context}, hook_name={plan.hook!r}, "
+              f"d_in={plan.d_in}", file=sys.stderr)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """A SAELens cache as read from its description: where its rows are and what they hold."""
+
+    source: str
+    files: list[str]  # data files in row order (Arrow streams, or Parquet from the Hub)
+    fetch: Callable[[str], Path]  # a data file's local path (from the Hub: downloaded on first use)
+    parquet: bool
+    hook: str
+    layer: int
+    hookpoint: str
+    context: int
+    d_in: int
+    has_tokens: bool
+    model_name: str | None
+
+
+def _features_of(features: Any, where: str) -> tuple[str, int, int, bool]:
+    if not isinstance(features, dict):
+        raise SaelensError(f"{where}: features must be an object")
+    arrays = [k for k, v in features.items() if isinstance(v, dict) and v.get("_type") == "Array2D"]
+    if len(arrays) != 1:
+        raise SaelensError(f"{where}: a SAELens cache holds one Array2D activation column, found "
+                           f"{[escape_controls(a) for a in arrays]}")
+    hook = arrays[0]
+    shape, dtype = features[hook].get("shape"), features[hook].get("dtype")
+    if (not isinstance(shape, list) or len(shape) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                                  and 0 < x < 2**24 for x in shape)):
+        raise SaelensError(f"{where}: {escape_controls(hook)!r} shape must be [context_size, d_in], got "
+                           f"{escape_controls(shape)}")
+    if dtype not in ("float32", "float16", "float64"):
+        raise SaelensError(f"{where}: activation dtype {escape_controls(dtype)!r} is not float32, float16 or float64")
+    return hook, shape[0], shape[1], "token_ids" in features
+
+
+def read_cache_info(cache: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None
+                    ) -> CacheInfo:
+    """Read and check a SAELens cache's description (a local folder, or a Hub dataset repo) without its data."""
+    p = Path(cache)
+    if p.is_dir():
+        state = read_json(_inside(p, "state.json"), what=f"{p}/state.json", error=SaelensError)
+        info = read_json(_inside(p, "dataset_info.json"), what=f"{p}/dataset_info.json", error=SaelensError)
+        names = _data_files(state, f"{p}/state.json")
+        for name in names:
+            _inside(p, name)  # present, a regular file, inside the folder
+        return _cache_info(str(p), names, lambda name: _inside(p, name), False, info, f"{p}/dataset_info.json", None)
+    ref = parse_dataset_ref(cache, revision)
+    if ref is None:
+        raise SaelensError(f"{cache} is neither a folder nor a Hub dataset repo (owner/name)")
+    return _hub_info(HubFiles(ref, token=token))
+
+
+def _inside(root: Path, name: str) -> Path:
+    try:
+        return check_regular(resolve_inside(root, name, "cache file"), "cache file")
+    except UnsafePathError as exc:
+        raise SaelensError(str(exc)) from None
+    except FileNotFoundError:
+        raise SaelensError(f"{root}: {name} is missing") from None
+
+
+def _data_files(state: Any, where: str) -> list[str]:
+    """state.json's ``_data_files``: plain file names, in row order."""
+    if not isinstance(state, dict) or not isinstance(state.get("_data_files"), list) or not state["_data_files"]:
+        raise SaelensError(f"{where} lists no _data_files; is this a datasets save_to_disk folder?")
+    if state.get("_indices_data_files"):
+        raise SaelensError(f"{where} has an indices mapping (an old datasets layout): load it with datasets "
+                           "and save_to_disk it again")
+    names = [f.get("filename") if isinstance(f, dict) else None for f in state["_data_files"]]
+    bad = [n for n in names if not isinstance(n, str) or "/" in n or "\\" in n or n in ("", ".", "..")]
+    if bad:
+        raise SaelensError(f"{where}: data file names must be plain file names, got {escape_controls(bad[:3])}")
+    return names
+
+
+def _cache_info(source: str, files: list[str], fetch: Callable[[str], Path], parquet: bool, info: Any, where: str,
+                model_name: str | None) -> CacheInfo:
+    features = info.get("features") if isinstance(info, dict) else None
+    hook, context, d_in, has_tokens = _features_of(features, where)
+    layer, hp = parse_tl_hook(hook)
+    return CacheInfo(source, files, fetch, parquet, hook, layer, hp, context, d_in, has_tokens, model_name)
+
+
+def _hub_info(hub: HubFiles) -> CacheInfo:
+    model = None
+    if "cache_activations_runner_cfg.json" in hub.repo_files:
+        cfg = read_json(hub.fetch("cache_activations_runner_cfg.json", what="runner config"), error=SaelensError)
+        model = cfg.get("model_name") if isinstance(cfg, dict) and isinstance(cfg.get("model_name"), str) else None
+
+    def fetch(name: str) -> Path:
+        return hub.fetch(name, what="cache data file")
+
+    if "state.json" in hub.repo_files:  # a save_to_disk folder uploaded as it is
+        state = read_json(hub.fetch("state.json", what="state.json"), what=f"{hub}/state.json", error=SaelensError)
+        info = read_json(hub.fetch("dataset_info.json", what="dataset_info.json"), what=f"{hub}/dataset_info.json",
+                         error=SaelensError)
+        names = _data_files(state, f"{hub}/state.json")
+        missing = [n for n in names if n not in hub.repo_files]
+        if missing:
+            raise SaelensError(f"{hub}: data files {escape_controls(missing[:3])} listed in state.json are missing")
+        return _cache_info(str(hub), names, fetch, False, info, f"{hub}/dataset_info.json", model)
+    names = sorted(f for f in hub.repo_files if f.startswith("data/") and f.endswith(".parquet"))
+    if not names:
+        raise SaelensError(f"{hub} holds neither state.json nor data/*.parquet: not a SAELens activation cache")
+    import pyarrow.parquet as pq
+
+    try:  # push_to_hub writes the features into each Parquet file's schema metadata
+        meta = pq.read_schema(fetch(names[0])).metadata or {}
+    except (pa.ArrowException, OSError) as exc:
+        raise SaelensError(f"{hub}/{names[0]} is not a Parquet file ({escape_controls(str(exc)[:200])})") from None
+    hf = loads(meta.get(b"huggingface", b"{}"), what=f"{hub}/{names[0]} huggingface metadata", error=SaelensError)
+    return _cache_info(str(hub), names, fetch, True, hf.get("info") if isinstance(hf, dict) else None,
+                       f"{hub}/{names[0]}", model)
+
+
+def _batches(info: CacheInfo) -> Iterator[pa.RecordBatch]:
+    """The cache's rows in order, at most ~64 MiB of activations at a time (memory-mapped Arrow streams,
+    whose record batches datasets writes 1,000 rows long, are sliced; Parquet is read in batches)."""
+    rows = max(1, _BATCH_BYTES // (info.context * info.d_in * 4))
+    for name in info.files:
+        path = info.fetch(name)
+        try:
+            if info.parquet:
+                import pyarrow.parquet as pq
+
+                yield from pq.ParquetFile(path).iter_batches(batch_size=rows)
+            else:
+                with pa.memory_map(str(path)) as src:
+                    for batch in pa.ipc.open_stream(src):
+                        for a in range(0, len(batch), rows):
+                            yield batch.slice(a, rows)
+        except (pa.ArrowException, OSError) as exc:
+            raise SaelensError(f"{name} of {info.source} cannot be read as Arrow data "
+                               f"({escape_controls(str(exc)[:200])})") from None
+
+
+def _check_schemas(info: CacheInfo) -> None:
+    """Every Arrow data file opens as a stream holding the activation column (its schema only is read)."""
+    if info.parquet:
+        return
+    for name in info.files:
+        try:
+            with pa.memory_map(str(info.fetch(name))) as src:
+                schema = pa.ipc.open_stream(src).schema
+        except (pa.ArrowException, OSError) as exc:
+            raise SaelensError(f"{name} of {info.source} cannot be read as Arrow data "
+                               f"({escape_controls(str(exc)[:200])})") from None
+        if info.hook not in schema.names:
+            raise SaelensError(f"{name} of {info.source} has no column {escape_controls(info.hook)!r}")
+
+
+def _column_values(batch: pa.RecordBatch, name: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """A nested-list column as a (rows, *shape) array, every list checked to have its declared length."""
+    i = batch.schema.get_field_index(name)
+    if i < 0:
+        raise SaelensError(f"{where}: column {escape_controls(name)!r} is missing")
+    arr: Any = batch.column(i)
+    if isinstance(arr, pa.ExtensionArray):
+        arr = arr.storage
+    for n in shape:
+        if arr.null_count:
+            raise SaelensError(f"{where}: column {escape_controls(name)!r} holds nulls")
+        if pa.types.is_fixed_size_list(arr.type):
+            if arr.type.list_size != n:
+                raise SaelensError(f"{where}: column {escape_controls(name)!r} lists are not {n} long")
+        elif pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+            lengths = np.asarray(arr.value_lengths())
+            if len(lengths) and (lengths != n).any():
+                raise SaelensError(f"{where}: column {escape_controls(name)!r} lists are not all {n} long")
+        else:
+            raise SaelensError(f"{where}: column {escape_controls(name)!r} is {arr.type}, not nested lists")
+        arr = arr.flatten()
+    if arr.null_count:
+        raise SaelensError(f"{where}: column {escape_controls(name)!r} holds nulls")
+    return arr.to_numpy(zero_copy_only=False).reshape(len(batch), *shape)
+
+
+def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_name: str | None = None,
+                   revision: str | None = None, token: str | bool | None = None, shard_size: int | str = "1GiB",
+                   quiet: bool = False) -> Path:
+    """Write a SAELens activation cache (a folder or a Hub dataset repo) as an lmprobe dataset; no model needed.
+
+    >>> import_saelens("activations/gpt2-l6", "out/gpt2-l6")  # doctest: +SKIP
+    >>> lmprobe.load("out/gpt2-l6").token_hidden(0, 6).shape  # doctest: +SKIP
+    (128, 768)
+
+    Each cache row (a window of context_size tokens) becomes one prompt of a full_sequence
+    dataset, in the order state.json lists the data files (the order ``datasets.load_from_disk``
+    gives). The hook name gives the layer and hookpoint; texts are empty (a cache stores token ids,
+    kept as ``token_ids``, not text). ``model_name``: recorded as the model (default: the runner
+    config's, on the Hub; else "unknown").
+    """
+    info = read_cache_info(cache, revision=revision, token=token)
+    _check_schemas(info)  # before the output is created
+    name = model_name or info.model_name or "unknown"
+    from tqdm.auto import tqdm
+
+    writer = DatasetWriter(out, layers=[info.layer], dim=info.d_in, model_name=name, storage="full_sequence",
+                           dtype="float32", shard_size=shard_size, token_ids=info.has_tokens,
+                           hookpoints=(info.hookpoint,), resume=False,
+                           provenance={"imported_from": {"format": "saelens-activation-cache", "source": info.source,
+                                                         "hook_name": info.hook}})
+    bar = tqdm(unit="row", desc="import-saelens", disable=quiet)
+    n = 0
+    try:
+        with writer:
+            for batch in _batches(info):
+                where = f"{info.source} rows {n}..{n + len(batch) - 1}"
+                acts = _column_values(batch, info.hook, (info.context, info.d_in), where)
+                kw: dict[str, Any] = {}
+                if info.has_tokens:
+                    tok = _column_values(batch, "token_ids", (info.context,), where)
+                    if len(tok) and (tok.min() < 0 or tok.max() >= 2**31):
+                        raise SaelensError(f"{where}: token_ids outside 0..2**31-1")
+                    kw["token_ids"] = tok.tolist()
+                writer.add_batch(texts=[""] * len(batch), num_tokens=[info.context] * len(batch),
+                                 hidden={info.layer: acts.reshape(-1, info.d_in).astype(np.float32, copy=False)}, **kw)
+                n += len(batch)
+                bar.update(len(batch))
+    finally:
+        bar.close()
+    if n == 0:
+        raise SaelensError(f"{info.source} holds no rows")
+    if not quiet:
+        print(f"imported {n} windows x {info.context} tokens of {info.hook} (layer {info.layer}, {info.hookpoint}) "
+              f"to {out}", file=sys.stderr)
+    return Path(out)
