@@ -221,3 +221,18 @@ def test_notebook_display(tiny_ds, tmp_path):
     assert len(re.findall(r'class="tok[" ]', view)) == p.num_tokens and "perplexity" in view
     (tmp_path / "nb.html").write_text(page("notebook views", html + view))
     assert_clean(render(tmp_path / "nb.html", "notebook-views", height=700))
+
+
+def test_report_and_features_say_wrote_once(tiny_ds, tmp_path, capsys):
+    from lmprobe.cli import main as cli_main
+
+    layer = tiny_ds.layers[-1]
+    _dictionary(tiny_ds, tmp_path / "sae", layer)
+    src = str(tiny_ds.files.root)
+    assert cli_main(["report", src, "--out", str(tmp_path / "r"), "--sample", "1", "--no-probe"]) == 0
+    cap = capsys.readouterr()
+    assert (cap.out + cap.err).count("wrote") == 1 and cap.out == f"wrote {tmp_path / 'r' / 'index.html'}\n"
+    assert cli_main(["features", src, "--sae", str(tmp_path / "sae"), "--dict", "d", "--layer", str(layer),
+                     "--out", str(tmp_path / "f")]) == 0
+    cap = capsys.readouterr()
+    assert (cap.out + cap.err).count("wrote") == 1 and cap.out.startswith("wrote ")

@@ -151,8 +151,6 @@ def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: 
                 (out / name).unlink(missing_ok=True)
         t = load_file(out / CACHE_FILE)
         _browser(ds, W, b, t, out, layer, hookpoint, settings, pages, load_tokenizer_for(ds, tokenizer))
-    if not quiet:
-        print(f"wrote {out / CACHE_FILE} and {out / 'index.html'}", file=sys.stderr)
     return out
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +75,8 @@ def report(dataset: Any, out: str | os.PathLike, *, prompts: Any = None, sample:
 
     ``prompts`` (``"3,17"`` or a list) are shown besides ``sample`` prompts drawn with ``seed``;
     ``tokenizer`` decodes token ids when the dataset stores no token strings (default: the
-    dataset's model, when it loads here). ``probe=False`` skips the probe sweep.
+    dataset's model, when it loads here). ``probe=False`` skips the probe sweep. The report prints
+    nothing (``quiet`` is accepted for symmetry with ``features``); the caller says where it wrote.
     """
     ds = dataset if isinstance(dataset, Dataset) else load(dataset)
     chosen = _parse_rows(prompts, ds.num_prompts)  # bad input fails before any work
@@ -97,8 +97,6 @@ def report(dataset: Any, out: str | os.PathLike, *, prompts: Any = None, sample:
                 subtitle=f"{ds.num_prompts:,} prompts · {esc(ds.files)}")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "index.html", html)
-    if not quiet:
-        print(f"wrote {out / 'index.html'}", file=sys.stderr)
     return out / "index.html"
 
 
