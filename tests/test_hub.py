@@ -247,3 +247,32 @@ def test_the_local_hub_starts_by_hand_and_takes_a_push(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_prompt_decodes_with_a_tokenizer_in_the_local_cache_and_never_asks_the_hub(hub, llama_dir, tmp_path):
+    from huggingface_hub import HfApi, snapshot_download
+    from transformers import AutoTokenizer
+
+    from lmprobe.format.writer import DatasetWriter
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    repo = f"tester/tok-{uuid.uuid4().hex[:8]}"
+    api = HfApi(token=TOKEN)
+    api.create_repo(repo, repo_type="model")
+    api.upload_folder(folder_path=llama_dir, repo_id=repo, repo_type="model")
+    snapshot_download(repo)  # the model's files are in the local cache, as after any earlier use
+    commit = api.model_info(repo).sha
+    ids = tok("The film was great.")["input_ids"]
+    with DatasetWriter(tmp_path / "ds", layers=[0], dim=4, model_name=repo, model_revision=commit, logits_k=2,
+                       token_ids=True) as w:
+        w.add_batch(texts=["The film was great."], num_tokens=[len(ids)], hidden={0: np.zeros((1, 4))},
+                    token_ids=[ids], logits_values=np.array([[2.0, 1.0]]), logits_indices=np.array([ids[1:3]]))
+    start = len(hub.log)
+    p = lmprobe.load(tmp_path / "ds").prompt(0)
+    assert hub.log[start:] == []  # nothing asked of the Hub: local_files_only
+    assert p.tokens == [tok.decode([t]) for t in ids] and "".join(p.tokens[1:]) == "The film was great."
+    assert [name for name, _ in p.topk] == [tok.decode([t]) for t in ids[1:3]]
+    # a model that is not here: ids, as before
+    with DatasetWriter(tmp_path / "other", layers=[0], dim=4, model_name="tester/not-here", token_ids=True) as w:
+        w.add_batch(texts=["x"], num_tokens=[2], hidden={0: np.zeros((1, 4))}, token_ids=[[5, 7]])
+    assert lmprobe.load(tmp_path / "other").prompt(0).token_strings() == ["#5 ", "#7 "]

@@ -211,6 +211,18 @@ def test_features_need_every_token(tmp_path, rng):
         lmprobe.features(tmp_path / "pooled", tmp_path / "sae", "d", 0, tmp_path / "f", quiet=True)
 
 
+def test_prompt_decodes_tokens_and_top_k_with_the_embedded_models_tokenizer(tiny_ds):
+    from transformers import AutoTokenizer
+
+    from lmprobe.tokenizer import embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir("lmprobe-tiny"))
+    p = tiny_ds.prompt(0)  # no tokenizer passed: the dataset's model is embedded, so it is here
+    assert p.tokens == [tok.decode([t]) for t in p.token_ids]
+    assert "".join(p.tokens).endswith("The film was great.")
+    assert p.topk and not any(name.startswith("#") for name, _ in p.topk)
+
+
 def test_notebook_display(tiny_ds, tmp_path):
     html = tiny_ds._repr_html_()
     assert "lmprobe-tiny" in html and "full_sequence" in html and "&lt;script&gt;" in html
