@@ -166,7 +166,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_features(args: argparse.Namespace) -> int:
     out = api.features(_open_source(args.dataset, args.cache, args.quiet), args.sae, args.dict, args.layer, args.out, top=args.top,
                        hookpoint=args.hookpoint, memory=args.memory, pages=args.pages, tokenizer=args.tokenizer,
-                       overwrite=args.overwrite, quiet=args.quiet)
+                       overwrite=args.overwrite, report=args.report, quiet=args.quiet)
     if not args.quiet:
         print(f"wrote {out / 'features.safetensors'}, {out / 'manifest.json'} and the browser {out / 'index.html'}")
     return 0
@@ -392,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "features (default: every feature that fired)")
     p.add_argument("--tokenizer", default=None, help="decodes token ids (default: the dataset's model, if it loads)")
     p.add_argument("--overwrite", action="store_true", help="recompute a cache made with other settings")
+    p.add_argument("--report", default=None, metavar="PAGE",
+                   help="the dataset's `lmprobe report` (its folder, index.html or an http(s) URL), linked from every "
+                   "page (default: no link)")
     _add_cache_option(p)
     _add_quiet_option(p)
     p.set_defaults(func=_cmd_features)

@@ -198,11 +198,13 @@ def _labels(ds: Dataset, probe: bool) -> str:
     parts = [bar_chart([str(v) for v in values], counts.tolist(), title="Label balance", ylabel="prompts")]
     if probe and len(values) >= 2 and counts.min() >= 2:
         try:
-            t = sweep(ds, cv=min(5, int(counts.min())))
+            folds = min(5, int(counts.min()))
+            t = sweep(ds, cv=folds)
             parts.append(bar_chart([str(x) for x in t["layer"]], t["accuracy"].tolist(),
                                    errors=t["accuracy_std"].tolist(), title="Probe accuracy by layer",
-                                   ylabel="accuracy", caption="cross-validated logistic regression on the "
-                                   "last-token vectors (lmprobe probe)"))
+                                   ylabel="accuracy", caption=f"{folds}-fold cross-validated logistic regression "
+                                   "on the last-token vectors: the mean accuracy over the folds, the line spans "
+                                   f"one standard deviation (lmprobe probe --cv {folds})"))
         except ImportError:
             parts.append('<p class="legend">Install lmprobe[probe] for the probe sweep.</p>')
     return '<h2>Labels</h2><div class="charts">' + "".join(parts) + "</div>"
