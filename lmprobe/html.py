@@ -21,7 +21,8 @@ h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bot
 .sub{color:#5b6472;margin:0 0 16px} table{border-collapse:collapse;margin:8px 0}
 td,th{padding:3px 10px;border-bottom:1px solid #eceef1;text-align:left;vertical-align:top}
 th{background:#f1f3f6;font-weight:600} td.num{text-align:right;font-variant-numeric:tabular-nums}
-.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:18px}
+.charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(300px,1fr));gap:18px}
+figure.span2{grid-column:span 2} figure.histogram{grid-column:1/-1} @media(max-width:700px){figure.span2{grid-column:auto}}
 figure{margin:0;background:#fff;border:1px solid #e3e6ea;padding:8px} figure svg{width:100%;height:auto;max-height:360px;display:block}
 figcaption{font-size:12px;color:#5b6472} .ell{color:#8a93a0} .filter{font:inherit;padding:4px 8px;width:320px}
 .prompt{background:#fff;border:1px solid #e3e6ea;padding:10px;margin:10px 0}
@@ -242,8 +243,10 @@ def line_chart(series: dict[str, tuple[Sequence[float], Sequence[float]]], *, ti
 
 
 def bar_chart(labels: Sequence[str], values: Sequence[float], *, title: str, ylabel: str, caption: str = "",
-              width: int = 440, height: int = 250, errors: Sequence[float] | None = None) -> str:
-    """An inline SVG bar chart (with optional error bars)."""
+              width: int = 440, height: int = 250, errors: Sequence[float] | None = None, wide: bool = False) -> str:
+    """An inline SVG bar chart (with optional error bars); ``wide``: twice as wide, over two grid columns."""
+    if wide:
+        width *= 2
     if not values:
         return ""
     n = len(values)
@@ -274,7 +277,7 @@ def bar_chart(labels: Sequence[str], values: Sequence[float], *, title: str, yla
                          f'text-anchor="middle">{esc(str(lab)[:10])}</text>')
     parts.append(f'<text x="12" y="{height / 2:.0f}" font-size="13" text-anchor="middle" '
                  f'transform="rotate(-90 12 {height / 2:.0f})">{esc(ylabel)}</text>')
-    return _figure(title, caption, width, height, parts)
+    return _figure(title, caption, width, height, parts, cls="chart span2" if wide else "chart")
 
 
 def histogram_chart(edges: Sequence[float], counts: Sequence[int], *, title: str, xlabel: str, ylabel: str,

@@ -201,7 +201,7 @@ def _labels(ds: Dataset, probe: bool) -> str:
             folds = min(5, int(counts.min()))
             t = sweep(ds, cv=folds)
             parts.append(bar_chart([str(x) for x in t["layer"]], t["accuracy"].tolist(),
-                                   errors=t["accuracy_std"].tolist(), title="Probe accuracy by layer",
+                                   errors=t["accuracy_std"].tolist(), title="Probe accuracy by layer", wide=True,
                                    ylabel="accuracy", caption=f"{folds}-fold cross-validated logistic regression "
                                    "on the last-token vectors: the mean accuracy over the folds, the line spans "
                                    f"one standard deviation (lmprobe probe --cv {folds})"))
