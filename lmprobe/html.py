@@ -169,9 +169,32 @@ def percent(fraction: float) -> str:
     return f"{float(f'{v:.2g}'):g}%"
 
 
+#: plot margins: left (y tick labels), bottom (x ticks and label), top, right
+_PAD_L, _PAD_B, _PAD_T, _PAD_R = 56, 38, 12, 14
+
+
+def _y_grid(yt: Sequence[float], sy, width: int) -> list[str]:
+    """Labelled round y ticks at ``sy(y)``, each with a light grid line across the plot."""
+    step = yt[1] - yt[0] if len(yt) > 1 else 1.0
+    out = []
+    for y in yt:
+        out.append(f'<text class="ytick" x="{_PAD_L - 4}" y="{sy(y) + 4:.1f}" font-size="12" text-anchor="end">'
+                   f"{tick_label(y, step)}</text>")
+        out.append(f'<line x1="{_PAD_L}" y1="{sy(y):.1f}" x2="{width - _PAD_R}" y2="{sy(y):.1f}" stroke="#eee"/>')
+    return out
+
+
+def _axis_labels(width: int, height: int, xlabel: str | None, ylabel: str) -> list[str]:
+    out = [f'<text x="12" y="{height / 2:.0f}" font-size="13" text-anchor="middle" '
+           f'transform="rotate(-90 12 {height / 2:.0f})">{esc(ylabel)}</text>']
+    if xlabel:
+        out.append(f'<text x="{(_PAD_L + width) / 2:.0f}" y="{height - 4}" font-size="13" text-anchor="middle">'
+                   f"{esc(xlabel)}</text>")
+    return out
+
+
 def _frame(width: int, height: int, xs: Sequence[float], ys_all: Sequence[float], xlabel: str, ylabel: str):
     """Axes with round ticks; x ticks are every x when there are few (layers), round ones otherwise."""
-    pad_l, pad_b, pad_t, pad_r = 56, 38, 12, 14
     x0, x1 = min(xs), max(xs)
     integer_x = all(float(x).is_integer() for x in xs)
     yt = nice_ticks(min(0.0, min(ys_all)), max(ys_all))
@@ -180,18 +203,14 @@ def _frame(width: int, height: int, xs: Sequence[float], ys_all: Sequence[float]
         x1 = x0 + 1
 
     def sx(x: float) -> float:
-        return pad_l + (x - x0) / (x1 - x0) * (width - pad_l - pad_r)
+        return _PAD_L + (x - x0) / (x1 - x0) * (width - _PAD_L - _PAD_R)
 
     def sy(y: float) -> float:
-        return height - pad_b - (y - y0) / (y1 - y0) * (height - pad_b - pad_t)
+        return height - _PAD_B - (y - y0) / (y1 - y0) * (height - _PAD_B - _PAD_T)
 
-    axes = [f'<line x1="{pad_l}" y1="{height - pad_b}" x2="{width - pad_r}" y2="{height - pad_b}" stroke="#888"/>',
-            f'<line x1="{pad_l}" y1="{pad_t}" x2="{pad_l}" y2="{height - pad_b}" stroke="#888"/>']
-    ystep = yt[1] - yt[0] if len(yt) > 1 else 1.0
-    for y in yt:
-        axes.append(f'<text class="ytick" x="{pad_l - 4}" y="{sy(y) + 4:.1f}" font-size="12" text-anchor="end">'
-                    f"{tick_label(y, ystep)}</text>")
-        axes.append(f'<line x1="{pad_l}" y1="{sy(y):.1f}" x2="{width - pad_r}" y2="{sy(y):.1f}" stroke="#eee"/>')
+    axes = [f'<line x1="{_PAD_L}" y1="{height - _PAD_B}" x2="{width - _PAD_R}" y2="{height - _PAD_B}" stroke="#888"/>',
+            f'<line x1="{_PAD_L}" y1="{_PAD_T}" x2="{_PAD_L}" y2="{height - _PAD_B}" stroke="#888"/>']
+    axes += _y_grid(yt, sy, width)
     if len(set(xs)) <= 12:
         xt = sorted(set(xs))
         xstep = 1.0 if integer_x else min((b - a for a, b in zip(xt, xt[1:], strict=False)), default=1.0)
@@ -199,12 +218,9 @@ def _frame(width: int, height: int, xs: Sequence[float], ys_all: Sequence[float]
         xt = [x for x in nice_ticks(x0, x1, n=7, integer=integer_x) if x0 <= x <= x1]
         xstep = xt[1] - xt[0] if len(xt) > 1 else 1.0
     for x in xt:
-        axes.append(f'<text class="xtick" x="{sx(x):.1f}" y="{height - pad_b + 14}" font-size="12" '
+        axes.append(f'<text class="xtick" x="{sx(x):.1f}" y="{height - _PAD_B + 14}" font-size="12" '
                     f'text-anchor="middle">{tick_label(x, xstep)}</text>')
-    axes.append(f'<text x="{(pad_l + width) / 2:.0f}" y="{height - 4}" font-size="13" text-anchor="middle">'
-                f"{esc(xlabel)}</text>")
-    axes.append(f'<text x="12" y="{height / 2:.0f}" font-size="13" text-anchor="middle" '
-                f'transform="rotate(-90 12 {height / 2:.0f})">{esc(ylabel)}</text>')
+    axes += _axis_labels(width, height, xlabel, ylabel)
     return sx, sy, "".join(axes)
 
 
@@ -254,29 +270,23 @@ def bar_chart(labels: Sequence[str], values: Sequence[float], *, title: str, yla
     integer = all(float(v).is_integer() for v in values) and not errors
     yt = nice_ticks(0.0, peak, integer=integer)
     top = yt[-1]
-    pad_l, pad_b, pad_t = 56, 38, 12
-    inner_w, inner_h = width - pad_l - 12, height - pad_b - pad_t
+    inner_w, inner_h = width - _PAD_L - _PAD_R, height - _PAD_B - _PAD_T
     bw = inner_w / n
-    parts = [f'<line x1="{pad_l}" y1="{height - pad_b}" x2="{width - 12}" y2="{height - pad_b}" stroke="#888"/>']
-    for y in yt:
-        py = height - pad_b - y / top * inner_h
-        parts.append(f'<text class="ytick" x="{pad_l - 4}" y="{py + 4:.1f}" font-size="12" text-anchor="end">'
-                     f"{tick_label(y, yt[1] - yt[0])}</text>")
-        parts.append(f'<line x1="{pad_l}" y1="{py:.1f}" x2="{width - 12}" y2="{py:.1f}" stroke="#eee"/>')
+    parts = [f'<line x1="{_PAD_L}" y1="{height - _PAD_B}" x2="{width - _PAD_R}" y2="{height - _PAD_B}" stroke="#888"/>']
+    parts += _y_grid(yt, lambda y: height - _PAD_B - y / top * inner_h, width)
     for i, (lab, v) in enumerate(zip(labels, values, strict=True)):
         h = max(0.0, float(v)) / top * inner_h
-        x = pad_l + i * bw + bw * 0.15
-        parts.append(f'<rect x="{x:.1f}" y="{height - pad_b - h:.1f}" width="{bw * 0.7:.1f}" height="{h:.1f}" '
+        x = _PAD_L + i * bw + bw * 0.15
+        parts.append(f'<rect x="{x:.1f}" y="{height - _PAD_B - h:.1f}" width="{bw * 0.7:.1f}" height="{h:.1f}" '
                      f'fill="#1f77b4"><title>{esc(lab)}: {_num(float(v))}</title></rect>')
         if errors:
             e = float(errors[i]) / top * inner_h
-            cx, cy = x + bw * 0.35, height - pad_b - h
+            cx, cy = x + bw * 0.35, height - _PAD_B - h
             parts.append(f'<line x1="{cx:.1f}" y1="{cy - e:.1f}" x2="{cx:.1f}" y2="{cy + e:.1f}" stroke="#333"/>')
         if n <= 24:
-            parts.append(f'<text x="{x + bw * 0.35:.1f}" y="{height - pad_b + 14}" font-size="12" '
+            parts.append(f'<text x="{x + bw * 0.35:.1f}" y="{height - _PAD_B + 14}" font-size="12" '
                          f'text-anchor="middle">{esc(str(lab)[:10])}</text>')
-    parts.append(f'<text x="12" y="{height / 2:.0f}" font-size="13" text-anchor="middle" '
-                 f'transform="rotate(-90 12 {height / 2:.0f})">{esc(ylabel)}</text>')
+    parts += _axis_labels(width, height, None, ylabel)
     return _figure(title, caption, width, height, parts, cls="chart span2" if wide else "chart")
 
 
@@ -287,26 +297,21 @@ def histogram_chart(edges: Sequence[float], counts: Sequence[int], *, title: str
         return ""
     f = math.log10 if log_x else float
     lo, hi = f(edges[0]), f(edges[-1])
-    pad_l, pad_b, pad_t, pad_r = 56, 38, 12, 14
-    inner_w, inner_h = width - pad_l - pad_r, height - pad_b - pad_t
+    inner_w, inner_h = width - _PAD_L - _PAD_R, height - _PAD_B - _PAD_T
     yt = nice_ticks(0.0, float(max(counts)), n=5, integer=True)
     top = yt[-1]
 
     def sx(v: float) -> float:
-        return pad_l + (f(v) - lo) / (hi - lo) * inner_w
+        return _PAD_L + (f(v) - lo) / (hi - lo) * inner_w
 
-    parts = [f'<line x1="{pad_l}" y1="{height - pad_b}" x2="{width - pad_r}" y2="{height - pad_b}" stroke="#888"/>']
-    for y in yt:
-        py = height - pad_b - y / top * inner_h
-        parts.append(f'<text class="ytick" x="{pad_l - 4}" y="{py + 4:.1f}" font-size="12" text-anchor="end">'
-                     f"{tick_label(y, yt[1] - yt[0])}</text>")
-        parts.append(f'<line x1="{pad_l}" y1="{py:.1f}" x2="{width - pad_r}" y2="{py:.1f}" stroke="#eee"/>')
+    parts = [f'<line x1="{_PAD_L}" y1="{height - _PAD_B}" x2="{width - _PAD_R}" y2="{height - _PAD_B}" stroke="#888"/>']
+    parts += _y_grid(yt, lambda y: height - _PAD_B - y / top * inner_h, width)
     for i, c in enumerate(counts):
         if c <= 0:
             continue
         x0, x1 = sx(edges[i]), sx(edges[i + 1])
         h = c / top * inner_h
-        parts.append(f'<rect class="bin" x="{x0 + 0.5:.1f}" y="{height - pad_b - h:.1f}" width="{max(1.0, x1 - x0 - 1):.1f}" '
+        parts.append(f'<rect class="bin" x="{x0 + 0.5:.1f}" y="{height - _PAD_B - h:.1f}" width="{max(1.0, x1 - x0 - 1):.1f}" '
                      f'height="{h:.1f}" fill="#2ca02c"><title>{_num(float(edges[i]))} to {_num(float(edges[i + 1]))}: '
                      f"{int(c):,}</title></rect>")
     if log_x:
@@ -318,12 +323,9 @@ def histogram_chart(edges: Sequence[float], counts: Sequence[int], *, title: str
         xt = [x for x in nice_ticks(edges[0], edges[-1]) if edges[0] <= x <= edges[-1]]
         labels = [tick_label(x, xt[1] - xt[0] if len(xt) > 1 else 1.0) for x in xt]
     for x, label in zip(xt, labels, strict=True):
-        parts.append(f'<text class="xtick" x="{sx(x):.1f}" y="{height - pad_b + 14}" font-size="12" '
+        parts.append(f'<text class="xtick" x="{sx(x):.1f}" y="{height - _PAD_B + 14}" font-size="12" '
                      f'text-anchor="middle">{label}</text>')
-    parts.append(f'<text x="{(pad_l + width) / 2:.0f}" y="{height - 4}" font-size="13" text-anchor="middle">'
-                 f"{esc(xlabel)}</text>")
-    parts.append(f'<text x="12" y="{height / 2:.0f}" font-size="13" text-anchor="middle" '
-                 f'transform="rotate(-90 12 {height / 2:.0f})">{esc(ylabel)}</text>')
+    parts += _axis_labels(width, height, xlabel, ylabel)
     return _figure(title, caption, width, height, parts, cls="chart histogram")
 
 
