@@ -174,15 +174,17 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     path = api.report(_open_source(args.dataset, args.cache, args.quiet), args.out, prompts=args.prompts, sample=args.sample, tokenizer=args.tokenizer,
                       probe=not args.no_probe, quiet=args.quiet)
-    print(f"wrote {path}")
+    if not args.quiet:  # the library says nothing: this is the one line
+        print(f"wrote {path}")
     return 0
 
 
 def _cmd_features(args: argparse.Namespace) -> int:
     out = api.features(_open_source(args.dataset, args.cache, args.quiet), args.sae, args.dict, args.layer, args.out, top=args.top,
                        hookpoint=args.hookpoint, memory=args.memory, pages=args.pages, tokenizer=args.tokenizer,
-                       overwrite=args.overwrite, quiet=args.quiet)
-    print(f"wrote {out / 'features.safetensors'}, {out / 'manifest.json'} and the browser {out / 'index.html'}")
+                       overwrite=args.overwrite, report=args.report, quiet=args.quiet)
+    if not args.quiet:
+        print(f"wrote {out / 'features.safetensors'}, {out / 'manifest.json'} and the browser {out / 'index.html'}")
     return 0
 
 
@@ -216,6 +218,14 @@ def _add_cache_option(p: argparse.ArgumentParser) -> None:
                    "read files are deleted first (default: the smaller of 20 GiB and half the free space)")
 
 
+def _add_token_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login); never printed")
+
+
+def _add_quiet_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true", help="no progress bars or messages")
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -226,159 +236,192 @@ def _positive_int(text: str) -> int:
     return v
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it or there is none to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if action.option_strings and action.nargs != 0 and "default" not in text \
+                and not (default is None or default is False or default == [] or default == argparse.SUPPRESS):
+            text += " (default: %(default)s)"  # flags (nargs 0) have no value to show
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lmprobe",
+        prog="lmprobe", formatter_class=_HelpFormatter,
         description="Extract language-model activations into the lmprobe dataset format 2.0, publish and read them.",
     )
     parser.add_argument("--version", action="version", version=f"lmprobe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser(
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, formatter_class=_HelpFormatter, **kwargs)
+
+    p = command(
         "extract",
         help="run a model over prompts and write an lmprobe dataset",
-        description="Run MODEL over the prompts in FILE and store hidden states (and optionally top-k logits and "
+        description="Run MODEL over the prompts in SOURCE and store hidden states (and optionally top-k logits and "
         "perplexity) as an lmprobe dataset in DIR. Re-running after an interruption resumes.",
     )
-    p.add_argument("--model", required=True, help="local model folder, Hub id, or lmprobe-tiny (the embedded model)")
-    p.add_argument("--prompts", required=True, metavar="SOURCE",
+    g = p.add_argument_group("model")
+    g.add_argument("--model", required=True, help="local model folder, Hub id, or lmprobe-tiny (the embedded model)")
+    g.add_argument("--revision", default=None, help="model revision (branch, tag or commit) on the Hub (default: main)")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own Python code to run")
+    g.add_argument("--block-path", default=None,
+                   help="attribute path of the decoder block list, for unknown architectures (default: found by name)")
+    g.add_argument("--backend", choices=["transformers", "nnsight"], default="transformers",
+                   help="transformers: hooks on a local model; nnsight: an nnsight trace")
+    g.add_argument("--remote", action="store_true",
+                   help="with --backend nnsight: run on NDIF (API key from NNSIGHT_API_KEY or nnsight's config)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--compute-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="dtype the model runs in (auto: float32 on CPU, the checkpoint's dtype on GPU)")
+    g.add_argument("--batch-size", type=_positive_int, default=8, metavar="N", help="prompts per forward pass")
+    g.add_argument("--max-length", type=_positive_int, default=None, metavar="N",
+                   help="longest prompt in tokens (default: the model's)")
+    g.add_argument("--truncate", choices=["left", "right"], default=None,
+                   help="cut prompts longer than --max-length (left keeps the end) instead of failing (default: fail)")
+    g = p.add_argument_group("input")
+    g.add_argument("--prompts", required=True, metavar="SOURCE",
                    help="a .jsonl, .csv, .tsv, .parquet or .txt file (one per line), a folder of them, or a Hugging Face "
                    "dataset (hf://datasets/OWNER/NAME or OWNER/NAME)")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--layers", default="all", help="'all' (default), '0,3,-1', ranges like '10:20' (Python slice: 10..19)")
-    p.add_argument("--hookpoints", default="resid_post",
-                   help="where in each block to read, a comma list: resid_pre, attn_out, resid_mid, mlp_in, mlp_out, "
-                   "resid_post (default), or a module path in the block with :input/:output, e.g. mlp.act_fn:output")
-    p.add_argument("--storage", choices=["pooled", "full_sequence"], default="pooled",
-                   help="pooled: last token only (default); full_sequence: every token")
-    p.add_argument("--logits-topk", type=_positive_int, default=None, metavar="K", help="store the top-K logits at the last token")
-    p.add_argument("--perplexity", action="store_true", help="store per-prompt and per-token perplexity")
-    p.add_argument("--token-strings", action="store_true", help="store decoded tokens (and token ids)")
-    p.add_argument("--token-ids", action="store_true", help="store token ids")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32", help="stored dtype")
-    p.add_argument("--compute-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
-                   help="dtype the model runs in (auto: float32 on CPU, the checkpoint's dtype on GPU)")
-    p.add_argument("--batch-size", type=_positive_int, default=8)
-    p.add_argument("--max-length", type=_positive_int, default=None, help="longest prompt in tokens (default: the model's)")
-    p.add_argument("--truncate", choices=["left", "right"], default=None,
-                   help="cut prompts longer than --max-length (left keeps the end) instead of failing")
-    p.add_argument("--shard-size", default="1GiB", help="shard byte budget, e.g. 512MB, 1GiB (default 1GiB)")
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--dataset-config", default=None, metavar="NAME", help="configuration of a Hugging Face dataset source")
-    p.add_argument("--split", default="train", help="split of a Hugging Face dataset source (default train)")
-    p.add_argument("--context-len", type=_positive_int, default=None, metavar="T",
-                   help="corpus extraction: cut every document into windows of at most T tokens, one row each")
-    p.add_argument("--max-tokens", type=_count, default=None, metavar="N",
-                   help="corpus extraction: stop at exactly N stored tokens, e.g. 50M (windows of the model's "
-                   "length unless --context-len)")
-    p.add_argument("--no-special-tokens", dest="special_tokens", action="store_false",
-                   help="corpus extraction: add no special tokens (BOS, ...) to the windows")
-    p.add_argument("--no-space-check", dest="space_check", action="store_false",
-                   help="start even when the output's disk has less free space than the planned bytes")
-    p.add_argument("--label-column", default="label", help="label column (int or string); optional when 'label'")
-    p.add_argument("--revision", default=None, help="model revision (branch, tag or commit) on the Hub")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own Python code to run")
-    p.add_argument("--block-path", default=None, help="attribute path of the decoder block list, for unknown architectures")
-    p.add_argument("--backend", choices=["transformers", "nnsight"], default="transformers",
-                   help="transformers (default): hooks on a local model; nnsight: an nnsight trace")
-    p.add_argument("--remote", action="store_true",
-                   help="with --backend nnsight: run on NDIF (API key from NNSIGHT_API_KEY or nnsight's config)")
-    p.add_argument("--drop-special-tokens", action="store_true",
-                   help="do not store the tokenizer's special tokens (BOS, EOS, ...); the model still sees them")
-    p.add_argument("--chat-template", action="store_true",
+    g.add_argument("--text-column", default="text", help="column of SOURCE that holds the prompt text")
+    g.add_argument("--label-column", default="label", help="label column (int or string); optional when 'label'")
+    g.add_argument("--dataset-config", default=None, metavar="NAME", help="configuration of a Hugging Face dataset source")
+    g.add_argument("--split", default="train", help="split of a Hugging Face dataset source")
+    g.add_argument("--chat-template", action="store_true",
                    help="wrap each prompt in the tokenizer's chat template; store only the prompt's own tokens")
-    p.add_argument("--no-statistics", action="store_true",
+    g = p.add_argument_group("corpus extraction (one row per window of a long text)")
+    g.add_argument("--context-len", type=_positive_int, default=None, metavar="T",
+                   help="cut every document into windows of at most T tokens, one row each (default: the model's "
+                   "length when --max-tokens is given)")
+    g.add_argument("--max-tokens", type=_count, default=None, metavar="N",
+                   help="stop at exactly N stored tokens, e.g. 50M (windows of the model's length unless --context-len)")
+    g.add_argument("--no-special-tokens", dest="special_tokens", action="store_false",
+                   help="add no special tokens (BOS, ...) to the windows")
+    g = p.add_argument_group("what to store")
+    g.add_argument("--layers", default="all", help="'all', '0,3,-1', ranges like '10:20' (Python slice: 10..19)")
+    g.add_argument("--hookpoints", default="resid_post",
+                   help="where in each block to read, a comma list: resid_pre, attn_out, resid_mid, mlp_in, mlp_out, "
+                   "resid_post, or a module path in the block with :input/:output, e.g. mlp.act_fn:output")
+    g.add_argument("--storage", choices=["pooled", "full_sequence"], default="pooled",
+                   help="pooled: last token only; full_sequence: every token")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32", help="stored dtype")
+    g.add_argument("--logits-topk", type=_positive_int, default=None, metavar="K",
+                   help="store the top-K logits at the last token (default: none)")
+    g.add_argument("--perplexity", action="store_true", help="store per-prompt and per-token perplexity")
+    g.add_argument("--token-strings", action="store_true", help="store decoded tokens (and token ids)")
+    g.add_argument("--token-ids", action="store_true", help="store token ids")
+    g.add_argument("--drop-special-tokens", action="store_true",
+                   help="do not store the tokenizer's special tokens (BOS, EOS, ...); the model still sees them")
+    g.add_argument("--no-statistics", action="store_true",
                    help="skip the running per-layer statistics (count, mean, std, mean norm)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing or partial output instead of resuming")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
-    p.add_argument("--push", default=None, metavar="REPO", help="publish the dataset to this Hub dataset repo when done")
-    p.add_argument("--private", action="store_true", help="with --push: create the repo private")
-    p.add_argument("--token", default=None, help="with --push: Hub token (default: HF_TOKEN or the saved login)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", required=True, metavar="DIR", help="dataset folder to write (or to resume)")
+    g.add_argument("--shard-size", default="1GiB", help="shard byte budget, e.g. 512MB, 1GiB")
+    g.add_argument("--no-space-check", dest="space_check", action="store_false",
+                   help="start even when the output's disk has less free space than the planned bytes")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing or partial output instead of resuming")
+    g.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    g = p.add_argument_group("publishing")
+    g.add_argument("--push", default=None, metavar="REPO", help="publish the dataset to this Hub dataset repo when done")
+    g.add_argument("--private", action="store_true", help="with --push: create the repo private")
+    g.add_argument("--token", default=None, help="with --push: Hub token (default: HF_TOKEN or the saved login)")
     p.set_defaults(func=_cmd_extract)
 
-    p = sub.add_parser("push", help="publish a dataset folder to a Hub dataset repo (resumable)")
-    p.add_argument("path", metavar="DIR")
+    p = command("push", help="publish a dataset folder to a Hub dataset repo (resumable)")
+    p.add_argument("path", metavar="DIR", help="the dataset folder")
     p.add_argument("repo", metavar="REPO", help="OWNER/NAME of the dataset repo (created if needed)")
     p.add_argument("--private", action="store_true", help="create the repo private")
-    p.add_argument("--revision", default=None, metavar="BRANCH", help="push to this branch (created if needed)")
-    p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login); never printed")
+    p.add_argument("--revision", default=None, metavar="BRANCH", help="push to this branch (created if needed; "
+                   "default: main)")
+    _add_token_option(p)
     p.add_argument("--saev", action="append", default=[], metavar="FOLDER",
                    help="also publish this saev export (copied into DIR/saev/<HASH>/); repeatable")
     p.add_argument("--sae", action="append", default=[], metavar="FOLDER",
                    help="also publish this SAE dictionary folder (copied into DIR/sae/<name>/); repeatable")
-    p.add_argument("--quiet", action="store_true")
+    _add_quiet_option(p)
     p.set_defaults(func=_cmd_push)
 
-    p = sub.add_parser("pull", help="copy the index and some layers of a Hub dataset to a local folder")
+    p = command("pull", help="copy the index and some layers of a Hub dataset to a local folder")
     p.add_argument("repo", metavar="REPO", help="OWNER/NAME or hf://datasets/OWNER/NAME")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--layers", default="all", help="layers to fetch: all (default), '16', '0,8,-1', '10:20'")
+    p.add_argument("--out", required=True, metavar="DIR", help="local folder to copy into (a re-run resumes)")
+    p.add_argument("--layers", default="all", help="layers to fetch: all, '16', '0,8,-1', '10:20'")
     p.add_argument("--hookpoints", default=None, help="hookpoints to fetch, a comma list (default: all stored)")
     p.add_argument("--no-logits", action="store_true", help="do not fetch the logits shards")
     p.add_argument("--only", default=None, metavar="PART",
                    help="dataset (default), saev, sae, or a path such as saev/<HASH>: fetch just that part")
-    p.add_argument("--revision", default=None)
-    p.add_argument("--token", default=None)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of the dataset repo (default: main)")
+    _add_token_option(p)
+    _add_quiet_option(p)
     p.set_defaults(func=_cmd_pull)
 
-    p = sub.add_parser("merge", help="combine datasets made by independent jobs with the same model and settings")
+    p = command("merge", help="combine datasets made by independent jobs with the same model and settings")
     p.add_argument("parts", nargs="+", metavar="PART", help="dataset folders, in the order their prompts should appear")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder of the merged dataset (shards are linked, "
+                   "not copied)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in DIR")
     p.set_defaults(func=_cmd_merge)
 
-    p = sub.add_parser("probe", help="cross-validated linear probes per layer, as a table and a plot")
+    p = command("probe", help="cross-validated linear probes per layer, as a table and a plot")
     p.add_argument("dataset", metavar="DATASET", help="dataset folder or Hub repo")
-    p.add_argument("--layers", default="all")
-    p.add_argument("--label-column", default="label")
-    p.add_argument("--classifier", choices=["logistic", "ridge"], default="logistic")
-    p.add_argument("--cv", type=_positive_int, default=5, help="folds (default 5)")
+    p.add_argument("--layers", default="all", help="layers to probe: all, '16', '0,8,-1', '10:20'")
+    p.add_argument("--label-column", default="label", help="index column holding the class of each prompt")
+    p.add_argument("--classifier", choices=["logistic", "ridge"], default="logistic",
+                   help="logistic regression or a ridge classifier (scikit-learn)")
+    p.add_argument("--cv", type=_positive_int, default=5, metavar="K", help="cross-validation folds")
     p.add_argument("--pooling", choices=["last_token", "mean"], default="last_token",
-                   help="mean needs a full_sequence dataset")
+                   help="the vector of a prompt: its last token, or the mean of its tokens (needs a full_sequence "
+                   "dataset)")
     p.add_argument("--hookpoints", default=None, help="sweep these stored hookpoints too, a comma list "
                    "(default: what hidden_layers holds)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="write accuracy against layer to this image")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fold split and the classifier")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="write accuracy against layer to this image (default: no plot)")
     p.set_defaults(func=_cmd_probe)
 
-    p = sub.add_parser("report", help="a self-contained HTML page about a dataset: facts, plots, prompts, labels")
+    p = command("report", help="a self-contained HTML page about a dataset: facts, plots, prompts, labels")
     p.add_argument("dataset", metavar="DATASET", help="dataset folder, Hub repo or fsspec URL")
     p.add_argument("--out", required=True, metavar="DIR", help="writes DIR/index.html")
-    p.add_argument("--prompts", default=None, metavar="ROWS", help="prompts to show besides the sample, e.g. 3,17")
-    p.add_argument("--sample", type=int, default=8, help="random prompts to show (default 8)")
+    p.add_argument("--prompts", default=None, metavar="ROWS", help="prompts to show besides the sample, e.g. 3,17 "
+                   "(default: none)")
+    p.add_argument("--sample", type=int, default=8, metavar="N", help="random prompts to show")
     p.add_argument("--tokenizer", default=None, help="decodes token ids (default: the dataset's model, if it loads)")
     p.add_argument("--no-probe", action="store_true", help="skip the probe sweep of labelled datasets")
     _add_cache_option(p)
-    p.add_argument("--quiet", action="store_true")
+    _add_quiet_option(p)
     p.set_defaults(func=_cmd_report)
 
-    p = sub.add_parser("features", help="run an SAE dictionary over every stored token: feature cache and browser")
+    p = command("features", help="run an SAE dictionary over every stored token: feature cache and browser")
     p.add_argument("dataset", metavar="DATASET", help="a full_sequence dataset (folder, Hub repo or fsspec URL)")
     p.add_argument("--sae", required=True, metavar="ROOT", help="folder (or hf:// repo) holding the dictionary")
     p.add_argument("--dict", required=True, metavar="NAME", help="dictionary name")
-    p.add_argument("--layer", required=True, type=int)
+    p.add_argument("--layer", required=True, type=int, help="the dataset's layer the dictionary reads")
     p.add_argument("--hookpoint", default=None, help="stored hookpoint to read (default: hidden_layers')")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--top", type=_positive_int, default=20, help="top activating tokens kept per feature (default 20)")
-    p.add_argument("--memory", default="512MiB", help="memory for a batch of scores (default 512MiB)")
-    p.add_argument("--pages", type=int, default=None, help="feature pages for the N most frequent features "
-                   "(default: every feature that fired)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder of the feature cache and browser")
+    p.add_argument("--top", type=_positive_int, default=20, metavar="N", help="top activating tokens kept per feature")
+    p.add_argument("--memory", default="512MiB", metavar="SIZE", help="memory for a batch of scores")
+    p.add_argument("--pages", type=int, default=None, metavar="N", help="feature pages for the N most frequent "
+                   "features (default: every feature that fired)")
     p.add_argument("--tokenizer", default=None, help="decodes token ids (default: the dataset's model, if it loads)")
     p.add_argument("--overwrite", action="store_true", help="recompute a cache made with other settings")
+    p.add_argument("--report", default=None, metavar="PAGE",
+                   help="the dataset's `lmprobe report` (its folder, index.html or an http(s) URL), linked from every "
+                   "page (default: no link)")
     _add_cache_option(p)
-    p.add_argument("--quiet", action="store_true")
+    _add_quiet_option(p)
     p.set_defaults(func=_cmd_features)
 
-    p = sub.add_parser("export-saev", help="export a full_sequence dataset to the saev sharded activation protocol")
+    p = command("export-saev", help="export a full_sequence dataset to the saev sharded activation protocol")
     p.add_argument("source", metavar="SOURCE", help="lmprobe full_sequence dataset (folder or Hub repo)")
     p.add_argument("--out", required=True, metavar="DUMP_TO", help="writes DUMP_TO/<HASH>/")
-    p.add_argument("--layers", default="all", help="layers to export (default: all stored)")
+    p.add_argument("--layers", default="all", help="layers to export: all (every stored layer), '16', '0,8,-1'")
     p.add_argument("--hookpoint", default=None, help="stored hookpoint to export (default: what hidden_layers holds)")
     _add_cache_option(p)
-    p.add_argument("--context-len", type=_positive_int, default=128, metavar="T", help="tokens per example (default 128)")
+    p.add_argument("--context-len", type=_positive_int, default=128, metavar="T", help="tokens per example")
     p.add_argument("--patches-per-shard", type=_positive_int, default=2_400_000, metavar="N",
                    help="vectors per shard budget (default 2,400,000: ~10 GiB at d_model 1024)")
     p.add_argument("--drop-first-token", action="store_true", help="leave out each prompt's first token (e.g. BOS)")
@@ -389,11 +432,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "--out must end in saev/shards; see docs/saev.md")
     p.add_argument("--push", default=None, metavar="REPO",
                    help="publish the export into this dataset repo under saev/<HASH>/ (the dataset must be there)")
-    p.add_argument("--token", default=None)
-    p.add_argument("--quiet", action="store_true")
+    _add_token_option(p)
+    _add_quiet_option(p)
     p.set_defaults(func=_cmd_export_saev)
 
-    p = sub.add_parser("export-saelens", help="write a full_sequence dataset as a SAELens activation cache")
+    p = command("export-saelens", help="write a full_sequence dataset as a SAELens activation cache")
     p.add_argument("source", metavar="SOURCE", help="lmprobe full_sequence dataset (folder or Hub repo)")
     p.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder (cached_activations_path)")
     p.add_argument("--layer", type=int, default=None, help="the layer to write (needed when the source stores several)")
@@ -402,31 +445,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="window length (default: the longest prompt's); prompts of another length are left out")
     p.add_argument("--no-tokens", action="store_true", help="leave out token_ids (written when the source has them)")
     _add_cache_option(p)
-    p.add_argument("--quiet", action="store_true")
+    _add_quiet_option(p)
     p.set_defaults(func=_cmd_export_saelens)
 
-    p = sub.add_parser("import-saelens", help="write a SAELens activation cache (folder or Hub repo) as a dataset")
+    p = command("import-saelens", help="write a SAELens activation cache (folder or Hub repo) as a dataset")
     p.add_argument("cache", metavar="CACHE", help="a SAELens cache folder, or a Hub dataset repo (owner/name)")
     p.add_argument("--out", required=True, metavar="DIR", help="the lmprobe dataset to write")
     p.add_argument("--model-name", default=None, help="the model to record (default: the runner config's, else unknown)")
     p.add_argument("--revision", default=None, help="Hub revision of CACHE")
-    p.add_argument("--token", default=None)
-    p.add_argument("--quiet", action="store_true")
+    _add_token_option(p)
+    _add_quiet_option(p)
     p.set_defaults(func=_cmd_import_saelens)
 
-    p = sub.add_parser("export-sae", help="export a trained SAE encoder layer as a sparse dictionary")
+    p = command("export-sae", help="export a trained SAE encoder layer as a sparse dictionary")
     p.add_argument("source", metavar="SOURCE",
                    help="a SAELens save (cfg.json + sae_weights.safetensors), a sparsify save (cfg.json + "
                    "sae.safetensors), a folder holding several of them (pick one with --hookpoint), or a "
                    ".safetensors/.npz file (with --weight-key)")
-    p.add_argument("--layer", required=True, type=int)
+    p.add_argument("--layer", required=True, type=int, help="the model layer the SAE reads")
     p.add_argument("--root", required=True, help="folder that holds dictionaries")
     p.add_argument("--dict", required=True, help="dictionary name (created if needed; other layers are kept)")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--threshold", type=float, default=None, help="keep weights with |w| >= X")
-    group.add_argument("--topk-per-feature", type=int, default=None, metavar="N", help="keep the N largest |w| per feature")
+    group.add_argument("--threshold", type=float, default=None, help="keep weights with |w| >= X (default: keep all)")
+    group.add_argument("--topk-per-feature", type=int, default=None, metavar="N",
+                       help="keep the N largest |w| per feature (default: keep all)")
     p.add_argument("--weight-key", default=None, help="encoder tensor name in a .safetensors/.npz file")
-    p.add_argument("--bias-key", default=None, help="encoder bias tensor name")
+    p.add_argument("--bias-key", default=None, help="encoder bias tensor name (default: no bias)")
     p.add_argument("--b-dec-key", default=None,
                    help="with --weight-key: a decoder bias the SAE subtracts from its input (folded into the bias)")
     p.add_argument("--hookpoint", default=None, metavar="NAME",
@@ -435,33 +479,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in_out: [hidden, features] (SAELens); out_in: [features, hidden] (nn.Linear); auto: from the bias")
     p.add_argument("--model-revision", default=None, help="commit hash of the model (recorded as model_hash)")
     p.add_argument("--model-config", default=None, help="config.json of the model (its sha256 becomes model_hash)")
-    p.add_argument("--file-format", choices=["npz", "safetensors"], default="npz")
+    p.add_argument("--file-format", choices=["npz", "safetensors"], default="npz", help="file format of the weights")
     p.add_argument("--activation", default=None, metavar="RULE",
                    help="the SAE's activation rule for a .safetensors/.npz file: relu (default), topk:K, groupmax:K, "
                    "jumprelu or batchtopk:THRESHOLD (a SAELens or sparsify save records its own)")
     p.add_argument("--push", default=None, metavar="REPO", help="publish the dictionary to this Hub repo")
     p.add_argument("--repo-type", choices=["model", "dataset"], default="model",
-                   help="model: REPO/<dict>/ (default); dataset: beside a dataset, under sae/<dict>/, index updated")
-    p.add_argument("--token", default=None)
+                   help="model: REPO/<dict>/; dataset: beside a dataset, under sae/<dict>/, index updated")
+    _add_token_option(p)
     p.set_defaults(func=_cmd_export_sae)
 
-    p = sub.add_parser("sae-topk", help="print the top SAE features of a probe vector (smoke test)")
+    p = command("sae-topk", help="print the top SAE features of a probe vector (smoke test)")
     add_topk_arguments(p)
     p.set_defaults(func=_cmd_sae_topk)
 
-    p = sub.add_parser("validate", help="check datasets against the format document")
+    p = command("validate", help="check datasets against the format document")
     p.add_argument("paths", nargs="+", metavar="PATH", help="dataset folder(s)")
     p.add_argument("--no-checksums", action="store_true", help="skip sha256 checks (faster on large datasets)")
     p.add_argument("--strict", action="store_true", help="fail on warnings too")
     p.set_defaults(func=_cmd_validate)
 
-    p = sub.add_parser("info", help="print a summary of a dataset")
-    p.add_argument("path", metavar="PATH")
+    p = command("info", help="print a summary of a dataset")
+    p.add_argument("path", metavar="PATH", help="dataset folder, Hub repo or fsspec URL")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("demo", help="write a small synthetic dataset (no model needed)")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--overwrite", action="store_true")
+    p = command("demo", help="write a small synthetic dataset (no model needed)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write the dataset into")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in DIR")
     p.set_defaults(func=_cmd_demo)
     return parser
 

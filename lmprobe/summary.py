@@ -11,8 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from .display import escape_controls
+from .format.metadata import recorded_attachments
 from .format.reader import Dataset
+from .format.spec import RESERVED_COLUMNS
 from .units import format_size
+
+#: what the stored (non-addressing) reserved columns hold, in the order they are listed
+_STORED = {"token_ids": "token ids", "token_strings": "token strings", "token_perplexity": "per-token perplexity",
+           "perplexity_mean": "perplexity (mean, min, max)", "document": "document and window_start of each window"}
 
 
 def _get(d: Any, key: str, default: Any = None) -> Any:
@@ -21,6 +27,60 @@ def _get(d: Any, key: str, default: Any = None) -> Any:
 
 def _layers_text(layers: list[int]) -> str:
     return str(layers) if len(layers) <= 12 else str(layers[:6])[:-1] + ", ..., " + str(layers[-1]) + "]"
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 shard``, ``3 shards``."""
+    return f"{n:,} {noun if n == 1 else (nouns or noun + 's')}"
+
+
+def _layers_fact(ds: Dataset) -> str:
+    h = ds.meta.hidden
+    text = f"{len(h.layers)}: {_layers_text(h.layers)}"
+    here = ds.layers_here()
+    if len(here) == len(h.layers):
+        return text
+    origin = getattr(ds.files, "origin", None) or "REPO"
+    held = f"only {_layers_text(here)}" if here else "none of them"
+    return (f"{text} in the dataset; this copy holds {held} (`lmprobe pull {origin} --layers L --out {ds.files}` "
+            "fetches more)")
+
+
+def _corpus_fact(ds: Dataset) -> str | None:
+    """Documents, window length and token budget of a corpus extraction (None for a prompt dataset)."""
+    ext = _get(ds.info.get("extraction"), "settings")
+    if "document" not in ds.column_names and not (isinstance(ext, dict) and "context_len" in ext):
+        return None
+    bits = []
+    if "document" in ds.column_names:
+        docs = ds.prompt_table.column("document").drop_null()
+        bits.append(plural(len(set(docs.to_pylist())), "document"))
+    n_tokens = int(ds.token_lengths().sum())
+    bits.append(f"{n_tokens:,} tokens")
+    if isinstance(ext, dict):
+        if isinstance(ext.get("context_len"), int):
+            bits.append(f"windows of at most {ext['context_len']:,} tokens")
+        budget = ext.get("max_tokens")
+        if isinstance(budget, int):
+            bits.append(f"token budget {budget:,}" + (" (reached)" if n_tokens >= budget else " (not reached: "
+                                                      "the source ended or the run stopped early)"))
+        else:
+            bits.append("no token budget (the whole source)")
+    return ", ".join(bits)
+
+
+def _attachments_fact(info: dict) -> list[tuple[str, str]]:
+    out = []
+    for kind, what in (("saev", "saev export"), ("sae", "SAE dictionary")):
+        for item in recorded_attachments(info)[kind]:
+            layers = item.get("layers")
+            detail = f"layers {layers}" if isinstance(layers, list) else ""
+            if kind == "sae" and isinstance(item.get("feature_count"), int):
+                detail += f", {item['feature_count']:,} features"
+            if kind == "saev" and isinstance(item.get("n_ex"), int):
+                detail += f", {item['n_ex']:,} examples of {item.get('context_len')} tokens"
+            out.append((kind + "/", f"{item.get('path')}/: {what} ({detail.strip(', ')})"))
+    return out
 
 
 def facts(ds: Dataset, *, path: str | None = None) -> list[tuple[str, str]]:
@@ -35,8 +95,12 @@ def facts(ds: Dataset, *, path: str | None = None) -> list[tuple[str, str]]:
         ("dataset", path or ds.source),
         ("format", f"lmprobe {info.get('format_version')}"),
         ("model", model_text),
-        ("prompts", f"{ds.num_prompts} ({info.get('prompt_ordering', '?')} order)"),
     ]
+    corpus = _corpus_fact(ds)
+    if corpus is None:
+        out.append(("prompts", f"{ds.num_prompts:,} ({info.get('prompt_ordering', '?')} order)"))
+    else:
+        out += [("windows", f"{ds.num_prompts:,} rows ({info.get('prompt_ordering', '?')} order)"), ("corpus", corpus)]
     labels = ds.labels
     if labels is not None:
         counts = collections.Counter(labels.tolist())
@@ -46,20 +110,25 @@ def facts(ds: Dataset, *, path: str | None = None) -> list[tuple[str, str]]:
         out.append(("labels", "none"))
     h = ds.meta.hidden
     if h is not None:
-        out.append(("layers", f"{len(h.layers)}: {_layers_text(h.layers)}"))
+        out.append(("layers", _layers_fact(ds)))
         out.append(("hookpoints", ", ".join(ds.hookpoints)
                     + ("" if len(ds.hookpoints) == 1 else " (hidden_layers holds the first)")))
-        shards = (f"{h.last_token_shards} last-token + {len(h.shards) - h.last_token_shards} sequence shards"
-                  if h.storage == "full_sequence" else f"{len(h.shards)} shards per layer")
+        shards = (f"{h.last_token_shards} last-token + {plural(len(h.shards) - h.last_token_shards, 'sequence shard')}"
+                  if h.storage == "full_sequence" else f"{plural(len(h.shards), 'shard')} per layer")
         out.append(("hidden", f"dim {h.dim}, {h.dtype}, {h.storage} ({shards})"))
-        if h.storage == "full_sequence":
-            out.append(("tokens", str(int(ds.token_lengths().sum()))))
+        if h.storage == "full_sequence" and corpus is None:
+            out.append(("tokens", f"{int(ds.token_lengths().sum()):,}"))
     lg = ds.meta.logits
     if lg is not None:
-        out.append(("logits", f"top-{lg.k} at the last token ({len(lg.shards)} shards)"))
-    core = {"text", "label", "num_tokens", "shard_index", "row_offset"}
-    extra = [c for c in ds.column_names if c not in core]
-    out.append(("columns", ", ".join(extra) if extra else "(core columns only)"))
+        out.append(("logits", f"top-{lg.k} at the last token ({plural(len(lg.shards), 'shard')})"))
+    names = set(ds.column_names)
+    stored = [what for col, what in _STORED.items() if col in names]
+    if stored:
+        out.append(("stored", ", ".join(stored)))
+    # the format's own columns (shard addresses included) are not the user's
+    user = [c for c in ds.column_names if c not in RESERVED_COLUMNS]
+    out.append(("columns", ", ".join(user) if user else "none besides text" + (" and label" if "label" in names else "")))
+    out += _attachments_fact(info)
     prov = info.get("provenance")
     if isinstance(prov, dict):
         out.append(("made with", f"lmprobe {_get(prov, 'lmprobe_version')}, backend {_get(prov, 'extraction_backend')}, "

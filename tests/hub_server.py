@@ -526,3 +526,31 @@ class HubServer:
         """The content of a file at the head of a branch."""
         e = self.files(repo_id, repo_type, rev)[path]
         return e.data if e.data is not None else self.state.lfs_path(e.sha256).read_bytes()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.hub_server --port N``: serve a local Hub until Ctrl-C, to try publishing offline."""
+    import argparse
+    import tempfile
+
+    p = argparse.ArgumentParser(prog="python -m tests.hub_server", description=main.__doc__)
+    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--root", default=None, help="folder for the repos (default: a new temporary folder)")
+    args = p.parse_args(argv)
+    root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="lmprobe-hub-"))
+    root.mkdir(parents=True, exist_ok=True)
+    server = HubServer(root, port=args.port).start()
+    print(f"local Hub test server on {server.url}, repos kept in {root}; in another shell run:\n"
+          f"  export HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1\n"
+          "then lmprobe push/pull/load against it (any token is accepted). Ctrl-C stops it.", flush=True)
+    try:
+        server.thread.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -146,3 +146,14 @@ def test_validate_checks_recorded_attachments(hub, bundle):
     (saev / "acts000000.bin").write_bytes(b"\0")
     rep = validate(ds_path)
     assert not rep.ok and any("acts000000.bin is 1 bytes" in e for e in rep.errors)
+
+
+def test_info_lists_the_parts_published_beside_the_dataset(hub, bundle, capsys):
+    ds_path, _, saev = bundle
+    repo = repo_name()
+    lmprobe.push_to_hub(ds_path, repo, quiet=True)
+    for where in (str(ds_path), repo):
+        assert cli_main(["info", where]) == 0
+        out = capsys.readouterr().out
+        assert f"saev/        saev/{saev.name}/: saev export (layers [3], " in out
+        assert "sae/         sae/tiny-sae/: SAE dictionary (layers [3], 20 features)" in out

@@ -280,3 +280,15 @@ def test_cli_corpus_run_with_a_budget(llama_dir, corpus, tmp_path, capsys):
                      "--context-len", "16", "--max-tokens", "100", "--layers", "-1", "--storage",
                      "full_sequence"]) == 0
     assert "nothing to do" in capsys.readouterr().err
+
+
+def test_info_of_a_corpus_dataset_shows_documents_window_length_and_budget(llama_dir, corpus, tmp_path, capsys):
+    lmprobe.extract(str(llama_dir), corpus, out=tmp_path / "ds", context_len=12, max_tokens=200, layers="0",
+                    quiet=True)
+    assert cli_main(["info", str(tmp_path / "ds")]) == 0
+    out = capsys.readouterr().out
+    assert "windows      " in out and "prompts " not in out
+    docs = len(set(lmprobe.load(tmp_path / "ds").column("document").tolist()))
+    assert docs > 1
+    assert (f"corpus       {docs} documents, 200 tokens, windows of at most 12 tokens, token budget 200 (reached)"
+            in out)

@@ -193,6 +193,17 @@ def test_cli_validate_ok_and_info(tmp_path, rng, capsys):
     assert "OK" in out and "prompts      9" in out and "full_sequence" in out and "top-3" in out
 
 
+def test_info_counts_in_words_and_lists_only_the_users_columns(tmp_path, rng, capsys):
+    write_dataset(tmp_path / "ds", rng, n=9, storage="full_sequence", logits_k=3, shard_size="1MB")
+    assert cli_main(["info", str(tmp_path / "ds")]) == 0
+    out = capsys.readouterr().out
+    assert "1 last-token + 1 sequence shard)" in out and "top-3 at the last token (1 shard)" in out
+    assert "1 shards" not in out
+    assert "\ncolumns      source, idx\n" in out  # not token_offset, token_shard_ids, shard_index_logits, ...
+    for internal in ("token_shard_ids", "token_offset", "shard_index", "row_offset"):
+        assert internal not in out
+
+
 def test_python_m_lmprobe_runs(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lmprobe", "validate", str(FIXTURE_0103)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

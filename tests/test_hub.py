@@ -190,3 +190,89 @@ def test_extract_push_round_trip(hub, llama_dir, tmp_path, fresh_hf_cache):
     for layer in (1, 3):
         np.testing.assert_array_equal(local.hidden(layer), remote.hidden(layer))
     np.testing.assert_array_equal(local.logits_topk()[1], remote.logits_topk()[1])
+
+
+def test_a_partial_copy_says_what_it_holds_and_how_to_fetch_the_rest(hub, dataset, tmp_path, capsys):
+    path, src = dataset
+    repo = repo_name()
+    push_to_hub(path, repo, quiet=True)
+    local = tmp_path / "local"
+    assert cli_main(["pull", repo, "--layers", "5", "--out", str(local), "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli_main(["info", str(local)]) == 0
+    out = capsys.readouterr().out
+    assert (f"layers       3: [0, 2, 5] in the dataset; this copy holds only [5] (`lmprobe pull {repo} --layers L "
+            f"--out {local}` fetches more)") in out
+    assert "shard_index" not in out and "row_offset_logits" not in out
+    with pytest.raises(FileNotFoundError) as exc:
+        lmprobe.load(local).hidden(2)
+    assert str(exc.value).startswith("this copy holds layer 5 only, not layer 2")
+    assert str(exc.value).endswith(f"`lmprobe pull {repo} --layers 2 --out {local}` fetches it")
+    # ... and that command does
+    assert cli_main(["pull", repo, "--layers", "2", "--out", str(local), "--quiet"]) == 0
+    np.testing.assert_array_equal(lmprobe.load(local).hidden(2), src["hidden"][2])
+    assert cli_main(["info", str(local)]) == 0
+    assert "this copy holds only [2, 5]" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_local_hub_starts_by_hand_and_takes_a_push(tmp_path):
+    """docs/publishing.md: `python -m tests.hub_server --port N` prints the HF_ENDPOINT to export."""
+    import os
+    import re
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "tests.hub_server", "--port", str(port), "--root",
+                               str(tmp_path / "repos")], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        first = server.stdout.readline() + server.stdout.readline()
+        m = re.search(r"export HF_ENDPOINT=(\S+) HF_HUB_DISABLE_XET=1", first)
+        assert m and m.group(1) == f"http://127.0.0.1:{port}", first
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+        env.update(HF_ENDPOINT=m.group(1), HF_HUB_DISABLE_XET="1", HF_HOME=str(tmp_path / "hf"))
+        lm = [sys.executable, "-m", "lmprobe"]
+        for argv in (["demo", "--out", str(tmp_path / "demo")], ["push", str(tmp_path / "demo"), "me/demo", "--quiet"],
+                     ["info", "me/demo"]):
+            r = subprocess.run(lm + argv, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+            assert r.returncode == 0, r.stderr
+        assert "lmprobe/synthetic-demo" in r.stdout and "me/demo" in r.stdout
+        assert (tmp_path / "repos").is_dir()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_prompt_decodes_with_a_tokenizer_in_the_local_cache_and_never_asks_the_hub(hub, llama_dir, tmp_path):
+    from huggingface_hub import HfApi, snapshot_download
+    from transformers import AutoTokenizer
+
+    from lmprobe.format.writer import DatasetWriter
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    repo = f"tester/tok-{uuid.uuid4().hex[:8]}"
+    api = HfApi(token=TOKEN)
+    api.create_repo(repo, repo_type="model")
+    api.upload_folder(folder_path=llama_dir, repo_id=repo, repo_type="model")
+    snapshot_download(repo)  # the model's files are in the local cache, as after any earlier use
+    commit = api.model_info(repo).sha
+    ids = tok("The film was great.")["input_ids"]
+    with DatasetWriter(tmp_path / "ds", layers=[0], dim=4, model_name=repo, model_revision=commit, logits_k=2,
+                       token_ids=True) as w:
+        w.add_batch(texts=["The film was great."], num_tokens=[len(ids)], hidden={0: np.zeros((1, 4))},
+                    token_ids=[ids], logits_values=np.array([[2.0, 1.0]]), logits_indices=np.array([ids[1:3]]))
+    start = len(hub.log)
+    p = lmprobe.load(tmp_path / "ds").prompt(0)
+    assert hub.log[start:] == []  # nothing asked of the Hub: local_files_only
+    assert p.tokens == [tok.decode([t]) for t in ids] and "".join(p.tokens[1:]) == "The film was great."
+    assert [name for name, _ in p.topk] == [tok.decode([t]) for t in ids[1:3]]
+    # a model that is not here: ids, as before
+    with DatasetWriter(tmp_path / "other", layers=[0], dim=4, model_name="tester/not-here", token_ids=True) as w:
+        w.add_batch(texts=["x"], num_tokens=[2], hidden={0: np.zeros((1, 4))}, token_ids=[[5, 7]])
+    assert lmprobe.load(tmp_path / "other").prompt(0).token_strings() == ["#5 ", "#7 "]

@@ -7,6 +7,7 @@ tests/_screenshots/ for a person to look at.
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -34,12 +35,12 @@ def chromium() -> str:
     return exe
 
 
-def render(path: Path, name: str, *, height: int = 1600) -> str:
+def render(path: Path, name: str, *, height: int = 1600, fragment: str = "") -> str:
     """The page's DOM after its scripts ran, and a screenshot in tests/_screenshots/NAME.png."""
     SHOTS.mkdir(exist_ok=True)
     base = [chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
             "--no-first-run", "--virtual-time-budget=3000"]
-    uri = path.resolve().as_uri()
+    uri = path.resolve().as_uri() + fragment
     dom = subprocess.run(base + ["--dump-dom", uri], capture_output=True, text=True, timeout=120).stdout
     shot = SHOTS / f"{name}.png"
     shot.unlink(missing_ok=True)
@@ -54,6 +55,20 @@ def assert_clean(dom: str) -> None:
     assert "data-errors" not in dom, re.findall(r'data-errors="[^"]*"', dom)
     # self-contained: nothing is fetched at view time
     assert not re.search(r'<(script|img|link|iframe)[^>]+(src|href)="(https?:)?//', dom)
+
+
+def assert_round_ticks(dom: str) -> int:
+    """Every chart's y ticks step by 1, 2 or 5 times a power of ten and sit on multiples of it; returns the charts."""
+    charts = re.findall(r"<svg.*?</svg>", dom, flags=re.S)
+    for svg in charts:
+        ys = [float(v.replace(",", "")) for v in re.findall(r'class="ytick"[^>]*>([^<]*)<', svg)]
+        assert len(ys) >= 3, svg[:200]
+        steps = {round(b - a, 9) for a, b in zip(ys, ys[1:], strict=False)}
+        assert len(steps) == 1, ys
+        step = steps.pop()
+        assert round(step / 10 ** math.floor(math.log10(step)), 6) in (1, 2, 5), ys
+        assert all(abs(y / step - round(y / step)) < 1e-6 for y in ys), ys
+    return len(charts)
 
 
 def test_the_harness_sees_script_errors(tmp_path):
@@ -84,8 +99,13 @@ def test_report_renders_facts_plots_prompts_and_labels(tiny_ds, tmp_path):
                   "Probe accuracy by layer"):
         assert f"<b>{chart}</b>" in dom
     assert dom.count("<svg") == 5
+    assert assert_round_ticks(dom) == 5
+    position_chart = re.search(r'aria-label="Norm by token position".*?</svg>', dom, flags=re.S).group(0)
+    positions = re.findall(r'class="xtick"[^>]*>([^<]*)<', position_chart)
+    assert positions and all(re.fullmatch(r"\d+", x) for x in positions), positions  # no 3.5 or 10.5
+    assert "-fold cross-validated logistic regression" in dom
     assert dom.count('class="prompt"') == 4  # 3 sampled + the chosen one
-    assert "perplexity" in dom and "next: " in dom  # tokens coloured by perplexity, top-k shown
+    assert "perplexity" in dom and "next token, top 5 by logit: " in dom  # tokens by perplexity, top-k logits
     assert "lmprobe-tiny" in dom and "full_sequence" in dom
     # the hostile prompt is text, not markup
     assert "pwned" not in re.search(r"<title>(.*?)</title>", dom).group(1)
@@ -124,6 +144,10 @@ def test_feature_cache_equals_brute_force(tiny_ds, tmp_path):
     X = np.concatenate([tiny_ds.token_hidden(p, layer) for p in range(tiny_ds.num_prompts)])
     S = X @ W.T + b  # (tokens, features)
     np.testing.assert_allclose(t["frequency"], (S > 0).mean(axis=0))
+    edges = t["histogram_edges"]  # each firing score counted once, in its log bin
+    for f in range(W.shape[0]):
+        fire = np.clip(S[S[:, f] > 0, f], edges[0], np.nextafter(edges[-1], 0))
+        np.testing.assert_array_equal(t["histogram"][f], np.histogram(fire, bins=edges)[0])
     where = {r: i for i, r in enumerate(rows)}
     for f in range(W.shape[0]):
         fire = np.flatnonzero(S[:, f] > 0)
@@ -196,12 +220,64 @@ def test_feature_browser_renders_index_and_pages(tiny_ds, tmp_path):
     assert_clean(dom)
     fired = int((t["frequency"] > 0).sum())
     assert dom.count('<a href="feature/') == fired
+    assert "Feature density" in dom and '<figure class="chart histogram">' in dom and 'id="filter"' in dom
+    percents = re.findall(r"<td>([^<]*%)</td>", dom)  # frequencies: 82%, 5.3%, 0.041%; not 34.1155%
+    assert len(percents) == fired and all(len(re.sub(r"\D", "", p).lstrip("0")) <= 2 for p in percents), percents
+    assert_round_ticks(dom)
     f = int(np.argmax(t["frequency"]))
     dom = render(out / "feature" / f"{f}.html", "feature-page")
     assert_clean(dom)
-    assert dom.count('class="prompt"') == int((t["top_prompt"][f] >= 0).sum())
+    # every top context is shown once: identical ones are one box naming the other prompts
+    repeats = sum(len(m.split(",")) for m in re.findall(r"the same context in prompts? ([\d, ]+)<", dom))
+    assert dom.count('class="prompt"') + repeats == int((t["top_prompt"][f] >= 0).sum())
+    boxes = re.findall(r'<div class="toks">(.*?)</div>', dom, flags=re.S)
+    assert len(set(boxes)) == len(boxes)
     assert dom.count('class="tok hit"') == dom.count('class="prompt"')  # the activating token, highlighted
     assert "background:rgba(44,160,44" in dom  # neighbours shaded by the feature's activation
+    assert 'class="ell"> …</span>' in dom  # a context cut before its prompt's end says so
+    assert '<figure class="chart histogram">' in dom and "Activation histogram" in dom
+    bins = [int(n.replace(",", "")) for n in re.findall(r'class="bin"[^>]*><title>[^<]*: ([\d,]+)</title>', dom)]
+    assert sum(bins) == round(t["frequency"][f] * int(tiny_ds.token_lengths().sum()))  # every firing token
+    assert_round_ticks(dom)
+
+
+def test_feature_index_filter_and_the_link_back_to_the_report(tiny_ds, tmp_path):
+    layer = tiny_ds.layers[-1]
+    _dictionary(tiny_ds, tmp_path / "sae", layer)
+    report = lmprobe.report(tiny_ds, tmp_path / "report", sample=1, probe=False, quiet=True)
+    out = lmprobe.features(tiny_ds, tmp_path / "sae", "d", layer, tmp_path / "f", top=5, report=tmp_path / "report",
+                           quiet=True)
+    dom = render(out / "index.html", "features-index-filtered", fragment="#q=was")
+    assert_clean(dom)
+    rows = re.findall(r"<tr( style=\"display: none;\")?><td><a href=\"feature/\d+\.html\">\d+</a></td>(.*?)</tr>", dom)
+    shown = [cells for hidden, cells in rows if not hidden]
+    assert shown and len(shown) < len(rows) and all("was" in cells for cells in shown)
+    assert re.search(r'id="filter-count"[^>]*>\d+ shown<', dom)
+    f = re.search(r'<a href="feature/(\d+)\.html">', dom).group(1)
+    dom = render(out / "index.html", "features-index-by-number", fragment=f"#q={f}")
+    assert len(re.findall(r"<tr><td><a ", dom)) == 1  # a number finds that feature, not 1, 10, 12, ...
+    # the filter text is only ever a value: markup in the address is not run
+    dom = render(out / "index.html", "features-index-hostile", fragment="#q=%3Cimg%20src%3Dx%20onerror%3Dalert(1)%3E")
+    assert_clean(dom)
+    assert "<img" not in dom
+    # the report, one click away from every page; the link resolves
+    assert '<a href="../report/index.html">dataset report</a>' in (out / "index.html").read_text()
+    page_html = (out / "feature" / f"{f}.html").read_text()
+    assert '<a href="../../report/index.html">dataset report</a>' in page_html
+    assert ((out / "feature" / "../../report/index.html").resolve()) == report.resolve()
+    with pytest.raises(InvalidArgumentError, match="http"):
+        lmprobe.features(tiny_ds, tmp_path / "sae", "d", layer, tmp_path / "f", report="javascript:alert(1)", quiet=True)
+
+
+def test_contexts_are_cut_at_word_boundaries():
+    from lmprobe.pages.features import context_window
+
+    toks = ["<s>", "After", " a", " long", " day", ",", " the", " show", " was", " b", "rill", "iant", " and", " fun"]
+    lo, hi = context_window(toks, 7, before=2, after=2)  # " show": 2 after ends inside " b|rill|iant"
+    assert toks[lo:hi] == [",", " the", " show", " was", " b", "rill", "iant"]
+    lo, hi = context_window(toks, 11, before=1, after=0)  # "iant": 1 before starts inside the word
+    assert toks[lo:hi] == [" b", "rill", "iant"]
+    assert context_window(toks, 1, before=5, after=20) == (0, len(toks))
 
 
 def test_features_need_every_token(tmp_path, rng):
@@ -209,6 +285,18 @@ def test_features_need_every_token(tmp_path, rng):
         w.add_batch(texts=["a"], num_tokens=[1], hidden={0: np.zeros((1, 4))})
     with pytest.raises(InvalidArgumentError, match="pooled"):
         lmprobe.features(tmp_path / "pooled", tmp_path / "sae", "d", 0, tmp_path / "f", quiet=True)
+
+
+def test_prompt_decodes_tokens_and_top_k_with_the_embedded_models_tokenizer(tiny_ds):
+    from transformers import AutoTokenizer
+
+    from lmprobe.tokenizer import embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir("lmprobe-tiny"))
+    p = tiny_ds.prompt(0)  # no tokenizer passed: the dataset's model is embedded, so it is here
+    assert p.tokens == [tok.decode([t]) for t in p.token_ids]
+    assert "".join(p.tokens).endswith("The film was great.")
+    assert p.topk and not any(name.startswith("#") for name, _ in p.topk)
 
 
 def test_notebook_display(tiny_ds, tmp_path):
@@ -221,3 +309,18 @@ def test_notebook_display(tiny_ds, tmp_path):
     assert len(re.findall(r'class="tok[" ]', view)) == p.num_tokens and "perplexity" in view
     (tmp_path / "nb.html").write_text(page("notebook views", html + view))
     assert_clean(render(tmp_path / "nb.html", "notebook-views", height=700))
+
+
+def test_report_and_features_say_wrote_once(tiny_ds, tmp_path, capsys):
+    from lmprobe.cli import main as cli_main
+
+    layer = tiny_ds.layers[-1]
+    _dictionary(tiny_ds, tmp_path / "sae", layer)
+    src = str(tiny_ds.files.root)
+    assert cli_main(["report", src, "--out", str(tmp_path / "r"), "--sample", "1", "--no-probe"]) == 0
+    cap = capsys.readouterr()
+    assert (cap.out + cap.err).count("wrote") == 1 and cap.out == f"wrote {tmp_path / 'r' / 'index.html'}\n"
+    assert cli_main(["features", src, "--sae", str(tmp_path / "sae"), "--dict", "d", "--layer", str(layer),
+                     "--out", str(tmp_path / "f")]) == 0
+    cap = capsys.readouterr()
+    assert (cap.out + cap.err).count("wrote") == 1 and cap.out.startswith("wrote ")

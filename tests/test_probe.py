@@ -118,6 +118,9 @@ def test_example_notebook_runs_offline(tmp_path):
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
+    # no warnings in the notebook (tqdm's "IProgress not found" when ipywidgets is missing: the notebook extra)
+    stderr = "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
+    assert "Warning" not in stderr, stderr
     assert (tmp_path / "out/sweep.png").exists() and (tmp_path / "out/sentiment-probe.safetensors").exists()
     last = nb.cells[-1].outputs[-1]["data"]["text/plain"]
     assert "The pizza was wonderful." in last

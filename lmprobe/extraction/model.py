@@ -10,10 +10,7 @@ from typing import Any
 from ..errors import ModelError
 from ..format.values import torch_dtype
 from ..hashing import sha256_file
-
-EMBEDDED_MODELS = {"lmprobe-tiny": "tiny"}
-_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
-
+from ..tokenizer import EMBEDDED_MODELS, embedded_model_dir
 
 # Where the decoder blocks live, by architecture family. The first path that exists wins.
 BLOCK_PATHS = (
@@ -35,11 +32,10 @@ BLOCK_PATHS = (
 
 def resolve_model_path(name: str) -> tuple[str, bool]:
     """(path or Hub id, is_local). Embedded names resolve to the model shipped inside lmprobe."""
-    key = name.removeprefix("builtin:")
-    if key in EMBEDDED_MODELS:
-        path = _MODELS_DIR / EMBEDDED_MODELS[key]
+    path = embedded_model_dir(name)
+    if path is not None:
         if not (path / "config.json").exists():
-            raise ModelError(f"the embedded model {key!r} is missing from {path}; reinstall lmprobe")
+            raise ModelError(f"the embedded model {name!r} is missing from {path}; reinstall lmprobe")
         return str(path), True
     if os.path.isdir(name):
         return name, True

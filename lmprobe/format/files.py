@@ -9,11 +9,17 @@ when a file is missing, and ``str(files)`` names the source in messages.
 from __future__ import annotations
 
 import os
+import re
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
+from ..errors import LmprobeError
 from ..paths import resolve_inside
-from ..safeio import check_regular
+from ..safeio import check_regular, read_json
+from .spec import PULL_RECORD
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
 
 class DatasetFiles(Protocol):
@@ -44,5 +50,27 @@ class LocalFiles:
             check_regular(path, what)
         return path
 
+    def has(self, rel: str) -> bool:
+        """Whether the dataset file ``rel`` is in the folder (a ``lmprobe pull --layers`` copy holds some shards)."""
+        try:
+            return resolve_inside(self.root, rel, "file").is_file()
+        except LmprobeError:
+            return False
+
+    @cached_property
+    def origin(self) -> str | None:
+        """The Hub repo this folder was copied from by ``lmprobe pull`` (its record, checked), else None."""
+        if not (self.root / PULL_RECORD).is_file():
+            return None
+        try:
+            rec = read_json(self.root / PULL_RECORD, what=PULL_RECORD)
+        except LmprobeError:
+            return None
+        repo = rec.get("repo") if isinstance(rec, dict) else None
+        return repo if isinstance(repo, str) and _REPO_ID.fullmatch(repo) else None
+
     def missing_hint(self, rel: str) -> str:
+        if self.origin:
+            return (f"{rel} is not in this copy of {self.origin}: `lmprobe pull {self.origin} --out {self.root}` "
+                    "with the --layers you need fetches it")
         return f"{rel} is missing from {self.root}; the dataset is incomplete (re-copy or re-download it)"

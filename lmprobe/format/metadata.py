@@ -15,6 +15,7 @@ from ..errors import FormatError
 from ..paths import check_pattern, check_relpath, format_relpath
 from ..version import __version__
 from .spec import (
+    ATTACHMENT_KINDS,
     DEFAULT_HOOKPOINT,
     DTYPES,
     FORMAT_VERSION,
@@ -40,6 +41,15 @@ def decode_schema_metadata(raw: dict[bytes, bytes] | None) -> dict[str, Any]:
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise FormatError(f"schema metadata key {key!r} is not valid JSON") from None
     return info
+
+
+def recorded_attachments(info: dict[str, Any]) -> dict[str, list[dict]]:
+    """The attachments a dataset's metadata records (``lmprobe:attachments``, or the older ``lmprobe:extras``):
+    one list per kind, empty when none; entries that are not objects are left out."""
+    raw = info.get("attachments", info.get("extras")) or {}
+    if not isinstance(raw, dict):
+        return {kind: [] for kind in ATTACHMENT_KINDS}
+    return {kind: [x for x in (raw.get(kind) or []) if isinstance(x, dict)] for kind in ATTACHMENT_KINDS}
 
 
 def encode_schema_metadata(info: dict[str, Any]) -> dict[bytes, bytes]:

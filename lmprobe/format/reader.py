@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from ..errors import DatasetNotFoundError, FormatError, LayerNotFoundError, ShardMissingError
 from ..paths import resolve_inside
 from ..safeio import check_regular
+from ..tokenizer import local_tokenizer
 from .files import LocalFiles
 from .metadata import DatasetInfo, decode_schema_metadata, parse_info
 from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into
@@ -253,7 +254,10 @@ class Dataset:
         """Prompt ``i`` with what the dataset stores of its tokens; displays as coloured tokens in a notebook.
 
         Token strings come from the ``token_strings`` column, else from ``tokenizer`` (a transformers
-        tokenizer) decoding the stored ids; top-k predictions from ``logits_topk``.
+        tokenizer) decoding the stored ids; top-k predictions from ``logits_topk``. Without
+        ``tokenizer``, the dataset's model's tokenizer decodes them when it is on this machine (the
+        embedded model, a local folder, or the local Hugging Face cache; nothing is downloaded);
+        else ids show as ``#id``.
         """
         (row,) = self.row_indices(i)
         row = int(row)
@@ -261,6 +265,8 @@ class Dataset:
         lists = {n: c.to_pylist()[0] for n, c in self.token_columns(names, [row]).items()} if names else {}
         ids = lists.get("token_ids")
         strings = lists.get("token_strings")
+        if tokenizer is None and ((strings is None and ids is not None) or self.meta.logits is not None):
+            tokenizer = self.local_tokenizer
         if strings is None and ids is not None and tokenizer is not None:
             strings = [tokenizer.decode([t]) for t in ids]
         table = self._prompt_table  # one row's values: never a whole column per call
@@ -278,6 +284,11 @@ class Dataset:
             names = [tokenizer.decode([int(t)]) if tokenizer is not None else f"#{int(t)}" for t in indices[0]]
             p.topk = list(zip(names, [float(v) for v in values[0]], strict=True))
         return p
+
+    @cached_property
+    def local_tokenizer(self) -> Any:
+        """The tokenizer of the dataset's model if it is on this machine (never downloaded), else None."""
+        return local_tokenizer(self.model.get("name"), self.model.get("revision"))
 
     # ---------------------------------------------------------------- the internal API
 
@@ -332,8 +343,36 @@ class Dataset:
         """Local path of the dataset file ``rel`` (downloaded when remote); missing: ShardMissingError."""
         path = self.files.fetch(rel, what=what)
         if not path.exists():
-            raise ShardMissingError(self.files.missing_hint(rel))
+            raise ShardMissingError(self._missing_hint(rel))
         return path
+
+    def layers_here(self, hookpoint: str | None = None) -> list[int]:
+        """The stored layers whose shards are all in this copy: a ``lmprobe pull --layers 4`` copy holds [4].
+
+        A source that fetches on demand (the Hub, object storage) holds every layer.
+        """
+        h = self.hidden_desc(hookpoint)
+        has = getattr(self.files, "has", None)
+        if has is None:
+            return list(h.layers)
+        return [layer for layer in h.layers if all(has(h.file(layer, s)) for s in range(len(h.shards)))]
+
+    def _missing_hint(self, rel: str) -> str:
+        """What to do about a missing file: for a layer's shard in a partial copy, the pull that fetches it."""
+        descs = self.meta.hookpoints or {self._hidden_desc.hookpoint: self._hidden_desc}
+        for hp, h in descs.items():
+            layer = next((x for x in h.layers for s in range(len(h.shards)) if h.file(x, s) == rel), None)
+            if layer is None:
+                continue
+            here = self.layers_here(hp)
+            if not here:
+                break
+            repo = getattr(self.files, "origin", None) or "REPO"
+            hps = f" --hookpoints {hp}" if len(descs) > 1 else ""
+            held = f"layer {here[0]}" if len(here) == 1 else f"layers {', '.join(map(str, here))}"
+            return (f"this copy holds {held} only, not layer {layer} ({rel} is not here): "
+                    f"`lmprobe pull {repo} --layers {layer}{hps} --out {self.files}` fetches it")
+        return self.files.missing_hint(rel)
 
     def tensor(self, rel: str, key: str, dtype: str, row_shape: tuple[int, ...], min_rows: int) -> tuple[Path, TensorEntry]:
         """The shard file ``rel`` and its tensor ``key``, checked against what the metadata says."""

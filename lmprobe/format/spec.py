@@ -18,6 +18,10 @@ META_PREFIX = "lmprobe:"
 INDEX_PATH = "index/train-00000-of-00001.parquet"
 CARD_PATH = "README.md"
 STAGING_DIR = ".lmprobe-staging"
+#: in a local copy made by ``lmprobe pull``: the Hub repo and revision it came from (not a dataset file: never pushed)
+PULL_RECORD = ".lmprobe-pull.json"
+#: artefacts published beside a dataset, each under its own folder (``saev/<HASH>/``, ``sae/<name>/``)
+ATTACHMENT_KINDS = ("saev", "sae")
 
 DEFAULT_HIDDEN_FILE_PATTERN = "tensors/hidden_layer{layer:03d}_shard{shard:03d}.safetensors"
 DEFAULT_HIDDEN_KEY_PATTERN = "hidden.layer_{layer}"

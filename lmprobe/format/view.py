@@ -57,7 +57,8 @@ class Prompt:
                tokens_html(toks, values, vmax=vmax, titles=titles)]
         if self.topk:
             preds = ", ".join(f"<b>{esc(t)}</b> {v:.3g}" for t, v in self.topk)
-            out.append(f'<div class="pred">next: {preds}</div>')
+            # stored are the top-k logits, not the whole distribution: no probability can be computed
+            out.append(f'<div class="pred">next token, top {len(self.topk)} by logit: {preds}</div>')
         out.append("</div>")
         return "".join(out)
 

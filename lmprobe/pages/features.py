@@ -20,7 +20,9 @@ A checkpoint every ``checkpoint_tokens`` tokens lets an interrupted run resume w
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ import numpy as np
 from ..atomic import atomic_output, atomic_write
 from ..errors import InvalidArgumentError
 from ..format.reader import Dataset
-from ..html import esc, page, table, tokens_html
+from ..html import esc, filter_box, histogram_chart, page, percent, table, tokens_html
 from ..lock import OutputLock
 from ..opening import load
 from ..paths import check_output_path
@@ -48,6 +50,10 @@ MANIFEST_FILE = "manifest.json"
 _PARTIAL = ".features-partial.safetensors"
 _PARTIAL_STATE = ".features-partial.json"
 CONTEXT_BEFORE, CONTEXT_AFTER = 12, 4
+#: how far a context window may widen to start and end on whole words
+_WORD_SLACK = 6
+#: the activation histogram's bin edges: 4 bins a decade from 1e-4 to 1e4 (scores outside go to the end bins)
+HIST_EDGES = 10.0 ** np.linspace(-4, 4, 33)
 
 
 class FeatureCache:
@@ -60,6 +66,7 @@ class FeatureCache:
         self.token = np.full((n_features, top), -1, dtype=np.int64)
         self.fired = np.zeros(n_features, dtype=np.int64)
         self.max_value = np.full(n_features, -np.inf, dtype=np.float32)
+        self.hist = np.zeros((n_features, len(HIST_EDGES) - 1), dtype=np.int64)
         self.tokens_seen = 0
 
     def add(self, scores: np.ndarray, prompt: np.ndarray, token: np.ndarray) -> None:
@@ -71,6 +78,7 @@ class FeatureCache:
         fires = scores > 0
         self.fired += fires.sum(axis=0)
         self.max_value = np.maximum(self.max_value, scores.max(axis=0))
+        self._add_histogram(scores, fires)
         k = min(self.top, n)
         cand = np.argpartition(-scores, k - 1, axis=0)[:k] if k < n else np.broadcast_to(
             np.arange(n)[:, None], scores.shape)  # (k, features): rows of each feature's best tokens
@@ -88,20 +96,33 @@ class FeatureCache:
         self.prompt[empty] = -1
         self.token[empty] = -1
 
+    def _add_histogram(self, scores: np.ndarray, fires: np.ndarray) -> None:
+        """Count each firing score in its feature's log-spaced bin (HIST_EDGES).
+
+        Rows go in slices of ~4M scores: the index arrays of the firing ones stay small beside the batch.
+        """
+        n_bins = self.hist.shape[1]
+        step = max(1, (1 << 22) // max(1, scores.shape[1]))
+        for a in range(0, len(scores), step):
+            tok, feat = np.nonzero(fires[a : a + step])
+            b = np.clip(np.searchsorted(HIST_EDGES, scores[a + tok, feat], side="right") - 1, 0, n_bins - 1)
+            self.hist += np.bincount(feat * n_bins + b, minlength=self.hist.size).reshape(self.hist.shape)
+
     def tensors(self) -> dict[str, np.ndarray]:
         values = np.where(np.isfinite(self.values), self.values, 0).astype(np.float32)
         freq = self.fired / max(self.tokens_seen, 1)
         return {"top_values": values, "top_prompt": self.prompt.copy(), "top_token": self.token.copy(),
                 "frequency": freq.astype(np.float64),
-                "max_value": np.where(np.isfinite(self.max_value), self.max_value, 0).astype(np.float32)}
+                "max_value": np.where(np.isfinite(self.max_value), self.max_value, 0).astype(np.float32),
+                "histogram": self.hist.copy(), "histogram_edges": HIST_EDGES.copy()}
 
     def state(self) -> dict[str, np.ndarray]:
         return {"values": self.values, "prompt": self.prompt, "token": self.token, "fired": self.fired,
-                "max_value": self.max_value, "tokens_seen": np.array([self.tokens_seen], dtype=np.int64)}
+                "max_value": self.max_value, "hist": self.hist, "tokens_seen": np.array([self.tokens_seen], dtype=np.int64)}
 
     def restore(self, t: dict[str, np.ndarray]) -> None:
-        for name in ("values", "prompt", "token", "fired", "max_value"):
-            if t[name].shape != getattr(self, name).shape:
+        for name in ("values", "prompt", "token", "fired", "max_value", "hist"):
+            if name not in t or t[name].shape != getattr(self, name).shape:
                 raise InvalidArgumentError("the partial feature cache does not match this run; pass overwrite=True")
             setattr(self, name, t[name].copy())
         self.tokens_seen = int(t["tokens_seen"][0])
@@ -110,11 +131,12 @@ class FeatureCache:
 def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: int, out: str | os.PathLike, *,
              top: int = 20, hookpoint: str | None = None, memory: int | str = "512MiB", pages: int | None = None,
              tokenizer: str | None = None, checkpoint_tokens: int = 1 << 20, overwrite: bool = False,
-             quiet: bool = False) -> Path:
+             report: str | os.PathLike | None = None, quiet: bool = False) -> Path:
     """Run dictionary ``dictionary`` (layer ``layer``) over every stored token and write the cache and browser to ``out``.
 
     ``pages`` limits the feature pages to the most frequent features (default: every feature that
-    fired). Returns ``out``.
+    fired). ``report``: the dataset's ``lmprobe report`` page (a file or an http(s) URL), linked
+    from every page. Returns ``out``.
     """
     ds = dataset if isinstance(dataset, Dataset) else load(dataset)
     if ds.storage != "full_sequence":
@@ -124,6 +146,7 @@ def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: 
         raise InvalidArgumentError(f"top must be a positive integer, got {top!r}")
     layer = ds.check_layer(layer, hookpoint)
     budget = parse_size(memory)
+    report_href = _report_href(report, Path(out))
     out = check_output_path(out, "features folder")
     dct = load_dictionary(SAEConfig(root_path=sae_root, dictionary_name=dictionary, device="cpu", cache_layers=1))
     weights = dct.get_layer(layer)
@@ -156,9 +179,7 @@ def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: 
             for name in (_PARTIAL, _PARTIAL_STATE):
                 (out / name).unlink(missing_ok=True)
         t = load_file(out / CACHE_FILE)
-        _browser(ds, enc, t, out, layer, hookpoint, settings, pages, load_tokenizer_for(ds, tokenizer))
-    if not quiet:
-        print(f"wrote {out / CACHE_FILE} and {out / 'index.html'}", file=sys.stderr)
+        _browser(ds, enc, t, out, layer, hookpoint, settings, pages, load_tokenizer_for(ds, tokenizer), report_href)
     return out
 
 
@@ -221,8 +242,25 @@ def _compute(ds: Dataset, enc: _Encoder, settings: dict, out: Path, layer: int,
     return cache
 
 
+def _report_href(report: str | os.PathLike | None, out: Path) -> str | None:
+    """The link from ``out/index.html`` to the report: an http(s) URL as it is, a file relative to ``out``."""
+    if report is None:
+        return None
+    text = os.fspath(report)
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", text) and not re.match(r"^https?://", text):
+        raise InvalidArgumentError(f"report must be a file or an http(s) URL, got {text!r}")
+    if text.startswith(("http://", "https://")):
+        return text
+    path = Path(text)
+    if path.is_dir():
+        path = path / "index.html"
+    if not path.is_file():
+        raise InvalidArgumentError(f"report {text!r} does not exist (write it with `lmprobe report DATASET --out DIR`)")
+    return Path(os.path.relpath(path.resolve(), out.resolve())).as_posix()
+
+
 def _browser(ds: Dataset, enc: _Encoder, t: dict, out: Path, layer: int, hookpoint: str | None,
-             settings: dict, pages: int | None, tok: Any) -> None:
+             settings: dict, pages: int | None, tok: Any, report_href: str | None = None) -> None:
     freq, maxv = t["frequency"], t["max_value"]
     fired = np.flatnonzero(freq > 0)
     order = fired[np.lexsort((fired, -freq[fired]))]
@@ -235,26 +273,97 @@ def _browser(ds: Dataset, enc: _Encoder, t: dict, out: Path, layer: int, hookpoi
         link = f'<a href="feature/{f}.html">{f}</a>' if f in contexts else str(f)
         p0, t0 = int(t["top_prompt"][f, 0]), int(t["top_token"][f, 0])
         top_tok = esc(token_text.tokens(p0)[t0]) if p0 >= 0 else ""
-        rows.append((link, f'<span data-v="{freq[f]}">{freq[f]:.4%}</span>', f'<span data-v="{maxv[f]}">'
-                     f"{maxv[f]:.4g}</span>", f"<code>{top_tok}</code>"))
+        rows.append((link, percent(freq[f]), f"{maxv[f]:.3g}", f"<code>{top_tok}</code>"))
     silent = len(freq) - len(fired)
+    back = f' Back to the <a href="{esc(report_href)}">dataset report</a>.' if report_href else ""
     body = (f"<p>{len(freq):,} features of dictionary <b>{esc(settings['dictionary'])}</b>, layer {layer}, over "
-            f"{_tokens_note(ds)}. "
-            f"{len(fired):,} fired at least once; {silent:,} never did. Click a column to sort.</p>"
+            f"{_tokens_note(ds)}. {len(fired):,} fired at least once; {silent:,} never did.{back}</p>"
+            + '<div class="charts">' + _density_chart(freq, silent) + "</div>"
+            + filter_box("filter: feature number or top token")
+            + '<p class="legend">Frequency: the share of stored tokens a feature fires on. Click a column to sort.</p>'
             + table(rows, ["feature", "frequency", "max activation", "top token"], sortable=True, raw=True))
     atomic_write(out / "index.html", page("Feature browser", body, subtitle=esc(ds.source)))
+    hist, edges = t.get("histogram"), t.get("histogram_edges")
+    if report_href and "://" not in report_href:
+        report_href = "../" + report_href  # feature pages are one folder down
+    back = f' · <a href="{esc(report_href)}">dataset report</a>' if report_href else ""
     for f, ctx in contexts.items():
-        parts = [f'<p><a href="../index.html">all features</a> · frequency {freq[f]:.4%} · max activation '
-                 f"{maxv[f]:.4g}</p>"]
-        for (p, pos, value, acts) in ctx:
-            toks = token_text.tokens(p)
-            lo, hi = max(0, pos - CONTEXT_BEFORE), min(len(toks), pos + CONTEXT_AFTER + 1)
-            shade = [float(a) if a > 0 else None for a in acts[lo:hi]]
-            parts.append(f'<div class="prompt"><div class="meta">prompt {p}, token {pos}: <b>{value:.4g}</b></div>'
-                         + tokens_html(toks[lo:hi], shade, vmax=float(maxv[f]) or None, hue="green", hit=pos - lo)
-                         + "</div>")
+        parts = [f'<p><a href="../index.html">all features</a>{back} · fires on {percent(freq[f])} of tokens · '
+                 f"max activation {maxv[f]:.3g}</p>"]
+        if hist is not None and edges is not None:
+            parts.append('<div class="charts">' + _activation_chart(f, hist[f], edges) + "</div>")
+        parts.append(f"<h2>Top contexts</h2>{_contexts_html(ctx, token_text, float(maxv[f]))}")
         atomic_write(out / "feature" / f"{f}.html", page(f"Feature {f}", "".join(parts),
                                                           subtitle=f"layer {layer} · {esc(settings['dictionary'])}"))
+
+
+def _density_chart(freq: np.ndarray, silent: int) -> str:
+    """How many features fire how often: a histogram of log10 frequency, 4 bins a decade."""
+    fired = freq[freq > 0]
+    if not len(fired):
+        return ""
+    lo = min(-0.25, math.floor(math.log10(fired.min()) * 4) / 4)
+    edges = 10.0 ** np.arange(lo, 0.125, 0.25)  # up to 1: every token
+    counts, _ = np.histogram(np.clip(fired, edges[0], 1.0), bins=edges)
+    return histogram_chart(edges, counts.tolist(), title="Feature density", log_x=True, ylabel="features",
+                           xlabel="share of tokens a feature fires on (log scale)",
+                           caption=f"every feature that fired; {silent:,} never fired and are not shown")
+
+
+def _activation_chart(f: int, counts: np.ndarray, edges: np.ndarray) -> str:
+    """The feature's firing scores over every stored token, on the log bins they were counted in."""
+    nz = np.flatnonzero(counts)
+    if not len(nz):
+        return ""
+    a, z = int(nz[0]), int(nz[-1]) + 1
+    while z - a < 4:  # at least one decade of axis
+        a, z = max(0, a - 1), min(len(counts), z + 1)
+    return histogram_chart(edges[a : z + 1], counts[a:z].tolist(), title="Activation histogram", log_x=True,
+                           xlabel="activation (log scale)", ylabel="tokens",
+                           caption=f"the score of feature {f} on every stored token where it fired "
+                           f"({int(counts.sum()):,} tokens)")
+
+
+def _starts_word(tok: str) -> bool:
+    """Whether a token begins a word (a space, punctuation or a special token before it), not continues one."""
+    return not tok or not tok[0].isalnum()
+
+
+def context_window(toks: list[str], pos: int, before: int = CONTEXT_BEFORE, after: int = CONTEXT_AFTER) -> tuple[int, int]:
+    """Tokens [lo, hi) around ``pos``: ``before`` and ``after`` tokens, widened (a little) to whole words."""
+    lo, hi = max(0, pos - before), min(len(toks), pos + after + 1)
+    for _ in range(_WORD_SLACK):
+        if lo == 0 or _starts_word(toks[lo]):
+            break
+        lo -= 1
+    for _ in range(_WORD_SLACK):
+        if hi >= len(toks) or _starts_word(toks[hi]):
+            break
+        hi += 1
+    return lo, hi
+
+
+def _contexts_html(ctx: list, token_text: _TokenText, vmax: float) -> str:
+    """The top contexts, each cut at word boundaries with an ellipsis; identical ones shown once."""
+    seen: dict[tuple, list] = {}
+    for p, pos, value, acts in ctx:
+        toks = token_text.tokens(p)
+        lo, hi = context_window(toks, pos)
+        key = (tuple(toks[lo:hi]), pos - lo, lo > 0, hi < len(toks))
+        if key in seen:
+            seen[key][1].append(p)
+            continue
+        shade = [float(a) if a > 0 else None for a in acts[lo:hi]]
+        body = tokens_html(list(toks[lo:hi]), shade, vmax=vmax or None, hue="green", hit=pos - lo,
+                           cut_before=lo > 0, cut_after=hi < len(toks))
+        seen[key] = [(p, pos, value, body), []]
+    out = []
+    for (p, pos, value, body), same in seen.values():
+        also = (f" · the same context in prompt{'s' if len(same) > 1 else ''} {', '.join(map(str, same))}"
+                if same else "")
+        out.append(f'<div class="prompt"><div class="meta">prompt {p}, token {pos}: <b>{value:.3g}</b>{also}</div>'
+                   f"{body}</div>")
+    return "".join(out)
 
 
 def _tokens_note(ds: Dataset) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +75,8 @@ def report(dataset: Any, out: str | os.PathLike, *, prompts: Any = None, sample:
 
     ``prompts`` (``"3,17"`` or a list) are shown besides ``sample`` prompts drawn with ``seed``;
     ``tokenizer`` decodes token ids when the dataset stores no token strings (default: the
-    dataset's model, when it loads here). ``probe=False`` skips the probe sweep.
+    dataset's model, when it loads here). ``probe=False`` skips the probe sweep. The report prints
+    nothing (``quiet`` is accepted for symmetry with ``features``); the caller says where it wrote.
     """
     ds = dataset if isinstance(dataset, Dataset) else load(dataset)
     chosen = _parse_rows(prompts, ds.num_prompts)  # bad input fails before any work
@@ -97,8 +97,6 @@ def report(dataset: Any, out: str | os.PathLike, *, prompts: Any = None, sample:
                 subtitle=f"{ds.num_prompts:,} prompts · {esc(ds.files)}")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "index.html", html)
-    if not quiet:
-        print(f"wrote {out / 'index.html'}", file=sys.stderr)
     return out / "index.html"
 
 
@@ -200,11 +198,13 @@ def _labels(ds: Dataset, probe: bool) -> str:
     parts = [bar_chart([str(v) for v in values], counts.tolist(), title="Label balance", ylabel="prompts")]
     if probe and len(values) >= 2 and counts.min() >= 2:
         try:
-            t = sweep(ds, cv=min(5, int(counts.min())))
+            folds = min(5, int(counts.min()))
+            t = sweep(ds, cv=folds)
             parts.append(bar_chart([str(x) for x in t["layer"]], t["accuracy"].tolist(),
-                                   errors=t["accuracy_std"].tolist(), title="Probe accuracy by layer",
-                                   ylabel="accuracy", caption="cross-validated logistic regression on the "
-                                   "last-token vectors (lmprobe probe)"))
+                                   errors=t["accuracy_std"].tolist(), title="Probe accuracy by layer", wide=True,
+                                   ylabel="accuracy", caption=f"{folds}-fold cross-validated logistic regression "
+                                   "on the last-token vectors: the mean accuracy over the folds, the line spans "
+                                   f"one standard deviation (lmprobe probe --cv {folds})"))
         except ImportError:
             parts.append('<p class="legend">Install lmprobe[probe] for the probe sweep.</p>')
     return '<h2>Labels</h2><div class="charts">' + "".join(parts) + "</div>"

@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 from ..atomic import atomic_output, atomic_write, move_into_place
 from ..errors import AttachmentError, DictionaryError, FormatError, SaevError
 from ..format import card
-from ..format.metadata import decode_schema_metadata
+from ..format.metadata import decode_schema_metadata, recorded_attachments
 from ..format.reader import Dataset
-from ..format.spec import CARD_PATH, INDEX_PATH
+from ..format.spec import ATTACHMENT_KINDS, CARD_PATH, INDEX_PATH
 from ..format.validate import Report
 from ..lock import OutputLock
 from ..opening import load
@@ -31,9 +31,8 @@ from ..sae.loader import SAEConfig, load_dictionary, validate_dictionary
 from ..saev import read_saev_metadata, validate_saev
 from .commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, RepoFile, push_policy
 
-SAEV_DIR = "saev"
-SAE_DIR = "sae"
-KINDS = (SAEV_DIR, SAE_DIR)
+KINDS = ATTACHMENT_KINDS
+SAEV_DIR, SAE_DIR = KINDS
 METADATA_KEY = b"lmprobe:attachments"
 LEGACY_METADATA_KEY = b"lmprobe:extras"
 
@@ -160,14 +159,6 @@ def card_section(attachments: dict[str, list[dict]], repo: str = "OWNER/NAME") -
         "```",
     ]
     return "\n".join(lines)
-
-
-def recorded_attachments(info: dict[str, Any]) -> dict[str, list[dict]]:
-    """The attachments a dataset's metadata records (empty lists when none)."""
-    raw = info.get("attachments", info.get("extras")) or {}
-    if not isinstance(raw, dict):
-        return {SAEV_DIR: [], SAE_DIR: []}
-    return {kind: [x for x in (raw.get(kind) or []) if isinstance(x, dict)] for kind in KINDS}
 
 
 def attach(root: str | os.PathLike, attachments: dict[str, list[dict]], repo: str | None = None) -> bool:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..atomic import atomic_output
+from ..atomic import atomic_output, atomic_write
 from ..errors import InvalidArgumentError, LayerNotFoundError, ShardMissingError
-from ..format.spec import CARD_PATH, INDEX_PATH
+from ..format.spec import CARD_PATH, INDEX_PATH, PULL_RECORD
 from ..hashing import sha256_file
 from ..lock import OutputLock
 from ..opening import open_hub
@@ -83,6 +84,9 @@ def _pull(ref, out: Path, *, layers, hookpoints, logits: bool, only: str | None,
     # an earlier pull's index goes first: until the new one lands last, the folder is visibly
     # unfinished, never an old index over a mix of old and new shards
     (out / INDEX_PATH).unlink(missing_ok=True)
+    # where the copy came from: `lmprobe info` and a read of a layer it lacks name the pull that fetches it
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / PULL_RECORD, json.dumps({"repo": ref.repo_id, "revision": ref.revision}) + "\n")
     sent = 0
     for rel in tqdm(rels, desc=f"pull {ref.repo_id}", unit="file", disable=quiet):
         rec = recorded.get(rel)

@@ -16,12 +16,12 @@ from .loader import SAEConfig, encode_topk, load_dictionary, project_topk
 def add_topk_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", required=True, help="folder holding dictionaries, or hf://OWNER/NAME (a model repo)")
     p.add_argument("--dict", required=True, dest="dictionary", help="dictionary name (a folder under --root)")
-    p.add_argument("--layer", required=True, type=int)
-    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--layer", required=True, type=int, help="the layer of the dictionary to load")
+    p.add_argument("--topk", type=int, default=10, help="features to print (default 10)")
     p.add_argument("--dataset", default=None, help="take the probe vector from this lmprobe dataset (path or repo)")
-    p.add_argument("--prompt", type=int, default=0, help="with --dataset: the prompt (index row) to use")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random probe vector")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--prompt", type=int, default=0, help="with --dataset: the prompt (index row) to use (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random probe vector (default 0)")
+    p.add_argument("--device", default="auto", help="auto (default: cuda when available), cpu, cuda or cuda:N")
     p.add_argument("--scores", action="store_true",
                    help="rank raw scores W x + b (the dictionary format's projection) instead of the SAE's "
                    "activations under its recorded rule (relu, top-k, JumpReLU)")

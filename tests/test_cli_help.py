@@ -1,0 +1,54 @@
+"""`lmprobe COMMAND --help` documents every option: a help text, its default, related options grouped."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from lmprobe.cli import build_parser
+from lmprobe.cli import main as cli_main
+
+
+def _arguments():
+    """(command, parser, action) for every argument of every subcommand, positionals included."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                yield name, parser, action
+
+
+def test_every_option_has_help_and_shows_its_default():
+    missing, no_default = [], []
+    for name, parser, action in _arguments():
+        flag = "/".join(action.option_strings) or action.dest
+        if not (action.help or "").strip():
+            missing.append(f"{name} {flag}")
+        if action.option_strings and action.nargs != 0 and not (action.default is None or action.default == []):
+            # the option's own entry in the formatted help (after the usage): from its flag to the next one
+            body = parser.format_help().split("\n\n", 1)[1]
+            entry = re.search(rf"\n  {re.escape(action.option_strings[0])}\b(.*?)(?=\n  -|\n\n|$)", body, re.S)
+            if "default" not in entry.group(1):
+                no_default.append(f"{name} {flag}")
+    assert not missing, f"arguments without help: {missing}"
+    assert not no_default, f"options whose help does not show the default: {no_default}"
+
+
+def test_help_shows_defaults_and_groups_the_corpus_options(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["extract", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "prompts per forward pass (default: 8)" in text
+    assert "Run MODEL over the prompts in SOURCE" in text and "--prompts SOURCE" in text
+    corpus = text.split("corpus extraction (one row per window of a long text):")[1].split(" what to store:")[0]
+    assert "--context-len" in corpus and "--max-tokens" in corpus and "--no-special-tokens" in corpus
+    with pytest.raises(SystemExit):
+        cli_main(["merge", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--overwrite replace an existing dataset in DIR" in text
+    with pytest.raises(SystemExit):
+        cli_main(["probe", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--seed SEED seed of the fold split and the classifier (default: 0)" in text
