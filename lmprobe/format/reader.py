@@ -15,6 +15,7 @@ documented internal API that lmprobe's other modules use (docs/architecture.md):
 from __future__ import annotations
 
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Iterable
 from functools import cached_property
@@ -53,7 +54,8 @@ def find_index(root: Path) -> Path:
         rel = found[0].relative_to(root).as_posix()
         return check_regular(resolve_inside(root, rel, "index"), "index")
     if not root.exists():
-        raise DatasetNotFoundError(f"{root} does not exist")
+        hub = f" (a Hub dataset is hf://datasets/{root.as_posix()})" if re.fullmatch(r"[\w.-]+/[\w.-]+", str(root)) else ""
+        raise DatasetNotFoundError(f"{root} does not exist{hub}")
     if (root / STAGING_DIR).exists():
         raise DatasetNotFoundError(
             f"{root} holds an unfinished dataset (no index yet); re-run the command that wrote it to resume"

@@ -94,7 +94,11 @@ def parse_hf_url(url: str, *, revision: str | None = None) -> HubRef:
 
 
 def parse_dataset_ref(path: Any, revision: str | None = None) -> HubRef | None:
-    """A dataset on the Hub named by ``path`` (an hf:// URL, or OWNER/NAME that is not a local path); else None."""
+    """A dataset on the Hub named by ``path`` (an hf:// URL, or OWNER/NAME that is not a local path); else None.
+
+    OWNER/NAME is local when it exists, or when OWNER is a folder here (a mistyped local path must
+    be a local "does not exist", not a Hub request); ``hf://datasets/OWNER/NAME`` is always the Hub.
+    """
     s = os.fspath(path) if isinstance(path, os.PathLike) else path
     if not isinstance(s, str):
         return None
@@ -102,7 +106,7 @@ def parse_dataset_ref(path: Any, revision: str | None = None) -> HubRef | None:
         return parse_hf_url(s, revision=revision)
     if os.path.exists(s):
         return None
-    if REPO_ID_RE.match(s):
+    if REPO_ID_RE.match(s) and not os.path.isdir(s.split("/", 1)[0]):  # out/missing with ./out here: local
         return HubRef(s, "dataset", revision)
     return None
 
