@@ -7,9 +7,13 @@ cache (``local_files_only``: never a request). Readers use it to show token text
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Any
+
+from .errors import ModelError
+from .retry import describe
 
 #: name -> folder under lmprobe/models/
 EMBEDDED_MODELS = {"lmprobe-tiny": "tiny"}
@@ -39,3 +43,36 @@ def local_tokenizer(name: Any, revision: Any = None) -> Any:
         return AutoTokenizer.from_pretrained(path, revision=revision, local_files_only=True)
     except Exception:  # not in the cache, no tokenizer files, a name that is no model: show ids instead
         return None
+
+
+def close_embedded_name(name: str) -> str | None:
+    """The embedded model a mistyped name was probably meant to be (``lmprobe-tinny``), else None."""
+    found = difflib.get_close_matches(name.removeprefix("builtin:"), list(EMBEDDED_MODELS), n=1, cutoff=0.8)
+    return found[0] if found else None
+
+
+def hub_access(repo_id: str, revision: str | None, what: str) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments for loading Hub repo ``repo_id``, after one look at the Hub.
+
+    ``{}`` when the Hub answers (or offline mode is on: transformers then reads the cache itself);
+    ``{"local_files_only": True}`` when it cannot be reached but the files are in the local cache;
+    otherwise a one-line ModelError at once (huggingface_hub would retry five times, about 30 s).
+    """
+    from huggingface_hub import constants, get_session, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE:
+        return {}
+    try:
+        get_session().head(constants.ENDPOINT, timeout=10)
+    except Exception as exc:  # noqa: BLE001 - any failure to get an answer is "unreachable"
+        if isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str):
+            return {"local_files_only": True}
+        raise ModelError(f"cannot reach the Hub at {constants.ENDPOINT} to load {what} {repo_id!r} ({describe(exc)}), "
+                         "and it is not in the local cache; check the network (or HF_ENDPOINT), or pass a local "
+                         "folder") from None
+    return {}
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (transformers' messages hold newlines)."""
+    return " ".join(str(exc).split())

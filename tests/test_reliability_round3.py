@@ -188,3 +188,31 @@ def test_owner_name_without_such_a_local_folder_still_means_the_hub():
 
     assert parse_dataset_ref("someone/acts").repo_id == "someone/acts"
     assert parse_dataset_ref("out/nonexistent") is not None  # no ./out here: a Hub repo name
+
+
+# ------------------------------------------------------------------ 9. a mistyped model name, the Hub unreachable
+
+
+def test_a_model_name_close_to_the_embedded_one_gets_did_you_mean(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert cli_main(["extract", "--model", "lmprobe-tinny", "--prompts", "examples/prompts.jsonl", "--out",
+                     str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean 'lmprobe-tiny'" in err[0], err
+
+
+@pytest.mark.parametrize("command", [
+    ["extract", "--model", "someone/no-such-model", "--prompts", "examples/prompts.jsonl", "--out", "{tmp}/m"],
+    ["report", "{tmp}/ds", "--out", "{tmp}/r", "--tokenizer", "someone/no-such-tokenizer"],
+])
+def test_an_unreachable_hub_is_one_attempt_and_one_line(tmp_path, rng, capsys, monkeypatch, command):
+    from huggingface_hub import constants
+
+    write_dataset(tmp_path / "ds", rng, n=6, layers=(0,), dim=4)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert cli_main([a.replace("{tmp}", str(tmp_path)) for a in command]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot reach the Hub at http://127.0.0.1:9" in err[0], err
+    assert "\\n" not in err[0] and "Retry" not in err[0]

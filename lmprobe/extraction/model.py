@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import ModelError
 from ..format.values import torch_dtype
 from ..hashing import sha256_file
-from ..tokenizer import EMBEDDED_MODELS, embedded_model_dir
+from ..tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access, one_line
 
 # Where the decoder blocks live, by architecture family. The first path that exists wins.
 BLOCK_PATHS = (
@@ -41,6 +41,10 @@ def resolve_model_path(name: str) -> tuple[str, bool]:
         return name, True
     if os.path.exists(name):
         raise ModelError(f"--model {name!r} is a file; pass the folder that holds config.json")
+    meant = close_embedded_name(name)
+    if meant is not None:
+        raise ModelError(f"--model {name!r} is neither a local folder nor a model shipped with lmprobe; did you "
+                         f"mean {meant!r}?")
     return name, False
 
 
@@ -56,6 +60,7 @@ class ModelSpec:
     hidden_size: int
     causal_lm: bool
     recorded_revision: str | None = None  # what the dataset records as model.revision
+    cached_only: bool = False  # the Hub is unreachable and the files are in the local cache: never ask it
 
 
 
@@ -73,11 +78,12 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
     from transformers import AutoConfig
 
     path, local = resolve_model_path(name)
+    access = {} if local else hub_access(path, revision, "model")
     try:
-        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code, **access)
     except OSError as exc:
         hint = "" if local else " (is it a Hub id you can reach, or a local folder with config.json?)"
-        raise ModelError(f"cannot load the config of model {name!r}{hint}: {exc}") from None
+        raise ModelError(f"cannot load the config of model {name!r}{hint}: {one_line(exc)}") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_layers = next((getattr(text, a) for a in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(text, a)), None)
     hidden = next((getattr(text, a) for a in ("hidden_size", "n_embd", "d_model") if hasattr(text, a)), None)
@@ -92,7 +98,7 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
     else:
         recorded = getattr(config, "_commit_hash", None) or revision
     return ModelSpec(display, path, local, revision, trust_remote_code, config, n_layers, hidden, _is_causal_lm(config),
-                     recorded)
+                     recorded, bool(access))
 
 
 def weights_revision(folder: Path) -> str:
@@ -224,7 +230,7 @@ def load_model(spec: ModelSpec, *, device: str, compute_dtype: str = "auto", qui
     cls = AutoModelForCausalLM if spec.causal_lm else AutoModel
     try:
         model = cls.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code,
-                                    dtype=dtype)
+                                    dtype=dtype, local_files_only=spec.cached_only)
     finally:
         if quiet:
             hf_logging.enable_progress_bar()
@@ -236,7 +242,8 @@ def load_model(spec: ModelSpec, *, device: str, compute_dtype: str = "auto", qui
 def load_tokenizer(spec: ModelSpec):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code,
+                                        local_files_only=spec.cached_only)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     if tok.pad_token is None:

@@ -18,13 +18,14 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write
-from ..errors import FormatError, InvalidArgumentError
+from ..errors import FormatError, InvalidArgumentError, ModelError
 from ..extraction.model import resolve_model_path
 from ..format.reader import Dataset
 from ..html import bar_chart, esc, line_chart, page, table
 from ..opening import load
 from ..paths import check_output_path
 from ..probe import sweep
+from ..tokenizer import hub_access, one_line
 
 __all__ = ["load_tokenizer_for", "report"]
 
@@ -42,14 +43,20 @@ def load_tokenizer_for(ds: Dataset, tokenizer: str | None = None) -> Any:
     try:
         from transformers import AutoTokenizer
 
-        path, _local = resolve_model_path(name)
+        path, local = resolve_model_path(name)
         revision = None if tokenizer else ds.model.get("revision")
         if isinstance(revision, str) and revision.startswith("sha256:"):
             revision = None  # the embedded model's weights digest, not a Hub revision
-        return AutoTokenizer.from_pretrained(path, revision=revision)
-    except Exception as exc:  # an unreachable Hub id or a folder without a tokenizer: show ids instead
+        access = {} if local else hub_access(path, revision, "the tokenizer")  # one look, not five retries
+        return AutoTokenizer.from_pretrained(path, revision=revision, **access)
+    except ModelError as exc:
         if tokenizer:
-            raise InvalidArgumentError(f"cannot load the tokenizer {tokenizer!r}: {type(exc).__name__}: {exc}") from None
+            raise InvalidArgumentError(str(exc)) from None
+        return None
+    except Exception as exc:  # a Hub id that is no model, or a folder without a tokenizer: show ids instead
+        if tokenizer:
+            raise InvalidArgumentError(f"cannot load the tokenizer {tokenizer!r}: {type(exc).__name__}: "
+                                       f"{one_line(exc)}") from None
         return None
 
 
