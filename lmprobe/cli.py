@@ -510,6 +510,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: what re-running a command after Ctrl-C (or kill -9) does (docs/security.md, the interrupted-operation matrix)
+_RESUMES = {
+    "extract": "run the same command again to resume from the last checkpoint (--overwrite starts over)",
+    "merge": "run the same command again to finish the merge",
+    "features": "run the same command again to resume from the last checkpoint",
+    "push": "run the same command again: files already on the Hub are not sent again",
+    "pull": "run the same command again: files already here are not fetched again",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -521,7 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lmprobe {args.command}: error: {escape_controls(exc, keep_newlines=False)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"lmprobe {args.command}: interrupted", file=sys.stderr)
+        hint = _RESUMES.get(args.command, "nothing was left half-written; run the command again")
+        print(f"lmprobe {args.command}: interrupted; {hint}", file=sys.stderr)
         return 130
 
 

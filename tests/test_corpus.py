@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import lmprobe
 from lmprobe.cli import main as cli_main
-from lmprobe.errors import ExtractionError, OutOfSpaceError, PromptError
+from lmprobe.errors import ExtractionError, OutOfSpaceError, PromptError, ResumeMismatchError
 from lmprobe.extraction import model as model_mod
 from lmprobe.extraction.windows import Affixes, Budget, windows
 
@@ -292,3 +292,33 @@ def test_info_of_a_corpus_dataset_shows_documents_window_length_and_budget(llama
     assert docs > 1
     assert (f"corpus       {docs} documents, 200 tokens, windows of at most 12 tokens, token budget 200 (reached)"
             in out)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_with_a_lower_budget_and_names_other_changes(llama_dir, tmp_path, capsys):
+    """Issue 28, item 2: the budget only says when to stop; any other change is named, one setting each."""
+    f = write_jsonl(tmp_path / "docs.jsonl", DOCS * 3)
+    kw = dict(context_len=10, max_tokens=150, storage="full_sequence", token_ids=True, layers="0", batch_size=2,
+              shard_size="2KB", quiet=True)
+    out = tmp_path / "ds"
+    r = subprocess.run([sys.executable, str(CRASH_EXTRACT), json.dumps([str(f), str(llama_dir), str(out), 3, kw])],
+                       capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    with pytest.raises(ResumeMismatchError) as err:
+        lmprobe.extract(str(llama_dir), f, out=out, **{**kw, "context_len": 12})
+    msg = str(err.value)
+    assert "context_len: 10 -> 12" in msg and "--overwrite" in msg and "max_tokens" not in msg and len(msg) < 400
+    with pytest.raises(ExtractionError, match=r"already holds [\d,]+ tokens, more than --max-tokens 5; pass"):
+        lmprobe.extract(str(llama_dir), f, out=out, **{**kw, "max_tokens": 5})
+    ds = lmprobe.extract(str(llama_dir), f, out=out, **{**kw, "max_tokens": 60})
+    ref = lmprobe.extract(str(llama_dir), f, out=tmp_path / "ref", **{**kw, "max_tokens": 60})
+    assert int(ds.column("num_tokens").sum()) == 60 and ds.info["extraction"]["settings"]["max_tokens"] == 60
+    assert ds.table["token_ids"].to_pylist() == ref.table["token_ids"].to_pylist()
+    # a finished dataset asked for another budget names it too
+    capsys.readouterr()
+    args = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", str(out), "--context-len", "10",
+            "--max-tokens", "50", "--storage", "full_sequence", "--token-ids", "--layers", "0", "--batch-size", "2",
+            "--shard-size", "2KB"]
+    assert cli_main(args) == 2
+    line = capsys.readouterr().err.strip()
+    assert "max_tokens: 60 -> 50" in line and "--overwrite" in line and len(line) < 400, line

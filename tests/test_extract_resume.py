@@ -82,7 +82,7 @@ def test_sigkill_of_the_cli_then_rerun(llama_dir, tmp_path, reference):
 def test_changed_configuration_against_partial_output(llama_dir, tmp_path):
     out = tmp_path / "ds"
     subprocess.run([sys.executable, str(CRASH_EXTRACT), json.dumps([PROMPT_LIST, str(llama_dir), str(out), 3, KW])])
-    with pytest.raises(ValueError, match=r"different configuration.*layers: was \[0, 2\], now \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"other settings \(layers: \[0, 2\] -> \[0, 1\]\); re-run"):
         lmprobe.extract(str(llama_dir), PROMPT_LIST, out=out, **dict(KW, layers="0,1"))
     ds = lmprobe.extract(str(llama_dir), PROMPT_LIST, out=out, overwrite=True, **dict(KW, layers="0,1"))
     assert ds.layers == [0, 1] and ds.num_prompts == 28

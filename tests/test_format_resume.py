@@ -94,7 +94,7 @@ def test_sigkill_mid_run_then_resume(tmp_path, reference):
 def test_resume_with_another_configuration_is_refused(tmp_path):
     out = tmp_path / "ds"
     assert _child(out, "batch", 4).returncode == 9
-    with pytest.raises(ResumeMismatchError, match=r"dim: was 4, now 5"):
+    with pytest.raises(ResumeMismatchError, match=r"dim: 4 -> 5"):
         DatasetWriter(out, layers=[0, 3], dim=5, model_name="m", storage="full_sequence", shard_size=4 * 4 * 7,
                       logits_k=2, label_type="int", token_ids=True)
     # nothing was lost: the right configuration still resumes

@@ -216,3 +216,20 @@ def test_an_unreachable_hub_is_one_attempt_and_one_line(tmp_path, rng, capsys, m
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot reach the Hub at http://127.0.0.1:9" in err[0], err
     assert "\\n" not in err[0] and "Retry" not in err[0]
+
+
+def test_ctrl_c_says_how_to_go_on(monkeypatch, capsys):
+    """Issue 28, item 3: Ctrl-C said only 'interrupted'."""
+    import lmprobe.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    for command, words in [("extract", "run the same command again to resume"), ("merge", "finish the merge"),
+                           ("validate", "run the command again")]:
+        monkeypatch.setattr(cli, f"_cmd_{command}", interrupted)
+        argv = {"extract": ["extract", "--model", "m", "--prompts", "p", "--out", "o"],
+                "merge": ["merge", "a", "--out", "o"], "validate": ["validate", "x"]}[command]
+        assert cli.main(argv) == 130
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"lmprobe {command}: interrupted; ") and words in err, err

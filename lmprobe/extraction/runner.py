@@ -22,6 +22,7 @@ from ..errors import DatasetNotFoundError, ExtractionError, ModelError, OutOfSpa
 from ..format.merge import merge_datasets
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
+from ..format.staging import describe_mismatch
 from ..format.values import torch_dtype
 from ..format.writer import DatasetWriter
 from ..opening import open_object_store
@@ -255,6 +256,11 @@ def _recorded_settings(ds: Dataset) -> Any:
     return extraction.get("settings") if isinstance(extraction, dict) else None
 
 
+def _settings_dict(ds: Dataset) -> dict:
+    recorded = _recorded_settings(ds)
+    return recorded if isinstance(recorded, dict) else {}
+
+
 def _extract_to_object_store(job: _Job, url: str) -> Dataset:
     """Extract into a local staging folder while a background thread uploads finished shards to ``url``."""
     cfg = job.config
@@ -303,7 +309,8 @@ def _extract_to(job: _Job, out: Path, *, on_file_complete: Any = None, reopen: b
                 print(f"{out} already holds this extraction; nothing to do", file=sys.stderr)
             return ds
         raise OutputExistsError(
-            f"{out} already holds a dataset made with other settings; pass --overwrite to replace it, "
+            f"{out} already holds a dataset made with other settings "
+            f"({describe_mismatch(_settings_dict(ds), settings)}); pass --overwrite to replace it, "
             "or choose another --out"
         )
     writer = DatasetWriter(
@@ -325,6 +332,7 @@ def _extract_to(job: _Job, out: Path, *, on_file_complete: Any = None, reopen: b
         provenance=_provenance(cfg),
         metadata={"extraction": {"settings": settings}},
         fingerprint=settings,
+        resumable=("max_tokens",) if job.corpus is not None else (),  # the budget only says when to stop
         checksums=cfg.checksums,
         statistics=cfg.statistics,
         corpus=job.corpus is not None,
@@ -497,6 +505,10 @@ def _run_corpus(writer: DatasetWriter, job: _Job) -> None:
 
     cfg, plan, tok = job.config, job.corpus, job.tokenizer
     assert plan is not None
+    if plan.max_tokens is not None and writer.num_tokens > plan.max_tokens:
+        raise ExtractionError(f"the partial output already holds {writer.num_tokens:,} tokens, more than --max-tokens "
+                              f"{plan.max_tokens:,}; pass --max-tokens {writer.num_tokens} or more to finish it, or "
+                              "--overwrite to start over")
     budget = Budget(plan.max_tokens, writer.num_tokens)
     if budget.spent:
         return

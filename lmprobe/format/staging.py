@@ -123,6 +123,20 @@ def check_fresh_output(out: Path) -> None:
         raise OutputExistsError(f"{out} is not empty and holds no lmprobe dataset; choose an empty or new folder")
 
 
-def describe_mismatch(old: dict, new: dict) -> str:
-    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    return "; ".join(f"{k}: was {old.get(k)!r}, now {new.get(k)!r}" for k in keys)
+def describe_mismatch(old: dict, new: dict, prefix: str = "") -> str:
+    """The settings that differ, one ``name: old -> new`` each (nested settings by their own name, values cut short)."""
+    parts = []
+    for k in sorted(set(old) | set(new), key=str):
+        a, b = old.get(k, "(none)"), new.get(k, "(none)")
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            parts.append(describe_mismatch(a, b, prefix if k == "caller" else f"{prefix}{k}."))
+        else:
+            parts.append(f"{prefix}{k}: {_short(a)} -> {_short(b)}")
+    return "; ".join(dict.fromkeys(p for p in parts if p))  # a setting the writer and its caller both hold: once
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -114,6 +114,7 @@ class DatasetWriter:
         provenance: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         fingerprint: Mapping[str, Any] | None = None,
+        resumable: Iterable[str] = (),
         file_pattern: str = DEFAULT_HIDDEN_FILE_PATTERN,
         key_pattern: str = DEFAULT_HIDDEN_KEY_PATTERN,
         logits_file_pattern: str = DEFAULT_LOGITS_FILE_PATTERN,
@@ -156,6 +157,7 @@ class DatasetWriter:
         self.fingerprint = spec.fingerprint()
         if fingerprint:
             self.fingerprint["caller"] = json.loads(json.dumps(dict(fingerprint), default=str))
+        self.resumable = frozenset(resumable)
 
         self.staging = Staging(self.out_dir, fsync=fsync)
         self._stats = ({slot: RunningStats.empty(spec.dim_of(hp)) for slot, (hp, _) in spec.sites.items()}
@@ -276,11 +278,12 @@ class DatasetWriter:
 
     def _restore(self, st: dict) -> None:
         old = st.get("fingerprint")
-        if old != self.fingerprint:
-            details = describe_mismatch(old if isinstance(old, dict) else {}, self.fingerprint)
+        old = old if isinstance(old, dict) else {}
+        if self._comparable(old) != self._comparable(self.fingerprint):
+            details = describe_mismatch(self._comparable(old), self._comparable(self.fingerprint))
             raise ResumeMismatchError(
-                f"{self.out_dir} holds a partial dataset written with a different configuration ({details}); "
-                "re-run with the original settings to resume, or pass overwrite=True (--overwrite) to start over"
+                f"{self.out_dir} holds a partial dataset written with other settings ({details}); re-run with the "
+                "original settings to resume, or pass --overwrite (overwrite=True in Python) to start over"
             )
         try:
             self._restore_checked(st)
@@ -290,6 +293,13 @@ class DatasetWriter:
             raise ResumeMismatchError(
                 f"{self.staging.state_path} is damaged ({type(exc).__name__}: {exc}); pass overwrite=True "
                 "(--overwrite) to start over") from None
+
+    def _comparable(self, fingerprint: dict) -> dict:
+        """A fingerprint without the caller's settings that a resumed run may change (``resumable``)."""
+        caller = fingerprint.get("caller")
+        if not self.resumable or not isinstance(caller, dict):
+            return fingerprint
+        return {**fingerprint, "caller": {k: v for k, v in caller.items() if k not in self.resumable}}
 
     def _restore_checked(self, st: dict) -> None:
         self.num_prompts = _count(st["num_prompts"])
