@@ -49,9 +49,9 @@ def main() -> None:
     ap.add_argument("--dataset", default=None, help="a full_sequence dataset (default: extract one from lmprobe-tiny)")
     ap.add_argument("--layer", type=int, default=None, help="layer to train on (default: the last stored)")
     ap.add_argument("--out", default="out/train-sae", help="working folder")
-    ap.add_argument("--features", type=int, default=256)
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--features", type=int, default=256, help="SAE features (default: 256)")
+    ap.add_argument("--k", type=int, default=8, help="features active per token, the top-k rule (default: 8)")
+    ap.add_argument("--epochs", type=int, default=20, help="passes over the dataset (default: 20)")
     args = ap.parse_args()
     work = Path(args.out)
     if args.dataset is None:
