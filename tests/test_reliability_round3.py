@@ -179,7 +179,7 @@ def test_a_missing_local_path_is_a_local_error_with_no_request(tmp_path, monkeyp
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request would fail loudly
     assert cli_main(["info", path]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not exist" in err[0] and "Hub" not in err[0], err
+    assert len(err) == 1 and "does not exist" in err[0] and "cannot reach" not in err[0], err
     assert not calls
 
 
@@ -233,3 +233,46 @@ def test_ctrl_c_says_how_to_go_on(monkeypatch, capsys):
         assert cli.main(argv) == 130
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"lmprobe {command}: interrupted; ") and words in err, err
+
+
+# ------------------------------------------------------------------ S3 outputs: a shard uploaded before its hash
+
+
+def test_a_resumed_remote_output_never_needs_an_uploaded_shard_back(tmp_path, rng, monkeypatch):
+    """Found by the interrupted-operation matrix (an interrupted S3 overwrite, then the same command): a
+    checkpoint recorded a closed shard without its hash, the upload thread then deleted the local file,
+    and the resumed writer could not re-hash it ("shard ... is missing; the partial output is damaged")."""
+    import threading
+
+    import lmprobe.format.shards as shards
+    from lmprobe.format import DatasetWriter
+    from lmprobe.hashing import sha256_file
+
+    gate = threading.Event()
+    threading.Timer(0.5, gate.set).start()  # the hasher falls half a second behind
+
+    def slow(f):
+        gate.wait(10)
+        return sha256_file(f)
+
+    monkeypatch.setattr(shards, "sha256_file", slow)
+    out = tmp_path / "staging"
+    uploaded = []
+
+    def upload_and_delete(rel):  # what UploadSink does with a finished shard
+        uploaded.append(rel)
+        (out / rel).unlink()
+
+    kw = dict(layers=[0], dim=4, model_name="m", shard_size="256B", on_file_complete=upload_and_delete,
+              checkpoint_interval=3600)
+    w = DatasetWriter(out, **kw)
+    for b in range(4):
+        w.add_batch(texts=[f"t{b}{i}" for i in range(10)], num_tokens=np.full(10, 3),
+                    hidden={0: rng.normal(size=(10, 4)).astype(np.float32)})
+    w.checkpoint()
+    assert uploaded  # shards left the machine
+    gate.set()
+    w.abort()  # stops where the checkpoint stands, as a crash would: the next run resumes from it
+    monkeypatch.setattr(shards, "sha256_file", sha256_file)
+    resumed = DatasetWriter(out, **kw)  # raised FormatError "... is missing" before the fix
+    resumed.close()

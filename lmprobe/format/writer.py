@@ -496,10 +496,13 @@ class DatasetWriter:
 
         Hashes of closed shards still on the hasher thread are not waited for (``wait_hashes``:
         they are); a resumed writer re-hashes the closed shards whose hash this checkpoint lacks.
+        With ``on_file_complete`` (an upload that removes the local file), they are always waited
+        for: a shard leaves the machine only with its hash recorded.
         """
+        leaving = self.on_file_complete is not None
         for s in self._series():
             s.flush()
-            s.resolve_hashes(wait=wait_hashes)
+            s.resolve_hashes(wait=wait_hashes or leaving)
         if self._n_pending:
             index.write_part(self.staging.part_path(self._n_parts), self._pending, self.spec)
             self._n_parts += 1
