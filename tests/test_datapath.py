@@ -261,3 +261,25 @@ def test_stream_rejects_an_unknown_dtype(tmp_path, rng):
     write_dataset(tmp_path / "ds", rng, n=10, layers=(0,), dim=4)
     with pytest.raises(InvalidArgumentError, match="dtype must be 'float32' or 'bfloat16'"):
         ShardStream(tmp_path / "ds", 0, 4, dtype="float16")
+
+
+def test_bfloat16_reads_convert_piece_by_piece_exactly(tmp_path, rng, monkeypatch):
+    """ds.hidden / token_hidden of bfloat16 read pieces into small buffers and convert them while the next
+    piece is read: across pieces, shards and a scattered row order the values are the stored ones."""
+    import torch
+
+    import lmprobe.format.reader as reader
+
+    src = write_dataset(tmp_path / "ds", rng, n=40, layers=(0,), dim=8, dtype="bfloat16", shard_size="128B",
+                        storage="full_sequence")
+    ds = lmprobe.load(tmp_path / "ds")
+    whole = ds.hidden(0, as_torch=True).float().numpy()  # as stored, no conversion path
+    want_tokens = [ds.token_hidden(i, 0, as_torch=True).float().numpy() for i in range(ds.num_prompts)]
+    monkeypatch.setattr(reader, "_PIECE_VALUES", 3 * 8)  # three rows a piece
+    np.testing.assert_array_equal(ds.hidden(0), whole)
+    rows = rng.permutation(ds.num_prompts)  # scattered: groups out of index order
+    np.testing.assert_array_equal(ds.hidden(0, rows=rows), whole[rows])
+    for i in range(ds.num_prompts):
+        np.testing.assert_array_equal(ds.token_hidden(i, 0), want_tokens[i])
+    bf = torch.from_numpy(src["hidden"][0]).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(np.concatenate([ds.token_hidden(i, 0) for i in range(ds.num_prompts)]), bf)

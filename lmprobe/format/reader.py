@@ -35,10 +35,14 @@ from .files import LocalFiles
 from .metadata import DatasetInfo, decode_schema_metadata, parse_info
 from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into
 from .spec import DTYPES, INDEX_PATH, PER_TOKEN_COLUMNS, STAGING_DIR
-from .values import bfloat16_bits_to_float32
+from .values import bfloat16_bits_to_float32, bfloat16_to_float32_later
 from .view import Prompt, dataset_html
 
 RowsArg = None | int | slice | Iterable[int] | np.ndarray
+
+
+#: bfloat16 values read per piece when a read converts as it goes (8M: 16 MiB of bits, one converter thread)
+_PIECE_VALUES = 1 << 23
 
 
 def find_index(root: Path) -> Path:
@@ -430,8 +434,9 @@ class Dataset:
                               f"which has {int(rows[i])} rows ({len(bad)} address(es) out of range)")
 
     def _gather(self, shard_ids: np.ndarray, offsets: np.ndarray, locate, n_shards: int, row_shape: tuple[int, ...],
-                storage: np.dtype) -> np.ndarray:
-        """Rows ``offsets[i]`` of shards ``shard_ids[i]``, one read pass per shard.
+                storage: np.dtype, *, bfloat16_out: bool = False) -> np.ndarray:
+        """Rows ``offsets[i]`` of shards ``shard_ids[i]``, one read pass per shard (``bfloat16_out``:
+        bfloat16 rows returned as float32).
 
         Every shard is located and its header checked against the metadata before the output is
         allocated: a size in the metadata that no file backs never reaches np.empty.
@@ -442,6 +447,8 @@ class Dataset:
         order = np.argsort(shard_ids, kind="stable")
         bounds = np.flatnonzero(np.diff(shard_ids[order])) + 1
         groups = [(g, *locate(int(shard_ids[g[0]]))) for g in np.split(order, bounds)] if len(order) else []
+        if bfloat16_out:
+            return self._gather_bfloat16(groups, offsets, len(shard_ids), row_shape)
         out = np.empty((len(shard_ids), *row_shape), dtype=storage)
         for group, path, entry in groups:
             offs = offsets[group]
@@ -452,6 +459,38 @@ class Dataset:
                 tmp = np.empty((len(group), *out.shape[1:]), dtype=out.dtype)
                 read_rows_into(path, entry, offs, tmp)
                 out[group] = tmp
+        return out
+
+    @staticmethod
+    def _gather_bfloat16(groups: list, offsets: np.ndarray, n: int, row_shape: tuple[int, ...]) -> np.ndarray:
+        """``_gather`` of bfloat16 rows straight to float32: each piece is read into one of two small
+        buffers of raw bits while the other converts on the converter thread (read and conversion
+        overlap; no layer-sized array of bits)."""
+        out = np.empty((n, *row_shape), dtype=np.float32)
+        row_values = int(np.prod(row_shape)) if row_shape else 1
+        step = max(1, _PIECE_VALUES // row_values)
+        buffers: list[np.ndarray | None] = [None, None]
+        pending = None
+        k = 0
+        for group, path, entry in groups:
+            for a in range(0, len(group), step):
+                g = group[a : a + step]
+                buf = buffers[k % 2]
+                if buf is None or len(buf) < len(g):
+                    buf = buffers[k % 2] = np.empty((len(g), *row_shape), np.uint16)
+                bits = buf[: len(g)]
+                read_rows_into(path, entry, offsets[g], bits)  # while the previous piece converts
+                if pending is not None:
+                    pending.result()
+                lo, hi = int(g[0]), int(g[-1])
+                if hi - lo + 1 == len(g) and (len(g) == 1 or bool(np.all(np.diff(g) == 1))):
+                    pending = bfloat16_to_float32_later(bits, out[lo : hi + 1])
+                else:
+                    pending = None
+                    out[g] = bfloat16_bits_to_float32(bits)
+                k += 1
+        if pending is not None:
+            pending.result()
         return out
 
     @staticmethod
@@ -470,9 +509,10 @@ class Dataset:
                          hookpoint: str | None = None):
         """Rows ``offsets[i]`` of shards ``shard_ids[i]`` of ``layer``: (N, dim), one read pass per shard."""
         h = self.hidden_desc(hookpoint)
+        convert = h.dtype == "bfloat16" and not as_torch  # converted as it is read
         out = self._gather(shard_ids, offsets, lambda shard: self.hidden_shard(layer, shard, hookpoint), len(h.shards),
-                           (h.dim,), DTYPES[h.dtype].np_storage)
-        return self._finish(out, h.dtype, as_torch)
+                           (h.dim,), DTYPES[h.dtype].np_storage, bfloat16_out=convert)
+        return out if convert else self._finish(out, h.dtype, as_torch)
 
     def check_token_counts(self, counts: np.ndarray, rows: RowsArg, what: str) -> None:
         """Per-token lists must hold num_tokens entries per prompt (a damaged index must not shift every later prompt)."""
