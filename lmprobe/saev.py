@@ -22,6 +22,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
@@ -368,10 +369,12 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
 
     bar = tqdm(total=plan.n_ex, unit="ex", desc="export-saev", disable=quiet)
     shards_json = []
-    block = np.empty((min(ex_chunk, max(plan.shard_sizes)), L, T, D), dtype="<f4")
-    bits = np.empty(block.shape, dtype=np.uint16) if direct and h.dtype == "bfloat16" else None
+    shape = (min(ex_chunk, max(plan.shard_sizes)), L, T, D)
+    # two blocks: one is filled while the other is converted and written on the writer thread
+    blocks = [(np.empty(shape, dtype="<f4"), np.empty(shape, dtype=np.uint16) if direct and h.dtype == "bfloat16"
+               else None) for _ in range(2)]
     try:
-        _write_shards(plan, partial, L, T, D, ex_chunk, block, bits, run_start, run_len, run_shard, run_off,
+        _write_shards(plan, partial, L, T, D, ex_chunk, blocks, run_start, run_len, run_shard, run_off,
                       layer_list, source, source_fd, direct, h, bar, shards_json, pad_to=plan.per_shard
                       if saev_compat else None)
     finally:
@@ -396,50 +399,71 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     return final
 
 
-def _write_shards(plan, partial, L, T, D, ex_chunk, block, bits, run_start, run_len, run_shard, run_off,
+def _write_shards(plan, partial, L, T, D, ex_chunk, blocks, run_start, run_len, run_shard, run_off,
                   layer_list, source, source_fd, direct, h, bar, shards_json, pad_to: int | None) -> None:
     """Write every shard not finished by an earlier run: acts*.bin.tmp, then renamed.
 
-    ``bits``: for a bfloat16 source read directly, the block's raw bits, converted into ``block``
-    once per chunk. ``pad_to``: zero-pad each shard to this many examples (saev's loaders map every
-    shard at full size).
+    ``blocks``: two (float32 block, raw bits or None) pairs. A chunk is read into one while the
+    other is converted (a bfloat16 source read directly: its raw bits, once per chunk) and written
+    on the writer thread, so reading overlaps writing. ``pad_to``: zero-pad each shard to this many
+    examples (saev's loaders map every shard at full size).
     """
     vec_bytes = D * 4
     src_bytes = D * DTYPES[h.dtype].itemsize
-    dst_block = block if bits is None else bits
     first_ex = 0
-    for i, n in enumerate(plan.shard_sizes):
-        name = f"acts{i:06d}.bin"
-        shards_json.append({"name": name, "n_ex": n})
-        path = partial / name
-        file_ex = max(n, pad_to or 0)
-        if path.exists() and path.stat().st_size == file_ex * L * T * vec_bytes:
+    with ThreadPoolExecutor(1, thread_name_prefix="lmprobe-saev-writer") as writer:
+        for i, n in enumerate(plan.shard_sizes):
+            name = f"acts{i:06d}.bin"
+            shards_json.append({"name": name, "n_ex": n})
+            path = partial / name
+            file_ex = max(n, pad_to or 0)
+            if path.exists() and path.stat().st_size == file_ex * L * T * vec_bytes:
+                first_ex += n
+                bar.update(n)
+                continue  # finished by an earlier, interrupted run
+            writes: list[Future | None] = [None, None]
+            with atomic_output(path) as tmp, open(tmp, "wb") as f:
+                try:
+                    for k, a in enumerate(range(first_ex, first_ex + n, ex_chunk)):
+                        b = min(first_ex + n, a + ex_chunk)
+                        if writes[k % 2] is not None:
+                            writes[k % 2].result()  # this block's last chunk is on disk: fill it again
+                        block, bits = blocks[k % 2]
+                        dst_block = block if bits is None else bits
+                        r0, r1 = np.searchsorted(run_start, [a * T, b * T])
+                        for li, layer in enumerate(layer_list):
+                            for r in range(r0, r1):
+                                pos, m = int(run_start[r]), int(run_len[r])
+                                e, t = divmod(pos, T)
+                                if direct:  # one read from the source file straight into the output block
+                                    fd, base = source_fd(layer, int(run_shard[r]))
+                                    dst = memoryview(dst_block[e - a, li, t : t + m]).cast("B")
+                                    if os.preadv(fd, [dst], base + int(run_off[r]) * src_bytes) != len(dst):
+                                        raise SaevError(f"{h.file(layer, int(run_shard[r]))} ended early; is the "
+                                                        "source complete?")
+                                    continue
+                                rows = source(layer, int(run_shard[r]))[run_off[r] : run_off[r] + m]
+                                block[e - a, li, t : t + m] = (bfloat16_bits_to_float32(rows) if h.dtype == "bfloat16"
+                                                               else rows)
+                        writes[k % 2] = writer.submit(_convert_and_write, f, block, bits, b - a)
+                        bar.update(b - a)
+                finally:  # the file stays open until its writes are done, error or not
+                    failing = sys.exc_info()[0] is not None
+                    for w in writes:
+                        if w is not None and failing:
+                            w.exception()  # waited for; the error already raised is the one to report
+                        elif w is not None:
+                            w.result()
+                if file_ex > n:
+                    f.truncate((file_ex * L * T) * vec_bytes)  # zeros: rows past n_ex are never read
             first_ex += n
-            bar.update(n)
-            continue  # finished by an earlier, interrupted run
-        with atomic_output(path) as tmp, open(tmp, "wb") as f:
-            for a in range(first_ex, first_ex + n, ex_chunk):
-                b = min(first_ex + n, a + ex_chunk)
-                r0, r1 = np.searchsorted(run_start, [a * T, b * T])
-                for li, layer in enumerate(layer_list):
-                    for r in range(r0, r1):
-                        pos, m = int(run_start[r]), int(run_len[r])
-                        e, t = divmod(pos, T)
-                        if direct:  # one read from the source file straight into the output block
-                            fd, base = source_fd(layer, int(run_shard[r]))
-                            dst = memoryview(dst_block[e - a, li, t : t + m]).cast("B")
-                            if os.preadv(fd, [dst], base + int(run_off[r]) * src_bytes) != len(dst):
-                                raise SaevError(f"{h.file(layer, int(run_shard[r]))} ended early; is the source complete?")
-                            continue
-                        rows = source(layer, int(run_shard[r]))[run_off[r] : run_off[r] + m]
-                        block[e - a, li, t : t + m] = bfloat16_bits_to_float32(rows) if h.dtype == "bfloat16" else rows
-                if bits is not None:
-                    bfloat16_bits_to_float32(bits[: b - a], out=block[: b - a])
-                f.write(memoryview(block[: b - a]).cast("B"))
-                bar.update(b - a)
-            if file_ex > n:
-                f.truncate((file_ex * L * T) * vec_bytes)  # zeros: rows past n_ex are never read
-        first_ex += n
+
+
+def _convert_and_write(f: Any, block: np.ndarray, bits: np.ndarray | None, n: int) -> None:
+    """The writer thread's part of a chunk: convert its bfloat16 bits (if any), append its bytes to ``f``."""
+    if bits is not None:
+        bfloat16_bits_to_float32(bits[:n], out=block[:n])
+    f.write(memoryview(block[:n]).cast("B"))
 
 
 def _index_hash(ds: Any) -> str:

@@ -283,3 +283,26 @@ def test_bfloat16_reads_convert_piece_by_piece_exactly(tmp_path, rng, monkeypatc
         np.testing.assert_array_equal(ds.token_hidden(i, 0), want_tokens[i])
     bf = torch.from_numpy(src["hidden"][0]).to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(np.concatenate([ds.token_hidden(i, 0) for i in range(ds.num_prompts)]), bf)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_saev_writes_chunks_in_order_while_reading_the_next(tmp_path, rng, monkeypatch, dtype):
+    """export-saev reads a chunk into one block while the other is converted and written: with chunks of one
+    example, every shard is the same bytes as with one chunk per shard."""
+    import lmprobe.saev as saev
+
+    write_dataset(tmp_path / "ds", rng, n=30, layers=(0, 1), dim=8, dtype=dtype, shard_size="256B",
+                  storage="full_sequence", min_tokens=3)
+    whole = saev.export_saev(tmp_path / "ds", tmp_path / "a", layers=[0, 1], context_len=4, quiet=True,
+                             patches_per_shard=4 * 2 * 5)
+    monkeypatch.setattr(saev, "_CHUNK_BYTES", 1)  # one example a chunk: both blocks in turn, many writes a shard
+    pieces = saev.export_saev(tmp_path / "ds", tmp_path / "b", layers=[0, 1], context_len=4, quiet=True,
+                              patches_per_shard=4 * 2 * 5)
+    names = sorted(p.name for p in whole.iterdir())
+    assert names == sorted(p.name for p in pieces.iterdir()) and sum(n.startswith("acts") for n in names) > 1
+    for name in names:
+        assert (whole / name).read_bytes() == (pieces / name).read_bytes(), name
+    vectors = np.fromfile(pieces / "acts000000.bin", dtype=np.float32).reshape(-1, 2, 4, 8)
+    ds = lmprobe.load(tmp_path / "ds")
+    tokens = np.concatenate([ds.token_hidden(i, 0) for i in range(3)])  # windows run across prompts
+    np.testing.assert_array_equal(vectors[0, 0], tokens[:4])
