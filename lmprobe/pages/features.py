@@ -97,7 +97,7 @@ class FeatureCache:
         self.token[empty] = -1
 
     def _add_histogram(self, scores: np.ndarray, fires: np.ndarray) -> None:
-        """Count each firing score in its feature's log-spaced bin (HIST_EDGES).
+        """Count each firing activation in its feature's log-spaced bin (HIST_EDGES).
 
         Rows go in slices of ~4M scores: the index arrays of the firing ones stay small beside the batch.
         """
@@ -320,7 +320,7 @@ def _activation_chart(f: int, counts: np.ndarray, edges: np.ndarray) -> str:
         a, z = max(0, a - 1), min(len(counts), z + 1)
     return histogram_chart(edges[a : z + 1], counts[a:z].tolist(), title="Activation histogram", log_x=True,
                            xlabel="activation (log scale)", ylabel="tokens",
-                           caption=f"the score of feature {f} on every stored token where it fired "
+                           caption=f"the activation of feature {f} on every stored token where it fired "
                            f"({int(counts.sum()):,} tokens)")
 
 
