@@ -440,17 +440,25 @@ def _topk_from_scores(np, scores, k: int) -> list[tuple[int, float]]:
     return [(int(i), float(scores[i])) for i in idx[order]]
 
 
+def _probe_vector(layer: SAELayerWeights, dense_vec: Any, k: int) -> tuple[Any, Any]:
+    """(numpy, the vector as float32) for the numpy path, or (None, None) for the pure-Python one; checks k."""
+    if not isinstance(k, int) or k < 1:
+        raise InvalidArgumentError(f"k must be a positive integer, got {k!r}")
+    np = _numpy()
+    if np is None or not hasattr(layer.data, "dtype"):
+        return None, None
+    x = np.asarray(dense_vec, dtype=np.float32).reshape(-1)
+    _check_vec_len(x.shape[0], layer)
+    return np, x
+
+
 def project_topk(layer: SAELayerWeights, dense_vec: Any, k: int = 256) -> list[tuple[int, float]]:
     """Top-``k`` features of one dense vector: ``[(feature_index, score)]`` by descending score.
 
     score_i = sum_j W_enc[i, j] * x[j] (+ bias[i]). No ReLU or normalisation is applied.
     """
-    if not isinstance(k, int) or k < 1:
-        raise InvalidArgumentError(f"k must be a positive integer, got {k!r}")
-    np = _numpy()
-    if np is not None and hasattr(layer.data, "dtype"):
-        x = np.asarray(dense_vec, dtype=np.float32).reshape(-1)
-        _check_vec_len(x.shape[0], layer)
+    np, x = _probe_vector(layer, dense_vec, k)
+    if np is not None:
         return _topk_from_scores(np, _scores_numpy(np, layer, x), k)
     x = [float(v) for v in dense_vec]
     _check_vec_len(len(x), layer)
@@ -506,12 +514,8 @@ def encode_topk(layer: SAELayerWeights, dense_vec: Any, k: int = 256) -> list[tu
     Unlike ``project_topk`` (raw scores, as the dictionary format defines it), features that do not
     fire are left out, so a top-k SAE gives at most its k.
     """
-    if not isinstance(k, int) or k < 1:
-        raise InvalidArgumentError(f"k must be a positive integer, got {k!r}")
-    np = _numpy()
-    if np is not None and hasattr(layer.data, "dtype"):
-        x = np.asarray(dense_vec, dtype=np.float32).reshape(-1)
-        _check_vec_len(x.shape[0], layer)
+    np, x = _probe_vector(layer, dense_vec, k)
+    if np is not None:
         acts = activate(layer.activation, _scores_numpy(np, layer, x)[None, :], layer.threshold)[0]
         return [(i, a) for i, a in _topk_from_scores(np, acts, k) if a > 0]
     scores = [s for _, s in sorted(project_topk(layer, dense_vec, k=layer.feature_count))]
