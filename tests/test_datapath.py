@@ -290,12 +290,13 @@ def test_export_saev_writes_chunks_in_order_while_reading_the_next(tmp_path, rng
     """export-saev reads a chunk into one block while the other is converted and written: with chunks of one
     example, every shard is the same bytes as with one chunk per shard."""
     import lmprobe.saev as saev
+    import lmprobe.saev.export as saev_export
 
     write_dataset(tmp_path / "ds", rng, n=30, layers=(0, 1), dim=8, dtype=dtype, shard_size="256B",
                   storage="full_sequence", min_tokens=3)
     whole = saev.export_saev(tmp_path / "ds", tmp_path / "a", layers=[0, 1], context_len=4, quiet=True,
                              patches_per_shard=4 * 2 * 5)
-    monkeypatch.setattr(saev, "_CHUNK_BYTES", 1)  # one example a chunk: both blocks in turn, many writes a shard
+    monkeypatch.setattr(saev_export, "_CHUNK_BYTES", 1)  # one example a chunk: both blocks in turn, many writes a shard
     pieces = saev.export_saev(tmp_path / "ds", tmp_path / "b", layers=[0, 1], context_len=4, quiet=True,
                               patches_per_shard=4 * 2 * 5)
     names = sorted(p.name for p in whole.iterdir())

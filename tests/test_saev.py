@@ -121,7 +121,7 @@ def test_drop_first_token_and_layer_subset(tmp_path, source):
 def test_interrupted_export_resumes(tmp_path, source, monkeypatch):
     path, _ = source
     ref = export_saev(path, tmp_path / "ref", context_len=4, patches_per_shard=24, quiet=True)
-    import lmprobe.saev as saev_mod
+    import lmprobe.saev.export as saev_mod
 
     real, calls = saev_mod.os.replace, {"n": 0}
 
