@@ -8,7 +8,6 @@ before a file is touched. Statistics merge exactly (Chan's parallel algorithm).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -115,7 +114,7 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
     if (out / INDEX_PATH).exists() and not overwrite:
         raise OutputExistsError(f"{out} already holds a dataset; pass --overwrite to replace it")
     # what this merge is: a re-run of the same command over a killed merge's files finishes it
-    plan = {"sources": sources, "indexes": [_index_digest(d) for d in dss], "move": move}
+    plan = {"sources": sources, "indexes": [d.identity for d in dss], "move": move}
     marker = out / _MARKER
     if out.exists() and not (out / INDEX_PATH).exists() and any(not c.name.startswith(".lmprobe-")
                                                                  for c in out.iterdir()):
@@ -202,12 +201,6 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
                 pw.write_table(renumbered(k, ds, t))
     marker.unlink()
     return out
-
-
-def _index_digest(ds: Dataset) -> str:
-    """A part's identity and revision: its index's schema metadata (shard lists, sizes, checksums)."""
-    md = ds.schema.metadata or {}
-    return hashlib.sha256(json.dumps(sorted((k.hex(), v.hex()) for k, v in md.items())).encode()).hexdigest()
 
 
 def _read_marker(path: Path) -> Any:

@@ -14,6 +14,7 @@ documented internal API that lmprobe's other modules use (docs/architecture.md):
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections import OrderedDict
@@ -111,6 +112,17 @@ class Dataset:
     def source(self) -> str:
         """Where the dataset is read from, for messages (a folder, hf://..., s3://...)."""
         return str(self.files)
+
+    @cached_property
+    def identity(self) -> str:
+        """This dataset and revision, as 16 hex digits: a digest of the index's schema metadata (every shard's
+        name, size and checksum, the settings, the creation time). What a saved reader state, a merge in
+        progress or a partial feature cache is checked against."""
+        md = self.schema.metadata or {}
+        h = hashlib.sha256()
+        for k in sorted(md):
+            h.update(len(k).to_bytes(8, "little") + k + len(md[k]).to_bytes(8, "little") + md[k])
+        return h.hexdigest()[:16]
 
     @property
     def info(self) -> dict[str, Any]:

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_output, atomic_write
-from ..errors import InvalidArgumentError
+from ..display import escape_controls
+from ..errors import InvalidArgumentError, LmprobeError
 from ..format.reader import Dataset
 from ..html import esc, filter_box, histogram_chart, page, percent, table, tokens_html
 from ..lock import OutputLock
@@ -120,12 +121,21 @@ class FeatureCache:
         return {"values": self.values, "prompt": self.prompt, "token": self.token, "fired": self.fired,
                 "max_value": self.max_value, "hist": self.hist, "tokens_seen": np.array([self.tokens_seen], dtype=np.int64)}
 
-    def restore(self, t: dict[str, np.ndarray]) -> None:
+    def restore(self, t: dict[str, np.ndarray], tokens_seen: int) -> None:
+        """Take a checkpoint's state (untrusted: every array's dtype and shape is checked, and its token count
+        must be ``tokens_seen``, the tokens of the prompts before the checkpoint); ValueError if it is not."""
         for name in ("values", "prompt", "token", "fired", "max_value", "hist"):
-            if name not in t or t[name].shape != getattr(self, name).shape:
-                raise InvalidArgumentError("the partial feature cache does not match this run; pass overwrite=True")
+            want = getattr(self, name)
+            if name not in t or t[name].shape != want.shape or t[name].dtype != want.dtype:
+                raise ValueError(f"{name!r} is missing or not {want.dtype} {want.shape}")
+        seen = t.get("tokens_seen")
+        if seen is None or seen.shape != (1,) or seen.dtype != np.int64 or int(seen[0]) != tokens_seen:
+            raise ValueError(f"it counts {None if seen is None else seen.tolist()} tokens, not {tokens_seen}")
+        if (t["fired"] < 0).any() or (t["fired"] > tokens_seen).any() or (t["hist"] < 0).any():
+            raise ValueError("its counts are out of range")
+        for name in ("values", "prompt", "token", "fired", "max_value", "hist"):
             setattr(self, name, t[name].copy())
-        self.tokens_seen = int(t["tokens_seen"][0])
+        self.tokens_seen = tokens_seen
 
 
 def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: int, out: str | os.PathLike, *,
@@ -156,17 +166,15 @@ def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: 
                                    f"dataset stores {ds.hidden_desc(hookpoint).dim}")
     b = np.zeros(W.shape[0], np.float32) if weights.bias is None else np.asarray(weights.bias, dtype=np.float32)
     enc = _Encoder(W, b, weights.activation, weights.threshold)
-    settings = {"dataset": ds.source, "num_prompts": ds.num_prompts, "dictionary": dictionary,
+    settings = {"dataset": ds.source, "dataset_identity": ds.identity, "num_prompts": ds.num_prompts,
+                "dictionary": dictionary,
                 "sae_root": os.fspath(sae_root), "layer": layer, "hookpoint": hookpoint or ds.hookpoints[0], "top": top,
                 "features": int(W.shape[0]), "activation": weights.activation}
     out.mkdir(parents=True, exist_ok=True)
+    lengths = ds.token_lengths()
     with OutputLock(out):
-        if (out / MANIFEST_FILE).exists() and not overwrite:
-            done = read_json(out / MANIFEST_FILE, what="feature manifest")
-            if {k: done.get(k) for k in settings} != settings:
-                raise InvalidArgumentError(f"{out} holds a feature cache made with other settings; pass "
-                                           "overwrite=True (--overwrite) or choose another --out")
-        else:
+        t = _finished_cache(out, settings, lengths) if not overwrite else None
+        if t is None:
             cache = _compute(ds, enc, settings, out, layer, hookpoint, budget, checkpoint_tokens, overwrite, quiet)
             manifest = {**settings, "tokens": cache.tokens_seen, "file": CACHE_FILE,
                         "score": f"the feature's activation: W x + b of the dictionary's layer under its activation "
@@ -178,7 +186,7 @@ def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: 
             atomic_write(out / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")  # last: the cache is complete
             for name in (_PARTIAL, _PARTIAL_STATE):
                 (out / name).unlink(missing_ok=True)
-        t = load_file(out / CACHE_FILE)
+            t = load_file(out / CACHE_FILE)
         _browser(ds, enc, t, out, layer, hookpoint, settings, pages, load_tokenizer_for(ds, tokenizer), report_href)
     return out
 
@@ -194,6 +202,83 @@ class _Encoder:
         return activate(self.rule, x @ self.W.T + self.b, self.threshold)
 
 
+def _finished_cache(out: Path, settings: dict, lengths: np.ndarray) -> dict[str, np.ndarray] | None:
+    """The complete cache in ``out`` if it is this run's and whole (None: compute it); an error if it is
+    another run's. Cache and manifest are untrusted: a damaged one is said and computed again."""
+    if not (out / MANIFEST_FILE).exists():
+        return None
+    try:
+        done = read_json(out / MANIFEST_FILE, what="feature manifest")
+    except LmprobeError as exc:
+        return _again(f"{out / MANIFEST_FILE} is damaged ({exc})")
+    if not isinstance(done, dict) or "features" not in done:
+        return _again(f"{out / MANIFEST_FILE} is not a feature manifest")
+    if {k: done.get(k) for k in settings} != settings:
+        raise InvalidArgumentError(f"{out} holds a feature cache made with other settings; pass --overwrite "
+                                   "(overwrite=True) or choose another --out")
+    if done.get("tokens") != int(lengths.sum()):
+        return _again(f"{out / MANIFEST_FILE} counts {done.get('tokens')!r:.20} tokens, the dataset holds "
+                      f"{int(lengths.sum())}")
+    try:
+        t = load_file(out / CACHE_FILE)
+    except Exception as exc:  # noqa: BLE001 - unreadable for any reason: computed again
+        return _again(f"{out / CACHE_FILE} cannot be read ({type(exc).__name__})")
+    problem = _cache_problem(t, settings["features"], settings["top"], lengths)
+    return _again(f"{out / CACHE_FILE} is damaged: {problem}") if problem else t
+
+
+def _again(why: str) -> None:
+    print(f"lmprobe features: {escape_controls(why, keep_newlines=False)}; computing it again", file=sys.stderr)
+    return None
+
+
+def _cache_problem(t: dict, n_features: int, top: int, lengths: np.ndarray) -> str | None:
+    """What is wrong with a loaded feature cache (its tensors, dtypes, shapes and index ranges), or None."""
+    want = {"top_values": ("float32", (n_features, top)), "top_prompt": ("int64", (n_features, top)),
+            "top_token": ("int64", (n_features, top)), "frequency": ("float64", (n_features,)),
+            "max_value": ("float32", (n_features,)), "histogram": ("int64", (n_features, len(HIST_EDGES) - 1)),
+            "histogram_edges": ("float64", (len(HIST_EDGES),))}
+    for name, (dtype, shape) in want.items():
+        a = t.get(name)
+        if a is None or str(a.dtype) != dtype or a.shape != shape:
+            return f"{name!r} is missing or not {dtype} {list(shape)}"
+    prompt, token = t["top_prompt"], t["top_token"]
+    if (prompt < -1).any() or (prompt >= len(lengths)).any():
+        return "top_prompt names a prompt outside the dataset"
+    hit = prompt >= 0
+    if (token[~hit] != -1).any() or (token[hit] < 0).any() or (token[hit] >= lengths[prompt[hit]]).any():
+        return "top_token names a position outside its prompt"
+    if not np.array_equal(t["histogram_edges"], HIST_EDGES) or not ((t["frequency"] >= 0) & (t["frequency"] <= 1)).all():
+        return "its histogram edges or frequencies are out of range"
+    return None
+
+
+def _resume(cache: FeatureCache, out: Path, settings: dict, lengths: np.ndarray) -> int:
+    """The first prompt still to read after a checkpoint in ``out`` (its state restored into ``cache``), or 0:
+    a state of another run, or a damaged one, is said and the run starts over."""
+    try:
+        st = read_json(out / _PARTIAL_STATE, what="partial feature state")
+    except LmprobeError as exc:
+        return _over(f"{out / _PARTIAL_STATE} is damaged ({exc})")
+    if not isinstance(st, dict):
+        return _over(f"{out / _PARTIAL_STATE} is not a checkpoint state")
+    if st.get("settings") != settings:
+        return 0  # another run's checkpoint (other settings, another dataset): not this run's to resume
+    start = st.get("next_prompt")
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 < start < len(lengths):
+        return _over(f"{out / _PARTIAL_STATE}: next_prompt {start!r:.20} is not a prompt of the dataset")
+    try:
+        cache.restore(load_file(out / _PARTIAL), int(lengths[:start].sum()))
+    except Exception as exc:  # noqa: BLE001 - unreadable or inconsistent: start over
+        return _over(f"{out / _PARTIAL} does not match its state ({type(exc).__name__}: {exc})")
+    return start
+
+
+def _over(why: str) -> int:
+    print(f"lmprobe features: {escape_controls(why, keep_newlines=False)}; starting over", file=sys.stderr)
+    return 0
+
+
 def _compute(ds: Dataset, enc: _Encoder, settings: dict, out: Path, layer: int,
              hookpoint: str | None, budget: int, checkpoint_tokens: int, overwrite: bool, quiet: bool) -> FeatureCache:
     W = enc.W
@@ -201,15 +286,12 @@ def _compute(ds: Dataset, enc: _Encoder, settings: dict, out: Path, layer: int,
     cache = FeatureCache(n_features, settings["top"])
     start = 0
     state_path = out / _PARTIAL_STATE
+    lengths = ds.token_lengths()
     if state_path.exists() and not overwrite:
-        st = read_json(state_path, what="partial feature state")
-        if st.get("settings") == settings and (out / _PARTIAL).exists():
-            cache.restore(load_file(out / _PARTIAL))
-            start = int(st["next_prompt"])
+        start = _resume(cache, out, settings, lengths)
     # a batch's scores (tokens x features float32) and its vectors fit the budget
     per_token = 4 * (n_features + W.shape[1]) * 5  # scores, activations, a top-k rule's int64 selection
     batch_tokens = max(1, budget // per_token)
-    lengths = ds.token_lengths()
     from tqdm.auto import tqdm
 
     bar = tqdm(total=int(lengths.sum()), initial=int(lengths[:start].sum()), unit="tok", desc="features",

@@ -251,21 +251,13 @@ class ShardStream:
         e = self.engine
         return {
             # the settings a user passes first, then what they derive (a message names the first difference)
-            "dataset": self._dataset_id(), "sites": [[hp, layer] for hp, layer in self.sites],
+            "dataset": self.ds.identity, "sites": [[hp, layer] for hp, layer in self.sites],
             "seed": self.seed, "shuffle": self.shuffle, "rank": self.rank, "world_size": self.world_size,
             "batch_size": self.batch_size, "drop_last": self.drop_last, "skip_first_tokens": self.skip_first_tokens,
             "skip_special_tokens": None if self._special is None else sorted(set(self._special.tolist())),
             "max_norm_ratio": self.max_norm_ratio, "normalize": self.normalize,
             "memory": e.pool_rows, "block_rows": e.block_rows, "cache": self.resident,
         }
-
-    def _dataset_id(self) -> str:
-        """The dataset's identity and revision: a digest of its index's metadata (shard names, sizes, checksums)."""
-        md = self.ds.schema.metadata or {}
-        h = hashlib.sha256()
-        for k in sorted(md):
-            h.update(len(k).to_bytes(8, "little") + k + len(md[k]).to_bytes(8, "little") + md[k])
-        return h.hexdigest()[:16]
 
     def state_dict(self) -> dict:
         """Where the current pass stands: give it to ``load_state_dict`` to continue exactly from here.
