@@ -151,3 +151,71 @@ def test_the_bucket_not_a_local_leftover_decides_whether_the_output_exists(s3, l
     fs.rm(url, recursive=True)
     ds = lmprobe.extract(str(llama_dir), PROMPTS, out=url, layers="1", quiet=True)
     assert ds.layers == [1]
+
+
+def _interrupted(llama_dir, url, monkeypatch, after=3, **kw):
+    """An extraction to ``url`` stopped (as by kill -9, the writer never closing) after ``after`` batches."""
+    from lmprobe.extraction import backend_hf
+
+    real, calls = backend_hf.TransformersBackend.run, {"n": 0}
+
+    def dying(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > after:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(backend_hf.TransformersBackend, "run", dying)
+    with pytest.raises(KeyboardInterrupt):
+        lmprobe.extract(str(llama_dir), PROMPTS, out=url, layers="0", shard_size="256B", batch_size=2,
+                        checkpoint_interval=0, quiet=True, **kw)
+    monkeypatch.setattr(backend_hf.TransformersBackend, "run", real)
+
+
+def test_a_resumed_run_whose_bucket_lost_uploaded_shards_is_an_error_not_a_broken_dataset(s3, llama_dir, monkeypatch,
+                                                                                          capsys, tmp_path):
+    """The interrupted-operation matrix (issue 27): kill, wipe the prefix, re-run: exit 0 and 3 shards missing."""
+    from lmprobe.cli import main as cli_main
+
+    url = f"s3://acts/wiped-{uuid.uuid4().hex[:6]}"
+    _s3fs()
+    _interrupted(llama_dir, url, monkeypatch)
+    fs = _s3fs()
+    assert fs.find(url)  # shards went up before the stop
+    fs.rm(url, recursive=True)
+    _s3fs()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    args = ["extract", "--model", str(llama_dir), "--prompts", str(prompts), "--out", url,
+            "--layers", "0", "--shard-size", "256B", "--batch-size", "2", "--quiet"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--overwrite" in err[0] and "missing" in err[0], err
+    from lmprobe.errors import DatasetNotFoundError
+
+    with pytest.raises(DatasetNotFoundError):
+        lmprobe.load(url)  # no index: never a dataset with holes
+    assert cli_main([*args, "--overwrite"]) == 0
+    ds = lmprobe.load(url)
+    keys = {k.split("/", 2)[2] for k in _s3fs().find(url)}
+    assert ds.num_prompts == len(PROMPTS) and {f.rel for f in ds.meta.files()} <= keys
+
+
+def test_an_overwrite_over_a_stale_partial_staging_folder_starts_clean(s3, llama_dir, monkeypatch):
+    """The matrix: kill, the prefix finished elsewhere with other settings, then --overwrite: a traceback."""
+    import time
+
+    from lmprobe.storage import objectstore
+
+    url = f"s3://acts/stale-{uuid.uuid4().hex[:6]}"
+    _s3fs()
+    _interrupted(llama_dir, url, monkeypatch)
+    _s3fs()
+    real_put = objectstore.UploadSink.put
+    monkeypatch.setattr(objectstore.UploadSink, "put", lambda self, rel: time.sleep(0.2) or real_put(self, rel))
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out=url, layers="0,1", shard_size="512B", batch_size=3,
+                         overwrite=True, quiet=True)
+    ref = lmprobe.extract(str(llama_dir), PROMPTS, out=url.replace("stale", "ref"), layers="0,1",
+                          shard_size="512B", batch_size=3, quiet=True)
+    for layer in (0, 1):
+        np.testing.assert_array_equal(ds.hidden(layer), ref.hidden(layer))

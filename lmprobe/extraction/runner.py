@@ -261,6 +261,17 @@ def _settings_dict(ds: Dataset) -> dict:
     return recorded if isinstance(recorded, dict) else {}
 
 
+def _check_uploaded(local: Path, sink: UploadSink, url: str) -> None:
+    """Before the index goes up: every data file it names is in the bucket. Files an interrupted run uploaded
+    (and deleted here) may have gone since; an index over them would be a dataset with holes."""
+    there = sink.listing()
+    missing = [f.rel for f in open_local(local).meta.files() if f.rel not in there]
+    if missing:
+        raise ExtractionError(f"{url} is missing {len(missing)} data file(s) that an earlier, interrupted run "
+                              f"uploaded ({missing[0]}{', ...' if len(missing) > 1 else ''}); the bucket changed "
+                              "since: re-run with --overwrite to extract again")
+
+
 def _extract_to_object_store(job: _Job, url: str) -> Dataset:
     """Extract into a local staging folder while a background thread uploads finished shards to ``url``."""
     cfg = job.config
@@ -284,13 +295,15 @@ def _extract_to_object_store(job: _Job, url: str) -> Dataset:
         # the old index goes before any new shard does: an interrupted overwrite leaves no complete-looking
         # dataset of old texts over new vectors
         sink.remove(INDEX_PATH)
-    sink.submit_existing()  # shards an interrupted run finished but may not have uploaded
+    else:
+        sink.submit_existing()  # shards an interrupted run finished but may not have uploaded (not when starting over)
     try:
         _extract_to(job, local, on_file_complete=sink.submit, reopen=False)
     except BaseException:
         sink.abort()
         raise
     sink.finish()
+    _check_uploaded(local, sink, url)
     for rel in (CARD_PATH, INDEX_PATH):  # the index last: the bucket shows a dataset only once it is complete
         if (local / rel).exists():
             sink.put(rel)

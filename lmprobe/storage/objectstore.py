@@ -111,6 +111,13 @@ class UploadSink:
         except FileNotFoundError:
             pass
 
+    def listing(self) -> set[str]:
+        """Every object under the URL, as paths relative to it."""
+        self.fs.invalidate_cache(self.root)  # fsspec caches listings: this one must be the bucket's now
+        found = _call(f"listing {self.url}", lambda: self.fs.find(self.root), self.policy) or []
+        prefix = self.root.rstrip("/") + "/"
+        return {k[len(prefix):] for k in found if k.startswith(prefix)}
+
     def submit_existing(self) -> None:
         """Queue the finished shard files a previous, interrupted run left behind."""
         tensors = self.local / "tensors"
