@@ -322,3 +322,24 @@ def test_a_killed_run_resumes_with_a_lower_budget_and_names_other_changes(llama_
     assert cli_main(args) == 2
     line = capsys.readouterr().err.strip()
     assert "max_tokens: 60 -> 50" in line and "--overwrite" in line and len(line) < 400, line
+
+
+def test_a_hub_corpus_whose_column_type_changes_between_files_is_one_line(hub, llama_dir, tmp_path, capsys):
+    """The interrupted-operation matrix (issue 27): a second parquet file with input_ids as strings gave a
+    65-line traceback from inside the `datasets` stream."""
+    from huggingface_hub import HfApi
+
+    repo = f"tester/mixed-{uuid.uuid4().hex[:8]}"
+    api = HfApi()
+    api.create_repo(repo, repo_type="dataset")
+    capsys.readouterr()
+    for k, ids in enumerate(([[5, 6, 7, 8]] * 20, [["a", "b"]] * 20)):
+        local = tmp_path / f"part{k}.parquet"
+        pq.write_table(pa.table({"input_ids": ids}), local)
+        api.upload_file(path_or_fileobj=str(local), path_in_repo=f"data/train-0000{k}-of-00002.parquet", repo_id=repo,
+                        repo_type="dataset")
+    rc = cli_main(["extract", "--model", str(llama_dir), "--prompts", f"hf://datasets/{repo}", "--out",
+                   str(tmp_path / "out"), "--context-len", "8", "--max-tokens", "1k", "--layers", "1", "--storage",
+                   "full_sequence", "--quiet"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lmprobe extract")]
+    assert rc == 2 and len(err) == 1 and "record 20" in err[0] and "cannot be read" in err[0], err

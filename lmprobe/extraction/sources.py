@@ -242,8 +242,18 @@ class HubDatasetSource(Source):
         stream = self._stream()
         if start:
             stream = stream.skip(start)
-        for i, values in enumerate(stream, start=start):
+        rows, i = iter(stream), start
+        while True:
+            try:
+                values = next(rows)
+            except StopIteration:
+                return
+            except Exception as exc:  # noqa: BLE001 - raised inside the `datasets` stream, reading its files
+                text = " ".join(str(exc).split())[:200]
+                raise PromptError(f"{self.description}: record {i} cannot be read ({type(exc).__name__}: {text}); a "
+                                  "later data file's columns may differ in type from the first one's") from None
             yield Record(i, self.description, f"record {i}", dict(values))
+            i += 1
 
 
 def open_source(spec: Any, *, text_column: str = "text", config: str | None = None, split: str = "train",
