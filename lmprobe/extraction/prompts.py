@@ -133,7 +133,8 @@ def check_token_ids(ids: Any, r: Record, vocab_size: int | None = None) -> list[
     lo, hi = min(ids), max(ids)
     if lo < 0 or (vocab_size is not None and hi >= vocab_size):
         bad = lo if lo < 0 else hi
-        raise PromptError(f"{r.where}: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1 if vocab_size else '?'}); "
+        where = f"0..{vocab_size - 1}" if vocab_size else "ids are 0 or more"
+        raise PromptError(f"{r.where}: token id {bad} is outside the model's vocabulary ({where}); "
                           "were these ids made with another tokenizer?")
     return ids
 
