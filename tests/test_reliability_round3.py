@@ -433,3 +433,37 @@ def test_a_partial_feature_state_over_a_rewritten_dataset_starts_over(feature_se
     fresh = lmprobe.features(ds, root / "sae", "d", 1, tmp_path / "fresh", top=3, quiet=True)
     lmprobe.features(ds, root / "sae", "d", 1, out, top=3, quiet=True)
     _same_cache(fresh, out)
+
+
+def test_a_remote_output_killed_while_its_last_shards_upload_finishes_on_the_same_command(tmp_path, rng, monkeypatch):
+    """The matrix, run again after the fix above: killed after 60-230 of ~250 objects, the re-run still said
+    "shard ... is missing": the sequence shards go up as the writer finishes, are deleted here once uploaded,
+    and the resumed finish looked for them here."""
+    from lmprobe.format import DatasetWriter, writer
+
+    out = tmp_path / "staging"
+    uploaded = []
+
+    def upload_and_delete(rel):
+        uploaded.append(rel)
+        (out / rel).unlink()
+
+    kw = dict(layers=[0], dim=4, model_name="m", storage="full_sequence", shard_size="256B",
+              on_file_complete=upload_and_delete)
+    w = DatasetWriter(out, **kw)
+    for b in range(4):
+        w.add_batch(texts=[f"t{b}{i}" for i in range(5)], num_tokens=np.full(5, 4),
+                    hidden={0: rng.normal(size=(20, 4)).astype(np.float32)})
+    real = writer.index.write_index
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # after the shards went up, before the index: as kill -9 there
+
+    monkeypatch.setattr(writer.index, "write_index", killed)
+    with pytest.raises(KeyboardInterrupt):
+        w.close()
+    w.abort()
+    assert any("shard" in r for r in uploaded)
+    monkeypatch.setattr(writer.index, "write_index", real)
+    DatasetWriter(out, **kw).close()  # raised FormatError "shard ... is missing" before the fix
+    assert (out / INDEX).exists()

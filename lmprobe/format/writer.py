@@ -332,8 +332,8 @@ class DatasetWriter:
         if self._stats and stats_file:
             self._stats = load_accumulators(self.staging.path / stats_file, list(self.spec.sites))
             self._stats_checkpoint = int(stats_file.split("-")[1].split(".")[0])
+        self._rehash_closed()  # opened before they are published: a published file may leave the machine
         self._publish_closed()
-        self._rehash_closed()
 
     # ------------------------------------------------------------------ adding data
 
@@ -556,7 +556,9 @@ class DatasetWriter:
             move_into_place(src, self.out_dir / rel)
             if self.on_file_complete is not None:
                 self.on_file_complete(rel)
-        elif required and not (self.out_dir / rel).exists():
+        elif required and not (self.out_dir / rel).exists() and self.on_file_complete is None:
+            # (with on_file_complete, a shard that is nowhere here was handed over and has left the machine: an
+            # upload deletes it once it is up, and the uploader checks the bucket before the index goes up)
             raise FormatError(f"shard {self.out_dir / rel} is missing; the partial output is damaged, pass overwrite=True")
 
     def _publish_closed(self) -> None:
