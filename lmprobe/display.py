@@ -11,6 +11,12 @@ import re
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
+def one_line(text: object) -> str:
+    """``str(text)`` on one line, its runs of whitespace (newlines included) made one space: for a third
+    party's message inside lmprobe's one-line errors (transformers' and datasets' messages hold newlines)."""
+    return " ".join(str(text).split())
+
+
 def escape_controls(text: object, *, keep_newlines: bool = True) -> str:
     """``str(text)`` with control characters (and bidi overrides) written as escapes, e.g. ``\\x1b``."""
     s = str(text)

@@ -71,8 +71,3 @@ def hub_access(repo_id: str, revision: str | None, what: str) -> dict[str, Any]:
                          "and it is not in the local cache; check the network (or HF_ENDPOINT), or pass a local "
                          "folder") from None
     return {}
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception's message on one line (transformers' messages hold newlines)."""
-    return " ".join(str(exc).split())

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..display import one_line
 from ..errors import ModelError
 from ..format.values import torch_dtype
 from ..hashing import sha256_file
-from ..tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access, one_line
+from ..tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access
 
 # Where the decoder blocks live, by architecture family. The first path that exists wins.
 BLOCK_PATHS = (

@@ -251,13 +251,10 @@ def run(cfg: ExtractionConfig) -> Dataset:
                               "command again: it resumes from its last checkpoint") from exc
 
 
-def _recorded_settings(ds: Dataset) -> Any:
+def _recorded_settings(ds: Dataset) -> dict:
+    """The extraction settings a dataset records ({} when it records none)."""
     extraction = ds.info.get("extraction")
-    return extraction.get("settings") if isinstance(extraction, dict) else None
-
-
-def _settings_dict(ds: Dataset) -> dict:
-    recorded = _recorded_settings(ds)
+    recorded = extraction.get("settings") if isinstance(extraction, dict) else None
     return recorded if isinstance(recorded, dict) else {}
 
 
@@ -323,7 +320,7 @@ def _extract_to(job: _Job, out: Path, *, on_file_complete: Any = None, reopen: b
             return ds
         raise OutputExistsError(
             f"{out} already holds a dataset made with other settings "
-            f"({describe_mismatch(_settings_dict(ds), settings)}); pass --overwrite to replace it, "
+            f"({describe_mismatch(_recorded_settings(ds), settings)}); pass --overwrite to replace it, "
             "or choose another --out"
         )
     writer = DatasetWriter(

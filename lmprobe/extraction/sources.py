@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..display import one_line
 from ..errors import PromptError
 from ..format.values import is_null
 from ..safeio import loads
@@ -249,7 +250,7 @@ class HubDatasetSource(Source):
             except StopIteration:
                 return
             except Exception as exc:  # noqa: BLE001 - raised inside the `datasets` stream, reading its files
-                text = " ".join(str(exc).split())[:200]
+                text = one_line(exc)[:200]
                 raise PromptError(f"{self.description}: record {i} cannot be read ({type(exc).__name__}: {text}); a "
                                   "later data file's columns may differ in type from the first one's") from None
             yield Record(i, self.description, f"record {i}", dict(values))

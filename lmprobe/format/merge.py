@@ -23,6 +23,7 @@ from ..atomic import atomic_output, atomic_write, move_into_place
 from ..errors import FormatError, InvalidArgumentError, OutputExistsError
 from ..lock import OutputLock
 from ..paths import check_output_path, format_relpath
+from ..safeio import read_json
 from . import card
 from .files import LocalFiles
 from .metadata import encode_schema_metadata
@@ -205,11 +206,9 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
 
 def _read_marker(path: Path) -> Any:
     """The recorded plan of an interrupted merge (None when unreadable: then it is not this merge's)."""
-    if path.is_symlink() or path.stat().st_size > 1 << 20:
-        return None
     try:
-        return json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
+        return read_json(path, what="merge marker")
+    except FormatError:
         return None
 
 

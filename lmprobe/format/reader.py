@@ -46,6 +46,11 @@ RowsArg = None | int | slice | Iterable[int] | np.ndarray
 _PIECE_VALUES = 1 << 23
 
 
+def _consecutive(positions: np.ndarray) -> bool:
+    """Output positions that are one ascending run (rows read straight into a slice of the output)."""
+    return len(positions) == 1 or bool(np.all(np.diff(positions) == 1))
+
+
 def find_index(root: Path) -> Path:
     """The index file of a local dataset folder (the standard name, or the single parquet file in index/).
 
@@ -465,7 +470,7 @@ class Dataset:
         for group, path, entry in groups:
             offs = offsets[group]
             lo, hi = int(group[0]), int(group[-1])
-            if hi - lo + 1 == len(group) and (len(group) == 1 or bool(np.all(np.diff(group) == 1))):
+            if _consecutive(group):
                 read_rows_into(path, entry, offs, out[lo : hi + 1])
             else:
                 tmp = np.empty((len(group), *out.shape[1:]), dtype=out.dtype)
@@ -495,7 +500,7 @@ class Dataset:
                 if pending is not None:
                     pending.result()
                 lo, hi = int(g[0]), int(g[-1])
-                if hi - lo + 1 == len(g) and (len(g) == 1 or bool(np.all(np.diff(g) == 1))):
+                if _consecutive(g):
                     pending = bfloat16_to_float32_later(bits, out[lo : hi + 1])
                 else:
                     pending = None

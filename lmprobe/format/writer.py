@@ -278,9 +278,9 @@ class DatasetWriter:
 
     def _restore(self, st: dict) -> None:
         old = st.get("fingerprint")
-        old = old if isinstance(old, dict) else {}
-        if self._comparable(old) != self._comparable(self.fingerprint):
-            details = describe_mismatch(self._comparable(old), self._comparable(self.fingerprint))
+        old, new = self._comparable(old if isinstance(old, dict) else {}), self._comparable(self.fingerprint)
+        if old != new:
+            details = describe_mismatch(old, new)
             raise ResumeMismatchError(
                 f"{self.out_dir} holds a partial dataset written with other settings ({details}); re-run with the "
                 "original settings to resume, or pass --overwrite (overwrite=True in Python) to start over"

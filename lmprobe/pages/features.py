@@ -175,7 +175,8 @@ def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: 
     with OutputLock(out):
         t = _finished_cache(out, settings, lengths) if not overwrite else None
         if t is None:
-            cache = _compute(ds, enc, settings, out, layer, hookpoint, budget, checkpoint_tokens, overwrite, quiet)
+            cache = _compute(ds, enc, settings, out, layer, hookpoint, budget, checkpoint_tokens, overwrite, quiet,
+                             lengths)
             manifest = {**settings, "tokens": cache.tokens_seen, "file": CACHE_FILE,
                         "score": f"the feature's activation: W x + b of the dictionary's layer under its activation "
                                  f"rule, {describe(weights.activation)}; fires when > 0",
@@ -279,14 +280,13 @@ def _over(why: str) -> int:
     return 0
 
 
-def _compute(ds: Dataset, enc: _Encoder, settings: dict, out: Path, layer: int,
-             hookpoint: str | None, budget: int, checkpoint_tokens: int, overwrite: bool, quiet: bool) -> FeatureCache:
+def _compute(ds: Dataset, enc: _Encoder, settings: dict, out: Path, layer: int, hookpoint: str | None, budget: int,
+             checkpoint_tokens: int, overwrite: bool, quiet: bool, lengths: np.ndarray) -> FeatureCache:
     W = enc.W
     n_features = W.shape[0]
     cache = FeatureCache(n_features, settings["top"])
     start = 0
     state_path = out / _PARTIAL_STATE
-    lengths = ds.token_lengths()
     if state_path.exists() and not overwrite:
         start = _resume(cache, out, settings, lengths)
     # a batch's scores (tokens x features float32) and its vectors fit the budget

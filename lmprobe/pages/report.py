@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write
+from ..display import one_line
 from ..errors import FormatError, InvalidArgumentError, ModelError
 from ..extraction.model import resolve_model_path
 from ..format.reader import Dataset
@@ -25,7 +26,7 @@ from ..html import bar_chart, esc, line_chart, page, table
 from ..opening import load
 from ..paths import check_output_path
 from ..probe import sweep
-from ..tokenizer import hub_access, one_line
+from ..tokenizer import hub_access
 
 __all__ = ["load_tokenizer_for", "report"]
 

@@ -209,7 +209,8 @@ def export_sae(
     if given is not None and recorded is not None and given != recorded:
         raise DictionaryError(f"the save records activation {describe(recorded)}; --activation {describe(given)} "
                               "contradicts it (leave --activation out for a SAELens or sparsify save)")
-    source_info["activation"] = check_rule(given or recorded or dict(RELU), W.shape[0], "the activation rule")
+    if recorded is None:  # a save's own rule was checked as it was read
+        source_info["activation"] = check_rule(given or dict(RELU), W.shape[0], "the activation rule")
     data, indices, indptr, mass = sparsify(W, threshold=threshold, topk_per_feature=topk_per_feature)
     ddir = check_output_path(Path(root) / dictionary, "dictionary")
     with OutputLock(ddir):

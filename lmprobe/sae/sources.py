@@ -34,7 +34,7 @@ from ..format.safetensors_io import read_header
 from ..format.spec import DTYPES
 from ..format.values import bfloat16_bits_to_float32
 from ..safeio import read_json
-from .activation import check_rule
+from .activation import RELU, check_rule
 
 SAELENS_WEIGHTS = "sae_weights.safetensors"
 SPARSIFY_WEIGHTS = "sae.safetensors"
@@ -204,7 +204,7 @@ def _read_saelens(folder: Path) -> EncoderWeights:
         raise DictionaryError(f"{folder}: a batchtopk SAE saved without its topk_threshold has no inference rule; "
                               "save it for inference (SAELens converts it to JumpReLU)")
     else:
-        info["activation"] = {"rule": "relu"}
+        info["activation"] = dict(RELU)
     if norm != "none":
         info["input_normalisation_folded"] = norm
     hook = (cfg.get("metadata") or {}).get("hook_name") or cfg.get("hook_name") or cfg.get("hook_point")
