@@ -228,6 +228,36 @@ def test_stream_yields_bfloat16_as_stored_and_float32_converted(tmp_path, rng):
     assert s16.engine.pool_rows > ShardStream(tmp_path / "ds", 1, 64, memory="256KiB").engine.pool_rows
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stream_recycles_its_pools_and_the_batches_kept_stay_intact(tmp_path, rng, monkeypatch, dtype):
+    """A pass reads its windows into two pool buffers in turn (a new buffer costs as much as the read: its pages
+    fault in), while every batch the caller keeps holds its own rows: all stored vectors, each once."""
+    from lmprobe.stream.engine import Engine
+
+    src = write_dataset(tmp_path / "ds", rng, n=400, layers=(0,), dim=16, dtype=dtype, shard_size="2KiB")
+    stored = src["hidden"][0]
+    if dtype == "bfloat16":
+        stored = _shift_formula(float32_to_bfloat16_bits(stored))
+    buffers = []
+    gather = Engine.gather
+
+    def recording(self, *args, **kwargs):
+        pool = gather(self, *args, **kwargs)
+        buffers.append(pool.base if pool.base is not None else pool)  # kept alive: identities stay distinct
+        return pool
+
+    monkeypatch.setattr(Engine, "gather", recording)
+    stream = ShardStream(tmp_path / "ds", 0, 16, seed=2, memory="8KiB")
+    kept = list(stream)  # every batch held until the end of the pass
+    windows = stream.engine.windows(*stream.engine.blocks(0))
+    assert len(windows) >= 6
+    assert len({id(b) for b in buffers}) <= 3  # the first window's, and two in turn (not one per window)
+    got = np.concatenate(kept)
+    assert sorted(map(bytes, got)) == sorted(map(bytes, stored.astype(np.float32)))
+    again = np.concatenate(list(ShardStream(tmp_path / "ds", 0, 16, seed=2, memory="8KiB")))
+    np.testing.assert_array_equal(again, got)  # the same pass again: same batches in the same order
+
+
 def test_stream_bfloat16_with_normalisation_and_several_sites(tmp_path, rng):
     write_dataset(tmp_path / "ds", rng, n=120, layers=(0, 1), dim=16, dtype="bfloat16", statistics=True)
     f32 = np.concatenate(list(ShardStream(tmp_path / "ds", batch_size=32, layers=[0, 1], seed=1,

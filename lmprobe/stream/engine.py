@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -126,6 +127,7 @@ class Engine:
         self._set_block_rows()
         self.dropped_by_norm = 0
         self.row_base = np.concatenate([[0], np.cumsum(source.shard_rows)]).astype(np.int64)
+        self._free_pools: list[np.ndarray] = []  # pool buffers done with, for the next windows of a pass
         #: shards resident at a time (a remote source): a pass takes the shards in a random order, this many
         #: at a time, and shuffles the blocks of each group together; None: every block of the dataset together
         self.resident: int | None = None
@@ -206,11 +208,26 @@ class Engine:
         rows = np.repeat(start, n) + (np.arange(int(n.sum())) - first)
         return np.repeat(shard, n), rows
 
-    def gather(self, shard: np.ndarray, rows: np.ndarray, lead: int = 0) -> np.ndarray:
-        """Rows ``rows[i]`` of shards ``shard[i]`` (sorted by shard) into a (lead + n, n_sites, dim) pool."""
+    def gather(self, shard: np.ndarray, rows: np.ndarray, lead: int = 0, buffer: np.ndarray | None = None,
+               threads: int = 1) -> np.ndarray:
+        """Rows ``rows[i]`` of shards ``shard[i]`` (sorted by shard) into a (lead + n, n_sites, dim) pool: the
+        first rows of ``buffer`` when given (a recycled pool), else a new array. ``threads=2`` reads the
+        second half of the rows on a second thread (the first window of a pass: nothing else runs yet)."""
         src = self.source
-        pool = np.empty((lead + len(rows), src.n_sites, src.dim), dtype=self.storage)
-        at = lead
+        shape = (lead + len(rows), src.n_sites, src.dim)
+        pool = buffer[: shape[0]] if buffer is not None else np.empty(shape, dtype=self.storage)
+        if threads > 1 and len(rows) >= 2 * self.block_rows:
+            half = len(rows) // 2
+            with ThreadPoolExecutor(1, thread_name_prefix="lmprobe-reader") as helper:
+                second = helper.submit(self._fill, pool, lead + half, shard[half:], rows[half:])
+                self._fill(pool, lead, shard[:half], rows[:half])
+                second.result()
+        else:
+            self._fill(pool, lead, shard, rows)
+        return pool
+
+    def _fill(self, pool: np.ndarray, at: int, shard: np.ndarray, rows: np.ndarray) -> None:
+        src = self.source
         scratch = None
         for s, seg in segments(shard):
             r = rows[seg]
@@ -223,13 +240,31 @@ class Engine:
                     src.read_rows(s, r, site, scratch[: len(r)])
                     pool[at : at + len(r), site] = scratch[: len(r)]
             at += len(r)
-        return pool
 
-    def _read_window(self, blocks: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """(pool (lead + rows, n_sites, dim) as stored, global row ids) of a window's kept rows.
+    def _pool_buffer(self, rows: int) -> np.ndarray | None:
+        """A pool buffer the last windows of this pass have finished with, if one holds ``rows`` rows."""
+        while self._free_pools:
+            try:
+                buf = self._free_pools.pop()
+            except IndexError:  # taken by another pass of the same engine
+                return None
+            if len(buf) >= rows:
+                return buf
+        return None
+
+    @property
+    def pool_capacity(self) -> int:
+        """Rows of a pool buffer: the carried batch and the largest window (a block never splits)."""
+        return self.batch_size + max(self.pool_rows, self.block_rows)
+
+    def _read_window(self, blocks: tuple[np.ndarray, np.ndarray], threads: int = 1
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(pool (lead + rows, n_sites, dim) as stored, global row ids, its buffer) of a window's kept rows.
 
         The pool's first ``batch_size`` rows are left free for the rows the previous window carries
-        over, so that joining them costs no copy of the window.
+        over, so that joining them costs no copy of the window. Pools are the first rows of buffers
+        of ``pool_capacity`` rows, recycled from window to window within a pass: a new buffer's pages
+        fault in as they are first written, which cost as much as the reads themselves.
         """
         shard, rows = self._rows(*blocks)
         used = np.unique(shard).tolist()
@@ -242,7 +277,11 @@ class Engine:
                     ok[seg] = m[rows[seg]]
             shard, rows = shard[ok], rows[ok]
         lead = self.batch_size
-        pool = self.gather(shard, rows, lead)
+        n = lead + len(rows)
+        buffer = self._pool_buffer(n)
+        if buffer is None and n <= self.pool_capacity:
+            buffer = np.empty((self.pool_capacity, self.source.n_sites, self.source.dim), dtype=self.storage)
+        pool = self.gather(shard, rows, lead, buffer, threads)
         self.source.done(used)
         ids = np.empty(len(pool), dtype=np.int64)
         ids[lead:] = self.row_base[shard] + rows
@@ -253,7 +292,7 @@ class Engine:
                 self.dropped_by_norm += int((~fine).sum())
                 keep = np.concatenate([np.ones(lead, dtype=bool), fine])
                 pool, ids = pool[keep], ids[keep]
-        return pool, ids
+        return pool, ids, buffer
 
     def to_float32(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Pool rows (as stored) as float32."""
@@ -305,10 +344,12 @@ class Engine:
         carry = self.read_ids(carry_ids)
         plans = [(shard[w], start[w]) for w in windows[w0:]]
         self.source.plan([np.unique(s) for s, _ in plans], share=worker[1])
-        reads = prefetched(self._read_window, plans, depth=1, name="lmprobe-reader")
+        # the first window is read on two threads: the pass waits for it, and nothing else runs yet
+        reads = prefetched(lambda p: self._read_window(p[:2], threads=p[2]),
+                           [(*p, 2 if i == 0 else 1) for i, p in enumerate(plans)], depth=1, name="lmprobe-reader")
         bs = lead = self.batch_size
         try:
-            for w, (pool, pool_ids) in enumerate(reads, start=w0):
+            for w, (pool, pool_ids, buffer) in enumerate(reads, start=w0):
                 if on_window is not None:
                     on_window(w, carry_ids)
                 c = len(carry)  # the carried rows go just before the window's, in the room left for them
@@ -327,6 +368,9 @@ class Engine:
                 rest = order[n_full:]
                 carry, carry_ids = pool[rest], pool_ids[rest]
                 del pool, pool_ids
+                if buffer is not None and len(self._free_pools) < 2:
+                    self._free_pools.append(buffer)  # its rows are served (batches and the carry are copies)
+                del buffer
             if len(carry) and not self.drop_last:
                 if on_window is not None:
                     on_window(len(windows), carry_ids)
@@ -335,6 +379,7 @@ class Engine:
         finally:
             reads.close()
             self.source.cancel()
+            self._free_pools.clear()  # the memory goes back between passes
 
     def _finish(self, pool: np.ndarray, idx: np.ndarray) -> Any:
         """The batch of pool rows ``idx``: one gather, converted on the way; transformed; squeezed."""
