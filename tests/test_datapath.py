@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -337,3 +338,39 @@ def test_export_saev_writes_chunks_in_order_while_reading_the_next(tmp_path, rng
     ds = lmprobe.load(tmp_path / "ds")
     tokens = np.concatenate([ds.token_hidden(i, 0) for i in range(3)])  # windows run across prompts
     np.testing.assert_array_equal(vectors[0, 0], tokens[:4])
+
+
+def test_export_saev_converts_a_bfloat16_chunk_while_the_previous_one_is_written(tmp_path, rng, monkeypatch):
+    """The conversion of chunk k does not wait for the write of chunk k - 1: it starts as soon as k is read."""
+    import lmprobe.saev as saev
+    import lmprobe.saev.export as saev_export
+
+    write_dataset(tmp_path / "ds", rng, n=12, layers=(0,), dim=8, dtype="bfloat16", storage="full_sequence",
+                  min_tokens=4)
+    monkeypatch.setattr(saev_export, "_CHUNK_BYTES", 1)  # one example a chunk
+    events, first_write_going, lock = [], threading.Event(), threading.Lock()
+    convert, write = saev_export.bfloat16_to_float32_later, saev_export._write_chunk
+
+    def logged_convert(bits, out):
+        with lock:
+            events.append("convert")
+        return convert(bits, out)
+
+    def slow_write(f, block, conversion, n):
+        with lock:
+            events.append("write start")
+        first_write_going.set()
+        time.sleep(0.1)  # a slow disk: the next chunk is read and converted meanwhile
+        write(f, block, conversion, n)
+        with lock:
+            events.append("write end")
+
+    monkeypatch.setattr(saev_export, "bfloat16_to_float32_later", logged_convert)
+    monkeypatch.setattr(saev_export, "_write_chunk", slow_write)
+    out = saev.export_saev(tmp_path / "ds", tmp_path / "s", layers=[0], context_len=4, quiet=True)
+    assert first_write_going.is_set()
+    # the second chunk's conversion comes before the first chunk's write ends
+    assert events.index("write end") > [i for i, e in enumerate(events) if e == "convert"][1], events
+    want = np.concatenate([lmprobe.load(tmp_path / "ds").token_hidden(i, 0) for i in range(12)])
+    got = np.fromfile(out / "acts000000.bin", dtype=np.float32).reshape(-1, 8)
+    np.testing.assert_array_equal(got[: len(want) // 4 * 4], want[: len(want) // 4 * 4])

@@ -18,7 +18,7 @@ from ..atomic import atomic_output, atomic_write, move_into_place
 from ..errors import SaevError
 from ..format.reader import Dataset
 from ..format.spec import DTYPES
-from ..format.values import bfloat16_bits_to_float32
+from ..format.values import bfloat16_bits_to_float32, bfloat16_to_float32_later
 from ..lock import OutputLock
 from ..opening import load
 from ..paths import check_output_path
@@ -282,7 +282,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     bar = tqdm(total=plan.n_ex, unit="ex", desc="export-saev", disable=quiet)
     shards_json = []
     shape = (min(ex_chunk, max(plan.shard_sizes)), L, T, D)
-    # two blocks: one is filled while the other is converted and written on the writer thread
+    # two blocks: one is filled while the other is converted (converter threads) and written (the writer thread)
     blocks = [(np.empty(shape, dtype="<f4"), np.empty(shape, dtype=np.uint16) if direct and h.dtype == "bfloat16"
                else None) for _ in range(2)]
     try:
@@ -316,8 +316,9 @@ def _write_shards(plan, partial, L, T, D, ex_chunk, blocks, run_start, run_len, 
     """Write every shard not finished by an earlier run: acts*.bin.tmp, then renamed.
 
     ``blocks``: two (float32 block, raw bits or None) pairs. A chunk is read into one while the
-    other is converted (a bfloat16 source read directly: its raw bits, once per chunk) and written
-    on the writer thread, so reading overlaps writing. ``pad_to``: zero-pad each shard to this many
+    other is written on the writer thread, so reading overlaps writing; a bfloat16 source's chunk
+    (read as raw bits) is converted on the converter threads as soon as it is read, while the
+    writer still writes the chunk before it. ``pad_to``: zero-pad each shard to this many
     examples (saev's loaders map every shard at full size).
     """
     vec_bytes = D * 4
@@ -357,7 +358,9 @@ def _write_shards(plan, partial, L, T, D, ex_chunk, blocks, run_start, run_len, 
                                 rows = source(layer, int(run_shard[r]))[run_off[r] : run_off[r] + m]
                                 block[e - a, li, t : t + m] = (bfloat16_bits_to_float32(rows) if h.dtype == "bfloat16"
                                                                else rows)
-                        writes[k % 2] = writer.submit(_convert_and_write, f, block, bits, b - a)
+                        # converted on the converter threads while the writer still writes the previous chunk
+                        conversion = bfloat16_to_float32_later(bits[: b - a], block[: b - a]) if bits is not None else None
+                        writes[k % 2] = writer.submit(_write_chunk, f, block, conversion, b - a)
                         bar.update(b - a)
                 finally:  # the file stays open until its writes are done, error or not
                     failing = sys.exc_info()[0] is not None
@@ -371,10 +374,10 @@ def _write_shards(plan, partial, L, T, D, ex_chunk, blocks, run_start, run_len, 
             first_ex += n
 
 
-def _convert_and_write(f: Any, block: np.ndarray, bits: np.ndarray | None, n: int) -> None:
-    """The writer thread's part of a chunk: convert its bfloat16 bits (if any), append its bytes to ``f``."""
-    if bits is not None:
-        bfloat16_bits_to_float32(bits[:n], out=block[:n])
+def _write_chunk(f: Any, block: np.ndarray, conversion: Future | None, n: int) -> None:
+    """The writer thread's part of a chunk: once its bfloat16 bits (if any) are converted, append its bytes to ``f``."""
+    if conversion is not None:
+        conversion.result()
     f.write(memoryview(block[:n]).cast("B"))
 
 
