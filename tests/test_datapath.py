@@ -316,6 +316,32 @@ def test_bfloat16_reads_convert_piece_by_piece_exactly(tmp_path, rng, monkeypatc
     np.testing.assert_array_equal(np.concatenate([ds.token_hidden(i, 0) for i in range(ds.num_prompts)]), bf)
 
 
+@pytest.mark.parametrize("shift", [10**6, 2])
+def test_bfloat16_prompt_reads_refuse_rows_past_the_shard(tmp_path, rng, shift):
+    """A prompt's tokens are one run of rows read with one open file; a damaged index whose run starts, or
+    ends, past the shard's rows gets a one-line FormatError, not a short read or a traceback."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lmprobe.errors import FormatError
+    from lmprobe.format.spec import INDEX_PATH
+
+    write_dataset(tmp_path / "ds", rng, n=6, layers=(0,), dim=8, dtype="bfloat16", storage="full_sequence",
+                  min_tokens=4)
+    ds = lmprobe.load(tmp_path / "ds")
+    last = ds.num_prompts - 1
+    ids, offs, _ = ds.token_addresses([last])
+    index = tmp_path / "ds" / INDEX_PATH
+    table = pq.read_table(index)
+    col = table.column("token_shard_offsets").to_pylist()
+    col[last] = [o + shift for o in col[last]]  # still consecutive: one run, now past the end of the shard
+    table = table.set_column(table.column_names.index("token_shard_offsets"), "token_shard_offsets",
+                             pa.array(col, table.schema.field("token_shard_offsets").type))
+    pq.write_table(table.replace_schema_metadata(table.schema.metadata), index)
+    with pytest.raises(FormatError, match="out of range"):
+        lmprobe.load(tmp_path / "ds").token_hidden(last, 0)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_export_saev_writes_chunks_in_order_while_reading_the_next(tmp_path, rng, monkeypatch, dtype):
     """export-saev reads a chunk into one block while the other is converted and written: with chunks of one

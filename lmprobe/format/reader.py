@@ -19,6 +19,7 @@ import os
 import re
 from collections import OrderedDict
 from collections.abc import Iterable
+from contextlib import nullcontext
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from ..safeio import check_regular
 from ..tokenizer import local_tokenizer
 from .files import LocalFiles
 from .metadata import DatasetInfo, decode_schema_metadata, parse_info
-from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into
+from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into, read_run_into
 from .spec import DTYPES, INDEX_PATH, PER_TOKEN_COLUMNS, STAGING_DIR
 from .values import bfloat16_bits_to_float32, bfloat16_to_float32_later
 from .view import Prompt, dataset_html
@@ -42,8 +43,10 @@ from .view import Prompt, dataset_html
 RowsArg = None | int | slice | Iterable[int] | np.ndarray
 
 
-#: bfloat16 values read per piece when a read converts as it goes (8M: 16 MiB of bits, one converter thread)
-_PIECE_VALUES = 1 << 23
+#: bfloat16 values read per piece when a read converts as it goes (512K: 1 MiB of bits, still in cache when
+#: the converter thread casts them; a prompt of 1024 tokens x 2048 is four pieces, read while the one before
+#: converts)
+_PIECE_VALUES = 1 << 19
 
 
 def _consecutive(positions: np.ndarray) -> bool:
@@ -105,6 +108,7 @@ class Dataset:
         np.cumsum([md.row_group(g).num_rows for g in range(md.num_row_groups)], out=self._group_starts[1:])
         self._groups: OrderedDict[tuple[int, tuple[str, ...]], pa.Table] = OrderedDict()
         self._headers: dict[Path, SafetensorsHeader] = {}
+        self._located: dict[tuple[int, int, str | None], tuple[Path, TensorEntry]] = {}
         if self.meta.num_prompts != self._prompt_table.num_rows:
             raise FormatError(
                 f"{files}: metadata says num_prompts={self.meta.num_prompts} but the index has "
@@ -167,6 +171,10 @@ class Dataset:
         if rows is None:
             return {n: self._parquet.read(columns=names).column(n) for n in names}
         groups = np.searchsorted(self._group_starts, r, side="right") - 1
+        if len(r) == 1:  # one prompt (token_hidden, ds.prompt): a zero-copy slice of its row group
+            g = int(groups[0])
+            table = self._row_group(g, tuple(names)).slice(int(r[0] - self._group_starts[g]), 1)
+            return {n: table.column(n) for n in names}
         parts: dict[str, list] = {n: [] for n in names}
         order = np.argsort(r, kind="stable")
         pieces, positions = [], []
@@ -428,10 +436,17 @@ class Dataset:
 
     def hidden_shard(self, layer: int, shard: int, hookpoint: str | None = None) -> tuple[Path, TensorEntry]:
         """Shard ``shard`` of ``layer`` (of ``hookpoint``): local path and tensor entry, checked."""
+        key = (layer, shard, hookpoint)
+        found = self._located.get(key)
+        if found is not None:
+            return found
         h = self.hidden_desc(hookpoint)
         if not 0 <= shard < len(h.shards):
             raise FormatError(f"{self.files}: shard {shard} is not among the {len(h.shards)} the metadata lists")
-        return self.tensor(h.file(layer, shard), h.key(layer), h.dtype, (h.dim,), h.shard_rows(shard))
+        found = self.tensor(h.file(layer, shard), h.key(layer), h.dtype, (h.dim,), h.shard_rows(shard))
+        if isinstance(self.files, LocalFiles):  # located and checked once (a remote copy may leave a bounded cache)
+            self._located[key] = found
+        return found
 
     def check_addresses(self, shard_ids: np.ndarray, offsets: np.ndarray, shard_rows, n_shards: int) -> None:
         """Every (shard, row) lies inside the shards the metadata lists; FormatError naming the first that does not.
@@ -482,7 +497,9 @@ class Dataset:
     def _gather_bfloat16(groups: list, offsets: np.ndarray, n: int, row_shape: tuple[int, ...]) -> np.ndarray:
         """``_gather`` of bfloat16 rows straight to float32: each piece is read into one of two small
         buffers of raw bits while the other converts on the converter thread (read and conversion
-        overlap; no layer-sized array of bits)."""
+        overlap; no layer-sized array of bits; a piece's bits are still in cache when they convert).
+        A run of consecutive rows read into consecutive output rows (a prompt's tokens, a whole
+        shard) opens its file once."""
         out = np.empty((n, *row_shape), dtype=np.float32)
         row_values = int(np.prod(row_shape)) if row_shape else 1
         step = max(1, _PIECE_VALUES // row_values)
@@ -490,22 +507,28 @@ class Dataset:
         pending = None
         k = 0
         for group, path, entry in groups:
-            for a in range(0, len(group), step):
-                g = group[a : a + step]
-                buf = buffers[k % 2]
-                if buf is None or len(buf) < len(g):
-                    buf = buffers[k % 2] = np.empty((len(g), *row_shape), np.uint16)
-                bits = buf[: len(g)]
-                read_rows_into(path, entry, offsets[g], bits)  # while the previous piece converts
-                if pending is not None:
-                    pending.result()
-                lo, hi = int(g[0]), int(g[-1])
-                if _consecutive(g):
-                    pending = bfloat16_to_float32_later(bits, out[lo : hi + 1])
-                else:
-                    pending = None
-                    out[g] = bfloat16_bits_to_float32(bits)
-                k += 1
+            offs = offsets[group]
+            run = _consecutive(group) and _consecutive(offs)
+            with open(path, "rb", buffering=0) if run else nullcontext() as f:
+                for a in range(0, len(group), step):
+                    g = group[a : a + step]
+                    buf = buffers[k % 2]
+                    if buf is None or len(buf) < len(g):
+                        buf = buffers[k % 2] = np.empty((len(g), *row_shape), np.uint16)
+                    bits = buf[: len(g)]
+                    if run:  # while the previous piece converts
+                        read_run_into(f, path, entry, int(offs[a]), bits)
+                    else:
+                        read_rows_into(path, entry, offs[a : a + step], bits)
+                    if pending is not None:
+                        pending.result()
+                    lo, hi = int(g[0]), int(g[-1])
+                    if run or _consecutive(g):
+                        pending = bfloat16_to_float32_later(bits, out[lo : hi + 1])
+                    else:
+                        pending = None
+                        out[g] = bfloat16_bits_to_float32(bits)
+                    k += 1
         if pending is not None:
             pending.result()
         return out

@@ -16,6 +16,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -228,7 +229,6 @@ def read_rows_into(path: Path, entry: TensorEntry, offsets: np.ndarray, out: np.
     if len(offsets) == 0:
         return
     n_rows = entry.shape[0]
-    row_bytes = (entry.end - entry.start) // n_rows if n_rows else 0
     lo, hi = int(offsets.min()), int(offsets.max())
     if lo < 0 or hi >= n_rows:
         raise FormatError(f"{path}: row {hi if hi >= n_rows else lo} is out of range for {entry.key} ({n_rows} rows)")
@@ -236,16 +236,24 @@ def read_rows_into(path: Path, entry: TensorEntry, offsets: np.ndarray, out: np.
     contiguous = hi - lo + 1 == len(offsets) and (len(offsets) == 1 or bool(np.all(np.diff(offsets) == 1)))
     if contiguous and out.flags.c_contiguous:
         with open(path, "rb", buffering=0) as f:
-            f.seek(entry.start + lo * row_bytes)
-            view = memoryview(out.view(np.uint8).reshape(-1))
-            want = len(offsets) * row_bytes
-            got = 0
-            while got < want:
-                k = f.readinto(view[got:])
-                if not k:
-                    raise FormatError(f"{path}: file ended early while reading {entry.key}")
-                got += k
+            read_run_into(f, path, entry, lo, out)
         return
     mm = np.memmap(path, dtype=storage, mode="r", offset=entry.start, shape=entry.shape)
     out[...] = mm[offsets]
     del mm
+
+
+def read_run_into(f: BinaryIO, path: Path, entry: TensorEntry, first: int, out: np.ndarray) -> None:
+    """Rows ``first .. first + len(out) - 1`` of a 2-D tensor of ``path``, open as ``f``, into ``out`` (C-contiguous)."""
+    n_rows = entry.shape[0]
+    if first < 0 or first + len(out) > n_rows:
+        raise FormatError(f"{path}: rows {first}..{first + len(out) - 1} are out of range for {entry.key} ({n_rows} rows)")
+    row_bytes = (entry.end - entry.start) // n_rows if n_rows else 0
+    view = memoryview(out.view(np.uint8).reshape(-1))
+    f.seek(entry.start + first * row_bytes)
+    got = 0
+    while got < len(view):
+        k = f.readinto(view[got:])
+        if not k:
+            raise FormatError(f"{path}: file ended early while reading {entry.key}")
+        got += k
