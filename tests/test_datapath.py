@@ -259,6 +259,22 @@ def test_stream_recycles_its_pools_and_the_batches_kept_stay_intact(tmp_path, rn
     np.testing.assert_array_equal(again, got)  # the same pass again: same batches in the same order
 
 
+def test_stream_casts_large_bfloat16_batches_in_two_halves_exactly(tmp_path, rng, monkeypatch):
+    """A batch large enough to be split is gathered and cast in two halves on the two converter threads: the
+    float32 batches hold every stored vector once, each equal to the shift formula of its bits."""
+    import lmprobe.stream.engine as engine
+
+    monkeypatch.setattr(engine, "_CONVERT_ROWS", 4)  # steps of 4 x 4096 / 256 = 64 rows: batches of 300 split
+    calls = []
+    gather_cast = engine._gather_cast
+    monkeypatch.setattr(engine, "_gather_cast", lambda *a: calls.append(len(a[1])) or gather_cast(*a))
+    src = write_dataset(tmp_path / "ds", rng, n=1000, layers=(0,), dim=256, dtype="bfloat16", shard_size="64KiB")
+    want = _shift_formula(float32_to_bfloat16_bits(src["hidden"][0]))
+    got = np.concatenate(list(ShardStream(tmp_path / "ds", 0, 300, seed=1, memory="4MiB")))
+    assert sorted(map(bytes, got)) == sorted(map(bytes, want))
+    assert calls.count(150) >= 6  # full batches went as two halves of 150 rows
+
+
 def test_stream_bfloat16_with_normalisation_and_several_sites(tmp_path, rng):
     write_dataset(tmp_path / "ds", rng, n=120, layers=(0, 1), dim=16, dtype="bfloat16", statistics=True)
     f32 = np.concatenate(list(ShardStream(tmp_path / "ds", batch_size=32, layers=[0, 1], seed=1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -209,21 +210,37 @@ def bfloat16_to_float32_later(bits: np.ndarray, out: np.ndarray) -> Future:
     """Start converting ``bits`` into ``out`` (checked as above) on the converter thread; the caller
     may do other work, and must not touch either array, until the returned future is done."""
     if bits.size >= _TORCH_CONVERT_MIN and bits.flags.writeable:  # torch warns on read-only memory (maps)
-        import torch
-
-        src = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
-        dst = torch.from_numpy(out)  # a strided ``out`` is fine: torch writes through the view
         # a bulk read is split between the converter threads; a batch's few MB are not (the splitting
         # cost more than it saved in the training reader, which casts while it gathers)
         parts = min(_CONVERT_THREADS, len(bits) if bits.ndim else 1) if bits.size >= _SPLIT_CONVERT_MIN else 1
         if parts <= 1:
-            return _converter().submit(dst.copy_, src)
+            return _converter().submit(cast_bfloat16_here, bits, out)
         cuts = np.linspace(0, len(bits), parts + 1).astype(int)  # rows split between the converter threads
-        return _all_done([_converter().submit(dst[a:b].copy_, src[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)], out)
-    np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
+        return _all_done([_converter().submit(cast_bfloat16_here, bits[a:b], out[a:b])
+                          for a, b in zip(cuts[:-1], cuts[1:], strict=True)], out)
+    cast_bfloat16_here(bits, out)
     done: Future = Future()
     done.set_result(out)
     return done
+
+
+def cast_bfloat16_here(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The cast itself, on the calling thread: torch's vectorised cast for large arrays (a converter
+    thread runs torch on one core), numpy's shift for small ones or read-only memory."""
+    if bits.size >= _TORCH_CONVERT_MIN and bits.flags.writeable:
+        import torch
+
+        # a strided ``out`` is fine: torch writes through the view
+        torch.from_numpy(out).copy_(torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16))
+    else:
+        np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
+    return out
+
+
+def on_converter(fn: Callable[..., Any], *args: Any) -> Future:
+    """Run ``fn(*args)`` on a converter thread (torch on one core there): work that casts as it goes,
+    such as a training batch gathered and converted a few rows at a time."""
+    return _converter().submit(fn, *args)
 
 
 def torch_dtype(name: str):

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..format.spec import DTYPES
-from ..format.values import bfloat16_bits_to_float32, bfloat16_to_float32_later
+from ..format.values import bfloat16_bits_to_float32, cast_bfloat16_here, on_converter
 from ..worker import prefetched
 
 OUT_DTYPES = ("float32", "bfloat16")
@@ -95,7 +95,7 @@ class Engine:
 
     Pools hold rows as stored (bfloat16 as raw bits: twice the rows of a float32 pool in the same
     memory). A batch is formed by one gather out of the pool, converted on the way in cache-sized
-    steps: ``out_dtype="float32"`` gives numpy float32 batches, ``"bfloat16"`` torch bfloat16
+    steps (a bfloat16 batch's two halves at once, on the two converter threads): ``out_dtype="float32"`` gives numpy float32 batches, ``"bfloat16"`` torch bfloat16
     tensors; ``pin_memory`` allocates batches (as torch tensors) in page-locked memory.
     """
 
@@ -402,20 +402,13 @@ class Engine:
         if pool.dtype == np.float32:
             np.take(pool, idx, axis=0, out=batch, mode="clip")
         elif pool.dtype == np.uint16:
-            # gather a few rows into a small buffer that stays in cache while the converter thread casts
-            # the previous few into the batch: two buffers, the gather and the cast overlap
-            step = max(1, min(len(idx), _CONVERT_ROWS * 4096 // max(1, pool.shape[1] * pool.shape[2])))
-            raws = [np.empty((step, *pool.shape[1:]), dtype=pool.dtype) for _ in range(2)]
-            pending = None
-            for j, a in enumerate(range(0, len(idx), step)):
-                k = min(step, len(idx) - a)
-                raw = raws[j % 2][:k]
-                np.take(pool, idx[a : a + k], axis=0, out=raw, mode="clip")
-                if pending is not None:
-                    pending.result()
-                pending = bfloat16_to_float32_later(raw, batch[a : a + k])
-            if pending is not None:
-                pending.result()
+            # two halves gathered and cast at once, each on a converter thread, a few cache-sized rows at a time
+            step = max(1, _CONVERT_ROWS * 4096 // max(1, pool.shape[1] * pool.shape[2]))
+            cut = len(idx) // 2 if len(idx) >= 2 * step else len(idx)
+            halves = [on_converter(_gather_cast, pool, idx[a:b], batch[a:b], step)
+                      for a, b in ((0, cut), (cut, len(idx))) if b > a]
+            for h in halves:
+                h.result()
         else:
             batch[...] = np.take(pool, idx, axis=0)
         if self.transform is not None:
@@ -426,6 +419,16 @@ class Engine:
                 t.copy_(torch.from_numpy(batch))
             batch = t
         return batch[:, 0] if self.squeeze else batch
+
+
+def _gather_cast(pool: np.ndarray, idx: np.ndarray, out: np.ndarray, step: int) -> None:
+    """Pool rows ``idx`` (raw bfloat16 bits) into float32 ``out``, ``step`` rows at a time through a buffer
+    that stays in cache: one gather and one cast per row."""
+    raw = np.empty((min(step, len(idx)), *pool.shape[1:]), dtype=pool.dtype)
+    for a in range(0, len(idx), step):
+        k = min(step, len(idx) - a)
+        np.take(pool, idx[a : a + k], axis=0, out=raw[:k], mode="clip")
+        cast_bfloat16_here(raw[:k], out[a : a + k])
 
 
 def _empty(shape: tuple[int, ...], dtype: Any, pinned: bool):
