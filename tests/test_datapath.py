@@ -311,8 +311,8 @@ def test_stream_rejects_an_unknown_dtype(tmp_path, rng):
 
 
 def test_bfloat16_reads_convert_piece_by_piece_exactly(tmp_path, rng, monkeypatch):
-    """ds.hidden / token_hidden of bfloat16 read pieces into small buffers and convert them while the next
-    piece is read: across pieces, shards and a scattered row order the values are the stored ones."""
+    """ds.hidden / token_hidden of bfloat16 read small reads whole and larger ones in pieces, converted while
+    the next piece is read: across pieces, shards and a scattered row order the values are the stored ones."""
     import torch
 
     import lmprobe.format.reader as reader
@@ -322,12 +322,14 @@ def test_bfloat16_reads_convert_piece_by_piece_exactly(tmp_path, rng, monkeypatc
     ds = lmprobe.load(tmp_path / "ds")
     whole = ds.hidden(0, as_torch=True).float().numpy()  # as stored, no conversion path
     want_tokens = [ds.token_hidden(i, 0, as_torch=True).float().numpy() for i in range(ds.num_prompts)]
-    monkeypatch.setattr(reader, "_PIECE_VALUES", 3 * 8)  # three rows a piece
-    np.testing.assert_array_equal(ds.hidden(0), whole)
     rows = rng.permutation(ds.num_prompts)  # scattered: groups out of index order
-    np.testing.assert_array_equal(ds.hidden(0, rows=rows), whole[rows])
-    for i in range(ds.num_prompts):
-        np.testing.assert_array_equal(ds.token_hidden(i, 0), want_tokens[i])
+    for whole_values in (1 << 23, 0):  # small reads read whole, then cast; larger ones piece by piece
+        monkeypatch.setattr(reader, "_WHOLE_VALUES", whole_values)
+        monkeypatch.setattr(reader, "_PIECE_VALUES", 3 * 8)  # three rows a piece
+        np.testing.assert_array_equal(ds.hidden(0), whole)
+        np.testing.assert_array_equal(ds.hidden(0, rows=rows), whole[rows])
+        for i in range(ds.num_prompts):
+            np.testing.assert_array_equal(ds.token_hidden(i, 0), want_tokens[i])
     bf = torch.from_numpy(src["hidden"][0]).to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(np.concatenate([ds.token_hidden(i, 0) for i in range(ds.num_prompts)]), bf)
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import Future
 from contextlib import nullcontext
 from functools import cached_property
 from pathlib import Path
@@ -43,10 +45,13 @@ from .view import Prompt, dataset_html
 RowsArg = None | int | slice | Iterable[int] | np.ndarray
 
 
-#: bfloat16 values read per piece when a read converts as it goes (512K: 1 MiB of bits, still in cache when
-#: the converter thread casts them; a prompt of 1024 tokens x 2048 is four pieces, read while the one before
-#: converts)
-_PIECE_VALUES = 1 << 19
+#: bfloat16 values read per piece when a read converts as it goes: at most 2M (4 MiB of bits, in cache when the
+#: converter thread casts them), and a quarter of a small read (a prompt of 1024 tokens x 2048 is four pieces of
+#: 512K, each read while the one before converts), down to 512K
+_PIECE_VALUES = 1 << 21
+_MIN_PIECE_VALUES = 1 << 19
+#: reads of at most this many bfloat16 values (16 MiB of bits) are read whole, then cast by both converter threads
+_WHOLE_VALUES = 1 << 23
 
 
 def _consecutive(positions: np.ndarray) -> bool:
@@ -479,9 +484,18 @@ class Dataset:
         order = np.argsort(shard_ids, kind="stable")
         bounds = np.flatnonzero(np.diff(shard_ids[order])) + 1
         groups = [(g, *locate(int(shard_ids[g[0]]))) for g in np.split(order, bounds)] if len(order) else []
-        if bfloat16_out:
+        if bfloat16_out and len(shard_ids) * int(np.prod(row_shape)) > _WHOLE_VALUES:
             return self._gather_bfloat16(groups, offsets, len(shard_ids), row_shape)
         out = np.empty((len(shard_ids), *row_shape), dtype=storage)
+        if bfloat16_out:  # a small read (a prompt): read whole, then cast on both converter threads at once
+            bits, out = out, np.empty(out.shape, dtype=np.float32)
+            self._read_groups(groups, offsets, bits)
+            return bfloat16_to_float32_later(bits, out, split=True).result()
+        self._read_groups(groups, offsets, out)
+        return out
+
+    @staticmethod
+    def _read_groups(groups: list, offsets: np.ndarray, out: np.ndarray) -> None:
         for group, path, entry in groups:
             offs = offsets[group]
             lo, hi = int(group[0]), int(group[-1])
@@ -491,46 +505,53 @@ class Dataset:
                 tmp = np.empty((len(group), *out.shape[1:]), dtype=out.dtype)
                 read_rows_into(path, entry, offs, tmp)
                 out[group] = tmp
-        return out
 
     @staticmethod
     def _gather_bfloat16(groups: list, offsets: np.ndarray, n: int, row_shape: tuple[int, ...]) -> np.ndarray:
-        """``_gather`` of bfloat16 rows straight to float32: each piece is read into one of two small
-        buffers of raw bits while the other converts on the converter thread (read and conversion
-        overlap; no layer-sized array of bits; a piece's bits are still in cache when they convert).
-        A run of consecutive rows read into consecutive output rows (a prompt's tokens, a whole
-        shard) opens its file once."""
+        """``_gather`` of bfloat16 rows straight to float32: pieces are read into two small buffers of raw
+        bits in turn, each converted on a converter thread as soon as it is read: the two threads cast
+        (and fault in the new output's pages) while the next piece is read. No layer-sized array of
+        bits; a piece's bits are still in cache when they convert. A run of consecutive rows read into
+        consecutive output rows (a prompt's tokens, a whole shard) opens its file once."""
         out = np.empty((n, *row_shape), dtype=np.float32)
         row_values = int(np.prod(row_shape)) if row_shape else 1
-        step = max(1, _PIECE_VALUES // row_values)
+        piece = min(_PIECE_VALUES, max(_MIN_PIECE_VALUES, n * row_values // 4))
+        step = max(1, piece // row_values)
         buffers: list[np.ndarray | None] = [None, None]
-        pending = None
+        pending: list[Future | None] = [None, None]  # each buffer's conversion in flight
         k = 0
-        for group, path, entry in groups:
-            offs = offsets[group]
-            run = _consecutive(group) and _consecutive(offs)
-            with open(path, "rb", buffering=0) if run else nullcontext() as f:
-                for a in range(0, len(group), step):
-                    g = group[a : a + step]
-                    buf = buffers[k % 2]
-                    if buf is None or len(buf) < len(g):
-                        buf = buffers[k % 2] = np.empty((len(g), *row_shape), np.uint16)
-                    bits = buf[: len(g)]
-                    if run:  # while the previous piece converts
-                        read_run_into(f, path, entry, int(offs[a]), bits)
-                    else:
-                        read_rows_into(path, entry, offs[a : a + step], bits)
-                    if pending is not None:
-                        pending.result()
-                    lo, hi = int(g[0]), int(g[-1])
-                    if run or _consecutive(g):
-                        pending = bfloat16_to_float32_later(bits, out[lo : hi + 1])
-                    else:
-                        pending = None
-                        out[g] = bfloat16_bits_to_float32(bits)
-                    k += 1
-        if pending is not None:
-            pending.result()
+        try:
+            for group, path, entry in groups:
+                offs = offsets[group]
+                run = _consecutive(group) and _consecutive(offs)
+                with open(path, "rb", buffering=0) if run else nullcontext() as f:
+                    for a in range(0, len(group), step):
+                        g = group[a : a + step]
+                        slot = k % 2
+                        if pending[slot] is not None:
+                            pending[slot].result()  # the piece before last is converted: its buffer is free
+                            pending[slot] = None
+                        buf = buffers[slot]
+                        if buf is None or len(buf) < len(g):
+                            buf = buffers[slot] = np.empty((len(g), *row_shape), np.uint16)
+                        bits = buf[: len(g)]
+                        if run:
+                            read_run_into(f, path, entry, int(offs[a]), bits)
+                        else:
+                            read_rows_into(path, entry, offs[a : a + step], bits)
+                        lo, hi = int(g[0]), int(g[-1])
+                        if run or _consecutive(g):
+                            pending[slot] = bfloat16_to_float32_later(bits, out[lo : hi + 1])
+                        else:
+                            out[g] = bfloat16_bits_to_float32(bits)
+                        k += 1
+        finally:  # no conversion may still write into ``out`` or read a buffer once this returns or raises
+            failing = sys.exc_info()[0] is not None
+            for p in pending:
+                if p is not None and failing:
+                    p.exception()  # waited for; the error already raised is the one to report
+                elif p is not None:
+                    p.result()
         return out
 
     @staticmethod

@@ -206,13 +206,16 @@ def bfloat16_bits_to_float32(bits: np.ndarray, out: np.ndarray | None = None) ->
     return out
 
 
-def bfloat16_to_float32_later(bits: np.ndarray, out: np.ndarray) -> Future:
+def bfloat16_to_float32_later(bits: np.ndarray, out: np.ndarray, *, split: bool = False) -> Future:
     """Start converting ``bits`` into ``out`` (checked as above) on the converter thread; the caller
-    may do other work, and must not touch either array, until the returned future is done."""
+    may do other work, and must not touch either array, until the returned future is done.
+    ``split``: cast on every converter thread at once, whatever the size (the caller has nothing
+    else to do meanwhile)."""
     if bits.size >= _TORCH_CONVERT_MIN and bits.flags.writeable:  # torch warns on read-only memory (maps)
-        # a bulk read is split between the converter threads; a batch's few MB are not (the splitting
-        # cost more than it saved in the training reader, which casts while it gathers)
-        parts = min(_CONVERT_THREADS, len(bits) if bits.ndim else 1) if bits.size >= _SPLIT_CONVERT_MIN else 1
+        # a bulk read is split between the converter threads; a piece of a pipelined read is not (its
+        # reader runs beside it)
+        big = split or bits.size >= _SPLIT_CONVERT_MIN
+        parts = min(_CONVERT_THREADS, len(bits) if bits.ndim else 1) if big else 1
         if parts <= 1:
             return _converter().submit(cast_bfloat16_here, bits, out)
         cuts = np.linspace(0, len(bits), parts + 1).astype(int)  # rows split between the converter threads
