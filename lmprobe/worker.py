@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -130,3 +131,17 @@ def prefetched(fn: Callable[[T], R], items: Iterable[T], *, depth: int, name: st
             yield result
     finally:
         worker.stop(skip_pending=True)
+
+
+def settle(futures: Iterable[Any]) -> None:
+    """Wait for every future (None entries skipped), from a ``finally`` block: nothing they do may outlive it.
+
+    Raises the first future's error, unless an exception is already propagating: then that one is
+    the error to report, and the futures' are only waited for.
+    """
+    failing = sys.exc_info()[0] is not None
+    for f in futures:
+        if f is not None and failing:
+            f.exception()
+        elif f is not None:
+            f.result()

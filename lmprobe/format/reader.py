@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import sys
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -35,6 +34,7 @@ from ..errors import DatasetNotFoundError, FormatError, LayerNotFoundError, Shar
 from ..paths import resolve_inside
 from ..safeio import check_regular
 from ..tokenizer import local_tokenizer
+from ..worker import settle
 from .files import LocalFiles
 from .metadata import DatasetInfo, decode_schema_metadata, parse_info
 from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into, read_run_into
@@ -546,12 +546,7 @@ class Dataset:
                             out[g] = bfloat16_bits_to_float32(bits)
                         k += 1
         finally:  # no conversion may still write into ``out`` or read a buffer once this returns or raises
-            failing = sys.exc_info()[0] is not None
-            for p in pending:
-                if p is not None and failing:
-                    p.exception()  # waited for; the error already raised is the one to report
-                elif p is not None:
-                    p.result()
+            settle(pending)
         return out
 
     @staticmethod

@@ -22,6 +22,7 @@ from ..format.values import bfloat16_bits_to_float32, bfloat16_to_float32_later
 from ..lock import OutputLock
 from ..opening import load
 from ..paths import check_output_path
+from ..worker import settle
 from .protocol import (
     DEFAULT_PATCHES_PER_SHARD,
     FAMILY,
@@ -363,12 +364,7 @@ def _write_shards(plan, partial, L, T, D, ex_chunk, blocks, run_start, run_len, 
                         writes[k % 2] = writer.submit(_write_chunk, f, block, conversion, b - a)
                         bar.update(b - a)
                 finally:  # the file stays open until its writes are done, error or not
-                    failing = sys.exc_info()[0] is not None
-                    for w in writes:
-                        if w is not None and failing:
-                            w.exception()  # waited for; the error already raised is the one to report
-                        elif w is not None:
-                            w.result()
+                    settle(writes)
                 if file_ex > n:
                     f.truncate((file_ex * L * T) * vec_bytes)  # zeros: rows past n_ex are never read
             first_ex += n
