@@ -16,6 +16,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import wait
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -134,14 +135,13 @@ def prefetched(fn: Callable[[T], R], items: Iterable[T], *, depth: int, name: st
 
 
 def settle(futures: Iterable[Any]) -> None:
-    """Wait for every future (None entries skipped), from a ``finally`` block: nothing they do may outlive it.
+    """Wait for every future (None entries skipped): nothing they do may outlive the caller's block.
 
-    Raises the first future's error, unless an exception is already propagating: then that one is
-    the error to report, and the futures' are only waited for.
+    Then raises the first future's error, unless an exception is already propagating (called from
+    a ``finally`` block): that one is the error to report.
     """
-    failing = sys.exc_info()[0] is not None
-    for f in futures:
-        if f is not None and failing:
-            f.exception()
-        elif f is not None:
+    pending = [f for f in futures if f is not None]
+    wait(pending)
+    if sys.exc_info()[0] is None:
+        for f in pending:
             f.result()

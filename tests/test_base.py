@@ -11,7 +11,7 @@ import pytest
 
 from lmprobe.atomic import atomic_output, atomic_write
 from lmprobe.retry import RetryPolicy, call_with_retry
-from lmprobe.worker import BackgroundWorker, prefetched
+from lmprobe.worker import BackgroundWorker, prefetched, settle
 
 
 class Flaky(ConnectionError):
@@ -158,6 +158,49 @@ def test_prefetched_keeps_order_and_raises_in_the_consumer():
         for v in prefetched(boom, range(10), depth=2):
             got.append(v)
     assert got == [0, 1, 2]
+
+
+def _fast_error_and_slow_writer():
+    """Two futures: the first fails at once, the second is still writing when it does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    written = threading.Event()
+
+    def fail():
+        raise ValueError("cast failed")
+
+    def slow():
+        time.sleep(0.2)
+        written.set()
+
+    pool = ThreadPoolExecutor(2)
+    futures = [pool.submit(fail), pool.submit(slow)]
+    pool.shutdown(wait=False)
+    return futures, written
+
+
+def test_settle_waits_for_every_future_before_it_raises():
+    """A caller's buffers may be reused once settle returns or raises: no future may still be writing then."""
+    futures, written = _fast_error_and_slow_writer()
+    with pytest.raises(ValueError, match="cast failed"):
+        settle(futures)
+    assert written.is_set()
+    futures, written = _fast_error_and_slow_writer()
+    with pytest.raises(KeyError):  # an error already propagating is the one reported; the futures are waited for
+        try:
+            raise KeyError("the caller's own error")
+        finally:
+            settle([None, *futures])
+    assert written.is_set()
+
+
+def test_a_split_conversion_fails_only_once_every_part_is_done():
+    from lmprobe.format.values import _all_done
+
+    futures, written = _fast_error_and_slow_writer()
+    with pytest.raises(ValueError, match="cast failed"):
+        _all_done(futures, "out").result()
+    assert written.is_set()
 
 
 def test_atomic_write_never_leaves_a_half_file(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -155,18 +156,20 @@ def _converter() -> ThreadPoolExecutor:
 
 
 def _all_done(futures: list[Future], result: Any) -> Future:
-    """A future done when all of ``futures`` are (with the first error among them)."""
+    """A future done when all of ``futures`` are (none still writes into the result), with the first error."""
     done: Future = Future()
+    lock = threading.Lock()
     left = [len(futures)]
 
-    def one(f: Future) -> None:
-        if done.done():
-            return
-        if f.exception() is not None:
-            done.set_exception(f.exception())
-            return
-        left[0] -= 1
-        if left[0] == 0:
+    def one(_: Future) -> None:
+        with lock:  # callbacks run on the converter threads
+            left[0] -= 1
+            if left[0]:
+                return
+        error = next((f.exception() for f in futures if f.exception() is not None), None)
+        if error is not None:
+            done.set_exception(error)
+        else:
             done.set_result(result)
 
     for f in futures:

@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..format.spec import DTYPES
 from ..format.values import bfloat16_bits_to_float32, cast_bfloat16_here, on_converter
-from ..worker import prefetched
+from ..worker import prefetched, settle
 
 OUT_DTYPES = ("float32", "bfloat16")
 
@@ -95,8 +95,9 @@ class Engine:
 
     Pools hold rows as stored (bfloat16 as raw bits: twice the rows of a float32 pool in the same
     memory). A batch is formed by one gather out of the pool, converted on the way in cache-sized
-    steps (a bfloat16 batch's two halves at once, on the two converter threads): ``out_dtype="float32"`` gives numpy float32 batches, ``"bfloat16"`` torch bfloat16
-    tensors; ``pin_memory`` allocates batches (as torch tensors) in page-locked memory.
+    steps (a bfloat16 batch's two halves at once, on the two converter threads):
+    ``out_dtype="float32"`` gives numpy float32 batches, ``"bfloat16"`` torch bfloat16 tensors;
+    ``pin_memory`` allocates batches (as torch tensors) in page-locked memory.
     """
 
     def __init__(self, source: RowSource, batch_size: int, *, seed: int, shuffle: bool, rank: int, world: int,
@@ -405,10 +406,8 @@ class Engine:
             # two halves gathered and cast at once, each on a converter thread, a few cache-sized rows at a time
             step = max(1, _CONVERT_ROWS * 4096 // max(1, pool.shape[1] * pool.shape[2]))
             cut = len(idx) // 2 if len(idx) >= 2 * step else len(idx)
-            halves = [on_converter(_gather_cast, pool, idx[a:b], batch[a:b], step)
-                      for a, b in ((0, cut), (cut, len(idx))) if b > a]
-            for h in halves:
-                h.result()
+            settle([on_converter(_gather_cast, pool, idx[a:b], batch[a:b], step)
+                    for a, b in ((0, cut), (cut, len(idx))) if b > a])
         else:
             batch[...] = np.take(pool, idx, axis=0)
         if self.transform is not None:
