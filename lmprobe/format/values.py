@@ -214,7 +214,7 @@ def bfloat16_to_float32_later(bits: np.ndarray, out: np.ndarray, *, split: bool 
     may do other work, and must not touch either array, until the returned future is done.
     ``split``: cast on every converter thread at once, whatever the size (the caller has nothing
     else to do meanwhile)."""
-    if bits.size >= _TORCH_CONVERT_MIN and bits.flags.writeable:  # torch warns on read-only memory (maps)
+    if _torch_casts(bits):
         # a bulk read is split between the converter threads; a piece of a pipelined read is not (its
         # reader runs beside it)
         big = split or bits.size >= _SPLIT_CONVERT_MIN
@@ -233,7 +233,7 @@ def bfloat16_to_float32_later(bits: np.ndarray, out: np.ndarray, *, split: bool 
 def cast_bfloat16_here(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
     """The cast itself, on the calling thread: torch's vectorised cast for large arrays (a converter
     thread runs torch on one core), numpy's shift for small ones or read-only memory."""
-    if bits.size >= _TORCH_CONVERT_MIN and bits.flags.writeable:
+    if _torch_casts(bits):
         import torch
 
         # a strided ``out`` is fine: torch writes through the view
@@ -241,6 +241,11 @@ def cast_bfloat16_here(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
     else:
         np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
     return out
+
+
+def _torch_casts(bits: np.ndarray) -> bool:
+    """Whether torch casts these bits (worth its per-call cost; torch warns on read-only memory such as maps)."""
+    return bits.size >= _TORCH_CONVERT_MIN and bits.flags.writeable
 
 
 def on_converter(fn: Callable[..., Any], *args: Any) -> Future:
