@@ -10,7 +10,7 @@ from typing import Any
 
 from . import api, summary
 from .demo import write_demo
-from .display import escape_controls
+from .display import escape_controls, hide_credentials
 from .errors import InvalidArgumentError, LmprobeError
 from .extraction.config import ExtractionConfig
 from .extraction.model import parse_layers
@@ -528,7 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LmprobeError as exc:
         # the user's input or environment: one line that says what to do; anything else is a bug
         # and keeps its traceback
-        print(f"lmprobe {args.command}: error: {escape_controls(exc, keep_newlines=False)}", file=sys.stderr)
+        text = escape_controls(hide_credentials(exc), keep_newlines=False)  # an endpoint's user:key@ never shows
+        print(f"lmprobe {args.command}: error: {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         hint = _RESUMES.get(args.command, "nothing was left half-written; run the command again")

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .display import hide_credentials
+
 T = TypeVar("T")
 
 #: Answers of an HTTP server that mean "try again later".
@@ -81,7 +83,7 @@ def status_code(exc: BaseException) -> int | None:
 
 def describe(exc: BaseException) -> str:
     """One line for a failed request: ``HTTP 503: ...`` or ``ConnectionError: ...``."""
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = hide_credentials(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__  # messages quote URLs
     code = status_code(exc)
     return f"HTTP {code}: {text}" if code else f"{type(exc).__name__}: {text}"
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .display import hide_credentials
 from .errors import ModelError
 from .retry import describe
 
@@ -67,7 +68,7 @@ def hub_access(repo_id: str, revision: str | None, what: str) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - any failure to get an answer is "unreachable"
         if isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str):
             return {"local_files_only": True}
-        raise ModelError(f"cannot reach the Hub at {constants.ENDPOINT} to load {what} {repo_id!r} ({describe(exc)}), "
+        raise ModelError(f"cannot reach the Hub at {hide_credentials(constants.ENDPOINT)} to load {what} {repo_id!r} ({describe(exc)}), "
                          "and it is not in the local cache; check the network (or HF_ENDPOINT), or pass a local "
                          "folder") from None
     return {}

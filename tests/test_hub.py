@@ -276,3 +276,48 @@ def test_prompt_decodes_with_a_tokenizer_in_the_local_cache_and_never_asks_the_h
     with DatasetWriter(tmp_path / "other", layers=[0], dim=4, model_name="tester/not-here", token_ids=True) as w:
         w.add_batch(texts=["x"], num_tokens=[2], hidden={0: np.zeros((1, 4))}, token_ids=[[5, 7]])
     assert lmprobe.load(tmp_path / "other").prompt(0).token_strings() == ["#5 ", "#7 "]
+
+
+# ---------------------------------------------------------------------------------------------- credentials in HF_ENDPOINT
+
+
+def test_credentials_in_hf_endpoint_are_never_printed(hub, dataset, tmp_path, monkeypatch, capsys, fresh_hf_cache):
+    """HF_ENDPOINT=http://user:KEY@host: the KEY reaches the server, never the terminal (issue 36, finding 9)."""
+    import socket
+
+    import huggingface_hub.constants as c
+
+    from lmprobe.storage import hub as hub_mod
+
+    monkeypatch.setattr(hub_mod, "hub_read_policy", lambda: hub_mod.RetryPolicy(  # fail at once, not after retries
+        retry_on_exceptions=hub_mod.transport_errors(), retry_on_status_codes=(500,), max_retries=0))
+    key = "KEYsecret0987"
+    path, _ = dataset
+    repo = repo_name()
+    push_to_hub(path, repo, quiet=True)
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    with socket.socket() as s:  # a port nothing listens on: the host is down
+        s.bind(("127.0.0.1", 0))
+        down = s.getsockname()[1]
+    commands = [["info", repo], ["pull", repo, "--out", str(tmp_path / "a")],
+                ["import-saelens", repo, "--out", str(tmp_path / "b")],
+                ["extract", "--model", "someone/some-model", "--prompts", str(f), "--out", str(tmp_path / "c")]]
+    for endpoint in (f"http://user:{key}@127.0.0.1:{down}", f"{hub.url.replace('://', f'://user:{key}@')}"):
+        monkeypatch.setattr(c, "ENDPOINT", endpoint)
+        up = str(down) not in endpoint
+        if up:  # the Hub answers, but every read fails: the failed URL is quoted in the message
+            hub.fail("GET", ".", 500, times=1000)
+        try:
+            for argv in commands[:3] if up else commands:
+                assert cli_main(argv) == 2, argv
+                out = capsys.readouterr()
+                assert key not in out.out + out.err and "cannot reach the Hub at http://***@127.0.0.1" in out.err, out
+                assert not up or "for url 'http://***@127.0.0.1" in out.err
+        finally:
+            hub.clear_faults()
+    # a push through such an endpoint prints where it went, without the key
+    monkeypatch.setattr(c, "ENDPOINT", hub.url.replace("://", f"://user:{key}@"))
+    url = push_to_hub(path, repo_name())
+    out = capsys.readouterr()
+    assert key not in url + out.out + out.err and f"http://***@127.0.0.1:{hub.url.rsplit(':', 1)[1]}" in url

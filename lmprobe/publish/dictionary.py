@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..display import hide_credentials
 from ..errors import DictionaryError
 from ..sae.loader import validate_dictionary
 from ..storage.hub import check_repo_id
@@ -43,4 +44,4 @@ def push_dictionary(root: str | os.PathLike, name: str, repo_id: str, *, private
     committer.push_files(files, last, commit_files=commit_files, commit_bytes=DEFAULT_COMMIT_BYTES,
                          label=f"SAE {name}")
     kind = "" if repo_type == "model" else f"{repo_type}s/"
-    return f"{committer.api.endpoint.rstrip('/')}/{kind}{repo_id}"
+    return f"{hide_credentials(committer.api.endpoint.rstrip('/'))}/{kind}{repo_id}"

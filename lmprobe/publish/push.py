@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..display import hide_credentials
 from ..errors import InvalidArgumentError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
@@ -69,7 +70,7 @@ def push_to_hub(
                              policy=push_policy(max_retries=max_retries, base_wait=base_wait), quiet=quiet)
     committer.prepare(private)
     n = committer.push_files(shards, last, commit_files=commit_files, commit_bytes=commit_bytes, label="dataset")
-    endpoint = committer.api.endpoint.rstrip("/")
+    endpoint = hide_credentials(committer.api.endpoint.rstrip("/"))  # HF_ENDPOINT may carry user:key@
     url = f"{endpoint}/datasets/{repo_id}" + (f"/tree/{revision}" if revision else "")
     if not quiet:
         skipped = len(shards) + len(last) - n

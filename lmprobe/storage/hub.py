@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..display import hide_credentials
 from ..errors import DatasetNotFoundError, HubError, InvalidArgumentError, ShardMissingError
 from ..paths import check_relpath
 from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
@@ -126,7 +127,7 @@ def hub_api(token: str | bool | None = None):
 def _unreachable(ref: HubRef, exc: BaseException) -> HubError:
     from huggingface_hub import constants
 
-    return HubError(f"cannot reach the Hub at {constants.ENDPOINT} to read {ref.repo_id} ({describe(exc)}); "
+    return HubError(f"cannot reach the Hub at {hide_credentials(constants.ENDPOINT)} to read {ref.repo_id} ({describe(exc)}); "
                     "check the network (or HF_ENDPOINT), or use a local copy (`lmprobe pull`)")
 
 
