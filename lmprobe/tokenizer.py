@@ -41,7 +41,8 @@ def local_tokenizer(name: Any, revision: Any = None) -> Any:
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path, revision=revision, local_files_only=True)
+        # trust_remote_code=False: a name read from a dataset never runs a repo's code (transformers would ask)
+        return AutoTokenizer.from_pretrained(path, revision=revision, local_files_only=True, trust_remote_code=False)
     except Exception:  # not in the cache, no tokenizer files, a name that is no model: show ids instead
         return None
 

@@ -324,3 +324,31 @@ def test_report_and_features_say_wrote_once(tiny_ds, tmp_path, capsys):
                      "--out", str(tmp_path / "f")]) == 0
     cap = capsys.readouterr()
     assert (cap.out + cap.err).count("wrote") == 1 and cap.out.startswith("wrote ")
+
+
+def test_a_datasets_model_name_never_runs_tokenizer_code(tmp_path, monkeypatch):
+    """model.name naming a tokenizer with custom code: transformers would ask "run the custom code? [y/N]"
+    and run it on "y". Metadata must never lead to code execution (issue 36, finding 8)."""
+    from lmprobe.stream import ShardStream
+    from lmprobe.tokenizer import embedded_model_dir, local_tokenizer
+
+    evil, ran = tmp_path / "evil-model", tmp_path / "RAN"
+    evil.mkdir()
+    shutil.copy(embedded_model_dir("lmprobe-tiny") / "tokenizer.json", evil)
+    (evil / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "tokenizer_class": "EvilTokenizer", '
+        '"auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]}}')
+    (evil / "evil.py").write_text(f"open({str(ran)!r}, 'w').write('ran')\nfrom transformers import "
+                                  "PreTrainedTokenizerFast\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    with DatasetWriter(tmp_path / "ds", layers=[0], dim=4, model_name=str(evil), storage="full_sequence",
+                       token_ids=True) as w:
+        w.add_batch(texts=["a b", "c"], num_tokens=[2, 1], hidden={0: np.ones((3, 4), np.float32)},
+                    token_ids=[[5, 6], [7]])
+    monkeypatch.setattr("builtins.input", lambda *a, **k: "y")  # a user who answers yes to the prompt
+    page_path = lmprobe.report(tmp_path / "ds", tmp_path / "report", probe=False, quiet=True)
+    assert "#5" in page_path.read_text()  # ids shown as ids: the tokenizer was not loaded
+    assert local_tokenizer(str(evil)) is None
+    assert lmprobe.load(tmp_path / "ds").prompt(0).token_ids == [5, 6]
+    with pytest.raises(InvalidArgumentError, match="cannot be loaded here"):
+        ShardStream(lmprobe.load(tmp_path / "ds"), 0, 2, skip_special_tokens=True)
+    assert not ran.exists()

@@ -203,7 +203,8 @@ def build_backend(spec: Any, hf_model: Any, tokenizer: Any, *, block_path: str |
     from nnsight.modeling.transformers import TransformersModel
 
     if remote is True:
-        nn_model = TransformersModel(spec.path, tokenizer=tokenizer, revision=spec.revision)
+        nn_model = TransformersModel(spec.path, tokenizer=tokenizer, revision=spec.revision,
+                                     trust_remote_code=spec.trust_remote_code)  # the user's flag, never a prompt
         ref = nn_model.__dict__["_module"]
     else:
         # nnsight infers a pipeline task from the class; a bare encoder (BERT's BertModel) has none to infer

@@ -49,7 +49,8 @@ def load_tokenizer_for(ds: Dataset, tokenizer: str | None = None) -> Any:
         if isinstance(revision, str) and revision.startswith("sha256:"):
             revision = None  # the embedded model's weights digest, not a Hub revision
         access = {} if local else hub_access(path, revision, "the tokenizer")  # one look, not five retries
-        return AutoTokenizer.from_pretrained(path, revision=revision, **access)
+        # trust_remote_code=False: a name read from a dataset never runs a repo's code (transformers would ask)
+        return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=False, **access)
     except ModelError as exc:
         if tokenizer:
             raise InvalidArgumentError(str(exc)) from None

@@ -149,7 +149,8 @@ class ShardStream:
             try:
                 from transformers import AutoTokenizer
 
-                tok = AutoTokenizer.from_pretrained(name, revision=self.ds.model.get("revision") or None)
+                tok = AutoTokenizer.from_pretrained(name, revision=self.ds.model.get("revision") or None,
+                                                    trust_remote_code=False)  # metadata never runs code
             except Exception as exc:
                 raise InvalidArgumentError(
                     f"skip_special_tokens=True reads the special token ids from the tokenizer of {name!r}, which "
