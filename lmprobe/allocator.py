@@ -15,6 +15,10 @@ Two things bound it without touching the fast path:
 Pinning the mmap threshold instead (every large block mapped and unmapped, an earlier
 approach) bounds memory too but re-faults every temporary's pages on every batch: a third of
 the throughput of a small model on CPU. Off glibc all of this is a no-op.
+
+``check_memory`` is the other side: an allocation sized by something read from a file (an SAE
+dictionary's feature count) or asked for (``--top``) is compared with the memory the machine
+has left before it is made, so it is a one-line error, not a MemoryError or the OOM killer.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import ctypes
 import ctypes.util
 import os
 import sys
+
+from .errors import InvalidArgumentError, LmprobeError
+from .units import format_size
 
 _M_ARENA_MAX = -8
 _libc = None
@@ -108,3 +115,31 @@ def resident_bytes() -> int:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def available_memory() -> int | None:
+    """Bytes the machine can still give without swapping (Linux ``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * _PAGE
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_memory(n_bytes: int, what: str, *, fix: str, error: type[LmprobeError] = InvalidArgumentError) -> None:
+    """Raise ``error`` when ``what`` (``n_bytes``) needs more memory than is available; ``fix`` says what to do.
+
+    >>> check_memory(1 << 70, "a 2^70-byte buffer", fix="ask for less")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    lmprobe.errors.InvalidArgumentError: a 2^70-byte buffer needs 1073741824.0 TiB of memory, more than ...
+    """
+    avail = available_memory()
+    if avail is not None and n_bytes > avail:
+        raise error(f"{what} needs {format_size(n_bytes)} of memory, more than the {format_size(avail)} available "
+                    f"here; {fix}")

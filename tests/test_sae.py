@@ -239,3 +239,105 @@ def test_device_setting_is_checked_and_used(tmp_path, rng):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             SAEConfig(root_path=tmp_path, dictionary_name="d", device="cuda")
+
+
+# ---------------------------------------------------------------------------------------------- hostile dictionaries
+
+
+def run_cli(capsys, argv):
+    """(exit code, stderr) of one command; a refusal must be one line."""
+    rc = cli_main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert rc != 2 or (len(err.splitlines()) == 1 and "Traceback" not in err), err
+    return rc, err
+
+
+def tamper_npz(path, **changes):
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    np.savez(path, **{**arrays, **changes})
+
+
+def test_a_dictionary_with_nan_or_inf_is_refused_before_features_run(tmp_path, rng, capsys):
+    """NaN thresholds or weights made `features` say "0 fired" and exit 0 (issue 36, finding 7)."""
+    import shutil
+
+    from conftest import write_dataset
+    from safetensors.numpy import save_file
+
+    write_dataset(tmp_path / "ds", rng, n=6, layers=(1,), dim=24, storage="full_sequence")
+    src = tmp_path / "saelens"
+    src.mkdir()
+    W, b = make_encoder(rng)
+    save_file({"W_enc": W, "b_enc": b, "W_dec": W.T.copy(), "b_dec": np.zeros(24, np.float32),
+               "threshold": np.full(40, 0.1, np.float32)}, str(src / "sae_weights.safetensors"))
+    (src / "cfg.json").write_text(json.dumps({"d_in": 24, "d_sae": 40, "architecture": "jumprelu"}))
+    export_sae(src, layer=1, root=tmp_path / "good", dictionary="d")
+    layer_dir = "d/layer_1"
+    assert (tmp_path / "good" / layer_dir / "threshold.npy").exists()
+
+    def features(root):
+        return run_cli(capsys, ["features", tmp_path / "ds", "--sae", root, "--dict", "d", "--layer", 1, "--out",
+                                tmp_path / f"out-{root.name}", "--quiet", "--tokenizer", "lmprobe-tiny"])
+
+    assert features(tmp_path / "good")[0] == 0
+    nan16 = np.float16("nan")
+    cases = {
+        "threshold": lambda d: np.save(d / "threshold.npy", np.full(40, np.nan, np.float32)),
+        "weights": lambda d: tamper_npz(d / "encoder.npz", data=np.full(40 * 24, nan16)),
+        "bias": lambda d: np.save(d / "bias.npy", np.full(40, np.inf, np.float16)),
+    }
+    for name, tamper in cases.items():
+        root = tmp_path / name
+        shutil.copytree(tmp_path / "good", root)
+        tamper(root / layer_dir)
+        rc, err = features(root)
+        assert rc == 2 and "not finite" in err and name.rstrip("s") in err, (name, err)
+        assert not (tmp_path / f"out-{name}").exists()  # refused before anything is written
+        with pytest.raises(ValueError, match="not finite"):
+            load_dictionary(SAEConfig(root_path=root, dictionary_name="d")).get_layer(1)
+
+
+def test_damaged_shapes_and_huge_requests_are_one_line_errors(tmp_path, rng, capsys, monkeypatch):
+    """2-D bias or shape, a tiny file claiming 2^24 features, --top 10^9, --prompt -99999 (issue 36, finding 13)."""
+    import shutil
+
+    from conftest import write_dataset
+
+    import lmprobe.allocator
+
+    write_dataset(tmp_path / "ds", rng, n=6, layers=(0,), dim=24, storage="full_sequence")
+    W, b = make_encoder(rng)
+    export_sae(layer=0, root=tmp_path / "good", dictionary="d", W_enc=W, b_enc=b)
+    enc = "d/layer_0/encoder.npz"
+    cases = {
+        "bias-2d": (lambda r: np.save(r / "d/layer_0/bias.npy", np.zeros((40, 1), np.float16)), "bias must be a 1-D"),
+        "shape-2d": (lambda r: tamper_npz(r / enc, shape=np.array([[40, 24]])), "shape must be [features, hidden_dim]"),
+        "indptr-2d": (lambda r: tamper_npz(r / enc, indptr=np.zeros((41, 1), np.int32)), "indptr must be a 1-D"),
+    }
+    for name, (tamper, message) in cases.items():
+        shutil.copytree(tmp_path / "good", tmp_path / name)
+        tamper(tmp_path / name)
+        rc, err = run_cli(capsys, ["sae-topk", "--root", tmp_path / name, "--dict", "d", "--layer", 0])
+        assert rc == 2 and message in err, (name, err)
+    # 2^24 empty features in a ~66 KB file: expanding them densely takes 2.5 GiB, refused before allocating
+    (tmp_path / "huge/d/layer_0").mkdir(parents=True)
+    meta = json.loads((tmp_path / "good/d/meta.json").read_text())
+    meta.update(feature_count=2**24, layer_ranges={"0": [0, 2**24]})
+    (tmp_path / "huge/d/meta.json").write_text(json.dumps(meta))
+    np.savez_compressed(tmp_path / "huge" / enc, data=np.zeros(0, np.float16), indices=np.zeros(0, np.int32),
+                        indptr=np.zeros(2**24 + 1, np.int32), shape=np.array([2**24, 24]))
+    assert (tmp_path / "huge" / enc).stat().st_size < 100_000
+    monkeypatch.setattr(lmprobe.allocator, "available_memory", lambda: 2**30)  # a machine with 1 GiB free
+    rc, err = run_cli(capsys, ["features", tmp_path / "ds", "--sae", tmp_path / "huge", "--dict", "d", "--layer", 0,
+                               "--out", tmp_path / "f1", "--quiet"])
+    assert rc == 2 and "16777216 x 24" in err and "1.5 GiB" in err and "1.0 GiB available" in err, err
+    monkeypatch.undo()
+    rc, err = run_cli(capsys, ["features", tmp_path / "ds", "--sae", tmp_path / "good", "--dict", "d", "--layer", 0,
+                               "--out", tmp_path / "f2", "--quiet", "--top", 10**9])
+    assert rc == 2 and "--top" in err, err
+    assert not (tmp_path / "f1").exists() and not (tmp_path / "f2").exists()
+    for prompt in (-99999, 6):
+        rc, err = run_cli(capsys, ["sae-topk", "--root", tmp_path / "good", "--dict", "d", "--layer", 0, "--dataset",
+                                   tmp_path / "ds", "--prompt", prompt])
+        assert rc == 2 and f"prompt {prompt} is not in" in err and "0..5" in err, err

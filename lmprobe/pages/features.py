@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..allocator import check_memory
 from ..atomic import atomic_output, atomic_write
 from ..display import escape_controls
 from ..errors import InvalidArgumentError, LmprobeError
@@ -161,6 +162,9 @@ def features(dataset: Any, sae_root: str | os.PathLike, dictionary: str, layer: 
     dct = load_dictionary(SAEConfig(root_path=sae_root, dictionary_name=dictionary, device="cpu", cache_layers=1))
     weights = dct.get_layer(layer)
     W = dense_encoder(weights)  # (features, dim) float32
+    # the running top-N of every feature (values, prompts, positions; twice while a batch merges) and its histogram
+    check_memory(W.shape[0] * (top * 20 * 2 + (len(HIST_EDGES) - 1) * 8 + 12),
+                 f"--top {top} over {W.shape[0]} features", fix="lower --top (top=)")
     if W.shape[1] != ds.hidden_desc(hookpoint).dim:
         raise InvalidArgumentError(f"dictionary {dictionary!r} layer {layer} reads {W.shape[1]}-dim vectors; the "
                                    f"dataset stores {ds.hidden_desc(hookpoint).dim}")

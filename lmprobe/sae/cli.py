@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ..errors import LmprobeError
+from ..errors import InvalidArgumentError, LmprobeError
 from .activation import describe
 from .loader import SAEConfig, encode_topk, load_dictionary, project_topk
 
@@ -36,6 +36,9 @@ def run_topk(args: argparse.Namespace) -> int:
         from ..opening import load  # datasets need numpy and pyarrow; the dictionary alone does not
 
         ds = load(args.dataset)
+        if not 0 <= args.prompt < ds.num_prompts:
+            raise InvalidArgumentError(f"prompt {args.prompt} is not in {args.dataset}: --prompt takes an index row, "
+                                       f"0..{ds.num_prompts - 1}")
         vec = ds.hidden(ds.check_layer(args.layer), rows=[args.prompt])[0]
         what = f"prompt {args.prompt} of {args.dataset}: {ds.texts[args.prompt][:60]!r}"
     else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import importlib
+import math
 import os
 import re
 import struct
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..allocator import check_memory
 from ..errors import DictionaryError, InvalidArgumentError, UnsafePathError
 from ..paths import resolve_inside
 from ..safeio import check_regular, read_json
@@ -197,18 +199,30 @@ def _to_layer(enc: dict, bias: Any, layer: int, where: str) -> SAELayerWeights:
     if missing:
         raise DictionaryError(f"{where}: encoder is missing key(s) {missing} (needs data, indices, indptr, shape)")
 
+    def ndim(v) -> int:  # a numpy array, or the pure-Python path's (values, shape)
+        return v.ndim if np is not None and hasattr(v, "dtype") else len(v[1])
+
     def flat(v):
         return v if np is not None and hasattr(v, "dtype") else v[0]
 
+    for name in ("data", "indices", "indptr", "shape", "bias"):
+        v = bias if name == "bias" else enc[name]
+        if v is not None and ndim(v) != 1:  # a 2-D bias would broadcast into a (features, features) score
+            shape = list(v.shape) if hasattr(v, "shape") else list(v[1])
+            raise DictionaryError(f"{where}: {name} must be a 1-D array, got shape {shape}" + (
+                "; shape must be [features, hidden_dim]" if name == "shape" else ""))
     data, indices, indptr, shape = (flat(enc[k]) for k in ("data", "indices", "indptr", "shape"))
-    shape = tuple(int(x) for x in (shape.tolist() if hasattr(shape, "tolist") else shape))
-    if len(shape) != 2 or min(shape) < 1:
-        raise DictionaryError(f"{where}: shape must be [features, hidden_dim], got {list(shape)}")
+    if len(shape) != 2 or any(isinstance(x, float) or not float(x).is_integer() for x in shape) \
+            or min(int(x) for x in shape) < 1:
+        raise DictionaryError(f"{where}: shape must be [features, hidden_dim], got {list(shape)[:4]}")
+    shape = tuple(int(x) for x in shape)
     if np is not None:
         for name, arr, want in (("data", data, ("float16", "float32")), ("indices", indices, ("int32",)),
                                 ("indptr", indptr, ("int32", "int64"))):
-            if str(arr.dtype) not in want or arr.ndim != 1:
+            if str(arr.dtype) not in want:
                 raise DictionaryError(f"{where}: {name} must be a 1-D {want[0]} array, got {arr.dtype} {arr.shape}")
+    _check_finite(data, f"{where}: {{n}} of the encoder's weights are not finite (NaN or infinity); the dictionary "
+                        "is damaged: export it again")
     rows, cols = shape
     if cols > MAX_HIDDEN_DIM:
         raise DictionaryError(f"{where}: hidden_dim {cols} is larger than any model's hidden size (lmprobe reads up to "
@@ -229,10 +243,26 @@ def _to_layer(enc: dict, bias: Any, layer: int, where: str) -> SAELayerWeights:
             raise DictionaryError(f"{where}: a column index is outside 0..{cols - 1}")
     if bias is not None:
         b = bias if np is not None and hasattr(bias, "dtype") else bias[0]
+        if np is not None and hasattr(b, "dtype") and b.dtype.kind != "f":
+            raise DictionaryError(f"{where}: bias must be a 1-D float16 array, got {b.dtype}")
         if len(b) != rows:
             raise DictionaryError(f"{where}: bias has {len(b)} entries, expected one per feature ({rows})")
+        _check_finite(b, f"{where}: {{n}} bias values are not finite (NaN or infinity); the dictionary is damaged: "
+                         "export it again")
         bias = b
     return SAELayerWeights(layer, data, indices, indptr, (rows, cols), bias)
+
+
+def _check_finite(values: Any, message: str) -> None:
+    """DictionaryError(``message`` with ``{n}`` the count) unless every value is finite: a NaN weight, bias or
+    threshold makes every score NaN, and a NaN never fires, so the SAE would silently say nothing."""
+    np = _numpy()
+    if np is not None and hasattr(values, "dtype"):
+        n = int(values.size - np.count_nonzero(np.isfinite(values)))
+    else:
+        n = sum(1 for v in values if not math.isfinite(v))
+    if n:
+        raise DictionaryError(message.format(n=n))
 
 
 class SAEDictionary:
@@ -339,8 +369,11 @@ class SAEDictionary:
                     t = t[0] if t is not None else None
         except (OSError, KeyError, ValueError, EOFError, struct.error) as exc:
             raise DictionaryError(f"{path}: cannot read the thresholds ({type(exc).__name__}: {exc})") from None
-        if t is None or len(t) != features or (np is not None and getattr(t, "ndim", 1) != 1):
-            raise DictionaryError(f"{path}: expected one threshold per feature ({features})")
+        if t is None or len(t) != features or (np is not None and getattr(t, "ndim", 1) != 1) \
+                or (np is not None and t.dtype.kind != "f"):
+            raise DictionaryError(f"{path}: expected one float threshold per feature ({features})")
+        _check_finite(t, f"{path}: {{n}} thresholds are not finite (NaN or infinity); the dictionary is damaged: "
+                         "export it again")
         return np.asarray(t, dtype=np.float32) if np is not None else [float(v) for v in t]
 
     def cached_layers(self) -> list[int]:
@@ -553,6 +586,9 @@ def dense_encoder(layer: SAELayerWeights):
     """The layer's W_enc as a dense float32 (features, hidden_dim) array, built once and cached."""
     np = _numpy()
     if layer._dense is None:
+        rows, cols = layer.shape  # from the file: a small one may claim millions of features
+        check_memory(rows * cols * 4, f"layer {layer.layer} as a dense {rows} x {cols} float32 matrix",
+                     fix="use a machine with more memory, or a dictionary with fewer features", error=DictionaryError)
         W = np.zeros(layer.shape, dtype=np.float32)
         rows = np.repeat(np.arange(layer.feature_count), np.diff(np.asarray(layer.indptr, dtype=np.int64)))
         W[rows, layer.indices] = layer.data.astype(np.float32)
