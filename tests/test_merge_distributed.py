@@ -58,7 +58,31 @@ def test_merge_refuses_mismatched_parts(tmp_path, rng, capsys):
     assert cli_main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")]) == 2
     assert "hidden_layers.dim is 5, part 0 has 4" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
-    assert cli_main(["merge", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "m")]) == 0
+
+
+def test_merge_refuses_a_part_given_twice(tmp_path, rng, capsys):
+    """A A, a part and its link or copy, or two extractions of the same prompts would hold every prompt twice
+    (probe folds then share prompts; issue 36, finding 5)."""
+    import shutil
+
+    write_dataset(tmp_path / "a", rng, n=4, layers=(0,), dim=4)
+    write_dataset(tmp_path / "b", rng, n=4, layers=(0,), dim=4)
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    for run in ("x1", "x2"):
+        lmprobe.extract("lmprobe-tiny", f, out=tmp_path / run, layers="0", quiet=True)
+    cases = [(["a", "a"], "parts 0 and 1 are the same dataset"), (["a", "b", "link"], "parts 0 and 2 are the same"),
+             (["b", "copy", "a"], "parts 1 and 2 are the same"), (["x1", "x2"], "parts 0 and 1 were extracted from "
+                                                                               "the same prompts")]
+    for parts, message in cases:
+        assert cli_main(["merge", *[str(tmp_path / p) for p in parts], "--out", str(tmp_path / "m")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "every prompt twice" in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "m").exists()
+    assert cli_main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")]) == 0
+    assert lmprobe.load(tmp_path / "m").num_prompts == 8
 
 
 def test_torchrun_two_processes_equal_one(llama_dir, tmp_path):

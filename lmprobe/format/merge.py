@@ -70,6 +70,24 @@ def _compatible(parts: list[Dataset]) -> list[str]:
     return problems
 
 
+def _repeated(parts: list[Dataset]) -> str | None:
+    """Two parts that hold the same prompts: the same dataset (a part given twice, its link or its copy: the
+    same identity), or two extractions of the same prompts with the same settings (the same prompts_sha256)."""
+    seen: dict[str, int] = {}
+    for i, ds in enumerate(parts):
+        if ds.identity in seen:
+            return f"parts {seen[ds.identity]} and {i} are the same dataset ({parts[seen[ds.identity]].source}, {ds.source})"
+        seen[ds.identity] = i
+    seen = {}
+    for i, ds in enumerate(parts):
+        fp = ((ds.info.get("extraction") or {}).get("settings") or {}).get("prompts_sha256")
+        if isinstance(fp, str) and fp in seen:
+            return f"parts {seen[fp]} and {i} were extracted from the same prompts (prompts_sha256 {fp[:12]}...)"
+        if isinstance(fp, str):
+            seen[fp] = i
+    return None
+
+
 def _link(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists() and os.path.samefile(src, dst):
@@ -98,6 +116,10 @@ def merge_datasets(parts: list[Any], out: str | os.PathLike, *, overwrite: bool 
     problems = _compatible(dss)
     if problems:
         raise FormatError("cannot merge these datasets: " + "; ".join(problems))
+    twice = _repeated(dss)
+    if twice:
+        raise InvalidArgumentError(f"cannot merge these datasets: {twice}: the merge would hold every prompt twice "
+                                   "(and probe folds would share prompts); pass each part once")
     out = check_output_path(out, "merge output")
     for ds in dss:  # writing into an input would overwrite shards before they are read
         if isinstance(ds.files, LocalFiles) and not move:  # moving parts in (torchrun's own parts) reads nothing twice
