@@ -12,6 +12,8 @@ from conftest import write_dataset
 
 import lmprobe
 from lmprobe.cli import main as cli_main
+from lmprobe.errors import AttachmentError
+from lmprobe.publish.attachments import publish_attachment
 from lmprobe.sae import SAEConfig, load_dictionary, project_topk
 from lmprobe.sae.export import export_sae
 from lmprobe.saev import SaevDataset, export_saev
@@ -157,3 +159,39 @@ def test_info_lists_the_parts_published_beside_the_dataset(hub, bundle, capsys):
         out = capsys.readouterr().out
         assert f"saev/        saev/{saev.name}/: saev export (layers [3], " in out
         assert "sae/         sae/tiny-sae/: SAE dictionary (layers [3], 20 features)" in out
+
+
+def test_a_saev_export_of_replaced_data_is_not_published_beside_it(hub, tmp_path, rng, capsys):
+    """export-saev into DS/saev, then `extract --overwrite` with other prompts: the export no longer belongs to DS;
+    validate, push and export-saev --push say so instead of publishing it (issue 36, finding 3)."""
+    import shutil
+
+    ds_path = tmp_path / "ds"
+    kw = dict(n=12, layers=(0,), dim=4, storage="full_sequence", min_tokens=3, max_tokens=6)
+    write_dataset(ds_path, rng, **kw)
+    saev = export_saev(ds_path, ds_path / "saev", layers=[0], context_len=3, patches_per_shard=30, quiet=True)
+    shutil.copytree(saev, tmp_path / "kept" / saev.name)
+    assert lmprobe.validate(ds_path).ok
+    write_dataset(ds_path, rng, overwrite=True, **kw)  # the dataset re-extracted in place, other values
+    assert saev.exists()  # the export is the user's: not deleted, but it describes the old data
+    assert cli_main(["validate", str(ds_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"saev/{saev.name}" in out and "another dataset, or an earlier version of this one" in out, out
+    repo = repo_name()
+    assert cli_main(["push", str(ds_path), repo, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "export-saev" in err and len(err.splitlines()) == 1, err
+    assert ("dataset", repo) not in hub.state.repos  # refused before anything was sent
+    shutil.rmtree(saev)
+    assert cli_main(["push", str(ds_path), repo, "--quiet"]) == 0
+    # publishing the old export beside the new data in the Hub repo is refused too
+    assert cli_main(["push", str(ds_path), repo, "--quiet", "--saev", str(tmp_path / "kept" / saev.name)]) == 2
+    assert "export-saev" in capsys.readouterr().err
+    with pytest.raises(AttachmentError, match="another dataset"):  # export-saev --push: into the repo directly
+        publish_attachment(repo, tmp_path / "kept" / saev.name, "saev")
+    assert not any(f.startswith("saev/") for f in hub.files(repo))
+    # an export of the data as it is now validates and publishes
+    fresh = export_saev(ds_path, ds_path / "saev", layers=[0], context_len=3, patches_per_shard=30, quiet=True)
+    assert lmprobe.validate(ds_path).ok
+    assert cli_main(["push", str(ds_path), repo, "--quiet"]) == 0
+    assert f"saev/{fresh.name}/metadata.json" in hub.files(repo)

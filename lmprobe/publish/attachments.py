@@ -18,17 +18,17 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from ..atomic import atomic_output, atomic_write, move_into_place
-from ..errors import AttachmentError, DictionaryError, FormatError, SaevError
+from ..errors import AttachmentError, DictionaryError, FormatError, LmprobeError, SaevError
 from ..format import card
 from ..format.metadata import decode_schema_metadata, recorded_attachments
-from ..format.reader import Dataset
+from ..format.reader import Dataset, open_local
 from ..format.spec import ATTACHMENT_KINDS, CARD_PATH, INDEX_PATH
 from ..format.validate import Report
 from ..lock import OutputLock
 from ..opening import load
 from ..paths import resolve_inside
 from ..sae.loader import SAEConfig, load_dictionary, validate_dictionary
-from ..saev import read_saev_metadata, validate_saev
+from ..saev import read_saev_metadata, recorded_source_hash, source_index_hash, validate_saev
 from .commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, RepoFile, push_policy
 
 KINDS = ATTACHMENT_KINDS
@@ -37,12 +37,17 @@ METADATA_KEY = b"lmprobe:attachments"
 LEGACY_METADATA_KEY = b"lmprobe:extras"
 
 
-def describe_saev(d: Path) -> dict:
-    """The index's record of a saev export folder (validated first)."""
+def describe_saev(d: Path, dataset: Dataset | None = None) -> dict:
+    """The index's record of a saev export folder (validated first; with ``dataset``, checked to be an export of it)."""
     problems = validate_saev(d)
     if problems:
         raise AttachmentError(f"{d} is not a valid saev export: {'; '.join(problems)}")
     m = read_saev_metadata(d)  # a saev 2.1 folder's keys under the 2.0 names
+    recorded = recorded_source_hash(m)  # None: written by saev itself or another tool, nothing to compare
+    if dataset is not None and recorded is not None and recorded != source_index_hash(dataset):
+        raise AttachmentError(f"{d} was exported from another dataset, or an earlier version of this one "
+                              f"({dataset.source} has other texts or shards since): export it again "
+                              "(`lmprobe export-saev`), or move it out of the dataset")
     return {"path": f"{SAEV_DIR}/{d.name}", "layers": m["layers"], "context_len": m["patches_per_ex"],
             "n_ex": m["n_ex"], "d_model": m["d_model"]}
 
@@ -57,19 +62,25 @@ def describe_sae(root: Path, name: str) -> dict:
             "model_hash": dct.meta["model_hash"]}
 
 
-def describe(folder: Path, kind: str) -> dict:
-    return describe_saev(folder) if kind == SAEV_DIR else describe_sae(folder.parent, folder.name)
+def describe(folder: Path, kind: str, dataset: Dataset | None = None) -> dict:
+    """The index's record of an attachment; ``dataset``: the one it is to be published beside (a saev export must
+    be an export of it)."""
+    return describe_saev(folder, dataset) if kind == SAEV_DIR else describe_sae(folder.parent, folder.name)
 
 
-def scan_attachments(root: str | os.PathLike) -> dict[str, list[dict]]:
-    """Describe the saev exports and SAE dictionaries in ``root/saev`` and ``root/sae``; validate each."""
+def attachment_folders(root: str | os.PathLike) -> list[tuple[str, Path]]:
+    """(kind, folder) of every saev export and SAE dictionary in ``root/saev`` and ``root/sae``."""
     root = Path(root)
+    return [(kind, d) for kind in KINDS if (root / kind).is_dir()
+            for d in sorted((root / kind).iterdir()) if not d.name.startswith(".")]
+
+
+def scan_attachments(root: str | os.PathLike, dataset: Dataset | None = None) -> dict[str, list[dict]]:
+    """Describe the saev exports and SAE dictionaries in ``root/saev`` and ``root/sae``; validate each (and, with
+    ``dataset``, check that each saev export was made from it)."""
     out: dict[str, list[dict]] = {SAEV_DIR: [], SAE_DIR: []}
-    for kind in KINDS:
-        base = root / kind
-        for d in sorted(base.iterdir()) if base.is_dir() else []:
-            if not d.name.startswith("."):
-                out[kind].append(describe(d, kind))
+    for kind, d in attachment_folders(root):
+        out[kind].append(describe(d, kind, dataset))
     return out
 
 
@@ -190,8 +201,14 @@ def attach(root: str | os.PathLike, attachments: dict[str, list[dict]], repo: st
 
 
 def validate_attachments(root: str | os.PathLike, info: dict[str, Any], rep: Report) -> None:
-    """Add to ``rep`` every problem of the attachments a local dataset's metadata records."""
+    """Add to ``rep`` every problem of the attachments a local dataset's metadata records, and of those in its
+    ``saev/`` and ``sae/`` folders (what `push` would publish): each valid, and each saev export made from it."""
     root = Path(root)
+    try:
+        dataset: Dataset | None = open_local(root)
+    except LmprobeError:  # the dataset's own problems are in the report already
+        dataset = None
+    folders: dict[Path, str] = {}
     for kind, items in recorded_attachments(info).items():
         for item in items:
             rel = item.get("path")
@@ -203,10 +220,14 @@ def validate_attachments(root: str | os.PathLike, info: dict[str, Any], rep: Rep
             if not folder.is_dir():
                 rep.warnings.append(f"{rel}/ is recorded in lmprobe:attachments but not in this folder (a partial copy?)")
                 continue
-            try:
-                describe(folder, kind)
-            except (AttachmentError, SaevError, DictionaryError) as exc:
-                rep.errors.append(str(exc))
+            folders[folder] = kind
+    for kind, d in attachment_folders(root):
+        folders.setdefault(d.resolve(), kind)
+    for folder, kind in folders.items():
+        try:
+            describe(folder, kind, dataset)
+        except (AttachmentError, SaevError, DictionaryError) as exc:
+            rep.errors.append(str(exc))
 
 
 def publish_attachment(repo_id: str, local: str | os.PathLike, kind: str, *, token: str | None = None,
@@ -217,8 +238,8 @@ def publish_attachment(repo_id: str, local: str | os.PathLike, kind: str, *, tok
     last commit, so the entry point only ever lists complete parts.
     """
     local = Path(local)
-    item = describe(local, kind)
     ds: Dataset = load(repo_id, token=token)  # the dataset must be there: it is the entry point
+    item = describe(local, kind, ds)  # a saev export must be an export of that dataset
     committer = HubCommitter(repo_id, token=token, policy=push_policy(base_wait=base_wait), quiet=quiet)
     files = [RepoFile(f"{item['path']}/{p.relative_to(local).as_posix()}", p) for p in part_files(local)]
     attachments = recorded_attachments(ds.info)

@@ -11,7 +11,15 @@ from ..errors import InvalidArgumentError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..storage.hub import check_repo_id
-from .attachments import SAE_DIR, SAEV_DIR, add_attachment, attach, attachment_files, scan_attachments
+from .attachments import (
+    SAE_DIR,
+    SAEV_DIR,
+    add_attachment,
+    attach,
+    attachment_files,
+    describe,
+    scan_attachments,
+)
 from .commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, RepoFile, push_policy
 
 
@@ -51,12 +59,16 @@ def push_to_hub(
     if commit_files < 1:
         raise InvalidArgumentError("commit_files must be >= 1")
     root = Path(path)
-    shards = dataset_files(open_local(root))  # loads and checks the metadata before anything is sent
+    ds = open_local(root)
+    shards = dataset_files(ds)  # loads and checks the metadata before anything is sent
+    for kind, folders in ((SAEV_DIR, saev), (SAE_DIR, sae)):
+        for folder in folders:  # checked before it is copied in: a refused part is not left in the dataset
+            describe(Path(os.path.realpath(folder)), kind, ds)  # "." has no name of its own
     for folder in saev:
         add_attachment(root, folder, SAEV_DIR)
     for folder in sae:
         add_attachment(root, folder, SAE_DIR)
-    attachments = scan_attachments(root)  # validates every attachment before anything is sent
+    attachments = scan_attachments(root, ds)  # validates every attachment before anything is sent
     attach(root, attachments, repo_id)
     shards += [RepoFile(rel, p) for rel, p in attachment_files(root, attachments)]
     last = [RepoFile(CARD_PATH, root / CARD_PATH), RepoFile(INDEX_PATH, root / INDEX_PATH)]

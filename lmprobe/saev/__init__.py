@@ -16,7 +16,7 @@ in field order). Both hash the metadata the way that saev commit does, so saev's
 """
 
 from ..errors import SaevError
-from .export import export_saev
+from .export import export_saev, source_index_hash
 from .protocol import (
     COMPAT,
     DEFAULT_PATCHES_PER_SHARD,
@@ -26,10 +26,11 @@ from .protocol import (
     ex_per_shard,
     metadata_hash,
     read_saev_metadata,
+    recorded_source_hash,
     shard_sizes,
 )
 from .reader import SaevDataset, is_saev_folder, validate_saev
 
 __all__ = ["COMPAT", "DEFAULT_PATCHES_PER_SHARD", "PROTOCOL", "SaevDataset", "SaevError", "canonical_metadata",
            "compat_mode", "ex_per_shard", "export_saev", "is_saev_folder", "metadata_hash", "read_saev_metadata",
-           "shard_sizes", "validate_saev"]
+           "recorded_source_hash", "shard_sizes", "source_index_hash", "validate_saev"]

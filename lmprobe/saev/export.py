@@ -203,7 +203,7 @@ def export_saev(
         print(f"note: {source_desc} stores no token ids, so tokens.bin is not written (extract with --token-ids "
               "to have it)", file=sys.stderr)
     plan = _plan(ds, source_desc, layers=layer_list, context_len=context_len, patches_per_shard=patches_per_shard,
-                 drop_first_token=drop_first_token, with_tokens=with_tokens, index_sha256=_index_hash(ds),
+                 drop_first_token=drop_first_token, with_tokens=with_tokens, index_sha256=source_index_hash(ds),
                  saev_compat=saev_compat, hookpoint=hookpoint)
     final = out / plan.hash
     check_output_path(out, "export folder")
@@ -377,8 +377,12 @@ def _write_chunk(f: Any, block: np.ndarray, conversion: Future | None, n: int) -
     f.write(memoryview(block[:n]).cast("B"))
 
 
-def _index_hash(ds: Any) -> str:
-    """Identifies the source data: its tensor descriptors (with per-file sha256 when recorded) and texts."""
+def source_index_hash(ds: Any) -> str:
+    """Identifies the source data: its tensor descriptors (with per-file sha256 when recorded) and texts.
+
+    An export records it as ``data.source_index_sha256``: a dataset re-extracted in place (other
+    prompts or values) no longer has it, so an export left in its folder is known not to belong.
+    """
     h = hashlib.sha256()
     h.update(json.dumps(ds.info.get("tensors"), sort_keys=True).encode())
     for t in ds.texts:

@@ -66,6 +66,18 @@ def canonical_metadata(m: dict) -> dict:
     return {RENAMED_21.get(k, k): v for k, v in m.items()}
 
 
+def recorded_source_hash(m: dict) -> str | None:
+    """The ``data.source_index_sha256`` an lmprobe export records (``data`` is JSON text in 2.1), else None."""
+    data = m.get("data")
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except ValueError:
+            return None
+    h = data.get("source_index_sha256") if isinstance(data, dict) else None
+    return h if isinstance(h, str) else None
+
+
 def read_saev_metadata(folder: str | os.PathLike) -> dict:
     """A saev folder's metadata.json under the protocol 2.0 key names (2.1 folders' keys renamed)."""
     return canonical_metadata(read_json(file_inside(Path(folder), "metadata.json"), error=SaevError))
