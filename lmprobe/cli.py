@@ -87,8 +87,8 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     if args.layers not in (None, "all") and args.only in (None, "dataset"):
         layers = _stored_layers(args.layers, load(args.repo, revision=args.revision, token=args.token).layers)
     hookpoints = [h.strip() for h in args.hookpoints.split(",") if h.strip()] if args.hookpoints else None
-    api.pull(args.repo, args.out, layers=layers, hookpoints=hookpoints, logits=not args.no_logits, revision=args.revision, token=args.token,
-         quiet=args.quiet, only=args.only)
+    api.pull(args.repo, args.out, layers=layers, hookpoints=hookpoints, logits=not args.no_logits, revision=args.revision,
+             token=args.token, quiet=args.quiet, only=args.only, overwrite=args.overwrite)
     return 0
 
 
@@ -348,13 +348,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("pull", help="copy the index and some layers of a Hub dataset to a local folder")
     p.add_argument("repo", metavar="REPO", help="OWNER/NAME or hf://datasets/OWNER/NAME")
-    p.add_argument("--out", required=True, metavar="DIR", help="local folder to copy into (a re-run resumes)")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder, or an earlier pull of REPO "
+                   "(a re-run resumes; more --layers extend it)")
     p.add_argument("--layers", default="all", help="layers to fetch: all, '16', '0,8,-1', '10:20'")
     p.add_argument("--hookpoints", default=None, help="hookpoints to fetch, a comma list (default: all stored)")
     p.add_argument("--no-logits", action="store_true", help="do not fetch the logits shards")
     p.add_argument("--only", default=None, metavar="PART",
                    help="dataset (default), saev, sae, or a path such as saev/<HASH>: fetch just that part")
     p.add_argument("--revision", default=None, help="branch, tag or commit of the dataset repo (default: main)")
+    p.add_argument("--overwrite", action="store_true", help="replace an lmprobe dataset in DIR that is not a copy "
+                   "of REPO (a local extraction, a copy of another repo)")
     _add_token_option(p)
     _add_quiet_option(p)
     p.set_defaults(func=_cmd_pull)

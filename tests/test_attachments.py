@@ -35,6 +35,13 @@ def bundle(tmp_path, rng):
     return ds_path, src, saev
 
 
+def repo_name_of_other(hub, ds_path) -> str:
+    """Another repo holding the same parts."""
+    repo = repo_name()
+    lmprobe.push_to_hub(ds_path, repo, quiet=True)
+    return repo
+
+
 def _gets(hub, start, prefix):
     return [p for m, p in hub.log[start:] if m == "GET" and "/resolve/" in p and prefix in p]
 
@@ -96,10 +103,16 @@ def test_pull_only_one_part(hub, bundle, tmp_path):
     repo = repo_name()
     lmprobe.push_to_hub(ds_path, repo, quiet=True)
     assert cli_main(["pull", repo, "--only", "saev", "--out", str(tmp_path / "p"), "--quiet"]) == 0
-    got = sorted(p.relative_to(tmp_path / "p").as_posix() for p in (tmp_path / "p").rglob("*") if p.is_file())
+    got = sorted(p.relative_to(tmp_path / "p").as_posix() for p in (tmp_path / "p").rglob("*")
+                 if p.is_file() and p.name != ".lmprobe-pull.json")  # where the part came from, for a re-run
     assert got and all(g.startswith(f"saev/{saev.name}/") for g in got)
     assert SaevDataset(tmp_path / "p/saev" / saev.name).n_ex == SaevDataset(saev).n_ex
     assert cli_main(["pull", repo, "--only", "sae", "--out", str(tmp_path / "q"), "--quiet"]) == 0
+    assert load_dictionary(SAEConfig(root_path=tmp_path / "q/sae", dictionary_name="tiny-sae")).layers == [3]
+    # a part goes into a new or empty folder, or a copy of the same repo, never over the user's own files
+    assert cli_main(["pull", repo, "--only", "saev", "--out", str(tmp_path / "q"), "--quiet"]) == 0
+    assert cli_main(["pull", repo_name_of_other(hub, ds_path), "--only", "sae", "--out", str(tmp_path / "q"),
+                     "--quiet"]) == 2
     assert load_dictionary(SAEConfig(root_path=tmp_path / "q/sae", dictionary_name="tiny-sae")).layers == [3]
 
 

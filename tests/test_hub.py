@@ -321,3 +321,88 @@ def test_credentials_in_hf_endpoint_are_never_printed(hub, dataset, tmp_path, mo
     url = push_to_hub(path, repo_name())
     out = capsys.readouterr()
     assert key not in url + out.out + out.err and f"http://***@127.0.0.1:{hub.url.rsplit(':', 1)[1]}" in url
+
+
+# ---------------------------------------------------------------------------------------------- pull into a folder
+
+
+def tree(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_pull_refuses_a_folder_that_is_not_a_copy_of_the_repo(hub, dataset, tmp_path, rng, capsys):
+    """Pulling into the user's own folder replaced their README and their extraction without a word
+    (issue 36, finding 1): like extract, merge and the exports, pull refuses a non-empty output."""
+    path, src = dataset
+    repo, other = repo_name(), repo_name()
+    push_to_hub(path, repo, quiet=True)
+    push_to_hub(path, other, quiet=True)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "README.md").write_text("my own notes\n")
+    mine = tmp_path / "mine"
+    write_dataset(mine, rng, n=5, layers=(0,), dim=8)
+    copy_of_other = tmp_path / "copy-of-other"
+    assert cli_main(["pull", other, "--layers", "0", "--out", str(copy_of_other), "--quiet"]) == 0
+    cases = [(notes, "is not empty and is not a copy of"), (mine, "holds an lmprobe dataset"),
+             (copy_of_other, f"holds a copy of {other}")]
+    for folder, message in cases:
+        before = tree(folder)
+        assert cli_main(["pull", repo, "--out", str(folder), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and f"not a copy of {repo}" in err and len(err.splitlines()) == 1, err
+        assert tree(folder) == before  # nothing replaced, nothing added
+    assert cli_main(["pull", repo, "--out", str(notes), "--overwrite", "--quiet"]) == 2  # it replaces datasets only
+    assert "is not empty and is not a copy of" in capsys.readouterr().err
+    assert tree(notes) == {"README.md": b"my own notes\n"}
+    # --overwrite replaces a dataset (a local extraction, or a copy of another repo), as extract --overwrite does
+    for folder in (mine, copy_of_other):
+        assert cli_main(["pull", repo, "--out", str(folder), "--quiet", "--overwrite"]) == 0
+        np.testing.assert_array_equal(lmprobe.load(folder).hidden(5), src["hidden"][5])
+        assert lmprobe.validate(folder).ok
+    # an earlier pull of the same repo is resumed and extended, as before
+    assert cli_main(["pull", repo, "--out", str(mine), "--quiet"]) == 0
+
+
+def test_pulling_more_layers_after_a_new_push_never_mixes_versions(hub, tmp_path, rng, capsys):
+    """Pull layer 0, the repo is pushed again, pull layer 2 into the same copy: the copy held the new index
+    with the old layer's shards, and ds.hidden(0) returned other prompts' vectors (issue 36, finding 2)."""
+    from huggingface_hub import HfApi
+
+    old, new, fewer = tmp_path / "old", tmp_path / "new", tmp_path / "fewer"
+    src_old = write_dataset(old, rng, n=30, layers=(0, 2), dim=8, shard_size="160B", logits_k=3)
+    src_new = write_dataset(new, rng, n=30, layers=(0, 2), dim=8, shard_size="160B", logits_k=3)  # same shard names
+    src_fewer = write_dataset(fewer, rng, n=9, layers=(0, 2), dim=8, shard_size="160B", logits_k=3)
+    repo = repo_name()
+    push_to_hub(old, repo, quiet=True)
+    first = HfApi().repo_info(repo, repo_type="dataset").sha
+    local = tmp_path / "local"
+    assert cli_main(["pull", repo, "--layers", "0", "--out", str(local), "--quiet"]) == 0
+    assert json.loads((local / ".lmprobe-pull.json").read_text()) == {"repo": repo, "revision": first}
+    push_to_hub(new, repo, quiet=True)  # the repo moves on: other prompts, the same file names
+    second = HfApi().repo_info(repo, repo_type="dataset").sha
+    capsys.readouterr()
+    assert cli_main(["pull", repo, "--layers", "2", "--out", str(local)]) == 0
+    out = capsys.readouterr().out
+    ds = lmprobe.load(local)
+    np.testing.assert_array_equal(ds.hidden(0), src_new["hidden"][0])  # the layer already here, updated
+    np.testing.assert_array_equal(ds.hidden(2), src_new["hidden"][2])
+    np.testing.assert_array_equal(ds.logits_topk()[0], src_new["lv"])
+    assert lmprobe.validate(local).ok
+    assert f"changed since {local} was pulled" in out and "layers [0]" in out, out
+    assert json.loads((local / ".lmprobe-pull.json").read_text()) == {"repo": repo, "revision": second}
+    # adding a layer of the version a copy holds: --revision pins it
+    pinned = tmp_path / "pinned"
+    assert cli_main(["pull", repo, "--layers", "0", "--out", str(pinned), "--revision", first, "--quiet"]) == 0
+    assert cli_main(["pull", repo, "--layers", "2", "--out", str(pinned), "--revision", first, "--quiet"]) == 0
+    np.testing.assert_array_equal(lmprobe.load(pinned).hidden(0), src_old["hidden"][0])
+    np.testing.assert_array_equal(lmprobe.load(pinned).hidden(2), src_old["hidden"][2])
+    # moving it to a newer version with fewer shards updates what it holds and removes the shards no longer listed
+    push_to_hub(fewer, repo, quiet=True)
+    assert cli_main(["pull", repo, "--layers", "0", "--out", str(pinned), "--no-logits", "--quiet"]) == 0
+    ds = lmprobe.load(pinned)
+    np.testing.assert_array_equal(ds.hidden(2), src_fewer["hidden"][2])
+    np.testing.assert_array_equal(ds.logits_topk()[0], src_fewer["lv"])
+    here = {p.relative_to(pinned).as_posix() for p in (pinned / "tensors").rglob("*") if p.is_file()}
+    assert here == {r.rel for r in ds.meta.files()}  # both layers and the logits, of this version only
+    assert lmprobe.validate(pinned).ok

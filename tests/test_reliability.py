@@ -163,9 +163,9 @@ def test_an_interrupted_pull_over_an_earlier_one_never_pairs_old_index_and_new_s
     write_dataset(old, rng, n=12, layers=(0, 1), shard_size="96B")
     write_dataset(new, rng, n=12, layers=(0, 1), shard_size="96B")
     lmprobe.push_to_hub(old, "tester/pull-a", quiet=True)
-    lmprobe.push_to_hub(new, "tester/pull-b", quiet=True)
     dst = tmp_path / "local"
     lmprobe.pull("tester/pull-a", dst, quiet=True)
+    lmprobe.push_to_hub(new, "tester/pull-a", quiet=True)  # the repo pushed again: the same names, other values
     copies = []
     real = pull_mod._copy_into
 
@@ -177,13 +177,14 @@ def test_an_interrupted_pull_over_an_earlier_one_never_pairs_old_index_and_new_s
 
     monkeypatch.setattr(pull_mod, "_copy_into", dying)
     with pytest.raises(KeyboardInterrupt):
-        lmprobe.pull("tester/pull-b", dst, quiet=True)
+        lmprobe.pull("tester/pull-a", dst, quiet=True)
     monkeypatch.setattr(pull_mod, "_copy_into", real)
     # the folder is visibly incomplete, never a mix that reads
     with pytest.raises(LmprobeError, match="unfinished|no lmprobe dataset|missing"):
         lmprobe.load(dst).hidden(0)
-    lmprobe.pull("tester/pull-b", dst, quiet=True)
+    lmprobe.pull("tester/pull-a", dst, quiet=True)
     np.testing.assert_array_equal(lmprobe.load(dst).hidden(1), lmprobe.load(new).hidden(1))
+    np.testing.assert_array_equal(lmprobe.load(dst).hidden(0), lmprobe.load(new).hidden(0))
 
 
 # ---------------------------------------------------------------------------------------------- 7. shape overflow
