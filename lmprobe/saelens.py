@@ -200,7 +200,9 @@ def _write_cache(ds: Dataset, plan: ExportPlan, out: Path, with_tokens: bool, qu
     from tqdm.auto import tqdm
 
     partial = out.parent / f".{out.name}.partial"
-    if partial.exists():
+    if partial.is_symlink() or (partial.exists() and not partial.is_dir()):
+        partial.unlink()  # not an export's folder, but in its way: a link goes (never followed), its target stays
+    elif partial.exists():
         shutil.rmtree(partial)  # an interrupted export's files; this one writes them all again
     partial.mkdir(parents=True)
     schema = _schema(plan.hook, plan.context, plan.d_in, with_tokens)

@@ -279,3 +279,27 @@ def test_import_a_cache_folder_uploaded_to_the_hub_as_it_is(tmp_path, source, hu
     HfApi().upload_folder(repo_id=repo, repo_type="dataset", folder_path=str(cache))
     ds = lmprobe.load(import_saelens(repo, tmp_path / "imported", model_name="test/model", quiet=True))
     np.testing.assert_array_equal(np.stack([ds.token_hidden(i, 0) for i in range(12)]), windows(src, 0))
+
+
+# ---------------------------------------------------------------------------------------------- hostile caches
+
+
+@pytest.mark.parametrize("stale", ["file", "symlink", "dangling symlink"])
+def test_export_replaces_a_stale_partial_of_any_kind(tmp_path, source, stale):
+    """A `.NAME.partial` that is a file or a symlink gave a traceback (issue 36, finding 14); a link is removed,
+    never followed."""
+    path, src = source
+    partial = tmp_path / ".cache.partial"
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    if stale == "file":
+        partial.write_text("junk")
+    else:
+        partial.symlink_to(target if stale == "symlink" else tmp_path / "nowhere")
+    out = export_saelens(path, tmp_path / "cache", layer=1, quiet=True)
+    _, batches = read_cache(out)
+    acts = np.array(pa.Table.from_batches(batches).column(0).to_pylist(), dtype=np.float32)
+    np.testing.assert_array_equal(acts, windows(src, 1))
+    assert not os.path.lexists(partial) and (target / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in target.iterdir()) == ["keep.txt"]
