@@ -135,7 +135,7 @@ def _cmd_export_saelens(args: argparse.Namespace) -> int:
 
 def _cmd_import_saelens(args: argparse.Namespace) -> int:
     import_saelens(args.cache, args.out, model_name=args.model_name, revision=args.revision, token=args.token,
-                   quiet=args.quiet)
+                   overwrite=args.overwrite, quiet=args.quiet)
     return 0
 
 
@@ -453,9 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("import-saelens", help="write a SAELens activation cache (folder or Hub repo) as a dataset")
     p.add_argument("cache", metavar="CACHE", help="a SAELens cache folder, or a Hub dataset repo (owner/name)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the lmprobe dataset to write")
+    p.add_argument("--out", required=True, metavar="DIR", help="the lmprobe dataset to write (an interrupted "
+                   "import is resumed by the same command)")
     p.add_argument("--model-name", default=None, help="the model to record (default: the runner config's, else unknown)")
     p.add_argument("--revision", default=None, help="Hub revision of CACHE")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset (or a partial import of another "
+                   "cache) in DIR")
     _add_token_option(p)
     _add_quiet_option(p)
     p.set_defaults(func=_cmd_import_saelens)
@@ -520,6 +523,7 @@ _RESUMES = {
     "features": "run the same command again to resume from the last checkpoint",
     "push": "run the same command again: files already on the Hub are not sent again",
     "pull": "run the same command again: files already here are not fetched again",
+    "import-saelens": "run the same command again to resume from the last checkpoint (--overwrite starts over)",
 }
 
 

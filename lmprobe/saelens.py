@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from .atomic import atomic_write, move_into_place
-from .display import escape_controls
+from .display import escape_controls, one_line
 from .errors import SaelensError, UnsafePathError
 from .format.reader import Dataset
 from .format.writer import DatasetWriter
@@ -265,9 +265,17 @@ class CacheInfo:
     d_in: int
     has_tokens: bool
     model_name: str | None
+    dtype: str = "float32"  # the activations' declared dtype
+    token_dtype: str | None = None  # token_ids' declared integer dtype
+    identity: str = ""  # what a resumed import checks it is reading the same cache (names, sizes or commit)
 
 
-def _features_of(features: Any, where: str) -> tuple[str, int, int, bool]:
+_FLOATS = ("float32", "float16", "float64")
+_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def _features_of(features: Any, where: str) -> tuple[str, int, int, str, str | None]:
+    """(hook, context, d_in, activation dtype, token_ids dtype or None) that dataset_info.json declares."""
     if not isinstance(features, dict):
         raise SaelensError(f"{where}: features must be an object")
     arrays = [k for k, v in features.items() if isinstance(v, dict) and v.get("_type") == "Array2D"]
@@ -280,9 +288,18 @@ def _features_of(features: Any, where: str) -> tuple[str, int, int, bool]:
                                                                   and 0 < x < 2**24 for x in shape)):
         raise SaelensError(f"{where}: {escape_controls(hook)!r} shape must be [context_size, d_in], got "
                            f"{escape_controls(shape)}")
-    if dtype not in ("float32", "float16", "float64"):
+    if dtype not in _FLOATS:
         raise SaelensError(f"{where}: activation dtype {escape_controls(dtype)!r} is not float32, float16 or float64")
-    return hook, shape[0], shape[1], "token_ids" in features
+    tok = features.get("token_ids")
+    if tok is None:
+        return hook, shape[0], shape[1], dtype, None
+    inner = tok.get("feature") if isinstance(tok, dict) else None
+    length = tok.get("length", -1) if isinstance(tok, dict) else None
+    if (not isinstance(inner, dict) or tok.get("_type") not in ("List", "Sequence") or inner.get("_type") != "Value"
+            or inner.get("dtype") not in _INTS or length not in (-1, shape[0])):
+        raise SaelensError(f"{where}: token_ids must be a List of integer Values of length {shape[0]}, got "
+                           f"{escape_controls(json.dumps(tok)[:200])}")
+    return hook, shape[0], shape[1], dtype, inner["dtype"]
 
 
 def read_cache_info(cache: str | os.PathLike, *, revision: str | None = None, token: str | bool | None = None
@@ -293,9 +310,10 @@ def read_cache_info(cache: str | os.PathLike, *, revision: str | None = None, to
         state = read_json(_inside(p, "state.json"), what=f"{p}/state.json", error=SaelensError)
         info = read_json(_inside(p, "dataset_info.json"), what=f"{p}/dataset_info.json", error=SaelensError)
         names = _data_files(state, f"{p}/state.json")
-        for name in names:
-            _inside(p, name)  # present, a regular file, inside the folder
-        return _cache_info(str(p), names, lambda name: _inside(p, name), False, info, f"{p}/dataset_info.json", None)
+        sizes = [_inside(p, name).stat().st_size for name in names]  # present, regular files inside the folder
+        identity = [os.path.realpath(p), names, sizes, state.get("_fingerprint")]
+        return _cache_info(str(p), names, lambda name: _inside(p, name), False, info, f"{p}/dataset_info.json", None,
+                           identity)
     ref = parse_dataset_ref(cache, revision)
     if ref is None:
         raise SaelensError(f"{cache} is neither a folder nor a Hub dataset repo (owner/name)")
@@ -326,11 +344,13 @@ def _data_files(state: Any, where: str) -> list[str]:
 
 
 def _cache_info(source: str, files: list[str], fetch: Callable[[str], Path], parquet: bool, info: Any, where: str,
-                model_name: str | None) -> CacheInfo:
+                model_name: str | None, identity: Any) -> CacheInfo:
     features = info.get("features") if isinstance(info, dict) else None
-    hook, context, d_in, has_tokens = _features_of(features, where)
+    hook, context, d_in, dtype, token_dtype = _features_of(features, where)
     layer, hp = parse_tl_hook(hook)
-    return CacheInfo(source, files, fetch, parquet, hook, layer, hp, context, d_in, has_tokens, model_name)
+    ident = hashlib.sha256(json.dumps([identity, hook, context, d_in, dtype, token_dtype]).encode()).hexdigest()
+    return CacheInfo(source, files, fetch, parquet, hook, layer, hp, context, d_in, token_dtype is not None,
+                     model_name, dtype, token_dtype, ident[:16])
 
 
 def _hub_info(hub: HubFiles) -> CacheInfo:
@@ -350,7 +370,7 @@ def _hub_info(hub: HubFiles) -> CacheInfo:
         missing = [n for n in names if n not in hub.repo_files]
         if missing:
             raise SaelensError(f"{hub}: data files {escape_controls(missing[:3])} listed in state.json are missing")
-        return _cache_info(str(hub), names, fetch, False, info, f"{hub}/dataset_info.json", model)
+        return _cache_info(str(hub), names, fetch, False, info, f"{hub}/dataset_info.json", model, [hub.commit, names])
     names = sorted(f for f in hub.repo_files if f.startswith("data/") and f.endswith(".parquet"))
     if not names:
         raise SaelensError(f"{hub} holds neither state.json nor data/*.parquet: not a SAELens activation cache")
@@ -362,12 +382,20 @@ def _hub_info(hub: HubFiles) -> CacheInfo:
         raise SaelensError(f"{hub}/{names[0]} is not a Parquet file ({escape_controls(str(exc)[:200])})") from None
     hf = loads(meta.get(b"huggingface", b"{}"), what=f"{hub}/{names[0]} huggingface metadata", error=SaelensError)
     return _cache_info(str(hub), names, fetch, True, hf.get("info") if isinstance(hf, dict) else None,
-                       f"{hub}/{names[0]}", model)
+                       f"{hub}/{names[0]}", model, [hub.commit, names])
+
+
+def _unreadable(name: str, info: CacheInfo, exc: BaseException) -> SaelensError:
+    return SaelensError(f"{name} of {info.source} cannot be read as Arrow data "
+                        f"({escape_controls(one_line(exc))[:200]})")
 
 
 def _batches(info: CacheInfo) -> Iterator[pa.RecordBatch]:
     """The cache's rows in order, at most ~64 MiB of activations at a time (memory-mapped Arrow streams,
-    whose record batches datasets writes 1,000 rows long, are sliced; Parquet is read in batches)."""
+    whose record batches datasets writes 1,000 rows long, are sliced; Parquet is read in batches).
+
+    Each record batch is validated in full first: list offsets that point outside their buffers would
+    otherwise read other memory, or abort the process."""
     rows = max(1, _BATCH_BYTES // (info.context * info.d_in * 4))
     for name in info.files:
         path = info.fetch(name)
@@ -375,30 +403,71 @@ def _batches(info: CacheInfo) -> Iterator[pa.RecordBatch]:
             if info.parquet:
                 import pyarrow.parquet as pq
 
-                yield from pq.ParquetFile(path).iter_batches(batch_size=rows)
+                source: Iterator[pa.RecordBatch] = pq.ParquetFile(path).iter_batches(batch_size=rows)
+                yield from (_valid(batch, name, info) for batch in source)
             else:
                 with pa.memory_map(str(path)) as src:
                     for batch in pa.ipc.open_stream(src):
+                        _valid(batch, name, info)
                         for a in range(0, len(batch), rows):
                             yield batch.slice(a, rows)
         except (pa.ArrowException, OSError) as exc:
-            raise SaelensError(f"{name} of {info.source} cannot be read as Arrow data "
-                               f"({escape_controls(str(exc)[:200])})") from None
+            raise _unreadable(name, info, exc) from None
 
 
-def _check_schemas(info: CacheInfo) -> None:
-    """Every Arrow data file opens as a stream holding the activation column (its schema only is read)."""
-    if info.parquet:
-        return
+def _valid(batch: pa.RecordBatch, name: str, info: CacheInfo) -> pa.RecordBatch:
+    try:
+        batch.validate(full=True)
+    except pa.ArrowException as exc:
+        raise SaelensError(f"{name} of {info.source} is damaged: its Arrow data fails validation "
+                           f"({escape_controls(one_line(exc))[:200]})") from None
+    return batch
+
+
+def _check_files(info: CacheInfo) -> int:
+    """Every data file opens, holds the columns dataset_info.json declares with exactly the declared types, and
+    the rows they hold (returned) are counted: from the schemas and the row counts alone, before anything is
+    written. A type that differs is refused, never cast (2^40 + 1 as float32 loses its 1, 1.7 as int32 is 1)."""
+    n = 0
     for name in info.files:
         try:
-            with pa.memory_map(str(info.fetch(name))) as src:
-                schema = pa.ipc.open_stream(src).schema
+            if info.parquet:
+                import pyarrow.parquet as pq
+
+                f = pq.ParquetFile(info.fetch(name))
+                schema, rows = f.schema_arrow, f.metadata.num_rows
+            else:
+                with pa.memory_map(str(info.fetch(name))) as src:
+                    reader = pa.ipc.open_stream(src)
+                    schema, rows = reader.schema, sum(b.num_rows for b in reader)
         except (pa.ArrowException, OSError) as exc:
-            raise SaelensError(f"{name} of {info.source} cannot be read as Arrow data "
-                               f"({escape_controls(str(exc)[:200])})") from None
-        if info.hook not in schema.names:
-            raise SaelensError(f"{name} of {info.source} has no column {escape_controls(info.hook)!r}")
+            raise _unreadable(name, info, exc) from None
+        where = f"{name} of {info.source}"
+        _check_type(schema, info.hook, 2, info.dtype, where)
+        if info.token_dtype is not None:
+            _check_type(schema, "token_ids", 1, info.token_dtype, where)
+        n += rows
+    return n
+
+
+def _check_type(schema: pa.Schema, column: str, depth: int, dtype: str, where: str) -> None:
+    """``column`` is ``depth`` levels of lists of ``dtype`` values, as declared."""
+    i = schema.get_field_index(column)
+    if i < 0:
+        raise SaelensError(f"{where} has no column {escape_controls(column)!r}")
+    t = schema.field(i).type
+    shown = t
+    for _ in range(depth):
+        if isinstance(t, pa.ExtensionType):
+            t = t.storage_type
+        if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
+            t = None
+            break
+        t = t.value_type
+    if t != pa.type_for_alias(dtype):
+        raise SaelensError(f"{where}: column {escape_controls(column)!r} is {escape_controls(shown)}, but "
+                           f"dataset_info.json declares {'lists of ' * depth}{dtype}; the data and its description "
+                           "disagree (values are never cast)")
 
 
 def _column_values(batch: pa.RecordBatch, name: str, shape: tuple[int, ...], where: str) -> np.ndarray:
@@ -429,7 +498,7 @@ def _column_values(batch: pa.RecordBatch, name: str, shape: tuple[int, ...], whe
 
 def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_name: str | None = None,
                    revision: str | None = None, token: str | bool | None = None, shard_size: int | str = "1GiB",
-                   quiet: bool = False) -> Path:
+                   overwrite: bool = False, checkpoint_interval: float = 30.0, quiet: bool = False) -> Path:
     """Write a SAELens activation cache (a folder or a Hub dataset repo) as an lmprobe dataset; no model needed.
 
     >>> import_saelens("activations/gpt2-l6", "out/gpt2-l6")  # doctest: +SKIP
@@ -440,39 +509,63 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
     dataset, in the order state.json lists the data files (the order ``datasets.load_from_disk``
     gives). The hook name gives the layer and hookpoint; texts are empty (a cache stores token ids,
     kept as ``token_ids``, not text). ``model_name``: recorded as the model (default: the runner
-    config's, on the Hub; else "unknown").
+    config's, on the Hub; else "unknown"). An interrupted import resumes when run again (a
+    checkpoint every ``checkpoint_interval`` seconds); ``overwrite=True`` replaces a dataset in ``out``.
     """
     info = read_cache_info(cache, revision=revision, token=token)
-    _check_schemas(info)  # before the output is created
+    n_rows = _check_files(info)  # before the output is created
+    if n_rows == 0:
+        raise SaelensError(f"{info.source} holds no rows")
     name = model_name or info.model_name or "unknown"
     from tqdm.auto import tqdm
 
+    made = not Path(out).exists()
     writer = DatasetWriter(out, layers=[info.layer], dim=info.d_in, model_name=name, storage="full_sequence",
                            dtype="float32", shard_size=shard_size, token_ids=info.has_tokens,
-                           hookpoints=(info.hookpoint,), resume=False,
+                           hookpoints=(info.hookpoint,), resume=True, overwrite=overwrite,
+                           fingerprint={"saelens_cache": info.identity}, checkpoint_interval=checkpoint_interval,
                            provenance={"imported_from": {"format": "saelens-activation-cache", "source": info.source,
                                                          "hook_name": info.hook}})
-    bar = tqdm(unit="row", desc="import-saelens", disable=quiet)
+    done = writer.num_prompts  # rows a resumed import wrote already
+    bar = tqdm(total=n_rows, initial=done, unit="row", desc="import-saelens", disable=quiet)
     n = 0
     try:
-        with writer:
-            for batch in _batches(info):
-                where = f"{info.source} rows {n}..{n + len(batch) - 1}"
-                acts = _column_values(batch, info.hook, (info.context, info.d_in), where)
-                kw: dict[str, Any] = {}
-                if info.has_tokens:
-                    tok = _column_values(batch, "token_ids", (info.context,), where)
-                    if len(tok) and (tok.min() < 0 or tok.max() >= 2**31):
-                        raise SaelensError(f"{where}: token_ids outside 0..2**31-1")
-                    kw["token_ids"] = tok.tolist()
-                writer.add_batch(texts=[""] * len(batch), num_tokens=[info.context] * len(batch),
-                                 hidden={info.layer: acts.reshape(-1, info.d_in).astype(np.float32, copy=False)}, **kw)
+        for batch in _batches(info):
+            if n + len(batch) <= done:
                 n += len(batch)
-                bar.update(len(batch))
+                continue
+            batch = batch.slice(max(0, done - n))
+            n = max(n, done)
+            where = f"{info.source} rows {n}..{n + len(batch) - 1}"
+            acts = _column_values(batch, info.hook, (info.context, info.d_in), where)
+            acts = acts.reshape(-1, info.d_in).astype(np.float32, copy=False)
+            if not np.isfinite(acts).all():
+                row = n + int(np.flatnonzero(~np.isfinite(acts).all(axis=1))[0]) // info.context
+                raise SaelensError(f"{info.source} row {row}: activations that are not finite as float32 (NaN, "
+                                   "infinity, or beyond float32's range)")
+            kw: dict[str, Any] = {}
+            if info.has_tokens:
+                tok = _column_values(batch, "token_ids", (info.context,), where)
+                if len(tok) and (tok.min() < 0 or tok.max() >= 2**31):
+                    raise SaelensError(f"{where}: token_ids outside 0..2**31-1")
+                kw["token_ids"] = tok.tolist()
+            writer.add_batch(texts=[""] * len(batch), num_tokens=[info.context] * len(batch),
+                             hidden={info.layer: acts}, **kw)
+            n += len(batch)
+            bar.update(len(batch))
+        if n != n_rows:  # the files changed while they were read
+            raise SaelensError(f"{info.source} held {n_rows} rows when checked and {n} when read; run it again")
+    except SaelensError:
+        writer.discard()  # the cache is unusable: nothing half-made is left
+        if made and Path(out).is_dir() and not any(Path(out).iterdir()):
+            Path(out).rmdir()
+        raise
+    except BaseException:
+        writer.abort()  # interrupted: the same command resumes from the last checkpoint
+        raise
     finally:
         bar.close()
-    if n == 0:
-        raise SaelensError(f"{info.source} holds no rows")
+    writer.close()
     if not quiet:
         print(f"imported {n} windows x {info.context} tokens of {info.hook} (layer {info.layer}, {info.hookpoint}) "
               f"to {out}", file=sys.stderr)

@@ -177,8 +177,9 @@ def test_import_refuses_unsafe_or_broken_caches(tmp_path, source, capsys):
         assert cli_main(["import-saelens", str(folder), "--out", str(out), "--quiet"]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1 and "\x1b" not in err, err
-        # found in the description or a file's schema: nothing written (a wrong shape shows in the data)
-        assert out.exists() == (folder.name == "shape")
+        # found in the description or a file's schema before anything is written, or in the data (a wrong
+        # shape), when what was written is removed: nothing is left either way
+        assert not out.exists()
 
 
 def test_an_imported_cache_pushes_and_streams_like_any_dataset(tmp_path, source, hub, fresh_hf_cache):
@@ -282,6 +283,138 @@ def test_import_a_cache_folder_uploaded_to_the_hub_as_it_is(tmp_path, source, hu
 
 
 # ---------------------------------------------------------------------------------------------- hostile caches
+
+
+def hand_cache(folder: Path, columns: dict[str, pa.Array], features: dict | None = None) -> Path:
+    """A cache folder written by hand: one Arrow stream of ``columns``, described by ``features`` (default: the
+    activation column declared Array2D (CTX, DIM) float32, token_ids int32 of CTX)."""
+    folder.mkdir(parents=True)
+    hook = "blocks.0.hook_resid_post"
+    if features is None:
+        features = {hook: {"shape": [CTX, DIM], "dtype": "float32", "_type": "Array2D"}}
+        if "token_ids" in columns:
+            features["token_ids"] = {"feature": {"dtype": "int32", "_type": "Value"}, "length": CTX, "_type": "List"}
+    batch = pa.RecordBatch.from_arrays(list(columns.values()), names=list(columns))
+    with pa.OSFile(str(folder / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    (folder / "dataset_info.json").write_text(json.dumps({"features": features}))
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    return folder
+
+
+def nested(values: np.ndarray, type_: pa.DataType | None = None) -> pa.Array:
+    """(rows, CTX, DIM) values as list<list<T>>, as datasets writes an Array2D column."""
+    rows = len(values)
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(rows * CTX + 1, dtype=np.int32) * DIM),
+                                     pa.array(values.reshape(-1), type=type_))
+    return pa.ListArray.from_arrays(pa.array(np.arange(rows + 1, dtype=np.int32) * CTX), inner)
+
+
+def tokens(values, type_: pa.DataType) -> pa.Array:
+    return pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(values).reshape(-1), type=type_), CTX)
+
+
+def test_import_checks_the_arrow_data_against_its_description(tmp_path, source, capsys):
+    """Offsets outside their buffer read process memory (or abort); types that contradict dataset_info.json were
+    cast silently (2^40+1 lost its +1, 1e300 became inf, NaN token ids -2^63, 1.7 became 1); text gave
+    tracebacks (issue 36, finding 4)."""
+    import subprocess
+    import sys
+
+    path, _ = source
+    good = export_saelens(path, tmp_path / "good", layer=0, quiet=True)
+    acts = np.ones((3, CTX, DIM), np.float32)
+    ids = np.tile(np.arange(CTX), (3, 1))
+    big = np.full((3, CTX, DIM), 2**40 + 1, np.int64)
+    hook = "blocks.0.hook_resid_post"
+    f64 = {hook: {"shape": [CTX, DIM], "dtype": "float64", "_type": "Array2D"}}
+    cases = {
+        "int activations": ({hook: nested(big)}, None, "float32"),
+        "float64 as float32": ({hook: nested(np.full((3, CTX, DIM), 1e300))}, None, "float32"),
+        "declared float64, beyond float32": ({hook: nested(np.full((3, CTX, DIM), 1e300))}, f64, "not finite"),
+        "NaN activations": ({hook: nested(np.where(np.eye(CTX, DIM) > 0, np.nan, acts).astype(np.float32))}, None,
+                            "not finite"),
+        "NaN token ids": ({hook: nested(acts), "token_ids": tokens(np.where(ids == 3, np.nan, ids), pa.float64())},
+                          None, "int32"),
+        "fractional token ids": ({hook: nested(acts), "token_ids": tokens(ids + 0.7, pa.float64())}, None, "int32"),
+        "text activations": ({hook: nested(np.full((3, CTX, DIM), "x"), pa.string())}, None, "float32"),
+        "text token ids": ({hook: nested(acts), "token_ids": tokens(ids.astype(str), pa.string())}, None, "int32"),
+    }
+    for name, (columns, features, message) in cases.items():
+        folder = hand_cache(tmp_path / name.replace(" ", "-"), columns, features)
+        out = tmp_path / f"out-{folder.name}"
+        assert cli_main(["import-saelens", str(folder), "--out", str(out), "--quiet"]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err, (name, err)
+        assert not out.exists(), name  # refused before anything was written, or what was written removed
+    # list offsets moved outside the values buffer (each list still CTX x DIM long): full validation refuses them
+    bad = tmp_path / "offsets"
+    import shutil
+
+    shutil.copytree(good, bad)
+    data = bad / "data-00000-of-00001.arrow"
+    raw = data.read_bytes()
+    offsets = (np.arange(12 * CTX + 1, dtype=np.int32) * DIM).astype("<i4").tobytes()
+    assert raw.count(offsets) == 1
+    data.write_bytes(raw.replace(offsets, (np.arange(12 * CTX + 1, dtype=np.int32) * DIM + 10**6).astype("<i4")
+                                 .tobytes()))
+    r = subprocess.run([sys.executable, "-m", "lmprobe", "import-saelens", str(bad), "--out", str(tmp_path / "o"),
+                        "--quiet"], capture_output=True, text=True, timeout=120)  # a process of its own: it may abort
+    assert r.returncode == 2 and "out of bounds" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_interrupted_import_resumes_with_the_same_command(tmp_path, source, monkeypatch, capsys):
+    """import-saelens interrupted, then the same command: refused with "resume it, or pass --overwrite", an option
+    it did not have (issue 36, finding 16)."""
+    import lmprobe.saelens as saelens
+    from lmprobe.format.writer import DatasetWriter
+
+    path, src = source
+    cache = export_saelens(path, tmp_path / "cache", layer=1, quiet=True)
+    monkeypatch.setattr(saelens, "_BATCH_BYTES", 2 * CTX * DIM * 4)  # two rows a batch
+    real = DatasetWriter.add_batch
+    calls = []
+
+    def dying(self, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(self, **kw)
+
+    monkeypatch.setattr(DatasetWriter, "add_batch", dying)
+    with pytest.raises(KeyboardInterrupt):
+        import_saelens(cache, tmp_path / "imported", quiet=True, checkpoint_interval=0)
+    monkeypatch.setattr(DatasetWriter, "add_batch", real)
+    assert (tmp_path / "imported").exists() and not (tmp_path / "imported/index").exists()
+    assert cli_main(["import-saelens", str(cache), "--out", str(tmp_path / "imported"), "--quiet"]) == 0
+    ds = lmprobe.load(tmp_path / "imported")
+    np.testing.assert_array_equal(np.stack([ds.token_hidden(i, 1) for i in range(12)]), windows(src, 1))
+    assert lmprobe.validate(tmp_path / "imported").ok
+    # a finished import is not replaced by accident; --overwrite replaces it
+    assert cli_main(["import-saelens", str(cache), "--out", str(tmp_path / "imported"), "--quiet"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert cli_main(["import-saelens", str(cache), "--out", str(tmp_path / "imported"), "--quiet", "--overwrite"]) == 0
+    # a partial import of another cache is not resumed over
+    other = export_saelens(path, tmp_path / "other", layer=0, quiet=True)
+    monkeypatch.setattr(DatasetWriter, "add_batch", dying)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        import_saelens(cache, tmp_path / "imported2", quiet=True, checkpoint_interval=0)
+    monkeypatch.setattr(DatasetWriter, "add_batch", real)
+    assert cli_main(["import-saelens", str(other), "--out", str(tmp_path / "imported2"), "--quiet"]) == 2
+    assert "other settings" in capsys.readouterr().err
+    assert cli_main(["import-saelens", str(other), "--out", str(tmp_path / "imported2"), "--quiet", "--overwrite"]) == 0
+    assert lmprobe.load(tmp_path / "imported2").layers == [0]
+
+
+def test_a_cache_of_no_rows_leaves_nothing_behind(tmp_path, capsys):
+    """A cache with 0 rows left a complete 0-prompt dataset behind after its one-line error (finding 16)."""
+    hook = "blocks.0.hook_resid_post"
+    folder = hand_cache(tmp_path / "empty", {hook: nested(np.zeros((0, CTX, DIM), np.float32))})
+    assert cli_main(["import-saelens", str(folder), "--out", str(tmp_path / "ds"), "--quiet"]) == 2
+    assert "holds no rows" in capsys.readouterr().err
+    assert not (tmp_path / "ds").exists()
 
 
 @pytest.mark.parametrize("stale", ["file", "symlink", "dangling symlink"])

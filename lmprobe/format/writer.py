@@ -590,6 +590,24 @@ class DatasetWriter:
         self._closed = True
         self._release()
 
+    def discard(self) -> None:
+        """Stop and delete the unfinished dataset (the staging folder, and the shards already moved into place),
+        for a caller whose input turned out to be unusable halfway: nothing half-made is left behind. Other
+        files in the folder are not touched."""
+        published = [self.out_dir / self._final_name(s.name, slot, shard) for s in (self._last, self._logits)
+                     if s is not None for shard, d in enumerate(s.closed) for slot in d["files"]]
+        for s in self._series():
+            s.abort()
+        self._closed = True
+        try:  # under the lock: nobody else writes here meanwhile
+            remove_files_inside(self.out_dir, published)
+            self.staging.remove()
+            for d in sorted({p.parent for p in published}, key=lambda p: len(p.parts), reverse=True):
+                if d != self.out_dir and d.is_dir() and not any(d.iterdir()):
+                    d.rmdir()  # tensors/, when this writer made it and nothing else is in it
+        finally:
+            self._release()
+
     def _finalize(self) -> None:
         n_last = len(self._last.closed)
         seq_closed = self._seq.closed if self._seq else []
