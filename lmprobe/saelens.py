@@ -35,8 +35,9 @@ import pyarrow as pa
 
 from .atomic import atomic_write, move_into_place
 from .display import escape_controls, one_line
-from .errors import SaelensError, UnsafePathError
-from .format.reader import Dataset
+from .errors import LmprobeError, SaelensError, UnsafePathError
+from .format.reader import Dataset, open_local
+from .format.spec import INDEX_PATH
 from .format.writer import DatasetWriter
 from .lock import OutputLock
 from .opening import load
@@ -517,6 +518,10 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
     if n_rows == 0:
         raise SaelensError(f"{info.source} holds no rows")
     name = model_name or info.model_name or "unknown"
+    if not overwrite and _imported_already(Path(out), info, name):
+        if not quiet:
+            print(f"{out} already holds this import of {info.source}; nothing to do", file=sys.stderr)
+        return Path(out)
     from tqdm.auto import tqdm
 
     made = not Path(out).exists()
@@ -525,7 +530,7 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
                            hookpoints=(info.hookpoint,), resume=True, overwrite=overwrite,
                            fingerprint={"saelens_cache": info.identity}, checkpoint_interval=checkpoint_interval,
                            provenance={"imported_from": {"format": "saelens-activation-cache", "source": info.source,
-                                                         "hook_name": info.hook}})
+                                                         "hook_name": info.hook, "cache_identity": info.identity}})
     done = writer.num_prompts  # rows a resumed import wrote already
     bar = tqdm(total=n_rows, initial=done, unit="row", desc="import-saelens", disable=quiet)
     n = 0
@@ -570,3 +575,17 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
         print(f"imported {n} windows x {info.context} tokens of {info.hook} (layer {info.layer}, {info.hookpoint}) "
               f"to {out}", file=sys.stderr)
     return Path(out)
+
+
+def _imported_already(out: Path, info: CacheInfo, model_name: str) -> bool:
+    """Whether ``out`` holds a finished import of this very cache with this model name (a re-run has nothing to do;
+    any other dataset there is the writer's to refuse, or to replace with overwrite=True)."""
+    if not (out / INDEX_PATH).is_file():
+        return False
+    try:
+        ds = open_local(out)
+    except LmprobeError:
+        return False
+    prov = ds.info.get("provenance")
+    done = prov.get("imported_from") if isinstance(prov, dict) else None
+    return isinstance(done, dict) and done.get("cache_identity") == info.identity and ds.model.get("name") == model_name

@@ -1,4 +1,4 @@
-"""The interrupted-operation matrix of issue 27: kill -9 each operation at random and phase points, run the
+"""The interrupted-operation matrix of issues 27 and 36: kill -9 each operation at random and phase points, run the
 same command again, and compare the result with an uninterrupted run.
 
     python scripts/kill_matrix.py [--work DIR] [--kills N] [--seed S] [--only push,pull,...] [--out results.json]
@@ -837,6 +837,150 @@ def cell_pretokenized(w: Path, env, rng):
                {"cmd": " ".join(cmd), "stderr": p.stderr[-3000:]} if failed else None, failed=failed)
 
 
+# ---- SAELens caches: export-saelens, import-saelens (issue 36)
+def cell_saelens(w: Path, env, rng, n):
+    ds = w / "saelens-ds"
+    if not (ds / "index").exists():
+        log("writing the export-saelens source dataset (every prompt 64 tokens)")
+        write_dataset(ds, dim=256, layers=[3], n_prompts=4000, tok_range=(64, 65), shard_size="32MiB")
+
+    def reset(out):
+        shutil.rmtree(out, ignore_errors=True)
+        partial = out.parent / f".{out.name}.partial"
+        if partial.is_symlink() or partial.is_file():
+            partial.unlink()
+        shutil.rmtree(partial, ignore_errors=True)
+
+    def partial_has(nbytes):
+        def pred(out):
+            p = out.parent / f".{out.name}.partial"
+            return p.is_dir() and sum(f.stat().st_size for f in p.glob("*.arrow")) >= nbytes
+        return pred
+
+    ref_cache = generic_matrix(
+        "export-saelens (262 MB cache, one data file)",
+        lambda out: LMPROBE + ["export-saelens", str(ds), "--out", str(out), "--quiet"],
+        lambda tag: w / "saelens-export" / tag, reset,
+        lambda ref, got: diff_trees(tree_hashes(ref), tree_hashes(got)), env, rng, n,
+        [("partial folder made", partial_has(0)), ("64 MB written", partial_has(64 << 20)),
+         ("200 MB written", partial_has(200 << 20))], clean=reset)
+    if ref_cache is None:
+        return
+    # a stale .NAME.partial that is not a folder (a file, a link to the user's folder, a dangling link): the same
+    # command must replace it, never follow the link
+    stale = []
+    for kind in ("file", "symlink", "dangling symlink"):
+        out = w / "saelens-export" / f"stale-{kind.replace(' ', '-')}"
+        reset(out)
+        partial = out.parent / f".{out.name}.partial"
+        target = w / "saelens-export" / "users-folder"
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        (target / "keep.txt").write_text("mine")
+        if kind == "file":
+            partial.write_text("junk")
+        else:
+            partial.symlink_to(target if kind == "symlink" else w / "nowhere")
+        p = run(LMPROBE + ["export-saelens", str(ds), "--out", str(out), "--quiet"], env)
+        diff = diff_trees(tree_hashes(ref_cache), tree_hashes(out)) if p.returncode == 0 else ""
+        ok, text = classify_rerun(p, diff, True)
+        if sorted(x.name for x in target.iterdir()) != ["keep.txt"]:
+            ok, text = False, "FAILED: the link's target was changed"
+        stale.append(ok)
+        record(f"export-saelens over a stale .NAME.partial that is a {kind}", ["(stale partial, run)"], text,
+               {"stderr": p.stderr[-3000:]} if not ok else None, failed=not ok)
+        reset(out)
+
+    def import_cmd(api: bool):
+        def cmd(out):
+            if not api:
+                return LMPROBE + ["import-saelens", str(ref_cache), "--out", str(out), "--quiet"]
+            code = ("import sys, lmprobe; lmprobe.import_saelens(sys.argv[1], sys.argv[2], quiet=True, "
+                    "checkpoint_interval=0.2, shard_size='16MiB')")
+            return [PY, "-c", code, str(ref_cache), str(out)]
+        return cmd
+
+    def staged(out):
+        return (out / ".lmprobe-staging").is_dir()
+
+    def published(k):
+        return lambda out: (out / "tensors").is_dir() and sum(1 for _ in (out / "tensors").iterdir()) >= k
+
+    for api in (False, True):
+        generic_matrix(
+            "import-saelens" + (" (API, checkpoints every 0.2 s, 16 MiB shards)" if api else " (CLI)"),
+            import_cmd(api), lambda tag, api=api: w / "saelens-import" / ("api" if api else "cli") / tag,
+            lambda out: shutil.rmtree(out, ignore_errors=True), lambda ref, got: compare_datasets(ref, got, env), env,
+            rng, n, [("staging made", staged), ("first shard published", published(1)),
+                     ("4 shards published", published(4))],
+            clean=lambda out: shutil.rmtree(out, ignore_errors=True))
+
+
+# ---- pull into an existing copy after the repo was pushed again (issue 36)
+def cell_pull_copy(w: Path, env0, rng, n):
+    env = dict(env0, HF_HOME=str(w / "hf-home"), HF_HUB_DISABLE_XET="1", HF_TOKEN="x")
+    hub = HubServer(w / "pullcopy", env)
+    env["HF_ENDPOINT"] = hub.url
+    try:
+        a, b = w / "pullcopy-a", w / "pullcopy-b"
+        for path, seed in ((a, 3), (b, 4)):  # the same shapes and file names, other values
+            if not (path / "index").exists():
+                write_dataset(path, dim=64, layers=[0, 1], n_prompts=4000, tok_range=(20, 60), shard_size="1MiB",
+                              seed=seed)
+        repo = "me/pullcopy"
+        assert run(LMPROBE + ["push", str(a), repo, "--quiet"], env).returncode == 0
+        template = w / "pullcopy-template"  # a copy of version A holding layer 0
+        shutil.rmtree(template, ignore_errors=True)
+        p = run(["env", f"HF_HOME={template}.hf-home"] + LMPROBE + ["pull", repo, "--layers", "0", "--out",
+                                                                     str(template), "--quiet"], env)
+        assert p.returncode == 0, p.stderr
+        assert run(LMPROBE + ["push", str(b), repo, "--quiet"], env).returncode == 0
+
+        def cmd(out):  # its own Hub cache, so that the downloads themselves are interrupted
+            return ["env", f"HF_HOME={out}.hf-home"] + LMPROBE + ["pull", repo, "--layers", "1", "--out", str(out),
+                                                                  "--quiet"]
+
+        def out_for(tag):
+            return w / "pullcopy-runs" / tag
+
+        def reset(out):
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(f"{out}.hf-home", ignore_errors=True)
+            shutil.copytree(template, out)
+
+        def compare(ref, got):
+            d = compare_datasets(b, got, env)  # version B whole: both layers, B's values
+            files = diff_trees(tree_hashes(ref), tree_hashes(got))
+            return "; ".join(x for x in (d, f"files: {files}" if files else "") if x)
+
+        def index_gone(out):
+            return not (out / "index" / "train-00000-of-00001.parquet").exists()
+
+        def layer1_shards(k):
+            return lambda out: sum(1 for _ in (out / "tensors").glob("hidden_layer001_*")) >= k
+
+        generic_matrix("pull --layers 1 into a copy of layer 0, after the repo was pushed again", cmd, out_for, reset,
+                       compare, env, rng, n, [("old index removed", index_gone), ("first layer-1 shard", layer1_shards(1)),
+                                              ("20 layer-1 shards", layer1_shards(20))],
+                       clean=lambda out: (shutil.rmtree(out, ignore_errors=True),
+                                          shutil.rmtree(f"{out}.hf-home", ignore_errors=True)))
+        # pulling into a folder that is not a copy of the repo: refused, nothing in it changed
+        for what, make in (("the user's own README", lambda d: (d.mkdir(parents=True), (d / "README.md")
+                                                                 .write_text("mine\n"))),
+                           ("a local extraction", lambda d: shutil.copytree(a, d))):
+            d = w / "pullcopy-runs" / f"not-a-copy-{what.split()[-1].lower()}"
+            shutil.rmtree(d, ignore_errors=True)
+            make(d)
+            before = tree_hashes(d)
+            p = run(LMPROBE + ["pull", repo, "--out", str(d), "--quiet"], env)
+            ok = p.returncode == 2 and not traceback_in(p) and tree_hashes(d) == before
+            record(f"pull into a folder holding {what}", ["(run)"],
+                   (f"refused, nothing changed: {one_line(p)}" if ok else f"FAILED: rc {p.returncode}: {one_line(p)}"),
+                   None if ok else {"stderr": p.stderr[-3000:]}, failed=not ok)
+    finally:
+        hub.stop()
+
+
 VOCAB = None
 ONLY: set = set()
 
@@ -1031,7 +1175,7 @@ def main():
     ap.add_argument("--work", default="/tmp/lmprobe-kill-matrix")
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--seed", type=int, default=27)
-    ap.add_argument("--only", default="saev,sae,features,hub,hubcorpus,pretok,s3")
+    ap.add_argument("--only", default="saev,sae,features,hub,hubcorpus,pretok,s3,saelens,pullcopy")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     w = Path(args.work)
@@ -1048,6 +1192,8 @@ def main():
              ("featrw", lambda: _featrw(w, env)),
              ("hub", lambda: cell_push_pull(w, env, rng, args.kills)),
              ("pretok", lambda: cell_pretokenized(w, env, rng)),
+             ("saelens", lambda: cell_saelens(w, env, rng, args.kills)),
+             ("pullcopy", lambda: cell_pull_copy(w, env, rng, args.kills)),
              ("s3", lambda: cell_s3(w, env, rng, args.kills))]
     for name, fn in cells:
         if name in only:

@@ -391,10 +391,15 @@ def test_an_interrupted_import_resumes_with_the_same_command(tmp_path, source, m
     ds = lmprobe.load(tmp_path / "imported")
     np.testing.assert_array_equal(np.stack([ds.token_hidden(i, 1) for i in range(12)]), windows(src, 1))
     assert lmprobe.validate(tmp_path / "imported").ok
-    # a finished import is not replaced by accident; --overwrite replaces it
-    assert cli_main(["import-saelens", str(cache), "--out", str(tmp_path / "imported"), "--quiet"]) == 2
+    # the same command after it finished has nothing to do; another import is not put over it by accident
+    capsys.readouterr()
+    assert cli_main(["import-saelens", str(cache), "--out", str(tmp_path / "imported")]) == 0
+    assert "already holds this import" in capsys.readouterr().err
+    argv = ["import-saelens", str(cache), "--out", str(tmp_path / "imported"), "--quiet", "--model-name", "other/m"]
+    assert cli_main(argv) == 2
     assert "--overwrite" in capsys.readouterr().err
-    assert cli_main(["import-saelens", str(cache), "--out", str(tmp_path / "imported"), "--quiet", "--overwrite"]) == 0
+    assert cli_main([*argv, "--overwrite"]) == 0
+    assert lmprobe.load(tmp_path / "imported").model["name"] == "other/m"
     # a partial import of another cache is not resumed over
     other = export_saelens(path, tmp_path / "other", layer=0, quiet=True)
     monkeypatch.setattr(DatasetWriter, "add_batch", dying)
