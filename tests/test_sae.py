@@ -258,6 +258,25 @@ def tamper_npz(path, **changes):
     np.savez(path, **{**arrays, **changes})
 
 
+def huge_npy() -> bytes:
+    """A .npy whose header declares 2^34 float16 values and whose data is 16 bytes."""
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<f2", "fortran_order": False, "shape": (2**34,)})
+    return buf.getvalue() + bytes(16)
+
+
+def huge_npz(path) -> None:
+    import zipfile
+
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    np.savez(path, **{k: v for k, v in arrays.items() if k != "data"})
+    with zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("data.npy", huge_npy())
+
+
 def test_a_dictionary_with_nan_or_inf_is_refused_before_features_run(tmp_path, rng, capsys):
     """NaN thresholds or weights made `features` say "0 fired" and exit 0 (issue 36, finding 7)."""
     import shutil
@@ -314,6 +333,9 @@ def test_damaged_shapes_and_huge_requests_are_one_line_errors(tmp_path, rng, cap
         "bias-2d": (lambda r: np.save(r / "d/layer_0/bias.npy", np.zeros((40, 1), np.float16)), "bias must be a 1-D"),
         "shape-2d": (lambda r: tamper_npz(r / enc, shape=np.array([[40, 24]])), "shape must be [features, hidden_dim]"),
         "indptr-2d": (lambda r: tamper_npz(r / enc, indptr=np.zeros((41, 1), np.int32)), "indptr must be a 1-D"),
+        # a header declaring 2^34 values over 16 bytes: numpy would allocate 32 GiB before reading
+        "bias-header": (lambda r: (r / "d/layer_0/bias.npy").write_bytes(huge_npy()), "header declares 34359738368"),
+        "encoder-header": (lambda r: huge_npz(r / enc), "header declares 34359738368"),
     }
     for name, (tamper, message) in cases.items():
         shutil.copytree(tmp_path / "good", tmp_path / name)

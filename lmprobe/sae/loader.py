@@ -32,7 +32,7 @@ from ..paths import resolve_inside
 from ..safeio import check_regular, read_json
 from ..storage.hub import HubFiles, parse_hf_url
 from .activation import RELU, activate, activate_list, activation_rule, check_rule
-from .npyio import load_npy, load_npz, load_safetensors
+from .npyio import check_declared_sizes, load_npy, load_npz, load_safetensors
 
 REQUIRED_META = {"version": str, "model_hash": str, "feature_count": int, "dtype": str, "format": str}
 FORMATS = ("csr.npz", "csr.safetensors")
@@ -175,6 +175,9 @@ def _load_arrays(files: dict[str, Path], fmt: str, layer: int) -> tuple[dict, An
     enc_path, bias_path = files["encoder"], files.get("bias")
     if fmt == "csr.npz":
         if np is not None:
+            need = sum(check_declared_sizes(p) for p in (enc_path, bias_path) if p is not None)
+            check_memory(need, f"layer {layer}'s encoder ({enc_path})", error=DictionaryError,
+                         fix="use a machine with more memory, or a dictionary with fewer features")
             with np.load(enc_path, allow_pickle=False) as z:
                 enc = {k: z[k] for k in z.files}
             bias = np.load(bias_path, allow_pickle=False) if bias_path else None
@@ -358,6 +361,8 @@ class SAEDictionary:
         np = _numpy()
         try:
             if npz:
+                if np is not None:
+                    check_declared_sizes(path)  # numpy allocates what the header declares before reading
                 t = np.load(path, allow_pickle=False) if np is not None else load_npy(path)[0]
             else:
                 if np is not None:

@@ -74,3 +74,49 @@ def load_safetensors(path: Path) -> dict[str, tuple[list, tuple[int, ...]]]:
         count = (b - a) // struct.calcsize(code)
         out[key] = (list(struct.unpack(f"<{count}{code}", raw[8 + n + a : 8 + n + b])), shape)
     return out
+
+
+#: deflate cannot expand data more than ~1032 times: a zip member that claims more is lying about its size
+_MAX_DEFLATE_RATIO = 1100
+
+
+def check_declared_sizes(path: Path) -> int:
+    """The bytes of array data a .npy or .npz file declares, after checking that the file holds them.
+
+    numpy allocates an array's declared size before it reads the data (for a zip member, always),
+    so a 66 KB file whose header claims 2^34 values would ask for 32 GiB: such a file is refused
+    here instead. A zip member may not claim more uncompressed bytes than deflate can produce.
+    """
+    import numpy as np  # the numpy path only: the pure-Python parser reads what the file holds
+
+    fmt = np.lib.format
+
+    def declared(f, what: str, holds: int) -> int:
+        try:
+            version = fmt.read_magic(f)
+            reader = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = reader(f, max_header_size=10_000)
+        except (ValueError, OSError, EOFError, SyntaxError) as exc:
+            raise DictionaryError(f"{what}: not a .npy array ({exc})") from None
+        need = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if need > holds - f.tell():
+            raise DictionaryError(f"{what}: its header declares {need} bytes of data, the file holds "
+                                  f"{max(0, holds - f.tell())}; the file is damaged")
+        return need
+
+    path = Path(path)
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            return declared(f, str(path), path.stat().st_size)
+    total = 0
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if info.file_size > max(info.compress_size, 1) * _MAX_DEFLATE_RATIO + 1024:
+                    raise DictionaryError(f"{path}:{info.filename}: claims {info.file_size} bytes from "
+                                          f"{info.compress_size} compressed; the file is damaged")
+                with z.open(info) as f:
+                    total += declared(f, f"{path}:{info.filename}", info.file_size)
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise DictionaryError(f"{path}: not a readable .npz ({type(exc).__name__}: {exc})") from None
+    return total
