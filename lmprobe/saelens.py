@@ -191,9 +191,31 @@ def export_saelens(source: Any, out: str | os.PathLike, *, layer: int | None = N
     with_tokens = has_ids if tokens is None else bool(tokens)
     out = check_output_path(out, "SAELens cache folder")
     if out.exists() and any(out.iterdir()):
+        if _exported_already(out, _export_id(ds, plan, with_tokens)):
+            if not quiet:
+                print(f"{out} already holds this export of {ds.source}; nothing to do", file=sys.stderr)
+            return out
         raise SaelensError(f"{out} is not empty; SAELens caches are written into a new or empty folder")
     with OutputLock(out):
         return _write_cache(ds, plan, out, with_tokens, quiet)
+
+
+def _export_id(ds: Dataset, plan: ExportPlan, with_tokens: bool) -> str:
+    """What an export is: the source's version, the hook, the rows and the columns (recorded in its description)."""
+    what = [ds.identity, plan.hook, plan.context, plan.d_in, with_tokens, plan.rows_per_file,
+            hashlib.sha256(plan.rows.astype(np.int64).tobytes()).hexdigest()]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
+
+
+def _exported_already(out: Path, export_id: str) -> bool:
+    """Whether ``out`` is a finished export (state.json written last) recorded as ``export_id``."""
+    try:
+        info = read_json(_inside(out, "dataset_info.json"), error=SaelensError)
+        _inside(out, "state.json")
+    except SaelensError:
+        return False
+    return isinstance(info, dict) and isinstance(info.get("description"), str) \
+        and info["description"].endswith(f"(export {export_id})")
 
 
 def _write_cache(ds: Dataset, plan: ExportPlan, out: Path, with_tokens: bool, quiet: bool) -> Path:
@@ -230,7 +252,8 @@ def _write_cache(ds: Dataset, plan: ExportPlan, out: Path, with_tokens: bool, qu
                     bar.update(len(rows))
     finally:
         bar.close()
-    info = {"citation": "", "description": f"lmprobe export-saelens of {ds.source}", "features":
+    info = {"citation": "", "description": f"lmprobe export-saelens of {ds.source} (export "
+            f"{_export_id(ds, plan, with_tokens)})", "features":
             _features(plan.hook, plan.context, plan.d_in, with_tokens), "homepage": "", "license": ""}
     atomic_write(partial / "dataset_info.json", json.dumps(info, indent=2))
     state = {"_data_files": [{"filename": n} for n in names], "_fingerprint": digest.hexdigest()[:16],

@@ -441,3 +441,18 @@ def test_export_replaces_a_stale_partial_of_any_kind(tmp_path, source, stale):
     np.testing.assert_array_equal(acts, windows(src, 1))
     assert not os.path.lexists(partial) and (target / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in target.iterdir()) == ["keep.txt"]
+
+
+def test_export_run_again_has_nothing_to_do_and_another_is_refused(tmp_path, source, capsys):
+    """The same export after it finished (or after a kill that landed once it had) is done, not refused; another
+    export into the folder is refused (the kill matrix of issue 36)."""
+    path, _ = source
+    argv = ["export-saelens", str(path), "--out", str(tmp_path / "cache"), "--layer", "1"]
+    assert cli_main(argv) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "cache").iterdir()}
+    capsys.readouterr()
+    assert cli_main(argv) == 0
+    assert "already holds this export" in capsys.readouterr().err
+    assert cli_main([*argv[:-1], "0"]) == 2  # layer 0 into the folder holding layer 1
+    assert "is not empty" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "cache").iterdir()} == before
