@@ -566,7 +566,8 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
             n = max(n, done)
             where = f"{info.source} rows {n}..{n + len(batch) - 1}"
             acts = _column_values(batch, info.hook, (info.context, info.d_in), where)
-            acts = acts.reshape(-1, info.d_in).astype(np.float32, copy=False)
+            with np.errstate(over="ignore", invalid="ignore"):  # a float64 beyond float32's range: refused next
+                acts = acts.reshape(-1, info.d_in).astype(np.float32, copy=False)
             if not np.isfinite(acts).all():
                 row = n + int(np.flatnonzero(~np.isfinite(acts).all(axis=1))[0]) // info.context
                 raise SaelensError(f"{info.source} row {row}: activations that are not finite as float32 (NaN, "
