@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         export_saelens,
         extract,
         features,
+        hookpoints,
         import_saelens,
         load,
         merge,
@@ -44,13 +45,14 @@ _LAZY = {
     "validate": "api",
     "report": "api",
     "features": "api",
+    "hookpoints": "api",
     "ExtractionConfig": "extraction.config",
     "Dataset": "format.reader",
     "DatasetWriter": "format.writer",
 }
 
 __all__ = ["Dataset", "DatasetWriter", "ExtractionConfig", "LmprobeError", "__version__", "export_saelens", "extract",
-           "features", "import_saelens", "load", "merge", "pull", "push_to_hub", "report", "validate"]
+           "features", "hookpoints", "import_saelens", "load", "merge", "pull", "push_to_hub", "report", "validate"]
 
 
 def __getattr__(name: str) -> Any:

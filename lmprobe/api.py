@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .extraction.config import ExtractionConfig
-from .extraction.runner import run
+from .extraction.examine import Architecture
+from .extraction.runner import examine_model, run
 from .format.merge import merge_datasets
 from .format.reader import Dataset, open_local
 from .format.validate import Report
@@ -86,6 +87,19 @@ def extract(
     """
     settings = {k: v for k, v in locals().items() if k in ExtractionConfig.field_names()}
     return run(ExtractionConfig(**settings))
+
+
+def hookpoints(model: str, *, revision: str | None = None, trust_remote_code: bool = False,
+               block_path: str | None = None) -> Architecture:
+    """Where each named hookpoint is on every block of ``model``, or why it does not exist there, as
+    ``extract`` finds and checks it before the weights load (docs/hookpoints.md).
+
+    >>> arch = lmprobe.hookpoints("lmprobe-tiny")               # doctest: +SKIP
+    >>> arch.layers_with("attn_out")                            # doctest: +SKIP
+    [0, 1, 2, 3, 4, 5]
+    >>> print(arch.describe())                                  # doctest: +SKIP
+    """
+    return examine_model(model, revision=revision, trust_remote_code=trust_remote_code, block_path=block_path)
 
 
 def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:

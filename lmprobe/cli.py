@@ -46,6 +46,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return worst
 
 
+def _cmd_hookpoints(args: argparse.Namespace) -> int:
+    arch = api.hookpoints(args.model, revision=args.revision, trust_remote_code=args.trust_remote_code,
+                          block_path=args.block_path)
+    print(escape_controls(arch.describe()))
+    return 0
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     print(summary.text(load(args.path), path=args.path))
     return 0
@@ -504,6 +511,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-checksums", action="store_true", help="skip sha256 checks (faster on large datasets)")
     p.add_argument("--strict", action="store_true", help="fail on warnings too")
     p.set_defaults(func=_cmd_validate)
+
+    p = command("hookpoints", help="show where each named hookpoint is on every block of a model",
+                description="Examine MODEL as `extract` does before the weights load (a miniature with random weights) "
+                "and print, for each kind of block, how each named hookpoint is read or why it does not exist there.")
+    p.add_argument("--model", required=True, help="local model folder, Hub id, or lmprobe-tiny (the embedded model)")
+    p.add_argument("--revision", default=None, help="model revision (branch, tag or commit) on the Hub")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model repo's own Python code to run")
+    p.add_argument("--block-path", default=None, help="attribute path of the decoder block list (default: found)")
+    p.set_defaults(func=_cmd_hookpoints)
 
     p = command("info", help="print a summary of a dataset")
     p.add_argument("path", metavar="PATH", help="dataset folder, Hub repo or fsspec URL")

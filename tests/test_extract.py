@@ -17,13 +17,17 @@ from lmprobe.extraction.prompts import PromptError
 from lmprobe.format.validate import validate
 
 
+#: where each test family keeps its blocks, written by hand (independent of lmprobe's own search)
+BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h", "bert": "encoder.layer"}
+
+
 def reference(model_dir, texts, *, causal=True):
     """Block outputs (all tokens), full logits and NLL for each prompt run alone, without padding."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(model_dir, dtype=torch.float32).eval()
-    blocks = model_mod.find_blocks(model, model.config.num_hidden_layers)
+    blocks = model.get_submodule(BLOCKS[model.config.model_type])
     out = []
     for text in texts:
         ids = tok(text, return_tensors="pt")["input_ids"]

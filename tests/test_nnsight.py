@@ -118,17 +118,3 @@ def test_a_bug_in_a_batch_is_not_retried(llama_dir, tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="unsupported operand"):
         lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "c", backend="nnsight", **KW)
     assert calls["n"] == 1
-
-
-def test_unknown_block_layout_names_the_fix():
-    import torch
-
-    class Odd(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
-            self.b = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
-
-    with pytest.raises(model_mod.ModelError, match="--block-path"):
-        model_mod.find_block_path(Odd(), 3)
-    assert model_mod.find_block_path(Odd(), 3, "b") == "b"

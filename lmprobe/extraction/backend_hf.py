@@ -9,11 +9,8 @@ import numpy as np
 
 from ..errors import ModelError
 from ..format.statistics import RunningStats, batch_statistics
+from .examine import InputPolicy, forward_kwargs
 from .hookpoints import Capture, Site, first_input, first_output
-from .model import forward_takes
-
-#: what a default extraction reads: the output of each block
-RESID_POST = Capture("resid_post", Site("", "output"), 0)
 
 
 def as_batch_tokens(h: Any, shape: tuple, name: str) -> Any:
@@ -56,12 +53,6 @@ def last_token_index(attention_mask):
 
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     return (attention_mask.long() * (positions + 1)).argmax(dim=1)
-
-
-def position_ids_for(attention_mask):
-    """Positions counted over real tokens only, so left padding does not shift them."""
-    pos = attention_mask.long().cumsum(dim=1) - 1
-    return pos.clamp(min=0)
 
 
 def prediction_positions(keep, b: int):
@@ -112,22 +103,22 @@ def perplexity_from_logits(logits, input_ids, keep) -> dict[str, list]:
 class TransformersBackend:
     name = "local"
 
-    def __init__(self, model: Any, blocks: Any, *, causal_lm: bool):
+    def __init__(self, model: Any, blocks: Any, *, causal_lm: bool, inputs: InputPolicy):
         self.model = model
         self.blocks = blocks
         self.causal_lm = causal_lm
-        self._takes_position_ids = forward_takes(model, "position_ids", via_kwargs=False)
-        self._takes_use_cache = forward_takes(model, "use_cache")
+        self.inputs = inputs
         self.device = next(model.parameters()).device
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
-            logits_k: int | None, perplexity: bool, keep=None, captures: list[Capture] | None = None,
+            logits_k: int | None, perplexity: bool, captures: list[Capture], keep=None,
             statistics: bool = False) -> BatchOutput:
         """``keep`` marks the tokens to store (default: every real token); the model sees them all.
 
-        ``captures`` are the hookpoints to read in each block of ``layers`` (default: the block
-        outputs); ``BatchOutput.hidden`` is keyed by (hookpoint, layer). ``statistics``: compute each
-        site's partial statistics on the model's device (``BatchOutput.statistics``).
+        ``captures`` are the hookpoints to read in each block of ``layers``, each with its reading
+        on every layer (examine.py); ``BatchOutput.hidden`` is keyed by (hookpoint, layer). A reading
+        that is the difference of two sites is computed in float32 from both, then cast.
+        ``statistics``: compute each site's partial statistics on the model's device.
         """
         import torch
 
@@ -138,36 +129,46 @@ class TransformersBackend:
         last = last_token_index(real)
         rows = torch.arange(b, device=self.device)
         need_head = bool(logits_k) or perplexity
-        captures = captures or [RESID_POST]
-        captured: dict[tuple[str, int], Any] = {}
-        wanted = len(layers) * len(captures)
+        # (layer, site) -> the forms it is kept in: out_dtype for a reading of its own, float32 for a difference
+        forms: dict[tuple[int, Site], set[str]] = {}
+        for c in captures:
+            for layer in layers:
+                reading = c.readings[layer]
+                if reading.minus is None:
+                    forms.setdefault((layer, reading.site), set()).add("out")
+                else:
+                    for site in reading.sites:
+                        forms.setdefault((layer, site), set()).add("f32")
+        kept: dict[tuple[int, Site, str], Any] = {}
 
         def keep_rows(name: str, h: Any) -> Any:
             h = as_batch_tokens(h, input_ids.shape, name)
-            return h[rows, last].to(out_dtype) if storage == "pooled" else h[real].to(out_dtype)
+            return h[rows, last] if storage == "pooled" else h[real]
 
-        def store(names: list[tuple[str, int]], value: Any) -> None:
-            for key in names:  # a copy per hookpoint: later in-place updates of the stream cannot reach it
-                if key not in captured:  # a module called twice in a block: its first call
-                    captured[key] = keep_rows(key[0], value)
-            if not need_head and len(captured) == wanted:
+        def store(key: tuple[int, Site], value: Any) -> None:
+            layer, site = key
+            if (layer, site, next(iter(forms[key]))) in kept:  # a module called twice in a block: its first call
+                return
+            for form in forms[key]:  # a copy each: later in-place updates of the stream cannot reach it
+                if form == "out":
+                    kept[(layer, site, form)] = keep_rows(str(site), value).to(out_dtype)
+                else:
+                    kept[(layer, site, form)] = keep_rows(str(site), value).float()
+            if not need_head and len(kept) == wanted:
                 raise _StopForward  # everything asked for is read: nothing after this point is needed
 
+        wanted = sum(len(f) for f in forms.values())
         handles = []
-        for layer in layers:
-            by_site: dict[Site, list[tuple[str, int]]] = {}
-            for c in captures:
-                by_site.setdefault(c.site, []).append((c.hookpoint, layer))
-            for site, names in by_site.items():
-                module = self.blocks[layer].get_submodule(site.path) if site.path else self.blocks[layer]
-                if site.kind == "input":
-                    def pre(_m, args, kwargs, names=names):
-                        store(names, first_input(args, kwargs))
-                    handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                else:
-                    def post(_m, _args, output, names=names):
-                        store(names, first_output(output))
-                    handles.append(module.register_forward_hook(post))
+        for (layer, site) in forms:
+            module = self.blocks[layer].get_submodule(site.path) if site.path else self.blocks[layer]
+            if site.kind == "input":
+                def pre(_m, args, kwargs, key=(layer, site)):
+                    store(key, first_input(args, kwargs))
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            else:
+                def post(_m, _args, output, key=(layer, site)):
+                    store(key, first_output(output))
+                handles.append(module.register_forward_hook(post))
         head = self.model.get_output_embeddings() if need_head else None
         if logits_k and not perplexity and head is not None:
             # only the last token's logits are needed: feed the head one row per prompt
@@ -176,23 +177,28 @@ class TransformersBackend:
                 return (hs[rows, last].unsqueeze(1), *args[1:])
 
             handles.append(head.register_forward_pre_hook(gather_last))
-        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if self._takes_position_ids:
-            kwargs["position_ids"] = position_ids_for(attention_mask)
-        if self._takes_use_cache:
-            kwargs["use_cache"] = False
         result = None
         try:
-            result = self.model(**kwargs)
+            result = self.model(**forward_kwargs(self.model, self.inputs, input_ids, attention_mask))
         except _StopForward:
             pass
         finally:
             for h in handles:
                 h.remove()
-        missing = [(c.hookpoint, layer) for layer in layers for c in captures if (c.hookpoint, layer) not in captured]
+        missing = sorted({(str(site), layer) for (layer, site), fs in forms.items() for f in fs
+                          if (layer, site, f) not in kept})
         if missing:
-            raise ModelError(f"the forward pass never reached {missing[:4]} (hookpoint, layer); a module that the "
+            raise ModelError(f"the forward pass never reached {missing[:4]} (site, layer); a module that the "
                              "model skips cannot be read")
+        captured: dict[tuple[str, int], Any] = {}
+        for c in captures:
+            for layer in layers:
+                reading = c.readings[layer]
+                if reading.minus is None:
+                    captured[(c.hookpoint, layer)] = kept[(layer, reading.site, "out")]
+                else:
+                    diff = kept[(layer, reading.site, "f32")] - kept[(layer, reading.minus, "f32")]
+                    captured[(c.hookpoint, layer)] = diff.to(out_dtype)
         lengths = real.sum(dim=1)
         ids = input_ids[real].cpu()
         token_ids = [t.tolist() for t in torch.split(ids, lengths.cpu().tolist())]

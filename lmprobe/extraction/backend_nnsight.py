@@ -9,6 +9,7 @@ same command then resumes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -17,16 +18,14 @@ import numpy as np
 from ..errors import NnsightError
 from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
 from .backend_hf import (
-    RESID_POST,
     BatchOutput,
     as_batch_tokens,
     device_statistics,
     last_token_index,
     perplexity_from_nll,
-    position_ids_for,
 )
-from .hookpoints import Capture, first_input, first_output
-from .model import find_block_path
+from .examine import InputPolicy, forward_kwargs
+from .hookpoints import Capture, Site, first_input, first_output
 
 
 def require_nnsight():
@@ -87,10 +86,11 @@ def default_retry() -> RetryPolicy:
 class NnsightBackend:
     name = "nnsight"
 
-    def __init__(self, nn_model: Any, block_path: str, *, causal_lm: bool, remote: bool | str = False,
-                 retry: RetryPolicy | None = None):
+    def __init__(self, nn_model: Any, block_path: str, *, causal_lm: bool, inputs: InputPolicy,
+                 remote: bool | str = False, retry: RetryPolicy | None = None):
         self.model = nn_model
         self.block_path = block_path
+        self.inputs = inputs
         self.causal_lm = causal_lm
         self.remote = remote
         self.retry = retry or default_retry()
@@ -112,7 +112,7 @@ class NnsightBackend:
         raise NnsightError("cannot find the model's LM head for logits/perplexity")
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
-            logits_k: int | None, perplexity: bool, keep=None, captures: list[Capture] | None = None,
+            logits_k: int | None, perplexity: bool, captures: list[Capture], keep=None,
             statistics: bool = False) -> BatchOutput:
         try:
             return call_with_retry(
@@ -129,32 +129,38 @@ class NnsightBackend:
             raise
 
     def run_once(self, input_ids, attention_mask, *, layers, storage, out_dtype, logits_k, perplexity,
-                  keep=None, captures: list[Capture] | None = None, statistics: bool = False) -> BatchOutput:
+                  captures: list[Capture], keep=None, statistics: bool = False) -> BatchOutput:
         import torch
 
         b = input_ids.shape[0]
         real = attention_mask.bool() if keep is None else keep
         last = last_token_index(real)
         rows = torch.arange(b)
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
-                  "position_ids": position_ids_for(attention_mask)}
+        policy = dataclasses.replace(self.inputs, use_cache=False)  # nnsight's inputs are tensors only
+        inputs = forward_kwargs(self._module(), policy, input_ids, attention_mask)
         blocks = self._envoy(self.block_path)
         need_head = bool(logits_k) or perplexity
         head = self._envoy(self._head_path()) if need_head else None
-        saved: dict[tuple[str, int], Any] = {}
+        kept: dict[tuple[int, Site, str], Any] = {}
         targets = input_ids[:, 1:]
         top_values = top_indices = nll = None
-        captures = captures or [RESID_POST]  # in forward order, as nnsight requires
-        with self.model.trace(inputs, remote=self.remote) as tracer:
+        forms: dict[tuple[int, Site], set[str]] = {}
+        for c in captures:
             for layer in layers:
-                for c in captures:
-                    env = _submodule(blocks[layer], c.site.path)
-                    h = first_input(*env.inputs) if c.site.kind == "input" else first_output(env.output)
-                    h = as_batch_tokens(h, tuple(input_ids.shape), c.hookpoint)
-                    if storage == "pooled":  # the last token only leaves the trace
-                        saved[(c.hookpoint, layer)] = h[rows, last].to(out_dtype).save()
-                    else:
-                        saved[(c.hookpoint, layer)] = h[real].to(out_dtype).save()
+                reading = c.readings[layer]
+                for site in reading.sites:
+                    forms.setdefault((layer, site), set()).add("out" if reading.minus is None else "f32")
+        order = {layer: c.order.get(layer, {}) for c in captures for layer in layers}
+        with self.model.trace(inputs, remote=self.remote) as tracer:
+            for layer in layers:  # in forward order, as nnsight requires
+                sites = sorted((s for (lay, s) in forms if lay == layer), key=lambda s: order[layer].get(s, 0))
+                for site in sites:
+                    env = _submodule(blocks[layer], site.path)
+                    h = first_input(*env.inputs) if site.kind == "input" else first_output(env.output)
+                    h = as_batch_tokens(h, tuple(input_ids.shape), str(site))
+                    h = h[rows, last] if storage == "pooled" else h[real]  # only these rows leave the trace
+                    for form in forms[(layer, site)]:
+                        kept[(layer, site, form)] = (h.to(out_dtype) if form == "out" else h.float()).save()
             if need_head:
                 logits = head.output
                 if logits_k:
@@ -166,6 +172,15 @@ class NnsightBackend:
                                                             reduction="none").save()
             else:
                 tracer.stop()  # nothing after the last requested block is needed
+        saved: dict[tuple[str, int], Any] = {}
+        for c in captures:
+            for layer in layers:
+                reading = c.readings[layer]
+                if reading.minus is None:
+                    saved[(c.hookpoint, layer)] = kept[(layer, reading.site, "out")]
+                else:
+                    diff = kept[(layer, reading.site, "f32")] - kept[(layer, reading.minus, "f32")]
+                    saved[(c.hookpoint, layer)] = diff.to(out_dtype)
         lengths = real.sum(dim=1)
         ids = input_ids[real]
         out = BatchOutput(
@@ -196,8 +211,8 @@ def _submodule(envoy: Any, path: str) -> Any:
     return envoy
 
 
-def build_backend(spec: Any, hf_model: Any, tokenizer: Any, *, block_path: str | None, remote: bool | str,
-                  retry: RetryPolicy | None = None):
+def build_backend(spec: Any, hf_model: Any, tokenizer: Any, *, block_path: str, inputs: InputPolicy,
+                  remote: bool | str, retry: RetryPolicy | None = None):
     """Wrap a loaded model (local runs, and remote="local") or name a remote one (remote=True)."""
     require_nnsight()
     from nnsight.modeling.transformers import TransformersModel
@@ -205,11 +220,8 @@ def build_backend(spec: Any, hf_model: Any, tokenizer: Any, *, block_path: str |
     if remote is True:
         nn_model = TransformersModel(spec.path, tokenizer=tokenizer, revision=spec.revision,
                                      trust_remote_code=spec.trust_remote_code)  # the user's flag, never a prompt
-        ref = nn_model.__dict__["_module"]
     else:
         # nnsight infers a pipeline task from the class; a bare encoder (BERT's BertModel) has none to infer
         task = {} if spec.causal_lm else {"task": "feature-extraction"}
         nn_model = TransformersModel(hf_model, tokenizer=tokenizer, **task)
-        ref = hf_model
-    path = find_block_path(ref, spec.num_layers, block_path)
-    return NnsightBackend(nn_model, path, causal_lm=spec.causal_lm, remote=remote, retry=retry)
+    return NnsightBackend(nn_model, block_path, causal_lm=spec.causal_lm, inputs=inputs, remote=remote, retry=retry)

@@ -13,24 +13,6 @@ from ..format.values import torch_dtype
 from ..hashing import sha256_file
 from ..tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access
 
-# Where the decoder blocks live, by architecture family. The first path that exists wins.
-BLOCK_PATHS = (
-    "model.layers",  # Llama, Mistral, Qwen, Gemma, Phi-3 (inside *ForCausalLM)
-    "layers",  # the same families loaded as bare models
-    "model.language_model.layers",  # multimodal wrappers (Gemma 3, Llava)
-    "language_model.layers",
-    "transformer.h",  # GPT-2, GPT-J, Falcon, Bloom
-    "h",
-    "gpt_neox.layers",  # GPT-NeoX, Pythia
-    "model.decoder.layers",  # OPT
-    "decoder.layers",
-    "encoder.layer",  # BERT, RoBERTa (bare models)
-    "bert.encoder.layer",
-    "roberta.encoder.layer",
-    "transformer.layer",  # DistilBERT
-)
-
-
 def resolve_model_path(name: str) -> tuple[str, bool]:
     """(path or Hub id, is_local). Embedded names resolve to the model shipped inside lmprobe."""
     path = embedded_model_dir(name)
@@ -86,7 +68,9 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
         hint = "" if local else " (is it a Hub id you can reach, or a local folder with config.json?)"
         raise ModelError(f"cannot load the config of model {name!r}{hint}: {one_line(exc)}") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_layers = next((getattr(text, a) for a in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(text, a)), None)
+    # an encoder-decoder's layers are its decoder's (BART's num_hidden_layers means its encoder's)
+    n_layers = next((getattr(text, a) for a in ("decoder_layers", "num_decoder_layers", "num_hidden_layers", "n_layer",
+                                                 "num_layers") if isinstance(getattr(text, a, None), int)), None)
     hidden = next((getattr(text, a) for a in ("hidden_size", "n_embd", "d_model") if hasattr(text, a)), None)
     if not isinstance(n_layers, int) or not isinstance(hidden, int):
         raise ModelError(f"cannot tell the number of layers or the hidden size of {name!r} from its config")
@@ -161,46 +145,12 @@ def forward_takes(model: Any, name: str, *, via_kwargs: bool = True) -> bool:
     return name in params or (via_kwargs and any(p.kind == p.VAR_KEYWORD for p in params.values()))
 
 
-def find_blocks(model: Any, num_layers: int, block_path: str | None = None):
-    """The model's list of decoder blocks (an nn.ModuleList)."""
-    return _get_path(model, find_block_path(model, num_layers, block_path))
-
-
-def _get_path(obj: Any, path: str) -> Any:
+def get_module(model: Any, path: str) -> Any:
+    """The submodule at the attribute path ``path`` (e.g. the block list ``model.layers``)."""
+    obj = model
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def find_block_path(model: Any, num_layers: int, block_path: str | None = None) -> str:
-    """The attribute path of the model's decoder block list, e.g. ``model.layers``."""
-    import torch
-
-    def get(path: str):
-        obj = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                return None
-        return obj
-
-    if block_path:
-        blocks = get(block_path)
-        if not isinstance(blocks, torch.nn.ModuleList):
-            raise ModelError(f"--block-path {block_path!r} does not name a list of modules in this model")
-        return block_path
-    for path in BLOCK_PATHS:
-        blocks = get(path)
-        if isinstance(blocks, torch.nn.ModuleList) and len(blocks) == num_layers:
-            return path
-    candidates = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
-    if len(candidates) == 1:
-        return candidates[0]
-    raise ModelError(
-        f"cannot find the decoder blocks of {type(model).__name__} (looked for {', '.join(BLOCK_PATHS[:6])}, ...); "
-        f"pass the attribute path of its block list with --block-path (Python: block_path=), e.g. 'model.layers'"
-        + (f" (candidates: {candidates})" if candidates else "")
-    )
 
 
 def pick_device(device: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..allocator import HeapTrimmer, bound_allocator_cache
+from ..display import one_line
 from ..errors import DatasetNotFoundError, ExtractionError, ModelError, OutOfSpaceError, OutputExistsError
 from ..format.merge import merge_datasets
 from ..format.reader import Dataset, open_local
@@ -30,7 +31,7 @@ from ..paths import check_output_path
 from ..storage.objectstore import UploadSink, cache_dir, is_object_store_url
 from ..units import format_size
 from ..worker import BackgroundWorker
-from .backend_hf import RESID_POST, TransformersBackend
+from .backend_hf import TransformersBackend
 from .backend_nnsight import build_backend, check_api_key, nnsight_version, require_nnsight
 from .config import ExtractionConfig
 from .corpus import (
@@ -42,10 +43,12 @@ from .corpus import (
     progress_after,
     stream_windows,
 )
-from .hookpoints import Capture, plan_captures, probe_loaded, probe_skeleton
+from .examine import TOLERANCE, Architecture, examine, plan_captures, ranges, site_widths
+from .hookpoints import NAMED, Capture
+from .miniature import build_miniature, skeleton
 from .model import (
     ModelSpec,
-    find_blocks,
+    get_module,
     load_model,
     load_tokenizer,
     parse_layers,
@@ -70,8 +73,9 @@ class _Job:
     settings: dict[str, Any]  # recorded in the dataset and compared on resume
     device: str
     corpus: CorpusPlan | None = None  # corpus mode: the source and its windows
-    captures: list[Capture] = field(default_factory=lambda: [RESID_POST])  # what to read in each block
-    model: Any = None  # the loaded model, when locating the hookpoints needed it before the writer opened
+    captures: list[Capture] = field(default_factory=list)  # what to read in each block
+    model: Any = None  # the loaded model, when examining the model needed it before the writer opened
+    arch: Architecture | None = None  # the model's blocks, hookpoints and inputs (examine.py)
 
     @property
     def hookpoint_dims(self) -> tuple[int, ...]:
@@ -129,13 +133,16 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
     if cfg.logits_topk and vocab and cfg.logits_topk > vocab:
         raise ExtractionError(f"logits_topk={cfg.logits_topk} is larger than the vocabulary ({vocab})")
     dev = pick_device(cfg.device)
-    captures, model = _locate_hookpoints(cfg, spec, dev)
-
     tok = load_tokenizer(spec)
+    arch, model = _examine_model(cfg, spec, tok, dev)
+    if arch.num_layers != spec.num_layers:
+        layer_list = parse_layers(cfg.layers, arch.num_layers)
+    tok.padding_side = arch.inputs.padding_side  # what gives every prompt its own values (examine.py)
+    captures, model = _plan_captures(cfg, spec, arch, layer_list, model, dev)
     limit = cfg.max_length or _default_max_length(tok, spec.config)
     if p is None:
         job = _prepare_corpus(cfg, source, spec, tok, limit, vocab, layer_list, dev)
-        job.captures, job.model = captures, model
+        job.captures, job.model, job.arch = captures, model, arch
         return job
     if p.input_ids is not None:
         _check_pretokenized(cfg, p, tok, vocab)
@@ -158,33 +165,86 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
         lengths = np.minimum(lengths, limit)
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=p.fingerprint(),
                             num_prompts=len(p), layers=layer_list, max_length=limit)
-    return _Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model)
+    return _Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model, arch=arch)
 
 
-def _locate_hookpoints(cfg: ExtractionConfig, spec: ModelSpec, dev: str) -> tuple[list[Capture], Any]:
-    """The captures of ``cfg.hookpoints``, found on a weightless skeleton of the model when it can run
-    (an unsupported hookpoint is then an error before the weights load); else on the loaded model,
-    which is returned so that it loads once."""
-    if cfg.hookpoints == (RESID_POST.hookpoint,):
-        return [RESID_POST], None
+#: architectures examined on a miniature in this process, by config and tokenizer padding (examining is
+#: deterministic, and a notebook extracts from the same model again and again)
+_EXAMINED: dict[tuple, Architecture] = {}
+
+
+def examine_model(model: str, *, revision: str | None = None, trust_remote_code: bool = False,
+                  block_path: str | None = None, device: str = "cpu", compute_dtype: str = "auto") -> Architecture:
+    """What ``extract`` finds about ``model`` before it loads the weights: its block list, where each named
+    hookpoint is on every block (or why it does not exist there) and the inputs its forward wants."""
+    cfg = ExtractionConfig(model=model, prompts=[], out=".", revision=revision, trust_remote_code=trust_remote_code,
+                           block_path=block_path, device=device, compute_dtype=compute_dtype, quiet=True)
+    spec = read_model_spec(model, revision=revision, trust_remote_code=trust_remote_code)
+    arch, loaded = _examine_model(cfg, spec, load_tokenizer(spec), pick_device(device))
+    del loaded
+    return arch
+
+
+def _examine_model(cfg: ExtractionConfig, spec: ModelSpec, tok: Any, dev: str) -> tuple[Architecture, Any]:
+    """The model's blocks, hookpoints and inputs, found and checked on a miniature of it with random weights
+    (examine.py), so that a hookpoint this architecture lacks, or an architecture lmprobe cannot read right,
+    is an error before the weights load. When no miniature can be built or run, the loaded model is
+    examined instead and returned, so that it loads once."""
+    key = (spec.config.to_json_string(), spec.causal_lm, tok.pad_token_id, tok.padding_side, cfg.block_path,
+           spec.trust_remote_code)
+    if key in _EXAMINED:
+        return _EXAMINED[key], None
     try:
-        anatomy, block = probe_skeleton(spec.config, trust_remote_code=spec.trust_remote_code,
-                                        block_path=_skeleton_block_path(cfg.block_path))
+        mini = build_miniature(spec.config, causal_lm=spec.causal_lm, pad_token_id=tok.pad_token_id,
+                               trust_remote_code=spec.trust_remote_code)
     except ModelError as exc:
-        skeleton_error = exc
+        why = str(exc)
     else:
-        return plan_captures(list(cfg.hookpoints), anatomy, block), None  # a wrong hookpoint fails here
+        try:
+            arch = examine(mini, pad_token_id=tok.pad_token_id, padding_side=tok.padding_side,
+                           block_path=cfg.block_path)
+            while len(_EXAMINED) >= 8:  # a notebook that extracts from a few models keeps their answers
+                del _EXAMINED[next(iter(_EXAMINED))]
+            _EXAMINED[key] = arch
+            return arch, None
+        except ModelError:
+            raise
+        except Exception as exc:  # the miniature does not run: the real model decides
+            why = f"the miniature does not run ({type(exc).__name__}: {one_line(exc)})"
+        finally:
+            del mini
     if cfg.backend == "nnsight" and cfg.remote is True:
-        raise ModelError(f"cannot locate hookpoints {list(cfg.hookpoints)} without the weights here "
-                         f"({skeleton_error}); run with --remote local, or read resid_post only")
+        raise ModelError(f"cannot check this architecture without its weights here ({why}); run with --remote local")
     model, _ = load_model(spec, device=dev, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)
-    blocks = find_blocks(model, spec.num_layers, cfg.block_path)
-    return plan_captures(list(cfg.hookpoints), probe_loaded(model, blocks[0], dev), blocks[0]), model
+    low = next(model.parameters()).dtype.itemsize < 4
+    try:
+        arch = examine(model, pad_token_id=tok.pad_token_id, padding_side=tok.padding_side,
+                       block_path=cfg.block_path, checked_on="loaded model",
+                       tolerance=TOLERANCE["low" if low else "float32"])
+    except ModelError:
+        raise
+    except Exception as exc:  # the model's own forward, on token ids alone, fails
+        raise ModelError(f"{spec.name} does not run on token ids alone ({type(exc).__name__}: {one_line(exc)}), so "
+                         f"lmprobe cannot extract from it ({why})") from exc
+    return arch, model
 
 
-def _skeleton_block_path(block_path: str | None) -> str | None:
-    """--block-path names the block list of the loaded class; the skeleton is the bare model."""
-    return block_path.removeprefix("model.") if block_path else None
+def _plan_captures(cfg: ExtractionConfig, spec: ModelSpec, arch: Architecture, layers: list[int], model: Any,
+                   dev: str) -> tuple[list[Capture], Any]:
+    """The captures of ``cfg.hookpoints`` on ``layers``. Module paths are measured on a weightless skeleton of
+    the model (the meta device), else on the loaded model (loaded here if it was not, and returned)."""
+    custom = [hp for hp in cfg.hookpoints if hp not in NAMED]
+    widths: dict = {}
+    if custom:
+        sites = {layer: [arch.reading(hp, layer).site for hp in custom] for layer in layers}
+        try:
+            widths = site_widths(skeleton(spec.config, causal_lm=spec.causal_lm,
+                                          trust_remote_code=spec.trust_remote_code), arch.block_path, sites)
+        except Exception:  # an architecture that cannot run on meta: measure the real one
+            if model is None:
+                model, _ = load_model(spec, device=dev, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)
+            widths = site_widths(model, arch.block_path, sites)
+    return plan_captures(arch, cfg.hookpoints, layers, hidden_size=spec.hidden_size, widths=widths), model
 
 
 def _check_pretokenized(cfg: ExtractionConfig, p: Prompts, tok: Any, vocab: int | None) -> None:
@@ -340,7 +400,7 @@ def _extract_to(job: _Job, out: Path, *, on_file_complete: Any = None, reopen: b
         token_strings=cfg.token_strings,
         token_perplexity=cfg.perplexity,
         provenance=_provenance(cfg),
-        metadata={"extraction": {"settings": settings}},
+        metadata={"extraction": {"settings": settings, "architecture": _architecture_record(job)}},
         fingerprint=settings,
         resumable=("max_tokens",) if job.corpus is not None else (),  # the budget only says when to stop
         checksums=cfg.checksums,
@@ -391,7 +451,7 @@ def _extract_distributed(job: _Job, out: Path) -> Dataset:
         parts_dir = out / ".lmprobe-parts"
         part_cfg = dataclasses.replace(cfg, quiet=cfg.quiet or rank != 0)
         part_job = _Job(part_cfg, part, job.spec, job.tokenizer, job.lengths[lo:hi], part_settings, job.device,
-                        captures=job.captures, model=job.model)
+                        captures=job.captures, model=job.model, arch=job.arch)
         _extract_to(part_job, parts_dir / f"part-{rank:05d}", reopen=False)
         dist.barrier()
         if rank == 0:
@@ -400,6 +460,21 @@ def _extract_distributed(job: _Job, out: Path) -> Dataset:
             shutil.rmtree(parts_dir)
     dist.barrier()
     return open_local(out)
+
+
+def _architecture_record(job: _Job) -> dict[str, Any]:
+    """How each stored hookpoint was read, by layer range, and what the check ran on (``lmprobe:extraction``)."""
+    arch = job.arch
+    readings = {}
+    for c in job.captures:
+        by_reading: dict[str, list[int]] = {}
+        for layer, reading in sorted(c.readings.items()):
+            by_reading.setdefault(str(reading), []).append(layer)
+        readings[c.hookpoint] = {ranges(layers): how for how, layers in by_reading.items()}
+    return {"checked_on": arch.checked_on, "block_path": arch.block_path, "num_layers": arch.num_layers,
+            "inputs": {"padding_side": arch.inputs.padding_side, "position_ids": arch.inputs.position_ids,
+                       "decoder_inputs": arch.inputs.decoder_inputs},
+            "readings": readings}
 
 
 def _provenance(cfg: ExtractionConfig) -> dict:
@@ -414,11 +489,12 @@ def _build_backend(job: _Job) -> Any:
     if cfg.backend == "nnsight":
         if model is None and cfg.remote is not True:
             model = load_model(job.spec, device=job.device, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)[0]
-        return build_backend(job.spec, model, job.tokenizer, block_path=cfg.block_path, remote=cfg.remote)
+        return build_backend(job.spec, model, job.tokenizer, block_path=job.arch.block_path, inputs=job.arch.inputs,
+                             remote=cfg.remote)
     if model is None:
         model, _commit = load_model(job.spec, device=job.device, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)
-    blocks = find_blocks(model, job.spec.num_layers, cfg.block_path)
-    return TransformersBackend(model, blocks, causal_lm=job.spec.causal_lm)
+    blocks = get_module(model, job.arch.block_path)
+    return TransformersBackend(model, blocks, causal_lm=job.spec.causal_lm, inputs=job.arch.inputs)
 
 
 def _run(writer: DatasetWriter, job: _Job) -> None:
