@@ -7,7 +7,7 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import write_dataset
+from conftest import ROOT, write_dataset
 
 import lmprobe
 from lmprobe.errors import InvalidArgumentError
@@ -207,7 +207,7 @@ def test_the_train_sae_example_runs_end_to_end(tmp_path):
     import sys
 
     r = subprocess.run([sys.executable, "examples/train_sae.py", "--out", str(tmp_path), "--epochs", "3"],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)  # as the docs run it
     assert r.returncode == 0, r.stderr[-2000:]
     assert "epoch   2: FVU" in r.stdout and r.stdout.count("top 5 features for prompt") == 3
     first, last = (float(line.split("FVU ")[1].split()[0]) for line in r.stdout.splitlines() if "FVU" in line)
