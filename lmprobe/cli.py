@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -248,8 +250,36 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that names the command a mistyped one was probably meant to be (Python 3.14's suggest_on_error)."""
+
+    def error(self, message: str) -> Any:
+        m = re.match(r"argument COMMAND: invalid choice: '([^']*)'", message)
+        sub = _subcommands(self)
+        if m and sub is not None:
+            close = difflib.get_close_matches(m.group(1), list(sub.choices), n=1, cutoff=0.6)
+            if close:
+                message = f"unknown command {m.group(1)!r}; did you mean {close[0]!r}? (`lmprobe --help` lists them)"
+        return super().error(message)
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's message for arguments a command does not take, with the closest option of each mistyped one."""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for arg in extra:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.6)
+            hints += [f"did you mean {close[0]}?"] if close else []
+    return f"unrecognized arguments: {' '.join(extra)}" + (f"; {'; '.join(hints)}" if hints else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lmprobe", formatter_class=_HelpFormatter,
         description="Extract language-model activations into the lmprobe dataset format 2.0, publish and read them.",
     )
@@ -522,7 +552,14 @@ _RESUMES = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # a first look: the commands, not an error
+        parser.print_help()
+        return 0
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser: its usage, and the option a typo was meant to be
+        command = _subcommands(parser).choices[args.command]
+        command.error(_unrecognized(command, extra))
     try:
         return int(args.func(args) or 0)
     except LmprobeError as exc:
