@@ -27,7 +27,7 @@ from .saelens import export_saelens, import_saelens
 from .saev import compat_mode, export_saev, is_saev_folder, validate_saev
 from .storage.cache import cache_budget
 from .storage.hub import check_repo_id
-from .units import parse_count
+from .units import parse_count, plural
 from .version import __version__
 
 
@@ -67,12 +67,12 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     ds = run(cfg)
     if not args.quiet:
         h = ds.info["tensors"]["hidden_layers"]
-        rows = f"{ds.num_prompts} prompts"
+        rows = plural(ds.num_prompts, "prompt")
         if cfg.corpus:
-            n_tokens = int(ds.column("num_tokens").sum())
-            rows = f"{ds.num_prompts} windows ({n_tokens:,} tokens)"
-        hps = "" if ds.hookpoints == ["resid_post"] else f" x {len(ds.hookpoints)} hookpoints ({', '.join(ds.hookpoints)})"
-        print(f"wrote {rows} x {len(ds.layers)} layers{hps} x {ds.dim} dims ({h['storage']}, {ds.dtype}) to {args.out}")
+            rows = f"{plural(ds.num_prompts, 'window')} ({plural(int(ds.column('num_tokens').sum()), 'token')})"
+        hps = "" if ds.hookpoints == ["resid_post"] else f" x {plural(len(ds.hookpoints), 'hookpoint')} ({', '.join(ds.hookpoints)})"
+        print(f"wrote {rows} x {plural(len(ds.layers), 'layer')}{hps} x {ds.dim} dims ({h['storage']}, {ds.dtype}) "
+              f"to {args.out}")
     if args.push:
         api.push_to_hub(args.out, args.push, private=args.private, token=args.token, quiet=args.quiet)
     return 0

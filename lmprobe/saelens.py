@@ -43,6 +43,7 @@ from .opening import load
 from .paths import check_output_path, resolve_inside
 from .safeio import check_regular, loads, read_json
 from .storage.hub import HubFiles, parse_dataset_ref
+from .units import plural
 
 #: the SAELens release the layout was checked against (with the datasets release it installs)
 SAELENS_CHECKED = "sae-lens 6.54.12 (datasets 5.2.0)"
@@ -472,6 +473,6 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
     if n == 0:
         raise SaelensError(f"{info.source} holds no rows")
     if not quiet:
-        print(f"imported {n} windows x {info.context} tokens of {info.hook} (layer {info.layer}, {info.hookpoint}) "
+        print(f"imported {plural(n, 'window')} x {info.context} tokens of {info.hook} (layer {info.layer}, {info.hookpoint}) "
               f"to {out}", file=sys.stderr)
     return Path(out)

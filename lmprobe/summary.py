@@ -14,7 +14,7 @@ from .display import escape_controls
 from .format.metadata import recorded_attachments
 from .format.reader import Dataset
 from .format.spec import RESERVED_COLUMNS
-from .units import format_size
+from .units import format_size, plural
 
 #: what the stored (non-addressing) reserved columns hold, in the order they are listed
 _STORED = {"token_ids": "token ids", "token_strings": "token strings", "token_perplexity": "per-token perplexity",
@@ -27,11 +27,6 @@ def _get(d: Any, key: str, default: Any = None) -> Any:
 
 def _layers_text(layers: list[int]) -> str:
     return str(layers) if len(layers) <= 12 else str(layers[:6])[:-1] + ", ..., " + str(layers[-1]) + "]"
-
-
-def plural(n: int, noun: str, nouns: str | None = None) -> str:
-    """``1 shard``, ``3 shards``."""
-    return f"{n:,} {noun if n == 1 else (nouns or noun + 's')}"
 
 
 def _layers_fact(ds: Dataset) -> str:
@@ -67,6 +62,20 @@ def _corpus_fact(ds: Dataset) -> str | None:
         else:
             bits.append("no token budget (the whole source)")
     return ", ".join(bits)
+
+
+def _how_made(prov: dict) -> str:
+    """The extraction backend, where the data was imported from, or that it was written directly (``lmprobe demo``,
+    a ``DatasetWriter`` of the user's own arrays)."""
+    backend = prov.get("extraction_backend")
+    if backend:
+        return f"backend {backend}"
+    imported = prov.get("imported_from")
+    if isinstance(imported, dict):
+        kind = {"saelens-activation-cache": "a SAELens activation cache"}.get(imported.get("format"),
+                                                                           imported.get("format") or "another format")
+        return f"imported from {kind}" + (f" ({imported['source']})" if imported.get("source") else "")
+    return "written directly (no extraction)"
 
 
 def _attachments_fact(info: dict) -> list[tuple[str, str]]:
@@ -105,7 +114,7 @@ def facts(ds: Dataset, *, path: str | None = None) -> list[tuple[str, str]]:
     if labels is not None:
         counts = collections.Counter(labels.tolist())
         shown = ", ".join(f"{k!r}: {v}" for k, v in sorted(counts.items(), key=lambda kv: str(kv[0]))[:10])
-        out.append(("labels", f"{len(counts)} classes ({shown}{', ...' if len(counts) > 10 else ''})"))
+        out.append(("labels", f"{plural(len(counts), 'class', 'classes')} ({shown}{', ...' if len(counts) > 10 else ''})"))
     else:
         out.append(("labels", "none"))
     h = ds.meta.hidden
@@ -131,7 +140,7 @@ def facts(ds: Dataset, *, path: str | None = None) -> list[tuple[str, str]]:
     out += _attachments_fact(info)
     prov = info.get("provenance")
     if isinstance(prov, dict):
-        out.append(("made with", f"lmprobe {_get(prov, 'lmprobe_version')}, backend {_get(prov, 'extraction_backend')}, "
+        out.append(("made with", f"lmprobe {_get(prov, 'lmprobe_version')}, {_how_made(prov)}, "
                                  f"torch {_get(prov, 'torch_version')}, transformers {_get(prov, 'transformers_version')}, "
                                  f"{_get(prov, 'created_at')}"))
     elif prov is not None:

@@ -221,3 +221,13 @@ def test_cli_errors_are_one_line(tmp_path, llama_dir, capsys):
                      "--layers", "99"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lmprobe extract: error: layer 99 does not exist") and "Traceback" not in err
+
+
+def test_cli_says_one_prompt_and_one_layer_in_the_singular(tmp_path, capsys):
+    """issue 37, item 16: "1 layers" read wrong."""
+    f = tmp_path / "p.txt"
+    f.write_text("The cat sat on the mat.\n")
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "ds"),
+                     "--layers", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote 1 prompt x 1 layer x 128 dims (pooled, float32) to {tmp_path / 'ds'}" in out, out

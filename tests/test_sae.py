@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -239,3 +240,12 @@ def test_device_setting_is_checked_and_used(tmp_path, rng):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             SAEConfig(root_path=tmp_path, dictionary_name="d", device="cuda")
+
+
+def test_auto_device_on_a_machine_without_a_gpu_does_not_import_torch():
+    """issue 37, item 16: `sae-topk` spent ~1 s importing torch to learn there is no GPU, on every call."""
+    code = ("import sys; from lmprobe.sae.loader import detect_device; print(detect_device('auto'), "
+            "'torch' in sys.modules)")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU visible, as on this machine and CI
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["cpu", "False"], r.stdout + r.stderr

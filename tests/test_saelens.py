@@ -279,3 +279,16 @@ def test_import_a_cache_folder_uploaded_to_the_hub_as_it_is(tmp_path, source, hu
     HfApi().upload_folder(repo_id=repo, repo_type="dataset", folder_path=str(cache))
     ds = lmprobe.load(import_saelens(repo, tmp_path / "imported", model_name="test/model", quiet=True))
     np.testing.assert_array_equal(np.stack([ds.token_hidden(i, 0) for i in range(12)]), windows(src, 0))
+
+
+def test_info_of_an_imported_cache_and_of_the_demo_says_how_they_were_made(tmp_path, source, capsys):
+    """issue 37, item 16: `info` said "backend None" for datasets that no extraction made."""
+    path, _ = source
+    cache = export_saelens(path, tmp_path / "cache", layer=1, quiet=True)
+    back = import_saelens(cache, tmp_path / "back", quiet=True)
+    assert cli_main(["info", str(back)]) == 0
+    made = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("made with"))
+    assert "None" not in made and f"imported from a SAELens activation cache ({cache})" in made, made
+    assert cli_main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    made = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("made with"))
+    assert "None" not in made and "written directly (no extraction)" in made, made

@@ -292,3 +292,11 @@ def test_saev_batches_use_the_training_reader_ranks_and_all(tmp_path, source):
     got = np.concatenate(shares)
     np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(want, axis=0))
     assert min(len(s) for s in shares) > 0
+
+
+def test_a_saev_dataset_shows_what_it_holds(tmp_path, source):
+    path, _ = source
+    folder = export_saev(path, tmp_path / "dump", context_len=5, quiet=True)
+    text = repr(SaevDataset(folder))
+    assert text == (f"<lmprobe SaevDataset {folder}: {len(SaevDataset(folder))} examples x 5 tokens, layers [1, 4], "
+                    "d_model 6, float32>"), text

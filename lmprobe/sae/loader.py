@@ -19,6 +19,7 @@ import importlib
 import os
 import re
 import struct
+import sys
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -48,6 +49,17 @@ def _numpy():
         return None
 
 
+def _may_have_cuda() -> bool:
+    """Whether torch could see a GPU, answered without importing it (about a second, on every ``sae-topk``):
+    torch is imported already, or a GPU device node exists (NVIDIA, or AMD's for ROCm) and CUDA_VISIBLE_DEVICES
+    does not hide every device. Elsewhere than Linux, only torch can tell."""
+    if "torch" in sys.modules or not sys.platform.startswith("linux"):
+        return True
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return False
+    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
+
+
 def detect_device(device: str = "auto") -> str:
     """The device projections run on: 'cpu', or 'cuda[:N]' (batched projections then run in torch there).
 
@@ -56,8 +68,8 @@ def detect_device(device: str = "auto") -> str:
     """
     if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(device)):
         raise InvalidArgumentError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-    if device == "cpu":
-        return device
+    if device == "cpu" or (device == "auto" and not _may_have_cuda()):
+        return "cpu"
     try:
         torch = importlib.import_module("torch")
         available = torch.cuda.is_available()

@@ -22,6 +22,7 @@ from ..format.values import bfloat16_bits_to_float32, bfloat16_to_float32_later
 from ..lock import OutputLock
 from ..opening import load
 from ..paths import check_output_path
+from ..units import plural
 from ..worker import settle
 from .protocol import (
     DEFAULT_PATCHES_PER_SHARD,
@@ -307,8 +308,8 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     atomic_write(partial / "metadata.json", json.dumps(plan.metadata, indent=2) + "\n")  # last
     move_into_place(partial, final)
     if not quiet:
-        print(f"wrote {plan.n_ex} examples x {L} layers x {T} tokens x {D} dims "
-              f"in {len(shards_json)} shard(s) to {final}")
+        print(f"wrote {plural(plan.n_ex, 'example')} x {plural(L, 'layer')} x {plural(T, 'token')} x {D} dims "
+              f"in {plural(len(shards_json), 'shard')} to {final}")
     return final
 
 

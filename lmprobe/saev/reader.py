@@ -63,6 +63,10 @@ class SaevDataset:
     def __len__(self) -> int:
         return self.n_ex
 
+    def __repr__(self) -> str:
+        return (f"<lmprobe SaevDataset {self._hub or self.path}: {self.n_ex:,} examples x {self.tokens_per_ex} tokens, "
+                f"layers {self.layers}, d_model {self.d_model}, {self.metadata.get('dtype', 'float32')}>")
+
     def _local(self, name: str) -> Path:
         return file_inside(self.path, name) if self._hub is None else self.path / name
 
