@@ -15,8 +15,8 @@ from .demo import write_demo
 from .display import escape_controls
 from .errors import InvalidArgumentError, LmprobeError
 from .extraction.config import ExtractionConfig
-from .extraction.model import parse_layers
 from .extraction.runner import run
+from .layers import parse_layers
 from .opening import is_remote, load
 from .probe import plot_sweep, sweep
 from .publish.attachments import publish_attachment
@@ -204,7 +204,7 @@ def _stored_layers(spec: str | None, stored: list[int]) -> list[int] | None:
     """--layers against the layers a dataset stores (negative indices count from the last one); None: all."""
     if spec in (None, "all"):
         return None
-    return parse_layers(spec, max(stored) + 1)
+    return parse_layers(spec, max(stored) + 1, of=f"the dataset (layers {stored})")
 
 
 def _count(text: str) -> int:

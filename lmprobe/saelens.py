@@ -35,7 +35,7 @@ import pyarrow as pa
 
 from .atomic import atomic_write, move_into_place
 from .display import escape_controls
-from .errors import SaelensError, UnsafePathError
+from .errors import LayerNotFoundError, SaelensError, UnsafePathError
 from .format.reader import Dataset
 from .format.writer import DatasetWriter
 from .lock import OutputLock
@@ -151,8 +151,10 @@ def plan_export(ds: Dataset, source_desc: str, *, layer: int | None, hookpoint: 
             raise SaelensError(f"{source_desc} stores layers {ds.layers} and a SAELens cache holds one hook: "
                                "pass --layer")
         layer = ds.layers[0]
-    if layer not in ds.layers:
-        raise SaelensError(f"layer {layer} is not in {source_desc} (it stores {ds.layers})")
+    try:
+        layer = ds.check_layer(layer, hp)  # -1: the last stored layer, as everywhere
+    except LayerNotFoundError:
+        raise SaelensError(f"layer {layer} is not in {source_desc} (it stores {ds.layers})") from None
     hook = tl_hook_name(hp, layer)
     lengths = ds.token_lengths()
     if not len(lengths):

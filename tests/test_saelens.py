@@ -292,3 +292,13 @@ def test_info_of_an_imported_cache_and_of_the_demo_says_how_they_were_made(tmp_p
     assert cli_main(["demo", "--out", str(tmp_path / "demo")]) == 0
     made = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("made with"))
     assert "None" not in made and "written directly (no extraction)" in made, made
+
+
+def test_export_takes_a_negative_layer_as_every_other_command_does(tmp_path, source):
+    """issue 37, item 8: `export-saelens --layer -1` is the last stored layer, as `--layers -1` is elsewhere."""
+    path, src = source
+    assert cli_main(["export-saelens", str(path), "--out", str(tmp_path / "c"), "--layer", "-1", "--quiet"]) == 0
+    _, batches = read_cache(tmp_path / "c")
+    assert batches[0].schema.names[0] == "blocks.1.hook_resid_post"
+    acts = np.array(pa.Table.from_batches(batches).column(0).to_pylist(), dtype=np.float32)
+    np.testing.assert_array_equal(acts, windows(src, 1))

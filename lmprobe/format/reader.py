@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import DatasetNotFoundError, FormatError, LayerNotFoundError, ShardMissingError
+from ..layers import stored_layer
 from ..paths import resolve_inside
 from ..safeio import check_regular
 from ..tokenizer import local_tokenizer
@@ -353,12 +354,9 @@ class Dataset:
         return arr
 
     def check_layer(self, layer: int, hookpoint: str | None = None) -> int:
-        """``layer`` as an int if the dataset stores it; else LayerNotFoundError naming the stored layers."""
-        h = self.hidden_desc(hookpoint)
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in h.layers:
-            raise LayerNotFoundError(f"layer {layer!r} is not stored in this dataset; stored layers: {h.layers}",
-                                     layer=layer, available=list(h.layers))
-        return int(layer)
+        """``layer`` as an int if the dataset stores it (negative: back from the last stored layer, as in
+        ``lmprobe extract --layers -1``); else LayerNotFoundError naming the stored layers."""
+        return stored_layer(layer, list(self.hidden_desc(hookpoint).layers))
 
     def column(self, name: str) -> np.ndarray:
         """A non-null integer column of the index as int64."""
@@ -604,7 +602,7 @@ class Dataset:
     # ---------------------------------------------------------------- reading
 
     def hidden(self, layer: int, rows: RowsArg = None, *, as_torch: bool = False, hookpoint: str | None = None):
-        """Last-token hidden states of ``layer``: an (N, dim) array in index order.
+        """Last-token hidden states of ``layer`` (``-1``: the last stored layer): an (N, dim) array in index order.
 
         ``hookpoint`` picks another stored hookpoint (``ds.hookpoints``); default: what
         ``hidden_layers`` holds, the block outputs (resid_post) of a default extraction.
@@ -644,6 +642,7 @@ class Dataset:
         desc = self.meta.statistics
         if desc is None:
             raise FormatError("this dataset stores no statistics (extract with statistics on, the default)")
+        layer = self.check_layer(layer, hookpoint)
         if hookpoint is not None and hookpoint != self._hidden_desc.hookpoint:
             self.hidden_desc(hookpoint)  # stored at all?
             desc = desc.for_hookpoint(hookpoint)
