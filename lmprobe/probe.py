@@ -24,6 +24,7 @@ import numpy as np
 from .atomic import atomic_write
 from .errors import ProbeError
 from .format.reader import Dataset
+from .format.spec import RESERVED_COLUMNS
 from .opening import load
 from .tensors import load_file, save_file
 
@@ -82,9 +83,15 @@ def features(ds: Any, layer: int, *, pooling: Pooling = "last_token", rows: Any 
 def labels(ds: Any, label_column: str = "label") -> np.ndarray:
     """Labels from ``label_column`` of the index; rows with a null label are an error."""
     ds = _dataset(ds)
-    if label_column not in ds.prompt_table.column_names:
-        raise ProbeError(f"the index has no column {label_column!r} (columns: {ds.prompt_table.column_names})")
-    col = ds.prompt_table.column(label_column)
+    names = ds.prompt_table.column_names
+    col = ds.prompt_table.column(label_column) if label_column in names else None
+    if col is None or (col.null_count == len(col) and label_column == "label"):  # an unlabeled extraction's label
+        own = [c for c in names if c not in RESERVED_COLUMNS]
+        close = [c for c in own if c.lower() == label_column.lower()]
+        raise ProbeError(f"the dataset has no {label_column!r} column; "
+                         + (f"its own columns are {own}: pass --label-column NAME (label_column= in Python)" if own
+                            else "it stores no other column to probe (extract with a label column)")
+                         + (f"; did you mean --label-column {close[0]}?" if close else ""))
     if col.null_count:
         raise ProbeError(f"{col.null_count} row(s) have no {label_column!r}; probing needs a label for every prompt")
     y = np.asarray(col.to_pylist())

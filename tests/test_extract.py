@@ -231,3 +231,24 @@ def test_cli_says_one_prompt_and_one_layer_in_the_singular(tmp_path, capsys):
                      "--layers", "-1"]) == 0
     out = capsys.readouterr().out
     assert f"wrote 1 prompt x 1 layer x 128 dims (pooled, float32) to {tmp_path / 'ds'}" in out, out
+
+
+def test_a_label_column_named_in_another_case_is_pointed_out(tmp_path, capsys):
+    """issue 37, item 7: a CSV with `Text,Label` lost its labels silently."""
+    f = tmp_path / "p.csv"
+    f.write_text("Text,Label\nThe cat sat.,1\nA dog ran.,0\n")
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "a"),
+                     "--layers", "-1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"lmprobe extract: error: {f}: no 'text' column (columns: ['Text', 'Label']); did you mean "
+                   "--text-column Text?"), err
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "b"),
+                     "--layers", "-1", "--text-column", "Text", "--quiet"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"note: {f} has a column 'Label' but no 'label': it is stored as an ordinary column, not as the "
+                   "labels; pass --label-column Label to use it as the labels"], err
+    ds = lmprobe.load(tmp_path / "b")
+    assert ds.labels is None and ds.index["Label"].tolist() == [1, 0]
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "c"),
+                     "--layers", "-1", "--text-column", "Text", "--label-column", "Label", "--quiet"]) == 0
+    assert capsys.readouterr().err == "" and lmprobe.load(tmp_path / "c").labels.tolist() == [1, 0]
