@@ -126,15 +126,18 @@ def test_example_notebook_runs_offline(tmp_path):
     assert "The pizza was wonderful." in last
 
 
-def test_third_party_reader_script_needs_no_lmprobe(tmp_path, rng):
-    src = write_dataset(tmp_path / "ds", rng, n=12, layers=(0, 7), dim=5, shard_size="100B")
-    code = ("import runpy, sys; sys.modules['lmprobe'] = None; sys.argv = sys.argv[1:];"
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_third_party_reader_script_needs_no_lmprobe(tmp_path, rng, dtype):
+    """The example reads every stored dtype, bfloat16 (which numpy lacks; issue 37, item 9) without torch too."""
+    write_dataset(tmp_path / "ds", rng, n=12, layers=(0, 7), dim=5, shard_size="100B", dtype=dtype)
+    code = ("import runpy, sys; sys.modules['lmprobe'] = None; sys.modules['torch'] = None; sys.argv = sys.argv[1:];"
             "runpy.run_path(sys.argv[0], run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples/read_without_lmprobe.py"), str(tmp_path / "ds"),
                         "7"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "12 prompts, layer 7: X (12, 5)" in r.stdout
-    assert f"|x| = {np.linalg.norm(src['hidden'][7][0]):.4f}" in r.stdout
+    X = lmprobe.load(tmp_path / "ds").hidden(7)  # lmprobe's reader: the stored values as float32
+    assert f"|x| = {np.linalg.norm(X[0]):.4f}" in r.stdout
 
 
 def test_probe_without_a_label_column_names_the_columns_and_the_option(tmp_path, capsys):
