@@ -18,15 +18,13 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write
-from ..display import one_line
-from ..errors import FormatError, InvalidArgumentError, ModelError
-from ..extraction.model import resolve_model_path
+from ..errors import FormatError, InvalidArgumentError
 from ..format.reader import Dataset
 from ..html import bar_chart, esc, line_chart, page, table
 from ..opening import load
 from ..paths import check_output_path
 from ..probe import sweep
-from ..tokenizer import hub_access
+from ..tokenizer import resolve_tokenizer
 
 __all__ = ["load_tokenizer_for", "report"]
 
@@ -36,29 +34,12 @@ _MAX_POSITIONS = 256
 
 
 def load_tokenizer_for(ds: Dataset, tokenizer: str | None = None) -> Any:
-    """The tokenizer that decodes the dataset's token ids: ``tokenizer`` (a folder or Hub id), else the
-    dataset's model when it can be loaded here; None when neither can (ids are then shown as ``#id``)."""
-    name = tokenizer or ds.model.get("name")
-    if not name:
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        path, local = resolve_model_path(name)
-        revision = None if tokenizer else ds.model.get("revision")
-        if isinstance(revision, str) and revision.startswith("sha256:"):
-            revision = None  # the embedded model's weights digest, not a Hub revision
-        access = {} if local else hub_access(path, revision, "the tokenizer")  # one look, not five retries
-        return AutoTokenizer.from_pretrained(path, revision=revision, **access)
-    except ModelError as exc:
-        if tokenizer:
-            raise InvalidArgumentError(str(exc)) from None
-        return None
-    except Exception as exc:  # a Hub id that is no model, or a folder without a tokenizer: show ids instead
-        if tokenizer:
-            raise InvalidArgumentError(f"cannot load the tokenizer {tokenizer!r}: {type(exc).__name__}: "
-                                       f"{one_line(exc)}") from None
-        return None
+    """The tokenizer that decodes the dataset's token ids: ``tokenizer`` (a folder or Hub id; an error when it
+    cannot be loaded), else the dataset's model's when it can be loaded (``resolve_tokenizer``); None when it
+    cannot (ids are then shown as ``#id``)."""
+    if tokenizer:
+        return resolve_tokenizer(tokenizer, need="--tokenizer")
+    return resolve_tokenizer(ds.model.get("name"), ds.model.get("revision"))
 
 
 def _parse_rows(prompts: Any, n: int) -> list[int]:
