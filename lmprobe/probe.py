@@ -105,7 +105,7 @@ def layer_features(ds: Any, layers: Sequence[int] | None = None, *, label_column
     """Features of every requested layer and the labels, in one call: ({layer: X}, y)."""
     ds = _dataset(ds)
     y = labels(ds, label_column)
-    layers = ds.layers if layers is None else list(layers)
+    layers = ds.layers_here() if layers is None else list(layers)  # a partial copy: the layers it holds
     return {layer: features(ds, layer, pooling=pooling) for layer in layers}, y
 
 
@@ -127,8 +127,9 @@ def sweep(ds: Any, layers: Sequence[int] | None = None, label_column: str = "lab
           cv: int = 5, pooling: Pooling = "last_token", seed: int = 0, hookpoints: Sequence[str] | None = None):
     """Cross-validated linear probe accuracy per layer: a DataFrame with one row per layer.
 
-    ``hookpoints`` sweeps layers x hookpoints (a ``hookpoint`` column is added); default: what
-    ``hidden_layers`` holds.
+    ``layers``: default every stored layer (in a partial copy made by ``lmprobe pull --layers``,
+    the layers it holds). ``hookpoints`` sweeps layers x hookpoints (a ``hookpoint`` column is
+    added); default: what ``hidden_layers`` holds.
 
     Columns: layer, accuracy (mean over folds), accuracy_std, auroc (binary labels; NaN otherwise),
     n_samples, n_features. Folds are stratified and shuffled with ``seed``: the same call gives the
@@ -152,7 +153,8 @@ def sweep(ds: Any, layers: Sequence[int] | None = None, label_column: str = "lab
     for hp in hps:
         if hp is not None and hp not in ds.hookpoints:
             raise ProbeError(f"hookpoint {hp!r} is not stored in this dataset; it stores {ds.hookpoints}")
-    grid = [(hp, layer) for hp in hps for layer in (ds.layers if layers is None else list(layers))]
+    # default: every stored layer (of a partial copy, the ones it holds)
+    grid = [(hp, layer) for hp in hps for layer in (ds.layers_here(hp) if layers is None else list(layers))]
     for hp, layer in grid:
         X = features(ds, layer, pooling=pooling, hookpoint=hp)
         res = cross_validate(_estimator(classifier, seed), X, y, cv=folds, scoring=scoring)

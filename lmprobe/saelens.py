@@ -147,10 +147,11 @@ def plan_export(ds: Dataset, source_desc: str, *, layer: int | None, hookpoint: 
     if hp not in ds.hookpoints:
         raise SaelensError(f"hookpoint {hp!r} is not in {source_desc} (it stores {ds.hookpoints})")
     if layer is None:
-        if len(ds.layers) != 1:
-            raise SaelensError(f"{source_desc} stores layers {ds.layers} and a SAELens cache holds one hook: "
+        here = ds.layers_here(hp)  # a partial copy: the layers it holds
+        if len(here) != 1:
+            raise SaelensError(f"{source_desc} stores layers {here} and a SAELens cache holds one hook: "
                                "pass --layer")
-        layer = ds.layers[0]
+        layer = here[0]
     try:
         layer = ds.check_layer(layer, hp)  # -1: the last stored layer, as everywhere
     except LayerNotFoundError:

@@ -276,3 +276,43 @@ def test_prompt_decodes_with_a_tokenizer_in_the_local_cache_and_never_asks_the_h
     with DatasetWriter(tmp_path / "other", layers=[0], dim=4, model_name="tester/not-here", token_ids=True) as w:
         w.add_batch(texts=["x"], num_tokens=[2], hidden={0: np.zeros((1, 4))}, token_ids=[[5, 7]])
     assert lmprobe.load(tmp_path / "other").prompt(0).token_strings() == ["#5 ", "#7 "]
+
+
+def test_a_partial_copy_validates_as_one_and_commands_use_the_layers_it_holds(hub, dataset, tmp_path, capsys):
+    """issue 37, item 3: `validate` reported every layer not pulled as an error, and `probe`/`report` failed on
+    the first layer not there instead of using the ones that are."""
+    path, src = dataset
+    repo = repo_name()
+    push_to_hub(path, repo, quiet=True)
+    local, bare = tmp_path / "local", tmp_path / "bare"
+    assert cli_main(["pull", repo, "--layers", "2", "--out", str(local), "--quiet"]) == 0
+    assert cli_main(["pull", repo, "--layers", "0,5", "--no-logits", "--out", str(bare), "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli_main(["validate", str(local), str(bare), "--strict"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{local}: OK (") and "0 error(s), 0 warning(s)" in out[0], out
+    assert out[1] == (f"  partial copy of {repo}: holds layers [2]; not pulled: layers 0, 5 (`lmprobe pull {repo} "
+                      f"--layers 0,5 --out {local}` fetches them)"), out
+    assert out[3] == (f"  partial copy of {repo}: holds layers [0, 5]; not pulled: layer 2, the logits (`lmprobe pull "
+                      f"{repo} --layers 2 --out {bare}` fetches them)"), out
+    # what a copy holds is still checked, byte for byte
+    shard = sorted((local / "tensors").glob("hidden_layer002_*"))[0]
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    assert cli_main(["validate", str(local)]) == 1
+    assert "hidden_layer002_shard000.safetensors: sha256 is" in capsys.readouterr().out
+    shard.write_bytes(good)
+    # a layer missing from a layer the copy holds is an error, not "not pulled"
+    last = sorted((local / "tensors").glob("hidden_layer002_*"))[-1]
+    kept = last.read_bytes()
+    last.unlink()
+    assert cli_main(["validate", str(local)]) == 1
+    assert f"{last.relative_to(local).as_posix()}: file is missing" in capsys.readouterr().out
+    last.write_bytes(kept)
+    # probe and report default to the layers the copy holds
+    assert cli_main(["probe", str(local), "--cv", "2"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[1:-1]] == ["2"], table
+    assert cli_main(["report", str(bare), "--out", str(tmp_path / "r"), "--quiet"]) == 0
+    html = (tmp_path / "r" / "index.html").read_text()
+    assert "<td>layers</td><td>0, 5 of 0, 2, 5 (a partial copy" in html

@@ -316,7 +316,7 @@ class Dataset:
             n = int(self.token_lengths()[row])
         p = Prompt(row, value("text"), int(n), label=value("label"), token_ids=ids, tokens=strings,
                    token_perplexity=lists.get("token_perplexity"), perplexity_mean=value("perplexity_mean"))
-        if self.meta.logits is not None:
+        if self.meta.logits is not None and self.logits_here():  # not in a copy pulled with --no-logits
             values, indices = self.logits_topk([row])
             names = [tokenizer.decode([int(t)]) if tokenizer is not None else f"#{int(t)}" for t in indices[0]]
             p.topk = list(zip(names, [float(v) for v in values[0]], strict=True))
@@ -391,6 +391,11 @@ class Dataset:
             return list(h.layers)
         return [layer for layer in h.layers if all(has(h.file(layer, s)) for s in range(len(h.shards)))]
 
+    def logits_here(self) -> bool:
+        """Whether the top-k logits' shards are in this copy (``lmprobe pull --no-logits`` leaves them out)."""
+        lg, has = self.meta.logits, getattr(self.files, "has", None)
+        return lg is not None and (has is None or all(has(lg.file(s)) for s in range(len(lg.shards))))
+
     def _missing_hint(self, rel: str) -> str:
         """What to do about a missing file: for a layer's shard in a partial copy, the pull that fetches it."""
         descs = self.meta.hookpoints or {self._hidden_desc.hookpoint: self._hidden_desc}
@@ -406,6 +411,11 @@ class Dataset:
             held = f"layer {here[0]}" if len(here) == 1 else f"layers {', '.join(map(str, here))}"
             return (f"this copy holds {held} only, not layer {layer} ({rel} is not here): "
                     f"`lmprobe pull {repo} --layers {layer}{hps} --out {self.files}` fetches it")
+        lg = self.meta.logits
+        if lg is not None and getattr(self.files, "origin", None) and not self.logits_here() \
+                and rel in {lg.file(s) for s in range(len(lg.shards))}:
+            return (f"this copy was pulled without its top-k logits ({rel} is not here): `lmprobe pull "
+                    f"{self.files.origin} --out {self.files}` (without --no-logits) fetches them")
         return self.files.missing_hint(rel)
 
     def tensor(self, rel: str, key: str, dtype: str, row_shape: tuple[int, ...], min_rows: int) -> tuple[Path, TensorEntry]:

@@ -99,7 +99,12 @@ def _facts(ds: Dataset) -> str:
             ("prompts", ds.num_prompts), ("stored tokens", int(lengths.sum()) if h and h.storage == "full_sequence"
                                            else f"{int(lengths.sum()):,} (last token stored per prompt)")]
     if h is not None:
-        rows += [("layers", ", ".join(map(str, h.layers))), ("hookpoints", ", ".join(ds.hookpoints)),
+        here = ds.layers_here()
+        layers = ", ".join(map(str, h.layers))
+        if len(here) < len(h.layers):  # a `lmprobe pull --layers` copy: the page shows what it holds
+            layers = (f"{', '.join(map(str, here))} of {layers} (a partial copy; `lmprobe pull "
+                      f"{getattr(ds.files, 'origin', None) or 'REPO'} --layers L` fetches more)")
+        rows += [("layers", layers), ("hookpoints", ", ".join(ds.hookpoints)),
                  ("dim", h.dim), ("dtype", h.dtype), ("storage", h.storage)]
     if ds.meta.logits is not None:
         rows.append(("top-k logits", ds.meta.logits.k))
@@ -149,7 +154,10 @@ def _plots(ds: Dataset) -> str:
 def _position_chart(ds: Dataset) -> str:
     """Mean norm by token position over a sample of prompts, for the first, middle and last layer."""
     rows = np.random.default_rng(0).permutation(ds.num_prompts)[:_POSITION_PROMPTS]
-    layers = sorted({ds.layers[0], ds.layers[len(ds.layers) // 2], ds.layers[-1]})
+    here = ds.layers_here()  # a partial copy: the layers it holds
+    if not here:
+        return ""
+    layers = sorted({here[0], here[len(here) // 2], here[-1]})
     ids, offs, lengths = ds.token_addresses(rows)
     pos = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     keep = pos < _MAX_POSITIONS

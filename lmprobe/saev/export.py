@@ -188,7 +188,8 @@ def export_saev(
     source_desc = ds.source if not isinstance(source, (str, os.PathLike)) else str(source)
     if isinstance(source, (str, os.PathLike)) and Path(source).exists():
         source_desc = str(Path(source).resolve())
-    layer_list = list(ds.layers) if layers is None else [int(x) for x in layers]
+    # default: every stored layer (of a partial copy made by `lmprobe pull --layers`, the ones it holds)
+    layer_list = ds.layers_here(hookpoint) if layers is None else [int(x) for x in layers]
     if not layer_list:
         raise SaevError("no layers to export")
     out = Path(out)
