@@ -23,6 +23,7 @@ from .publish.attachments import publish_attachment
 from .publish.dictionary import push_dictionary
 from .sae.cli import add_topk_arguments, run_topk
 from .sae.export import export_sae
+from .sae.loader import is_dictionary_folder, validate_dictionary
 from .saelens import export_saelens, import_saelens
 from .saev import compat_mode, export_saev, is_saev_folder, validate_saev
 from .storage.cache import cache_budget
@@ -34,13 +35,18 @@ from .version import __version__
 def _cmd_validate(args: argparse.Namespace) -> int:
     worst = 0
     for path in args.paths:
+        problems, kind = None, ""
         if is_saev_folder(path):
-            problems = validate_saev(path, check_sizes=True)
-            print(f"{path}: saev {'OK' if not problems else 'INVALID'} ({len(problems)} problem(s))")
+            problems, kind = validate_saev(path, check_sizes=True), "saev"
+        elif is_dictionary_folder(path):
+            problems, kind = validate_dictionary(Path(path).parent, Path(path).name), "SAE dictionary"
+        if problems is not None:
+            print(f"{path}: {kind} {'OK' if not problems else 'INVALID'} ({len(problems)} problem(s))")
             for p in problems:
                 print(f"  error: {escape_controls(p, keep_newlines=False)}")
             worst = max(worst, 1 if problems else 0)
             continue
+        summary.check_not_a_dump_folder(path, "validate")
         report = api.validate(path, checksums=not args.no_checksums)
         print(escape_controls(report))
         if not report.ok or (args.strict and report.warnings):
@@ -49,7 +55,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    print(summary.text(load(args.path), path=args.path))
+    text = summary.artefact_text(args.path) if not is_remote(args.path) else None  # a saev export, a dictionary
+    if text is None:
+        summary.check_not_a_dump_folder(args.path, "info")
+        text = summary.text(load(args.path), path=args.path)
+    print(text)
     return 0
 
 

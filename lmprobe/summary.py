@@ -7,13 +7,18 @@ failing, and text from the dataset is escaped before it reaches a terminal (disp
 from __future__ import annotations
 
 import collections
+import os
 from pathlib import Path
 from typing import Any
 
 from .display import escape_controls
+from .errors import DatasetNotFoundError
 from .format.metadata import recorded_attachments
 from .format.reader import Dataset
 from .format.spec import RESERVED_COLUMNS
+from .sae.activation import describe as describe_activation
+from .sae.loader import SAEConfig, is_dictionary_folder, load_dictionary
+from .saev import SaevDataset, is_saev_folder, saev_exports
 from .units import format_size, plural
 
 #: what the stored (non-addressing) reserved columns hold, in the order they are listed
@@ -153,4 +158,53 @@ def facts(ds: Dataset, *, path: str | None = None) -> list[tuple[str, str]]:
 
 def text(ds: Dataset, *, path: str | None = None) -> str:
     """The summary as aligned text lines (``lmprobe info``)."""
-    return "\n".join(f"{k:<12} {v}" for k, v in facts(ds, path=path))
+    return _lines(facts(ds, path=path))
+
+
+def _lines(pairs: list[tuple[str, str]], *, escape: bool = False) -> str:
+    """Aligned ``label value`` lines (``escape``: values read from untrusted files, escaped for a terminal)."""
+    return "\n".join(f"{k:<12} {escape_controls(v, keep_newlines=False) if escape else v}" for k, v in pairs)
+
+
+def artefact_text(path: str | os.PathLike) -> str | None:
+    """``lmprobe info`` of a folder that is no dataset but a saev export or an SAE dictionary; None for anything else.
+
+    Nothing large is read: the saev metadata and shard list, the dictionary's meta.json and its first layer.
+    """
+    p = Path(path)
+    if is_saev_folder(p):
+        sv = SaevDataset(p, verify_hash=False)
+        m, data = sv.metadata, sv.metadata.get("data")
+        data = data if isinstance(data, dict) else {}
+        out = [("examples", f"{sv.n_ex:,} x {sv.tokens_per_ex} tokens ({plural(len(sv.shards), 'shard')}, "
+                            f"{sv.ex_per_shard:,} examples per shard)"),
+               ("layers", str(sv.layers)), ("d_model", f"{sv.d_model}, {m.get('dtype', 'float32')}"),
+               ("model", str(m.get("ckpt")))]
+        if data.get("source"):
+            out.append(("source", f"{data['source']} ({plural(int(data.get('num_prompts') or 0), 'prompt')})"))
+        files = [f for f in ("tokens.bin", "labels.bin") if (p / f).is_file()]
+        out.append(("also", ", ".join(files) if files else "no tokens.bin or labels.bin"))
+        return f"saev export {escape_controls(p, keep_newlines=False)} (protocol {escape_controls(m.get('protocol'))})\n" + _lines(out, escape=True)
+    if is_dictionary_folder(p):
+        dct = load_dictionary(SAEConfig(root_path=p.parent, dictionary_name=p.name, device="cpu", cache_layers=1))
+        meta, layers = dct.meta, dct.layers
+        layer_text = str(layers)
+        if layers:
+            first = dct.get_layer(layers[0])
+            each = " each" if len(layers) > 1 else ""
+            layer_text += (f" ({first.feature_count:,} features x {first.hidden_dim} dims{each}, activation "
+                           f"{describe_activation(first.activation)})")
+        out = [("layers", layer_text), ("features", f"{meta['feature_count']:,} in all (meta.json)"),
+               ("model hash", str(meta["model_hash"])), ("format", f"{meta['format']}, {meta['dtype']} weights")]
+        return f"SAE dictionary {escape_controls(p, keep_newlines=False)}\n" + _lines(out, escape=True)
+    return None
+
+
+def check_not_a_dump_folder(path: str | os.PathLike, command: str) -> None:
+    """Refuse, pointing at the exports inside, the folder given to ``export-saev --out`` (it holds <HASH>/ folders)."""
+    exports = saev_exports(path)
+    if exports:
+        held = (f"the export it holds is {exports[0]}" if len(exports) == 1 else
+                f"the exports it holds are {', '.join(map(str, exports))}")
+        raise DatasetNotFoundError(f"{path} is the --out of `lmprobe export-saev`, not a dataset; {held}: "
+                                   f"`lmprobe {command} {' '.join(map(str, exports))}`")

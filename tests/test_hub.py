@@ -316,3 +316,26 @@ def test_a_partial_copy_validates_as_one_and_commands_use_the_layers_it_holds(hu
     assert cli_main(["report", str(bare), "--out", str(tmp_path / "r"), "--quiet"]) == 0
     html = (tmp_path / "r" / "index.html").read_text()
     assert "<td>layers</td><td>0, 5 of 0, 2, 5 (a partial copy" in html
+
+
+def test_hints_name_what_works_for_push_and_an_offline_pull(hub, dataset, tmp_path, capsys, monkeypatch):
+    """issue 37, item 11: push of a missing folder mentioned hf://datasets/...; an offline pull suggested
+    `lmprobe pull`."""
+    from huggingface_hub import constants
+
+    assert cli_main(["push", "out/nope", "me/x", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("lmprobe push: error: out/nope does not exist; push publishes a local dataset folder "
+                   "(lmprobe push DIR OWNER/NAME)"), err
+    path, _ = dataset
+    repo = repo_name()
+    push_to_hub(path, repo, quiet=True)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the Hub is gone
+    assert cli_main(["pull", repo, "--out", str(tmp_path / "p"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot reach the Hub at http://127.0.0.1:9" in err[0], err
+    assert err[0].endswith("check the network (or HF_ENDPOINT) and run the same pull again: files already here are "
+                           "not fetched again"), err
+    assert cli_main(["info", repo]) == 2  # a read still points at a local copy
+    err = capsys.readouterr().err
+    assert "check the network (or HF_ENDPOINT), or read a local copy (made by `lmprobe pull`" in err, err

@@ -249,3 +249,27 @@ def test_auto_device_on_a_machine_without_a_gpu_does_not_import_torch():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU visible, as on this machine and CI
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and r.stdout.split() == ["cpu", "False"], r.stdout + r.stderr
+
+
+def test_info_and_validate_describe_an_sae_dictionary(tmp_path, rng, capsys):
+    """issue 37, item 11: `info` and `validate` refused SAE dictionaries instead of describing them."""
+    from safetensors.numpy import save_file
+
+    W = rng.normal(size=(8, 16)).astype(np.float32)
+    save_file({"enc.weight": W.T.copy(), "enc.bias": np.zeros(16, np.float32)}, str(tmp_path / "sae.safetensors"))
+    for layer in ("2", "5"):
+        assert cli_main(["export-sae", str(tmp_path / "sae.safetensors"), "--layer", layer, "--root",
+                         str(tmp_path / "r"), "--dict", "tiny", "--weight-key", "enc.weight", "--orientation",
+                         "out_in"]) == 0
+    capsys.readouterr()
+    folder = tmp_path / "r" / "tiny"
+    assert cli_main(["info", str(folder)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"SAE dictionary {folder}", out
+    assert "layers       [2, 5] (16 features x 8 dims each, activation relu)" in out, out
+    assert cli_main(["validate", str(folder)]) == 0
+    assert capsys.readouterr().out.strip() == f"{folder}: SAE dictionary OK (0 problem(s))"
+    (folder / "layer_5" / "encoder.npz").write_bytes(b"not a zip")
+    assert cli_main(["validate", str(folder)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"{folder}: SAE dictionary INVALID (1 problem(s))") and "layer_5" in out, out

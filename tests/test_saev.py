@@ -300,3 +300,20 @@ def test_a_saev_dataset_shows_what_it_holds(tmp_path, source):
     text = repr(SaevDataset(folder))
     assert text == (f"<lmprobe SaevDataset {folder}: {len(SaevDataset(folder))} examples x 5 tokens, layers [1, 4], "
                     "d_model 6, float32>"), text
+
+
+def test_info_and_validate_describe_a_saev_export_and_point_from_its_dump_folder(tmp_path, source, capsys):
+    """issue 37, item 11: `info` refused saev folders; `validate DUMP_TO` (export-saev's --out) did not point at
+    the export inside it."""
+    path, _ = source
+    folder = export_saev(path, tmp_path / "dump", context_len=5, quiet=True)
+    assert cli_main(["info", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"saev export {folder} (protocol 2.0)"
+    assert f"examples     {len(SaevDataset(folder)):,} x 5 tokens" in out and "layers       [1, 4]" in out
+    assert "d_model      6, float32" in out
+    for command in ("info", "validate"):
+        assert cli_main([command, str(tmp_path / "dump")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"lmprobe {command}: error: {tmp_path / 'dump'} is the --out of `lmprobe export-saev`, not a "
+                       f"dataset; the export it holds is {folder}: `lmprobe {command} {folder}`"), err

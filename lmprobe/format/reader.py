@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from ..errors import DatasetNotFoundError, FormatError, LayerNotFoundError, ShardMissingError
 from ..layers import stored_layer
+from ..lock import writer_pid
 from ..paths import resolve_inside
 from ..safeio import check_regular
 from ..tokenizer import local_tokenizer
@@ -76,6 +77,10 @@ def find_index(root: Path) -> Path:
         hub = f" (a Hub dataset is hf://datasets/{root.as_posix()})" if re.fullmatch(r"[\w.-]+/[\w.-]+", str(root)) else ""
         raise DatasetNotFoundError(f"{root} does not exist{hub}")
     if (root / STAGING_DIR).exists():
+        pid = writer_pid(root)
+        if pid is not None:
+            raise DatasetNotFoundError(f"{root} is being written by process {pid} (no index yet); wait for that run "
+                                       "to finish")
         raise DatasetNotFoundError(
             f"{root} holds an unfinished dataset (no index yet); re-run the command that wrote it to resume"
         )

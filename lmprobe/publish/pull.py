@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..atomic import atomic_output, atomic_write
-from ..errors import InvalidArgumentError, LayerNotFoundError, ShardMissingError
+from ..errors import HubUnreachableError, InvalidArgumentError, LayerNotFoundError, ShardMissingError
 from ..format.spec import CARD_PATH, INDEX_PATH, PULL_RECORD
 from ..hashing import sha256_file
 from ..lock import OutputLock
@@ -41,9 +41,15 @@ def pull(
     if ref is None:
         raise InvalidArgumentError(f"{repo!r} is not a Hub repo id (OWNER/NAME or hf://datasets/OWNER/NAME)")
     out = check_output_path(out, "pull destination")
-    with OutputLock(out):
-        return _pull(ref, out, layers=layers, hookpoints=hookpoints, logits=logits, only=only, token=token,
-                     quiet=quiet)
+    try:
+        with OutputLock(out):
+            return _pull(ref, out, layers=layers, hookpoints=hookpoints, logits=logits, only=only, token=token,
+                         quiet=quiet)
+    except HubUnreachableError as exc:  # a pull cannot read a local copy instead: it makes one
+        raise HubUnreachableError(
+            f"cannot reach the Hub at {exc.endpoint} to pull {exc.repo_id} ({exc.reason}); check the network (or "
+            "HF_ENDPOINT) and run the same pull again: files already here are not fetched again",
+            endpoint=exc.endpoint, repo_id=exc.repo_id, reason=exc.reason) from exc
 
 
 def _pull(ref, out: Path, *, layers, hookpoints, logits: bool, only: str | None, token, quiet: bool) -> Path:

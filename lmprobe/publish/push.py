@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import InvalidArgumentError
+from ..errors import DatasetNotFoundError, InvalidArgumentError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..storage.hub import check_repo_id
@@ -50,6 +50,9 @@ def push_to_hub(
     if commit_files < 1:
         raise InvalidArgumentError("commit_files must be >= 1")
     root = Path(path)
+    if not root.exists():  # not a Hub name: push sends a local folder
+        raise DatasetNotFoundError(f"{root} does not exist; push publishes a local dataset folder "
+                                   "(lmprobe push DIR OWNER/NAME)")
     shards = dataset_files(open_local(root))  # loads and checks the metadata before anything is sent
     for folder in saev:
         add_attachment(root, folder, SAEV_DIR)

@@ -572,6 +572,12 @@ def dense_encoder(layer: SAELayerWeights):
     return layer._dense
 
 
+def is_dictionary_folder(path: str | os.PathLike) -> bool:
+    """A folder holding an SAE dictionary's meta.json (``<root>/<name>/``), not an lmprobe dataset."""
+    p = Path(path)
+    return (p / "meta.json").is_file() and not (p / "index").is_dir() and not (p / "metadata.json").exists()
+
+
 def validate_dictionary(root: str | os.PathLike, name: str) -> list[str]:
     """Every problem of a local dictionary, in one pass (empty list: valid)."""
     problems = []

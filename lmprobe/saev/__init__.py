@@ -28,8 +28,8 @@ from .protocol import (
     read_saev_metadata,
     shard_sizes,
 )
-from .reader import SaevDataset, is_saev_folder, validate_saev
+from .reader import SaevDataset, is_saev_folder, saev_exports, validate_saev
 
 __all__ = ["COMPAT", "DEFAULT_PATCHES_PER_SHARD", "PROTOCOL", "SaevDataset", "SaevError", "canonical_metadata",
            "compat_mode", "ex_per_shard", "export_saev", "is_saev_folder", "metadata_hash", "read_saev_metadata",
-           "shard_sizes", "validate_saev"]
+           "saev_exports", "shard_sizes", "validate_saev"]

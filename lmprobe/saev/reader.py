@@ -266,6 +266,14 @@ def is_saev_folder(path: str | os.PathLike) -> bool:
     return (p / "metadata.json").exists() and (p / "shards.json").exists() and not (p / "index").is_dir()
 
 
+def saev_exports(path: str | os.PathLike) -> list[Path]:
+    """The saev folders directly inside ``path`` (what ``export-saev --out DUMP_TO`` made: DUMP_TO/<HASH>/)."""
+    p = Path(path)
+    if not p.is_dir() or is_saev_folder(p) or (p / "index").is_dir():
+        return []
+    return sorted(c for c in p.iterdir() if c.is_dir() and not c.is_symlink() and is_saev_folder(c))
+
+
 class _SaevRows(RowSource):
     """One layer of a saev folder as rows for the training reader: example after example, token after token."""
 
