@@ -15,7 +15,7 @@ from .demo import write_demo
 from .display import escape_controls
 from .errors import InvalidArgumentError, LmprobeError
 from .extraction.config import ExtractionConfig
-from .extraction.runner import run
+from .extraction.runner import execute, rows_text
 from .layers import parse_layers
 from .opening import is_remote, load
 from .probe import plot_sweep, sweep
@@ -28,7 +28,7 @@ from .saelens import export_saelens, import_saelens
 from .saev import compat_mode, export_saev, is_saev_folder, validate_saev
 from .storage.cache import cache_budget
 from .storage.hub import check_repo_id
-from .units import parse_count, plural
+from .units import parse_count
 from .version import __version__
 
 
@@ -74,15 +74,10 @@ def _cmd_extract(args: argparse.Namespace) -> int:
         check_repo_id(args.push)  # before hours of extraction, not after
     settings = {name: getattr(args, name) for name in ExtractionConfig.field_names() if hasattr(args, name)}
     cfg = ExtractionConfig(**settings, statistics=not args.no_statistics)
-    ds = run(cfg)
-    if not args.quiet:
-        h = ds.info["tensors"]["hidden_layers"]
-        rows = plural(ds.num_prompts, "prompt")
-        if cfg.corpus:
-            rows = f"{plural(ds.num_prompts, 'window')} ({plural(int(ds.column('num_tokens').sum()), 'token')})"
-        hps = "" if ds.hookpoints == ["resid_post"] else f" x {plural(len(ds.hookpoints), 'hookpoint')} ({', '.join(ds.hookpoints)})"
-        print(f"wrote {rows} x {plural(len(ds.layers), 'layer')}{hps} x {ds.dim} dims ({h['storage']}, {ds.dtype}) "
-              f"to {args.out}")
+    outcome = execute(cfg)
+    ds = outcome.dataset
+    if outcome.wrote and not args.quiet:  # else the runner said it had nothing to do
+        print(f"wrote {rows_text(ds, corpus=cfg.corpus)} ({ds.storage}, {ds.dtype}) to {args.out}")
     if args.push:
         api.push_to_hub(args.out, args.push, private=args.private, token=args.token, quiet=args.quiet)
     return 0

@@ -102,7 +102,8 @@ class Progress:
         self.done, self.initial, self.tokens, self.count_tokens = initial, initial, 0, tokens
         self.interval = progress_interval() if interval is None else interval
         self.started = self.last_line = time.monotonic()
-        self.lines = 0
+        self.lines, self.logged = 0, initial
+        self.note: str | None = None
         self.bar = None
         self.quiet = quiet
         if not quiet and on_terminal():
@@ -118,21 +119,28 @@ class Progress:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def update(self, n: int = 1, *, tokens: int = 0) -> None:
-        """``n`` more units done (and ``tokens`` more tokens, for work that counts them)."""
+    def update(self, n: int = 1, *, tokens: int = 0, note: str | None = None) -> None:
+        """``n`` more units done (and ``tokens`` more tokens, for work that counts them); ``note``: where the work
+        stands, shown beside the numbers (``document 1,204``)."""
         self.done += n
         self.tokens += tokens
+        if note is not None:
+            self.note = note
         if self.quiet:
             return
         if self.bar is not None:
+            post = []
             if self.count_tokens:
-                rate = self.tokens / max(time.monotonic() - self.started, 1e-9)
-                self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+                post.append(f"{self.tokens / max(time.monotonic() - self.started, 1e-9):,.0f} tok/s")
+            if self.note:
+                post.append(self.note)
+            if post:
+                self.bar.set_postfix_str(", ".join(post), refresh=False)
             self.bar.update(n)
             return
         now = time.monotonic()
         if now - self.last_line >= self.interval:
-            self.last_line = now
+            self.last_line, self.logged = now, self.done
             self.lines += 1
             logger.info(self.line(now))
 
@@ -157,14 +165,15 @@ class Progress:
             bits.append(f"ETA {format_duration((self.total - self.done) / rate)}")
         elif self.total and self.done >= self.total:
             bits.append(f"done in {format_duration(elapsed)}")
+        if self.note:
+            bits.append(self.note)
         return f"{self.desc}: " + ", ".join(bits)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        elif not self.quiet and self.lines:  # a log that showed progress also shows where it ended
-            self.lines = 0
+        elif not self.quiet and self.lines and self.logged != self.done:  # a log that showed progress shows its end
             logger.info(self.line())
         self.quiet = True  # closed: later updates say nothing
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -206,12 +207,20 @@ def test_cli_extract_and_rerun_is_a_no_op(llama_dir, tmp_path, capsys):
     assert "wrote 7 prompts x 2 layers" in out
     before = (tmp_path / "ds/index/train-00000-of-00001.parquet").stat().st_mtime_ns
     assert cli_main(args) == 0
-    assert "already holds this extraction" in capsys.readouterr().err
+    out = capsys.readouterr()
+    # issue 37, item 6: the re-run said "nothing to do", then "wrote 7 prompts"
+    assert out.out == "" and out.err.strip().splitlines()[-1] == (
+        f"{tmp_path / 'ds'} already holds this extraction (7 prompts x 2 layers x 32 dims, pooled, float32); "
+        "nothing to do"), out
+    # a batch size changes no stored value: still the same extraction (issue 37, item 5)
+    assert cli_main([*args[:-1], "5"]) == 0
+    assert "nothing to do" in capsys.readouterr().err
     assert (tmp_path / "ds/index/train-00000-of-00001.parquet").stat().st_mtime_ns == before
-    assert cli_main(args[:-2] + ["--batch-size", "3"]) == 2
-    assert "other settings" in capsys.readouterr().err
-    assert cli_main(args[:-2] + ["--batch-size", "3", "--overwrite", "--quiet"]) == 0
-    assert lmprobe.load(tmp_path / "ds").info["extraction"]["settings"]["batch_size"] == 3
+    other = [("4" if a == "3" and args[i - 1] == "--logits-topk" else a) for i, a in enumerate(args)]
+    assert cli_main(other) == 2  # a setting that changes what is stored
+    assert "other settings (logits_topk: 3 -> 4)" in capsys.readouterr().err
+    assert cli_main([*other, "--overwrite", "--quiet"]) == 0
+    assert lmprobe.load(tmp_path / "ds").info["extraction"]["settings"]["logits_topk"] == 4
 
 
 def test_cli_errors_are_one_line(tmp_path, llama_dir, capsys):
@@ -252,3 +261,23 @@ def test_a_label_column_named_in_another_case_is_pointed_out(tmp_path, capsys):
     assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "c"),
                      "--layers", "-1", "--text-column", "Text", "--label-column", "Label", "--quiet"]) == 0
     assert capsys.readouterr().err == "" and lmprobe.load(tmp_path / "c").labels.tolist() == [1, 0]
+
+
+def test_a_log_file_gets_progress_lines_not_bars(llama_dir, tmp_path, capsys, monkeypatch):
+    """issue 37, item 13: into a file, extract drew transformers' "Loading weights" bar and then nothing until its
+    last line. Off a terminal: no bars, no escape codes, a progress line every LMPROBE_PROGRESS_INTERVAL seconds."""
+    monkeypatch.setenv("LMPROBE_PROGRESS_INTERVAL", "0")  # a line after every batch
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    assert cli_main(["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", str(tmp_path / "ds"),
+                     "--layers", "0", "--batch-size", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err and "Loading weights" not in err, err
+    lines = [x for x in err.splitlines() if x.startswith("extract: ")]
+    assert len(lines) >= 4, err  # 7 prompts in batches of 2, and the closing line
+    assert re.fullmatch(r"extract: 2/7 prompts \(28\.6%\), [\d,]+ tokens, [\d,]+ tok/s, [\d.,]+ prompts/s, ETA \d+s",
+                        lines[0]), lines
+    assert re.fullmatch(r"extract: 7/7 prompts \(100\.0%\), [\d,]+ tokens, .* done in \d+s", lines[-1]), lines
+    assert cli_main(["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", str(tmp_path / "q"),
+                     "--layers", "0", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -128,6 +129,7 @@ class DatasetWriter:
         resume: bool = True,
         overwrite: bool = False,
         checkpoint_interval: float = 30.0,
+        run: Mapping[str, Any] | None = None,
     ):
         # --- check the configuration before touching the disk
         try:
@@ -158,6 +160,10 @@ class DatasetWriter:
         if fingerprint:
             self.fingerprint["caller"] = json.loads(json.dumps(dict(fingerprint), default=str))
         self.resumable = frozenset(resumable)
+        # what this run writes with (batch size, device, ...): an output resumed under other such settings lists
+        # every run, each with the first row it wrote, in `lmprobe:runs`
+        self._run = json.loads(json.dumps(dict(run), default=str)) if run else None
+        self.runs: list[dict[str, Any]] = []
 
         self.staging = Staging(self.out_dir, fsync=fsync)
         self._stats = ({slot: RunningStats.empty(spec.dim_of(hp)) for slot, (hp, _) in spec.sites.items()}
@@ -209,6 +215,11 @@ class DatasetWriter:
         except BaseException:
             self._release()
             raise
+        if self._run is not None:
+            if self.runs and self.runs[-1].get("first_row") == self.num_prompts:
+                self.runs.pop()  # the run before wrote nothing: this one replaces it
+            self.runs.append({"first_row": self.num_prompts, **self._run,
+                              "started_at": datetime.now(timezone.utc).isoformat()})
 
     def _release(self) -> None:
         # after close() every hash is recorded; after abort() the pending ones are not needed (a resume
@@ -305,6 +316,7 @@ class DatasetWriter:
         self.num_prompts = _count(st["num_prompts"])
         self.num_tokens = _count(st.get("num_tokens", 0))
         self.progress = _check_progress(st["progress"]) if st.get("progress") is not None else None
+        self.runs = _check_runs(st.get("runs", []))
         self._n_parts = _count(st["index_parts"])
         if st["phase"] not in ("writing", "finalizing"):
             raise ValueError(f"unknown phase {st['phase']!r}")
@@ -522,6 +534,7 @@ class DatasetWriter:
             "num_prompts": self.num_prompts,
             "num_tokens": self.num_tokens,
             "progress": self.progress,
+            "runs": self.runs,
             "index_parts": self._n_parts,
             "phase": self._phase,
             "created_at": self.provenance["created_at"],
@@ -604,6 +617,8 @@ class DatasetWriter:
         if self._logits is not None:
             tensors["logits_topk"] = build_logits_descriptor(self.spec, self._logits.closed)
         extra = dict(self.metadata)
+        if self.runs:
+            extra["runs"] = self.runs
         if self._stats:
             by_hp: dict[str, dict[int, RunningStats]] = {}
             for slot, st in self._stats.items():
@@ -628,6 +643,14 @@ def _check_progress(progress: Any) -> dict[str, int]:
     if not isinstance(progress, Mapping) or not all(isinstance(k, str) for k in progress):
         raise ValueError(f"progress must map names to counts, got {progress!r}")
     return {k: _count(v) for k, v in progress.items()}
+
+
+def _check_runs(runs: Any) -> list[dict[str, Any]]:
+    """A checkpoint's run records: a list of objects, each with the first row its run wrote."""
+    if not isinstance(runs, list) or not all(isinstance(r, dict) and isinstance(r.get("first_row"), int)
+                                             for r in runs):
+        raise ValueError(f"runs must be a list of records with a first_row, got {str(runs)[:80]}")
+    return runs
 
 
 def _count(v: Any) -> int:
