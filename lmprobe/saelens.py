@@ -41,6 +41,7 @@ from .format.writer import DatasetWriter
 from .lock import OutputLock
 from .opening import load
 from .paths import check_output_path, resolve_inside
+from .progress import Progress
 from .safeio import check_regular, loads, read_json
 from .storage.hub import HubFiles, parse_dataset_ref
 from .units import plural
@@ -201,8 +202,6 @@ def export_saelens(source: Any, out: str | os.PathLike, *, layer: int | None = N
 
 def _write_cache(ds: Dataset, plan: ExportPlan, out: Path, with_tokens: bool, quiet: bool) -> Path:
     import pyarrow.compute as pc
-    from tqdm.auto import tqdm
-
     partial = out.parent / f".{out.name}.partial"
     if partial.exists():
         shutil.rmtree(partial)  # an interrupted export's files; this one writes them all again
@@ -211,7 +210,7 @@ def _write_cache(ds: Dataset, plan: ExportPlan, out: Path, with_tokens: bool, qu
     batch_rows = max(1, _BATCH_BYTES // (plan.context * plan.d_in * 4))
     names = [f"data-{i:05d}-of-{plan.n_files:05d}.arrow" for i in range(plan.n_files)]
     digest = hashlib.sha256(json.dumps([plan.hook, plan.context, plan.d_in, ds.source]).encode())
-    bar = tqdm(total=len(plan.rows), unit="row", desc="export-saelens", disable=quiet)
+    bar = Progress(len(plan.rows), desc="export-saelens", unit="window", quiet=quiet)
     try:
         for i, name in enumerate(names):
             part = plan.rows[i * plan.rows_per_file : (i + 1) * plan.rows_per_file]
@@ -447,14 +446,12 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
     info = read_cache_info(cache, revision=revision, token=token)
     _check_schemas(info)  # before the output is created
     name = model_name or info.model_name or "unknown"
-    from tqdm.auto import tqdm
-
     writer = DatasetWriter(out, layers=[info.layer], dim=info.d_in, model_name=name, storage="full_sequence",
                            dtype="float32", shard_size=shard_size, token_ids=info.has_tokens,
                            hookpoints=(info.hookpoint,), resume=False,
                            provenance={"imported_from": {"format": "saelens-activation-cache", "source": info.source,
                                                          "hook_name": info.hook}})
-    bar = tqdm(unit="row", desc="import-saelens", disable=quiet)
+    bar = Progress(None, desc="import-saelens", unit="window", quiet=quiet)
     n = 0
     try:
         with writer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 import numpy as np
@@ -339,3 +340,19 @@ def test_hints_name_what_works_for_push_and_an_offline_pull(hub, dataset, tmp_pa
     assert cli_main(["info", repo]) == 2  # a read still points at a local copy
     err = capsys.readouterr().err
     assert "check the network (or HF_ENDPOINT), or read a local copy (made by `lmprobe pull`" in err, err
+
+
+def test_push_and_pull_into_a_log_write_lines_not_bars(hub, dataset, tmp_path, capsys, monkeypatch):
+    """issue 37, item 13: push wrote dozens of tqdm bars with escape codes into a log; pull drew bars too."""
+    monkeypatch.setenv("LMPROBE_PROGRESS_INTERVAL", "0")
+    path, _ = dataset
+    repo = repo_name()
+    assert cli_main(["push", str(path), repo]) == 0
+    out = capsys.readouterr()
+    assert "\r" not in out.err and "\x1b" not in out.err and "it/s" not in out.err, out.err
+    lines = out.err.splitlines()
+    assert lines and all(x.startswith(f"push {repo}: ") for x in lines) and "(100.0%)" in lines[-1], lines
+    assert cli_main(["pull", repo, "--layers", "2", "--out", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr()
+    assert "\r" not in out.err and "\x1b" not in out.err, out.err
+    assert re.fullmatch(rf"pull {repo}: \d+/\d+ files \(100\.0%\), .*", out.err.splitlines()[-1]), out.err

@@ -317,3 +317,13 @@ def test_info_and_validate_describe_a_saev_export_and_point_from_its_dump_folder
         err = capsys.readouterr().err.strip()
         assert err == (f"lmprobe {command}: error: {tmp_path / 'dump'} is the --out of `lmprobe export-saev`, not a "
                        f"dataset; the export it holds is {folder}: `lmprobe {command} {folder}`"), err
+
+
+def test_export_into_a_log_writes_lines_not_bars(tmp_path, source, capsys, monkeypatch):
+    """issue 37, item 13: the export commands drew bars when stderr was not a terminal."""
+    monkeypatch.setenv("LMPROBE_PROGRESS_INTERVAL", "0")
+    path, _ = source
+    assert cli_main(["export-saev", str(path), "--out", str(tmp_path / "dump"), "--context-len", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err, err
+    assert any(x.startswith("export-saev: ") and "examples" in x for x in err.splitlines()), err

@@ -15,6 +15,7 @@ from ..hashing import sha256_file
 from ..lock import OutputLock
 from ..opening import open_hub
 from ..paths import check_output_path
+from ..progress import Progress, on_terminal, third_party_bars
 from ..storage.hub import HubFiles, parse_dataset_ref
 
 
@@ -55,8 +56,12 @@ def pull(
 def _pull(ref, out: Path, *, layers, hookpoints, logits: bool, only: str | None, token, quiet: bool) -> Path:
     ds = open_hub(ref, token=token)
     files: HubFiles = ds.files
-    from tqdm.auto import tqdm
+    with third_party_bars(not quiet and on_terminal()):  # huggingface_hub's download bars: not into a log
+        return _copy(ref, ds, files, out, layers=layers, hookpoints=hookpoints, logits=logits, only=only, quiet=quiet)
 
+
+def _copy(ref, ds, files: HubFiles, out: Path, *, layers, hookpoints, logits: bool, only: str | None,
+          quiet: bool) -> Path:
     if only not in (None, "dataset"):
         prefix = only.strip("/") + "/"
         if not prefix.startswith(("saev/", "sae/")):
@@ -66,8 +71,10 @@ def _pull(ref, out: Path, *, layers, hookpoints, logits: bool, only: str | None,
             raise ShardMissingError(f"{files} has nothing under {prefix}")
         meta_names = ("metadata.json", "meta.json")
         rels.sort(key=lambda r: r.rsplit("/", 1)[-1] in meta_names)  # metadata last
-        for rel in tqdm(rels, desc=f"pull {ref.repo_id}", unit="file", disable=quiet):
-            _copy_into(files.fetch(rel), out / rel)
+        with Progress(len(rels), desc=f"pull {ref.repo_id}", unit="file", quiet=quiet) as bar:
+            for rel in rels:
+                _copy_into(files.fetch(rel), out / rel)
+                bar.update(1)
         if not quiet:
             print(f"pulled {len(rels)} file(s) under {prefix} of {files} to {out}")
         return out
@@ -94,14 +101,15 @@ def _pull(ref, out: Path, *, layers, hookpoints, logits: bool, only: str | None,
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / PULL_RECORD, json.dumps({"repo": ref.repo_id, "revision": ref.revision}) + "\n")
     sent = 0
-    for rel in tqdm(rels, desc=f"pull {ref.repo_id}", unit="file", disable=quiet):
-        rec = recorded.get(rel)
-        dst = out / rel
-        if rec is not None and rec.sha256 and dst.is_file() and not dst.is_symlink() \
-                and (rec.bytes is None or dst.stat().st_size == rec.bytes) and sha256_file(dst) == rec.sha256:
-            continue  # already here, byte for byte (a resumed pull)
-        _copy_into(files.fetch(rel), dst)
-        sent += 1
+    with Progress(len(rels), desc=f"pull {ref.repo_id}", unit="file", quiet=quiet) as bar:
+        for rel in rels:
+            rec = recorded.get(rel)
+            dst = out / rel
+            if not (rec is not None and rec.sha256 and dst.is_file() and not dst.is_symlink()
+                    and (rec.bytes is None or dst.stat().st_size == rec.bytes) and sha256_file(dst) == rec.sha256):
+                _copy_into(files.fetch(rel), dst)  # (else already here, byte for byte: a resumed pull)
+                sent += 1
+            bar.update(1)
     if not quiet:
         print(f"pulled {sent} file(s) of {files} (layers {wanted}) to {out}"
               + (f"; {len(rels) - sent} already there" if sent < len(rels) else ""))

@@ -64,10 +64,6 @@ def push_to_hub(
     last = [RepoFile(CARD_PATH, root / CARD_PATH), RepoFile(INDEX_PATH, root / INDEX_PATH)]
     if not (root / CARD_PATH).exists():
         last = last[1:]
-    if quiet:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
     committer = HubCommitter(repo_id, token=token, revision=revision,
                              policy=push_policy(max_retries=max_retries, base_wait=base_wait), quiet=quiet)
     committer.prepare(private)

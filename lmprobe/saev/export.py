@@ -22,6 +22,7 @@ from ..format.values import bfloat16_bits_to_float32, bfloat16_to_float32_later
 from ..lock import OutputLock
 from ..opening import load
 from ..paths import check_output_path
+from ..progress import Progress
 from ..units import plural
 from ..worker import settle
 from .protocol import (
@@ -280,9 +281,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
 
 
     ex_chunk = max(1, _CHUNK_BYTES // (L * T * vec_bytes))
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=plan.n_ex, unit="ex", desc="export-saev", disable=quiet)
+    bar = Progress(plan.n_ex, desc="export-saev", unit="example", quiet=quiet)
     shards_json = []
     shape = (min(ex_chunk, max(plan.shard_sizes)), L, T, D)
     # two blocks: one is filled while the other is converted (converter threads) and written (the writer thread)
