@@ -69,6 +69,18 @@ def _corpus_fact(ds: Dataset) -> str | None:
     return ", ".join(bits)
 
 
+def _truncation_fact(ds: Dataset) -> str:
+    """How many prompts ``--truncate`` cut, to what length, from which side, and by how much at most."""
+    cut = ds.column("truncated_tokens")
+    ext = _get(ds.info.get("extraction"), "settings")
+    side, limit = _get(ext, "truncate"), _get(ext, "max_length")
+    n = int((cut > 0).sum())
+    if not n:
+        return f"none of the {plural(ds.num_prompts, 'prompt')} was longer than {limit} tokens"
+    return (f"{n:,} of {plural(ds.num_prompts, 'prompt')} cut to {limit} tokens, from the {side} (up to "
+            f"{int(cut.max()):,} tokens cut; the truncated_tokens column says how many)")
+
+
 def _how_made(prov: dict) -> str:
     """The extraction backend, where the data was imported from, or that it was written directly (``lmprobe demo``,
     a ``DatasetWriter`` of the user's own arrays)."""
@@ -136,6 +148,8 @@ def facts(ds: Dataset, *, path: str | None = None) -> list[tuple[str, str]]:
     if lg is not None:
         out.append(("logits", f"top-{lg.k} at the last token ({plural(len(lg.shards), 'shard')})"))
     names = set(ds.column_names)
+    if "truncated_tokens" in names:
+        out.append(("truncated", _truncation_fact(ds)))
     stored = [what for col, what in _STORED.items() if col in names]
     if stored:
         out.append(("stored", ", ".join(stored)))

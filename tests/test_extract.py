@@ -281,3 +281,31 @@ def test_a_log_file_gets_progress_lines_not_bars(llama_dir, tmp_path, capsys, mo
     assert cli_main(["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", str(tmp_path / "q"),
                      "--layers", "0", "--quiet"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_truncation_is_recorded_per_prompt_and_shown(llama_dir, tmp_path, capsys):
+    """issue 37, item 10: `--truncate left` cut prompts and neither the index nor `info` said which, or how much."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    lengths = [len(tok(p["text"])["input_ids"]) for p in PROMPTS]
+    limit = sorted(lengths)[len(lengths) // 2]
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "ds", max_length=limit, truncate="left", layers="1",
+                         storage="full_sequence", token_ids=True, quiet=True)
+    cut = [max(0, n - limit) for n in lengths]
+    assert ds.index["truncated_tokens"].tolist() == cut and sum(c > 0 for c in cut) >= 2
+    assert ds.index["num_tokens"].tolist() == [min(n, limit) for n in lengths]
+    assert ds.texts == [p["text"] for p in PROMPTS]  # the prompts as given; truncated_tokens says what was cut
+    assert cli_main(["info", str(tmp_path / "ds")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("truncated"))
+    n_cut = sum(c > 0 for c in cut)
+    assert line == (f"truncated    {n_cut} of 7 prompts cut to {limit} tokens, from the left (up to {max(cut)} "
+                    f"tokens cut; the truncated_tokens column says how many)"), line
+    assert "truncated_tokens" not in next(x for x in cli_info_lines(tmp_path / "ds", capsys) if x.startswith("columns"))
+    plain = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "plain", layers="1", quiet=True)
+    assert "truncated_tokens" not in plain.column_names
+
+
+def cli_info_lines(path, capsys):
+    assert cli_main(["info", str(path)]) == 0
+    return capsys.readouterr().out.splitlines()

@@ -70,6 +70,7 @@ class _Job:
     corpus: CorpusPlan | None = None  # corpus mode: the source and its windows
     captures: list[Capture] = field(default_factory=lambda: [RESID_POST])  # what to read in each block
     model: Any = None  # the loaded model, when locating the hookpoints needed it before the writer opened
+    cut: np.ndarray | None = None  # prompt mode with --truncate: tokens cut from each prompt (0: none)
 
     @property
     def hookpoint_dims(self) -> tuple[int, ...]:
@@ -153,10 +154,14 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
                 "--truncate right (keep the start), or a larger --max-length, or --context-len to cut long "
                 "documents into windows"
             )
+    cut = None  # with --truncate: how many tokens each prompt loses (recorded per prompt)
+    if cfg.truncate:
+        cut = np.maximum(lengths - limit, 0) if limit is not None else np.zeros(len(lengths), np.int64)
+    if limit is not None:
         lengths = np.minimum(lengths, limit)
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=p.fingerprint(),
                             num_prompts=len(p), layers=layer_list, max_length=limit)
-    return _Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model)
+    return _Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model, cut=cut)
 
 
 def _locate_hookpoints(cfg: ExtractionConfig, spec: ModelSpec, dev: str) -> tuple[list[Capture], Any]:
@@ -387,6 +392,7 @@ def _extract_to(job: _Job, out: Path, *, on_file_complete: Any = None, reopen: b
         checksums=cfg.checksums,
         statistics=cfg.statistics,
         corpus=job.corpus is not None,
+        truncation=job.cut is not None,  # each prompt's cut tokens, in `truncated_tokens`
         hookpoints=cfg.hookpoints,
         hookpoint_dims=job.hookpoint_dims,
         overwrite=cfg.overwrite,
@@ -433,7 +439,7 @@ def _extract_distributed(job: _Job, out: Path) -> Dataset:
         parts_dir = out / ".lmprobe-parts"
         part_cfg = dataclasses.replace(cfg, quiet=cfg.quiet or rank != 0)
         part_job = _Job(part_cfg, part, job.spec, job.tokenizer, job.lengths[lo:hi], part_settings, job.device,
-                        captures=job.captures, model=job.model)
+                        captures=job.captures, model=job.model, cut=job.cut[lo:hi] if job.cut is not None else None)
         _extract_to(part_job, parts_dir / f"part-{rank:05d}", reopen=False)
         dist.barrier()
         if rank == 0:
@@ -519,6 +525,8 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: _Job, order
                 item["labels"] = [p.labels[i] for i in idx]
             if p.columns:
                 item["columns"] = {c: [v[i] for i in idx] for c, v in p.columns.items()}
+            if job.cut is not None:
+                item["truncated_tokens"] = job.cut[idx]
             bg.submit(item)
             n_tokens = int(res.num_tokens.sum())
             del item, res  # the writer owns the batch now; free it while the next one computes

@@ -123,6 +123,7 @@ class DatasetWriter:
         fsync: bool = False,
         statistics: bool = False,
         corpus: bool = False,
+        truncation: bool = False,
         hookpoints: Sequence[str] = (DEFAULT_HOOKPOINT,),
         hookpoint_dims: Sequence[int] = (),
         on_file_complete: Callable[[str], None] | None = None,
@@ -142,6 +143,7 @@ class DatasetWriter:
             label_type=label_type, columns={n: column_type_name(t) for n, t in (columns or {}).items()},
             perplexity=bool(perplexity), token_ids=bool(token_ids), token_strings=bool(token_strings),
             token_perplexity=bool(token_perplexity), statistics=bool(statistics), corpus=bool(corpus),
+            truncation=bool(truncation),
             hookpoints=tuple(hookpoints) if not isinstance(hookpoints, str) else (hookpoints,),
             hookpoint_dims=tuple(int(d) for d in hookpoint_dims),
             file_pattern=file_pattern,
@@ -396,6 +398,7 @@ class DatasetWriter:
         positions: Sequence[int] | None = None,
         document: Sequence[int] | None = None,
         window_start: Sequence[int] | None = None,
+        truncated_tokens: Sequence[int] | None = None,
         progress: Mapping[str, int] | None = None,
         statistics: Mapping[Any, RunningStats] | None = None,
     ) -> None:
@@ -406,6 +409,7 @@ class DatasetWriter:
         and the positions of all batches must form 0..N-1. By default prompts keep arrival order.
 
         ``document``/``window_start``: where each row came from, for a writer made with ``corpus=True``.
+        ``truncated_tokens``: how many tokens of each prompt were cut off, for a writer made with ``truncation=True``.
         ``progress``: the caller's position in its source after this batch (small ints); a checkpoint
         records it with the rows, and a resumed writer gives it back as ``writer.progress``.
 
@@ -422,7 +426,7 @@ class DatasetWriter:
             columns=columns, logits_values=logits_values, logits_indices=logits_indices,
             perplexity_mean=perplexity_mean, perplexity_min=perplexity_min, perplexity_max=perplexity_max,
             token_ids=token_ids, token_strings=token_strings, token_perplexity=token_perplexity, positions=positions,
-            document=document, window_start=window_start,
+            document=document, window_start=window_start, truncated_tokens=truncated_tokens,
         )
         b = len(batch)
         if b == 0:
