@@ -136,7 +136,7 @@ def _open_source(path: str, cache: str | None, quiet: bool) -> Any:
 def _cmd_export_saelens(args: argparse.Namespace) -> int:
     export_saelens(_open_source(args.source, args.cache, args.quiet), args.out, layer=args.layer,
                    hookpoint=args.hookpoint, context_len=args.context_len, tokens=False if args.no_tokens else None,
-                   quiet=args.quiet)
+                   windows=args.windows, quiet=args.quiet)
     return 0
 
 
@@ -477,7 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", type=int, default=None, help="the layer to write (needed when the source stores several)")
     p.add_argument("--hookpoint", default=None, help="stored hookpoint to write (default: what hidden_layers holds)")
     p.add_argument("--context-len", type=_positive_int, default=None, metavar="T",
-                   help="window length (default: the longest prompt's); prompts of another length are left out")
+                   help="tokens per window (default: the longest stored prompt's)")
+    p.add_argument("--windows", choices=["pack", "exact"], default="pack",
+                   help="pack: every stored token in index order, cut into windows of T (as SAELens packs a corpus; "
+                   "only the last partial window is left out); exact: one window per prompt of exactly T tokens, "
+                   "the others left out")
     p.add_argument("--no-tokens", action="store_true", help="leave out token_ids (written when the source has them)")
     _add_cache_option(p)
     _add_quiet_option(p)
