@@ -46,10 +46,16 @@ def _layers_fact(ds: Dataset) -> str:
             "fetches more)")
 
 
+def is_corpus(ds: Dataset) -> bool:
+    """Whether the rows are windows of documents (a corpus extraction) rather than prompts."""
+    ext = _get(ds.info.get("extraction"), "settings")
+    return "document" in ds.column_names or (isinstance(ext, dict) and "context_len" in ext)
+
+
 def _corpus_fact(ds: Dataset) -> str | None:
     """Documents, window length and token budget of a corpus extraction (None for a prompt dataset)."""
     ext = _get(ds.info.get("extraction"), "settings")
-    if "document" not in ds.column_names and not (isinstance(ext, dict) and "context_len" in ext):
+    if not is_corpus(ds):
         return None
     bits = []
     if "document" in ds.column_names:

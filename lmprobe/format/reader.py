@@ -320,7 +320,8 @@ class Dataset:
         if n is None:  # lmprobe 0.10.3 left num_tokens null in pooled datasets
             n = int(self.token_lengths()[row])
         p = Prompt(row, value("text"), int(n), label=value("label"), token_ids=ids, tokens=strings,
-                   token_perplexity=lists.get("token_perplexity"), perplexity_mean=value("perplexity_mean"))
+                   token_perplexity=lists.get("token_perplexity"), perplexity_mean=value("perplexity_mean"),
+                   noun="window" if "document" in self.schema.names else "prompt")
         if self.meta.logits is not None and self.logits_here():  # not in a copy pulled with --no-logits
             values, indices = self.logits_topk([row])
             names = [tokenizer.decode([int(t)]) if tokenizer is not None else f"#{int(t)}" for t in indices[0]]
