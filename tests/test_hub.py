@@ -356,3 +356,25 @@ def test_push_and_pull_into_a_log_write_lines_not_bars(hub, dataset, tmp_path, c
     out = capsys.readouterr()
     assert "\r" not in out.err and "\x1b" not in out.err, out.err
     assert re.fullmatch(rf"pull {repo}: \d+/\d+ files \(100\.0%\), .*", out.err.splitlines()[-1]), out.err
+
+
+def test_the_local_hub_server_stopped_with_sigterm_removes_its_temporary_folder(tmp_path):
+    """issue 37, item 15: `python -m tests.hub_server` killed with SIGTERM (as a job scheduler or `kill` stops it) left
+    its temporary folder behind; a --root given by the user is kept."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for given in (None, tmp_path / "mine"):
+        cmd = [sys.executable, "-m", "tests.hub_server"] + (["--root", str(given)] if given else [])
+        server = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, text=True)
+        try:
+            first = server.stdout.readline()
+            folder = Path(re.search(r"repos kept in (\S+);", first).group(1))
+            assert folder.is_dir()
+        finally:
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(timeout=30) == 0
+        assert folder.exists() == (given is not None), folder
