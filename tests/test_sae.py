@@ -194,6 +194,11 @@ def test_cli_export_and_topk(tmp_path, rng, capsys, llama_dir):
     assert r.returncode == 0 and r.stdout.count("feat_") == 4
     assert cli_main(["sae-topk", "--root", str(tmp_path / "r"), "--dict", "tiny", "--layer", "5"]) == 2
     assert "layer 5 is not in dictionary" in capsys.readouterr().err
+    # -1 is the last layer here too (issue 37, item 8): the dictionary's, and the dataset's
+    assert cli_main(["sae-topk", "--root", str(tmp_path / "r"), "--dict", "tiny", "--layer", "-1", "--topk", "3",
+                     "--dataset", str(tmp_path / "ds"), "--prompt", "1"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines() if "feat_" in line] == \
+        [f"feat_{i}" for i, _ in want]
 
 
 def test_dictionary_push_and_load_from_the_hub(hub, tmp_path, rng, fresh_hf_cache):
