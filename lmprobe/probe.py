@@ -105,7 +105,7 @@ def layer_features(ds: Any, layers: Sequence[int] | None = None, *, label_column
     """Features of every requested layer and the labels, in one call: ({layer: X}, y)."""
     ds = _dataset(ds)
     y = labels(ds, label_column)
-    layers = ds.layers_here() if layers is None else list(layers)  # a partial copy: the layers it holds
+    layers = ds.default_layers() if layers is None else list(layers)  # a partial copy: the layers it holds
     return {layer: features(ds, layer, pooling=pooling) for layer in layers}, y
 
 
@@ -154,7 +154,7 @@ def sweep(ds: Any, layers: Sequence[int] | None = None, label_column: str = "lab
         if hp is not None and hp not in ds.hookpoints:
             raise ProbeError(f"hookpoint {hp!r} is not stored in this dataset; it stores {ds.hookpoints}")
     # default: every stored layer (of a partial copy, the ones it holds)
-    grid = [(hp, layer) for hp in hps for layer in (ds.layers_here(hp) if layers is None else list(layers))]
+    grid = [(hp, layer) for hp in hps for layer in (ds.default_layers(hp) if layers is None else list(layers))]
     for hp, layer in grid:
         X = features(ds, layer, pooling=pooling, hookpoint=hp)
         res = cross_validate(_estimator(classifier, seed), X, y, cv=folds, scoring=scoring)

@@ -160,7 +160,7 @@ def plan_export(ds: Dataset, source_desc: str, *, layer: int | None, hookpoint: 
     if hp not in ds.hookpoints:
         raise SaelensError(f"hookpoint {hp!r} is not in {source_desc} (it stores {ds.hookpoints})")
     if layer is None:
-        here = ds.layers_here(hp)  # a partial copy: the layers it holds
+        here = ds.default_layers(hp)  # a partial copy: the layers it holds
         if len(here) != 1:
             raise SaelensError(f"{source_desc} stores layers {here} and a SAELens cache holds one hook: "
                                "pass --layer")

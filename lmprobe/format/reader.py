@@ -402,6 +402,14 @@ class Dataset:
         lg, has = self.meta.logits, getattr(self.files, "has", None)
         return lg is not None and (has is None or all(has(lg.file(s)) for s in range(len(lg.shards))))
 
+    def default_layers(self, hookpoint: str | None = None) -> list[int]:
+        """The layers a command takes when none are named: every stored layer; in a copy that ``lmprobe pull
+        --layers`` made, the layers it holds (a folder that merely lacks files is not guessed around: reading
+        the missing layer says what is missing)."""
+        if getattr(self.files, "origin", None):
+            return self.layers_here(hookpoint)
+        return list(self.hidden_desc(hookpoint).layers)
+
     def _missing_hint(self, rel: str) -> str:
         """What to do about a missing file: for a layer's shard in a partial copy, the pull that fetches it."""
         descs = self.meta.hookpoints or {self._hidden_desc.hookpoint: self._hidden_desc}

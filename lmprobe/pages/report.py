@@ -108,7 +108,7 @@ def _facts(ds: Dataset) -> str:
             ("stored tokens", f"{int(lengths.sum()):,}" if h and h.storage == "full_sequence"
              else f"{int(lengths.sum()):,} (last token stored per {noun})")]
     if h is not None:
-        here = ds.layers_here()
+        here = ds.default_layers()
         layers = ", ".join(map(str, h.layers))
         if len(here) < len(h.layers):  # a `lmprobe pull --layers` copy: the page shows what it holds
             layers = (f"{', '.join(map(str, here))} of {layers} (a partial copy; `lmprobe pull "
@@ -173,7 +173,7 @@ def _plots(ds: Dataset) -> str:
 def _position_chart(ds: Dataset) -> str:
     """Mean norm by token position over a sample of prompts, for the first, middle and last layer."""
     rows = np.random.default_rng(0).permutation(ds.num_prompts)[:_POSITION_PROMPTS]
-    here = ds.layers_here()  # a partial copy: the layers it holds
+    here = ds.default_layers()  # a partial copy: the layers it holds
     if not here:
         return ""
     layers = sorted({here[0], here[len(here) // 2], here[-1]})

@@ -190,7 +190,7 @@ def export_saev(
     if isinstance(source, (str, os.PathLike)) and Path(source).exists():
         source_desc = str(Path(source).resolve())
     # default: every stored layer (of a partial copy made by `lmprobe pull --layers`, the ones it holds)
-    layer_list = ds.layers_here(hookpoint) if layers is None else [int(x) for x in layers]
+    layer_list = ds.default_layers(hookpoint) if layers is None else [int(x) for x in layers]
     if not layer_list:
         raise SaevError("no layers to export")
     out = Path(out)
