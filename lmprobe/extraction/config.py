@@ -12,14 +12,14 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from ..errors import ExtractionError
-from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, STORAGES
+from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, RUN_SETTINGS, STORAGES
 from ..units import parse_count, parse_size
 from .hookpoints import parse_hookpoints
 
 BACKENDS = ("transformers", "nnsight")
 #: recorded settings that change no stored value beyond float rounding: an output made under other values of
 #: these is the same extraction, and a partial one resumes (a smaller batch after an out-of-memory error)
-RESUMABLE_SETTINGS = ("batch_size",)
+RESUMABLE_SETTINGS = RUN_SETTINGS
 
 
 def same_extraction(recorded: dict[str, Any], settings: dict[str, Any]) -> bool:

@@ -121,6 +121,10 @@ CORPUS_COLUMNS: dict[str, pa.DataType] = {
     "document": pa.int64(),
     "window_start": pa.int64(),
 }
+#: recorded extraction settings that change no stored value beyond float rounding: outputs made under other
+#: values of these are the same work (a partial output resumes under them; parts made with them merge); each
+#: run's own values are kept in `lmprobe:runs`
+RUN_SETTINGS = ("batch_size",)
 #: prompts cut to --max-length (``--truncate left|right``): how many of each prompt's tokens the model did not see
 TRUNCATION_COLUMNS: dict[str, pa.DataType] = {
     "truncated_tokens": pa.int32(),
