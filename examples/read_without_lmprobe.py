@@ -4,6 +4,8 @@
 
 Everything needed is in the parquet index's schema metadata: the shard file pattern, the tensor
 key pattern and the shard list. Each shard is opened once and every row it holds is taken from it.
+Every stored dtype reads as float32, bfloat16 included: numpy has no bfloat16 (safetensors' numpy
+reader refuses it), so its 16-bit patterns are read from the file and widened, without torch.
 """
 
 import json
@@ -14,6 +16,20 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 from safetensors import safe_open
+
+
+def read_tensor(path: Path, key: str) -> np.ndarray:
+    """Tensor ``key`` of a safetensors file as a numpy array (bfloat16 widened to float32)."""
+    with open(path, "rb") as f:  # a safetensors file: 8-byte header length, JSON header, then the data
+        n = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(n))[key]
+    if entry["dtype"] != "BF16":
+        with safe_open(str(path), framework="np") as f:
+            return f.get_tensor(key)
+    start, end = entry["data_offsets"]
+    bits = np.fromfile(path, dtype="<u2", count=(end - start) // 2, offset=8 + n + start)
+    # a bfloat16 is the upper half of a float32: shift its 16 bits into place
+    return (bits.astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
 
 
 def main() -> None:
@@ -33,9 +49,7 @@ def main() -> None:
     key = hidden["key_pattern"].format(layer=layer)
     for shard, rows in rows_by_shard.items():
         path = root / hidden["file_pattern"].format(layer=layer, shard=shard)
-        with safe_open(str(path), framework="np") as f:
-            data = f.get_tensor(key)  # bfloat16 would need framework="pt"
-        X[rows] = data[row_offset[rows]]
+        X[rows] = read_tensor(path, key)[row_offset[rows]]
 
     labels = table.column("label").to_pylist()
     print(f"model {meta['model']['name']}, {meta['num_prompts']} prompts, layer {layer}: X {X.shape}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,14 +15,15 @@ from .demo import write_demo
 from .display import escape_controls, hide_credentials
 from .errors import InvalidArgumentError, LmprobeError
 from .extraction.config import ExtractionConfig
-from .extraction.model import parse_layers
-from .extraction.runner import run
+from .extraction.runner import execute, rows_text
+from .layers import parse_layers
 from .opening import is_remote, load
 from .probe import plot_sweep, sweep
 from .publish.attachments import publish_attachment
 from .publish.dictionary import push_dictionary
 from .sae.cli import add_topk_arguments, run_topk
 from .sae.export import export_sae
+from .sae.loader import is_dictionary_folder, validate_dictionary
 from .saelens import export_saelens, import_saelens
 from .saev import compat_mode, export_saev, is_saev_folder, validate_saev
 from .storage.cache import cache_budget
@@ -32,13 +35,18 @@ from .version import __version__
 def _cmd_validate(args: argparse.Namespace) -> int:
     worst = 0
     for path in args.paths:
+        problems, kind = None, ""
         if is_saev_folder(path):
-            problems = validate_saev(path, check_sizes=True)
-            print(f"{path}: saev {'OK' if not problems else 'INVALID'} ({len(problems)} problem(s))")
+            problems, kind = validate_saev(path, check_sizes=True), "saev"
+        elif is_dictionary_folder(path):
+            problems, kind = validate_dictionary(Path(path).parent, Path(path).name), "SAE dictionary"
+        if problems is not None:
+            print(f"{path}: {kind} {'OK' if not problems else 'INVALID'} ({len(problems)} problem(s))")
             for p in problems:
                 print(f"  error: {escape_controls(p, keep_newlines=False)}")
             worst = max(worst, 1 if problems else 0)
             continue
+        summary.check_not_a_dump_folder(path, "validate")
         report = api.validate(path, checksums=not args.no_checksums)
         print(escape_controls(report))
         if not report.ok or (args.strict and report.warnings):
@@ -54,7 +62,11 @@ def _cmd_hookpoints(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    print(summary.text(load(args.path), path=args.path))
+    text = summary.artefact_text(args.path) if not is_remote(args.path) else None  # a saev export, a dictionary
+    if text is None:
+        summary.check_not_a_dump_folder(args.path, "info")
+        text = summary.text(load(args.path), path=args.path)
+    print(text)
     return 0
 
 
@@ -69,15 +81,10 @@ def _cmd_extract(args: argparse.Namespace) -> int:
         check_repo_id(args.push)  # before hours of extraction, not after
     settings = {name: getattr(args, name) for name in ExtractionConfig.field_names() if hasattr(args, name)}
     cfg = ExtractionConfig(**settings, statistics=not args.no_statistics)
-    ds = run(cfg)
-    if not args.quiet:
-        h = ds.info["tensors"]["hidden_layers"]
-        rows = f"{ds.num_prompts} prompts"
-        if cfg.corpus:
-            n_tokens = int(ds.column("num_tokens").sum())
-            rows = f"{ds.num_prompts} windows ({n_tokens:,} tokens)"
-        hps = "" if ds.hookpoints == ["resid_post"] else f" x {len(ds.hookpoints)} hookpoints ({', '.join(ds.hookpoints)})"
-        print(f"wrote {rows} x {len(ds.layers)} layers{hps} x {ds.dim} dims ({h['storage']}, {ds.dtype}) to {args.out}")
+    outcome = execute(cfg)
+    ds = outcome.dataset
+    if outcome.wrote and not args.quiet:  # else the runner said it had nothing to do
+        print(f"wrote {rows_text(ds, corpus=cfg.corpus)} ({ds.storage}, {ds.dtype}) to {args.out}")
     if args.push:
         api.push_to_hub(args.out, args.push, private=args.private, token=args.token, quiet=args.quiet)
     return 0
@@ -136,7 +143,7 @@ def _open_source(path: str, cache: str | None, quiet: bool) -> Any:
 def _cmd_export_saelens(args: argparse.Namespace) -> int:
     export_saelens(_open_source(args.source, args.cache, args.quiet), args.out, layer=args.layer,
                    hookpoint=args.hookpoint, context_len=args.context_len, tokens=False if args.no_tokens else None,
-                   quiet=args.quiet)
+                   windows=args.windows, quiet=args.quiet)
     return 0
 
 
@@ -209,7 +216,7 @@ def _stored_layers(spec: str | None, stored: list[int]) -> list[int] | None:
     """--layers against the layers a dataset stores (negative indices count from the last one); None: all."""
     if spec in (None, "all"):
         return None
-    return parse_layers(spec, max(stored) + 1)
+    return parse_layers(spec, max(stored) + 1, of=f"the dataset (layers {stored})")
 
 
 def _count(text: str) -> int:
@@ -255,8 +262,36 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that names the command a mistyped one was probably meant to be (Python 3.14's suggest_on_error)."""
+
+    def error(self, message: str) -> Any:
+        m = re.match(r"argument COMMAND: invalid choice: '([^']*)'", message)
+        sub = _subcommands(self)
+        if m and sub is not None:
+            close = difflib.get_close_matches(m.group(1), list(sub.choices), n=1, cutoff=0.6)
+            if close:
+                message = f"unknown command {m.group(1)!r}; did you mean {close[0]!r}? (`lmprobe --help` lists them)"
+        return super().error(message)
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's message for arguments a command does not take, with the closest option of each mistyped one."""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for arg in extra:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.6)
+            hints += [f"did you mean {close[0]}?"] if close else []
+    return f"unrecognized arguments: {' '.join(extra)}" + (f"; {'; '.join(hints)}" if hints else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lmprobe", formatter_class=_HelpFormatter,
         description="Extract language-model activations into the lmprobe dataset format 2.0, publish and read them.",
     )
@@ -452,7 +487,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", type=int, default=None, help="the layer to write (needed when the source stores several)")
     p.add_argument("--hookpoint", default=None, help="stored hookpoint to write (default: what hidden_layers holds)")
     p.add_argument("--context-len", type=_positive_int, default=None, metavar="T",
-                   help="window length (default: the longest prompt's); prompts of another length are left out")
+                   help="tokens per window (default: the longest stored prompt's)")
+    p.add_argument("--windows", choices=["pack", "exact"], default="pack",
+                   help="pack: every stored token in index order, cut into windows of T (as SAELens packs a corpus; "
+                   "only the last partial window is left out); exact: one window per prompt of exactly T tokens, "
+                   "the others left out")
     p.add_argument("--no-tokens", action="store_true", help="leave out token_ids (written when the source has them)")
     _add_cache_option(p)
     _add_quiet_option(p)
@@ -545,7 +584,14 @@ _RESUMES = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # a first look: the commands, not an error
+        parser.print_help()
+        return 0
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser: its usage, and the option a typo was meant to be
+        command = _subcommands(parser).choices[args.command]
+        command.error(_unrecognized(command, extra))
     try:
         return int(args.func(args) or 0)
     except LmprobeError as exc:

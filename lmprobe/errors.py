@@ -150,5 +150,17 @@ class HubError(LmprobeError, OSError):
     """The Hub could not be reached, or refused a request, when reading from it."""
 
 
+class HubUnreachableError(HubError):
+    """No answer from the Hub at all (no network, a wrong HF_ENDPOINT): ``.endpoint``, ``.repo_id`` and ``.reason``
+    let a caller say what to do in its own terms."""
+
+    def __init__(self, message: str, *, endpoint: str = "", repo_id: str = "", reason: str = ""):
+        super().__init__(message)
+        self.endpoint, self.repo_id, self.reason = endpoint, repo_id, reason
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class ObjectStoreError(LmprobeError, OSError):
     """Object storage could not be reached or written after retries."""

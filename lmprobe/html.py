@@ -31,6 +31,9 @@ figcaption{font-size:12px;color:#5b6472} .ell{color:#8a93a0} .filter{font:inheri
 .tok.hit{outline:2px solid #c2185b;font-weight:700}
 .meta{color:#5b6472;font-size:12px} .pred{font-family:ui-monospace,monospace;font-size:12px}
 a{color:#1a5fb4} .legend{font-size:12px;color:#5b6472}
+.keys{font-size:12px;margin:2px 0 4px} .key{margin-right:14px;white-space:nowrap}
+.key i{display:inline-block;width:14px;height:3px;margin:0 5px 3px 0;vertical-align:middle}
+table.facts td{text-align:left}
 """
 
 #: marks the page as rendered, and records script errors where a test (or a person) can see them
@@ -72,9 +75,10 @@ def page(title: str, body: str, *, subtitle: str = "") -> str:
 
 
 def table(rows: Sequence[Sequence[object]], header: Sequence[str] | None = None, *, sortable: bool = False,
-          raw: bool = False) -> str:
-    """A table; numbers right-aligned. ``raw=True``: cells are already HTML."""
-    out = [f'<table class="{"sortable" if sortable else ""}">']
+          raw: bool = False, cls: str = "") -> str:
+    """A table; numbers right-aligned. ``raw=True``: cells are already HTML. ``cls="facts"``: label and value
+    pairs, every cell left-aligned (pass values as text)."""
+    out = [f'<table class="{" ".join(c for c in ("sortable" if sortable else "", cls) if c)}">']
     if header:
         out.append("<thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr></thead>")
     out.append("<tbody>")
@@ -252,10 +256,10 @@ def line_chart(series: dict[str, tuple[Sequence[float], Sequence[float]]], *, ti
             if math.isfinite(y) and len(xs) <= 64:
                 parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}">'
                              f"<title>{esc(name)}: x={_num(x)}, y={_num(y)}</title></circle>")
-        if len(series) > 1:
-            parts.append(f'<text x="{width - 14}" y="{16 + 15 * i}" font-size="13" text-anchor="end" '
-                         f'fill="{color}">{esc(name)}</text>')
-    return _figure(title, caption, width, height, parts)
+    # the key goes below the plot, never over its lines (in the corner it covered them)
+    key = "".join(f'<span class="key"><i style="background:{_COLORS[i % len(_COLORS)]}"></i>{esc(name)}</span>'
+                  for i, name in enumerate(series)) if len(series) > 1 else ""
+    return _figure(title, caption, width, height, parts, key=key)
 
 
 def bar_chart(labels: Sequence[str], values: Sequence[float], *, title: str, ylabel: str, caption: str = "",
@@ -335,9 +339,11 @@ def filter_box(placeholder: str) -> str:
             f'aria-label="{esc(placeholder)}"> <span id="filter-count" class="legend"></span></p>')
 
 
-def _figure(title: str, caption: str, width: int, height: int, parts: list[str], *, cls: str = "chart") -> str:
+def _figure(title: str, caption: str, width: int, height: int, parts: list[str], *, cls: str = "chart",
+            key: str = "") -> str:
     svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" aria-label="{esc(title)}">{"".join(parts)}</svg>')
+    keys = f'<div class="keys">{key}</div>' if key else ""
     cap = f"<figcaption><b>{esc(title)}</b>{' ' + esc(caption) if caption else ''}</figcaption>"
-    return f'<figure class="{cls}">{svg}{cap}</figure>'
+    return f'<figure class="{cls}">{svg}{keys}{cap}</figure>'
 

@@ -90,6 +90,17 @@ class OutputLock:
         self.release()
 
 
+def writer_pid(target: str | os.PathLike) -> int | None:
+    """The process id of a live lmprobe run writing ``target``, else None, without touching its lock.
+
+    A lock file exists while its owner holds it (release deletes it first) or after its owner was
+    killed; the recorded process is asked whether it is alive. Taking the lock to find out would
+    make a writer starting at that moment refuse.
+    """
+    pid = _read_pid_file(lock_path(Path(target)))
+    return pid if pid is not None and pid != os.getpid() and _alive(pid) else None
+
+
 def _read_pid(fd: int) -> int | None:
     try:
         raw = os.pread(fd, 32, 0)
@@ -98,7 +109,7 @@ def _read_pid(fd: int) -> int | None:
     return int(raw) if raw.strip().isdigit() else None
 
 
-def _read_pid_file(path: Path) -> int | None:  # pragma: no cover - not on POSIX
+def _read_pid_file(path: Path) -> int | None:
     try:
         raw = path.read_text()
     except OSError:
@@ -106,7 +117,7 @@ def _read_pid_file(path: Path) -> int | None:  # pragma: no cover - not on POSIX
     return int(raw) if raw.strip().isdigit() else None
 
 
-def _alive(pid: int) -> bool:  # pragma: no cover - not on POSIX
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -24,6 +24,7 @@ import numpy as np
 from .atomic import atomic_write
 from .errors import ProbeError
 from .format.reader import Dataset
+from .format.spec import RESERVED_COLUMNS
 from .opening import load
 from .tensors import load_file, save_file
 
@@ -82,9 +83,15 @@ def features(ds: Any, layer: int, *, pooling: Pooling = "last_token", rows: Any 
 def labels(ds: Any, label_column: str = "label") -> np.ndarray:
     """Labels from ``label_column`` of the index; rows with a null label are an error."""
     ds = _dataset(ds)
-    if label_column not in ds.prompt_table.column_names:
-        raise ProbeError(f"the index has no column {label_column!r} (columns: {ds.prompt_table.column_names})")
-    col = ds.prompt_table.column(label_column)
+    names = ds.prompt_table.column_names
+    col = ds.prompt_table.column(label_column) if label_column in names else None
+    if col is None or (col.null_count == len(col) and label_column == "label"):  # an unlabeled extraction's label
+        own = [c for c in names if c not in RESERVED_COLUMNS]
+        close = [c for c in own if c.lower() == label_column.lower()]
+        raise ProbeError(f"the dataset has no {label_column!r} column; "
+                         + (f"its own columns are {own}: pass --label-column NAME (label_column= in Python)" if own
+                            else "it stores no other column to probe (extract with a label column)")
+                         + (f"; did you mean --label-column {close[0]}?" if close else ""))
     if col.null_count:
         raise ProbeError(f"{col.null_count} row(s) have no {label_column!r}; probing needs a label for every prompt")
     y = np.asarray(col.to_pylist())
@@ -98,7 +105,7 @@ def layer_features(ds: Any, layers: Sequence[int] | None = None, *, label_column
     """Features of every requested layer and the labels, in one call: ({layer: X}, y)."""
     ds = _dataset(ds)
     y = labels(ds, label_column)
-    layers = ds.layers if layers is None else list(layers)
+    layers = ds.default_layers() if layers is None else list(layers)  # a partial copy: the layers it holds
     return {layer: features(ds, layer, pooling=pooling) for layer in layers}, y
 
 
@@ -120,8 +127,9 @@ def sweep(ds: Any, layers: Sequence[int] | None = None, label_column: str = "lab
           cv: int = 5, pooling: Pooling = "last_token", seed: int = 0, hookpoints: Sequence[str] | None = None):
     """Cross-validated linear probe accuracy per layer: a DataFrame with one row per layer.
 
-    ``hookpoints`` sweeps layers x hookpoints (a ``hookpoint`` column is added); default: what
-    ``hidden_layers`` holds.
+    ``layers``: default every stored layer (in a partial copy made by ``lmprobe pull --layers``,
+    the layers it holds). ``hookpoints`` sweeps layers x hookpoints (a ``hookpoint`` column is
+    added); default: what ``hidden_layers`` holds.
 
     Columns: layer, accuracy (mean over folds), accuracy_std, auroc (binary labels; NaN otherwise),
     n_samples, n_features. Folds are stratified and shuffled with ``seed``: the same call gives the
@@ -145,7 +153,8 @@ def sweep(ds: Any, layers: Sequence[int] | None = None, label_column: str = "lab
     for hp in hps:
         if hp is not None and hp not in ds.hookpoints:
             raise ProbeError(f"hookpoint {hp!r} is not stored in this dataset; it stores {ds.hookpoints}")
-    grid = [(hp, layer) for hp in hps for layer in (ds.layers if layers is None else list(layers))]
+    # default: every stored layer (of a partial copy, the ones it holds)
+    grid = [(hp, layer) for hp in hps for layer in (ds.default_layers(hp) if layers is None else list(layers))]
     for hp, layer in grid:
         X = features(ds, layer, pooling=pooling, hookpoint=hp)
         res = cross_validate(_estimator(classifier, seed), X, y, cv=folds, scoring=scoring)

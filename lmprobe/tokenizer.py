@@ -1,8 +1,10 @@
-"""The models shipped inside lmprobe, and a model's tokenizer found on this machine without the network.
+"""The models shipped inside lmprobe, and the one way lmprobe finds a dataset's tokenizer.
 
-A dataset records its model's name and revision. ``local_tokenizer`` loads that model's tokenizer
-when it is here already: the embedded model, a local folder, or a Hub id in the local Hugging Face
-cache (``local_files_only``: never a request). Readers use it to show token text instead of ids.
+A dataset records its model's name and revision. ``resolve_tokenizer`` loads that model's
+tokenizer, looking in this order: the embedded model (``lmprobe-tiny``), a local folder, the local
+Hugging Face cache (never a request), and only then the Hub, after one look that it answers.
+``ds.prompt()`` (no download), ``lmprobe report``/``features`` and ``ShardStream``'s
+``skip_special_tokens=True`` all go through it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .display import hide_credentials
-from .errors import ModelError
+from .display import hide_credentials, one_line
+from .errors import InvalidArgumentError, ModelError
 from .retry import describe
 
 #: name -> folder under lmprobe/models/
@@ -27,24 +29,49 @@ def embedded_model_dir(name: str) -> Path | None:
     return MODELS_DIR / EMBEDDED_MODELS[key] if key in EMBEDDED_MODELS else None
 
 
+def resolve_tokenizer(name: Any, revision: Any = None, *, download: bool = True, need: str | None = None) -> Any:
+    """The tokenizer of model ``name`` at ``revision``: embedded, a local folder, the local cache, then the Hub.
+
+    ``download=False`` never sends a request. When it cannot be loaded: None, or with ``need`` (what
+    needs it, for the message) an InvalidArgumentError that says why, in one line.
+
+    >>> tok = resolve_tokenizer("lmprobe-tiny")   # doctest: +SKIP
+    """
+    def fail(why: str) -> None:
+        if need:
+            raise InvalidArgumentError(f"{need} needs the tokenizer of {name!r}, which cannot be loaded here ({why})")
+
+    if not isinstance(name, str) or not name:
+        return fail("the dataset records no model name")
+    embedded = embedded_model_dir(name)
+    local = embedded is not None or os.path.isdir(name)
+    path = str(embedded) if embedded is not None else name
+    if local or not isinstance(revision, str) or revision.startswith("sha256:"):
+        revision = None  # a folder has no revisions; sha256: is the embedded model's weights digest
+    from transformers import AutoTokenizer
+
+    try:  # here already: never a request
+        return AutoTokenizer.from_pretrained(path, revision=revision, local_files_only=True,
+                                                 trust_remote_code=False)  # a dataset's name never runs code
+    except Exception as exc:  # not in the cache, no tokenizer files, a name that is no model
+        why = f"{type(exc).__name__}: {one_line(exc)}"
+    if not local and download:
+        try:
+            if not hub_access(path, revision, "the tokenizer"):  # one look, not five retries (else: cached only)
+                return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=False)
+        except ModelError as exc:
+            why = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a repo that is no model, no tokenizer files: said in the message
+            why = f"{type(exc).__name__}: {one_line(exc)}"
+    return fail(why)
+
+
 def local_tokenizer(name: Any, revision: Any = None) -> Any:
-    """The tokenizer of model ``name`` at ``revision`` if it is on this machine, else None; never downloads.
+    """The tokenizer of model ``name`` if it is on this machine (``resolve_tokenizer`` without downloads), else None.
 
     >>> tok = local_tokenizer("lmprobe-tiny")   # doctest: +SKIP
     """
-    if not isinstance(name, str) or not name:
-        return None
-    embedded = embedded_model_dir(name)
-    path = str(embedded) if embedded is not None else name
-    if embedded is not None or os.path.isdir(name) or not isinstance(revision, str) or revision.startswith("sha256:"):
-        revision = None  # a folder has no revisions; sha256: is the embedded model's weights digest
-    try:
-        from transformers import AutoTokenizer
-
-        # trust_remote_code=False: a name read from a dataset never runs a repo's code (transformers would ask)
-        return AutoTokenizer.from_pretrained(path, revision=revision, local_files_only=True, trust_remote_code=False)
-    except Exception:  # not in the cache, no tokenizer files, a name that is no model: show ids instead
-        return None
+    return resolve_tokenizer(name, revision, download=False)
 
 
 def close_embedded_name(name: str) -> str | None:

@@ -86,3 +86,12 @@ def parse_count(value: int | str) -> int:
     if n <= 0:
         raise InvalidArgumentError(f"a count must be positive, got {value!r}")
     return n
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``n`` and its noun, singular for one: ``1 layer``, ``3 layers``, ``1,024 windows``.
+
+    >>> plural(1, "layer"), plural(3, "layer"), plural(2, "child", "children")
+    ('1 layer', '3 layers', '2 children')
+    """
+    return f"{n:,} {noun if n == 1 else (nouns or noun + 's')}"

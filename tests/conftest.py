@@ -9,6 +9,9 @@ import socket  # noqa: E402
 import tempfile
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+# Subprocesses (python -m lmprobe, -m tests.hub_server) import this checkout, from whichever folder they start in.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 _HF_HOME = tempfile.mkdtemp(prefix="lmprobe-test-hf-")
 os.environ["HF_HOME"] = _HF_HOME
 os.environ["LMPROBE_CACHE"] = tempfile.mkdtemp(prefix="lmprobe-test-cache-")  # object-store and stream caches
@@ -26,16 +29,27 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "H
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
+from hypothesis.database import DirectoryBasedExampleDatabase  # noqa: E402
 
 # Property tests: derandomized in CI (the same examples every run, plus the @example rows of every
 # failure ever found); random exploration locally. HYPOTHESIS_PROFILE=ci reproduces CI's run.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
-settings.register_profile("dev", deadline=None)
+# (the example database lives in the checkout: every test runs in an empty folder of its own, below)
+settings.register_profile("dev", deadline=None,
+                          database=DirectoryBasedExampleDatabase(str(ROOT / ".hypothesis" / "examples")))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 DATA = Path(__file__).parent / "data"
 FIXTURE_0103 = DATA / "lmprobe-0.10.3-pooled"
 FIXTURE_0103_FULL = DATA / "lmprobe-0.10.3-full_sequence"  # per-token columns, written left-padded
+
+
+@pytest.fixture(autouse=True)
+def _empty_working_folder(tmp_path_factory, monkeypatch):
+    """Every test starts in an empty folder of its own, so that what the folder pytest runs in holds (the
+    `out/` that the README's first command leaves, say) cannot change a result. Repository files are
+    reached through ROOT; a test that needs another working folder changes to it itself."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
 
 @pytest.fixture

@@ -531,6 +531,8 @@ class HubServer:
 def main(argv: list[str] | None = None) -> int:
     """``python -m tests.hub_server --port N``: serve a local Hub until Ctrl-C, to try publishing offline."""
     import argparse
+    import shutil
+    import signal
     import tempfile
 
     p = argparse.ArgumentParser(prog="python -m tests.hub_server", description=main.__doc__)
@@ -539,16 +541,23 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="lmprobe-hub-"))
     root.mkdir(parents=True, exist_ok=True)
+
+    def stop(signum, frame):  # SIGTERM (kill, a job scheduler) ends it as Ctrl-C does, cleaning up
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     server = HubServer(root, port=args.port).start()
-    print(f"local Hub test server on {server.url}, repos kept in {root}; in another shell run:\n"
-          f"  export HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1\n"
-          "then lmprobe push/pull/load against it (any token is accepted). Ctrl-C stops it.", flush=True)
     try:
+        print(f"local Hub test server on {server.url}, repos kept in {root}; in another shell run:\n"
+              f"  export HF_ENDPOINT={server.url} HF_HUB_DISABLE_XET=1\n"
+              "then lmprobe push/pull/load against it (any token is accepted). Ctrl-C stops it.", flush=True)
         server.thread.join()
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
+        if not args.root:  # a folder of its own: it goes with the server; one the user named is kept
+            shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

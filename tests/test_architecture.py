@@ -27,7 +27,7 @@ def layer_of(module: str) -> str:
     if module in ("lmprobe", "lmprobe.api", "lmprobe.cli", "lmprobe.__main__"):
         return "api"
     if top in ("errors", "version", "paths", "atomic", "retry", "worker", "allocator", "hashing", "units", "tensors",
-               "safeio", "lock", "display", "html", "tokenizer"):
+               "safeio", "lock", "display", "html", "tokenizer", "layers", "progress"):
         return "base"
     if top == "format":
         return "format"

@@ -262,3 +262,47 @@ def test_heap_trimmer_trims_piled_up_memory_but_not_a_grown_working_set(monkeypa
     trim()
     trim()
     assert trim.trims == 2 and trim.limit == 900 * mib + 32 * mib
+
+
+# ------------------------------------------------------------------ progress (issue 37, item 13)
+
+
+def test_progress_off_a_terminal_is_a_line_every_interval_and_one_at_the_end(capsys, monkeypatch):
+    from lmprobe import progress
+
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    bar = progress.Progress(1000, desc="export-saev", unit="example", interval=30)
+    for _ in range(9):
+        clock[0] += 10
+        bar.update(100, note="shard 3")
+    bar.update(100)
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["export-saev: 300/1,000 examples (30.0%), 10.0 examples/s, ETA 1m10s, shard 3",
+                     "export-saev: 600/1,000 examples (60.0%), 10.0 examples/s, ETA 40s, shard 3",
+                     "export-saev: 900/1,000 examples (90.0%), 10.0 examples/s, ETA 10s, shard 3",
+                     "export-saev: 1,000/1,000 examples (100.0%), 11.1 examples/s, done in 1m30s, shard 3"], lines
+
+
+def test_progress_of_bytes_shows_sizes_and_quiet_shows_nothing(capsys, monkeypatch):
+    from lmprobe import progress
+
+    bar = progress.Progress(4 * 2**30, desc="push me/acts", unit="B", initial=2**30, interval=0)
+    bar.update(2**30)
+    assert capsys.readouterr().err.startswith("push me/acts: 2.0 GiB/4.0 GiB (50.0%), ")
+    quiet = progress.Progress(10, desc="x", unit="item", quiet=True, interval=0)
+    quiet.update(5)
+    quiet.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_on_a_terminal_is_a_tqdm_bar(capsys, monkeypatch):
+    from lmprobe import progress
+
+    monkeypatch.setattr(progress, "on_terminal", lambda: True)
+    bar = progress.Progress(10, desc="pull me/acts", unit="file", interval=0)
+    bar.update(10)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\r" in err and "pull me/acts: 100%" in err and "10/10" in err

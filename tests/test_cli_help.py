@@ -52,3 +52,39 @@ def test_help_shows_defaults_and_groups_the_corpus_options(capsys):
         cli_main(["probe", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--seed SEED seed of the fold split and the classifier (default: 0)" in text
+
+
+# ------------------------------------------------------------------ issue 37, item 12: a new user's first commands
+
+
+def test_bare_lmprobe_shows_the_help_not_an_error(capsys):
+    assert cli_main([]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and out.out.startswith("usage: lmprobe") and "extract" in out.out and "validate" in out.out
+
+
+def test_a_mistyped_option_names_the_close_one_and_shows_the_commands_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["extract", "--model", "m", "--prompts", "p.jsonl", "--out", "o", "--storge", "pooled"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: lmprobe extract"), err  # the subcommand's usage, not the top level's
+    assert "unrecognized arguments: --storge pooled" in err and "did you mean --storage?" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lmprobe extract: error:"), last
+
+
+def test_a_mistyped_option_with_a_value_and_one_with_no_close_match(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["probe", "ds", "--lyaers=3"])
+    assert "did you mean --layers?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["info", "ds", "--zzzzzz"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err and err.startswith("usage: lmprobe info")
+
+
+def test_a_mistyped_command_names_the_close_one(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["extrac", "--model", "m"])
+    assert "did you mean 'extract'?" in capsys.readouterr().err

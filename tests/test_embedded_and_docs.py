@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import lmprobe
 from lmprobe.cli import main as cli_main
@@ -72,13 +76,36 @@ def _readme_commands() -> list[list[str]]:
 def test_readme_quickstart_commands_work(tmp_path, monkeypatch, capsys):
     cmds = _readme_commands()
     assert [c[0] for c in cmds] == ["extract", "info"]
-    monkeypatch.chdir(ROOT)
-    out = tmp_path / "tiny-demo"
+    monkeypatch.chdir(tmp_path)  # a fresh clone's files, as the README's paths name them
+    (tmp_path / "examples").mkdir()
+    shutil.copy(ROOT / "examples/prompts.jsonl", tmp_path / "examples")
     for argv in cmds:
-        argv = [str(out) if a == "out/tiny-demo" else a for a in argv]
         assert cli_main(argv) == 0, argv
     text = capsys.readouterr().out
     assert "wrote 48 prompts" in text and "top-5" in text and "lmprobe-tiny" in text
+
+
+def test_tests_start_in_an_empty_folder_of_their_own():
+    """conftest's guard: no test sees what the folder pytest was started from holds."""
+    assert Path.cwd() != ROOT and not any(Path.cwd().iterdir())
+
+
+@pytest.mark.slow
+def test_the_readme_first_command_then_the_hub_name_test_in_the_same_folder(tmp_path):
+    """A new user runs the README's first command, then its second, in one folder: the first leaves out/, and the
+    suite's Hub-name test (``out/nonexistent`` is a repo id when there is no ./out) must pass beside it."""
+    (tmp_path / "examples").mkdir()
+    shutil.copy(ROOT / "examples/prompts.jsonl", tmp_path / "examples")
+    for argv in _readme_commands():
+        r = subprocess.run([sys.executable, "-m", "lmprobe", *argv], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "tiny-demo" / "index").is_dir()
+    tests = ["tests/test_reliability_round3.py::test_owner_name_without_such_a_local_folder_still_means_the_hub",
+             "tests/test_embedded_and_docs.py::test_tests_start_in_an_empty_folder_of_their_own"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
+                        *[str(ROOT / t) for t in tests]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:]
 
 
 def test_readme_python_snippets_run(tmp_path, monkeypatch, hub):

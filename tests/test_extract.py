@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,6 @@ from lmprobe.extraction import model as model_mod
 from lmprobe.extraction.model import ModelError
 from lmprobe.extraction.prompts import PromptError
 from lmprobe.format.validate import validate
-
 
 #: where each test family keeps its blocks, written by hand (independent of lmprobe's own search)
 BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h", "bert": "encoder.layer"}
@@ -210,12 +210,20 @@ def test_cli_extract_and_rerun_is_a_no_op(llama_dir, tmp_path, capsys):
     assert "wrote 7 prompts x 2 layers" in out
     before = (tmp_path / "ds/index/train-00000-of-00001.parquet").stat().st_mtime_ns
     assert cli_main(args) == 0
-    assert "already holds this extraction" in capsys.readouterr().err
+    out = capsys.readouterr()
+    # issue 37, item 6: the re-run said "nothing to do", then "wrote 7 prompts"
+    assert out.out == "" and out.err.strip().splitlines()[-1] == (
+        f"{tmp_path / 'ds'} already holds this extraction (7 prompts x 2 layers x 32 dims, pooled, float32); "
+        "nothing to do"), out
+    # a batch size changes no stored value: still the same extraction (issue 37, item 5)
+    assert cli_main([*args[:-1], "5"]) == 0
+    assert "nothing to do" in capsys.readouterr().err
     assert (tmp_path / "ds/index/train-00000-of-00001.parquet").stat().st_mtime_ns == before
-    assert cli_main(args[:-2] + ["--batch-size", "3"]) == 2
-    assert "other settings" in capsys.readouterr().err
-    assert cli_main(args[:-2] + ["--batch-size", "3", "--overwrite", "--quiet"]) == 0
-    assert lmprobe.load(tmp_path / "ds").info["extraction"]["settings"]["batch_size"] == 3
+    other = [("4" if a == "3" and args[i - 1] == "--logits-topk" else a) for i, a in enumerate(args)]
+    assert cli_main(other) == 2  # a setting that changes what is stored
+    assert "other settings (logits_topk: 3 -> 4)" in capsys.readouterr().err
+    assert cli_main([*other, "--overwrite", "--quiet"]) == 0
+    assert lmprobe.load(tmp_path / "ds").info["extraction"]["settings"]["logits_topk"] == 4
 
 
 def test_cli_errors_are_one_line(tmp_path, llama_dir, capsys):
@@ -225,3 +233,82 @@ def test_cli_errors_are_one_line(tmp_path, llama_dir, capsys):
                      "--layers", "99"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lmprobe extract: error: layer 99 does not exist") and "Traceback" not in err
+
+
+def test_cli_says_one_prompt_and_one_layer_in_the_singular(tmp_path, capsys):
+    """issue 37, item 16: "1 layers" read wrong."""
+    f = tmp_path / "p.txt"
+    f.write_text("The cat sat on the mat.\n")
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "ds"),
+                     "--layers", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote 1 prompt x 1 layer x 128 dims (pooled, float32) to {tmp_path / 'ds'}" in out, out
+
+
+def test_a_label_column_named_in_another_case_is_pointed_out(tmp_path, capsys):
+    """issue 37, item 7: a CSV with `Text,Label` lost its labels silently."""
+    f = tmp_path / "p.csv"
+    f.write_text("Text,Label\nThe cat sat.,1\nA dog ran.,0\n")
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "a"),
+                     "--layers", "-1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"lmprobe extract: error: {f}: no 'text' column (columns: ['Text', 'Label']); did you mean "
+                   "--text-column Text?"), err
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "b"),
+                     "--layers", "-1", "--text-column", "Text", "--quiet"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"note: {f} has a column 'Label' but no 'label': it is stored as an ordinary column, not as the "
+                   "labels; pass --label-column Label to use it as the labels"], err
+    ds = lmprobe.load(tmp_path / "b")
+    assert ds.labels is None and ds.index["Label"].tolist() == [1, 0]
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "c"),
+                     "--layers", "-1", "--text-column", "Text", "--label-column", "Label", "--quiet"]) == 0
+    assert capsys.readouterr().err == "" and lmprobe.load(tmp_path / "c").labels.tolist() == [1, 0]
+
+
+def test_a_log_file_gets_progress_lines_not_bars(llama_dir, tmp_path, capsys, monkeypatch):
+    """issue 37, item 13: into a file, extract drew transformers' "Loading weights" bar and then nothing until its
+    last line. Off a terminal: no bars, no escape codes, a progress line every LMPROBE_PROGRESS_INTERVAL seconds."""
+    monkeypatch.setenv("LMPROBE_PROGRESS_INTERVAL", "0")  # a line after every batch
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    assert cli_main(["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", str(tmp_path / "ds"),
+                     "--layers", "0", "--batch-size", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err and "Loading weights" not in err, err
+    lines = [x for x in err.splitlines() if x.startswith("extract: ")]
+    assert len(lines) >= 4, err  # 7 prompts in batches of 2, and the closing line
+    assert re.fullmatch(r"extract: 2/7 prompts \(28\.6%\), [\d,]+ tokens, [\d,]+ tok/s, [\d.,]+ prompts/s, ETA \d+s",
+                        lines[0]), lines
+    assert re.fullmatch(r"extract: 7/7 prompts \(100\.0%\), [\d,]+ tokens, .* done in \d+s", lines[-1]), lines
+    assert cli_main(["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", str(tmp_path / "q"),
+                     "--layers", "0", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_truncation_is_recorded_per_prompt_and_shown(llama_dir, tmp_path, capsys):
+    """issue 37, item 10: `--truncate left` cut prompts and neither the index nor `info` said which, or how much."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    lengths = [len(tok(p["text"])["input_ids"]) for p in PROMPTS]
+    limit = sorted(lengths)[len(lengths) // 2]
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "ds", max_length=limit, truncate="left", layers="1",
+                         storage="full_sequence", token_ids=True, quiet=True)
+    cut = [max(0, n - limit) for n in lengths]
+    assert ds.index["truncated_tokens"].tolist() == cut and sum(c > 0 for c in cut) >= 2
+    assert ds.index["num_tokens"].tolist() == [min(n, limit) for n in lengths]
+    assert ds.texts == [p["text"] for p in PROMPTS]  # the prompts as given; truncated_tokens says what was cut
+    assert cli_main(["info", str(tmp_path / "ds")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("truncated"))
+    n_cut = sum(c > 0 for c in cut)
+    assert line == (f"truncated    {n_cut} of 7 prompts cut to {limit} tokens, from the left (up to {max(cut)} "
+                    f"tokens cut; the truncated_tokens column says how many)"), line
+    assert "truncated_tokens" not in next(x for x in cli_info_lines(tmp_path / "ds", capsys) if x.startswith("columns"))
+    plain = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "plain", layers="1", quiet=True)
+    assert "truncated_tokens" not in plain.column_names
+
+
+def cli_info_lines(path, capsys):
+    assert cli_main(["info", str(path)]) == 0
+    return capsys.readouterr().out.splitlines()

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from conftest import PROMPTS
@@ -41,6 +42,7 @@ def assert_same(a, b):
     ma, mb = lmprobe.load(a).info, lmprobe.load(b).info
     for m in (ma, mb):
         m["provenance"].pop("created_at")
+        m.pop("runs")  # when each run started, and which rows it wrote: what differs between the two, by design
     assert ma == mb
 
 
@@ -86,3 +88,23 @@ def test_changed_configuration_against_partial_output(llama_dir, tmp_path):
         lmprobe.extract(str(llama_dir), PROMPT_LIST, out=out, **dict(KW, layers="0,1"))
     ds = lmprobe.extract(str(llama_dir), PROMPT_LIST, out=out, overwrite=True, **dict(KW, layers="0,1"))
     assert ds.layers == [0, 1] and ds.num_prompts == 28
+
+
+def test_a_changed_batch_size_resumes_and_each_run_is_recorded(llama_dir, tmp_path, reference):
+    """issue 37, item 5: the usual retry after an out-of-memory error is a smaller batch; it must not lose the work.
+    Batch size, device and checkpoint interval change no stored value beyond float rounding."""
+    out = tmp_path / "ds"
+    r = subprocess.run([sys.executable, str(CRASH_EXTRACT), json.dumps([PROMPT_LIST, str(llama_dir), str(out), 4, KW])],
+                       capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    done = json.loads((out / ".lmprobe-staging" / "state.json").read_text())["num_prompts"]
+    assert 0 < done < 28
+    ds = lmprobe.extract(str(llama_dir), PROMPT_LIST, out=out, **dict(KW, batch_size=2), checkpoint_interval=5.0)
+    ref = lmprobe.load(reference)
+    assert ds.texts == ref.texts
+    for layer in (0, 2):
+        np.testing.assert_allclose(ds.hidden(layer), ref.hidden(layer), rtol=1e-4, atol=1e-5)
+    runs = ds.info["runs"]
+    assert [(r["first_row"], r["batch_size"], r["checkpoint_interval"], r["device"]) for r in runs] == [
+        (0, 3, 0.0, "cpu"), (done, 2, 5.0, "cpu")], runs
+    assert ds.info["extraction"]["settings"]["batch_size"] == 2

@@ -285,3 +285,20 @@ def test_opening_leaves_per_token_columns_on_disk_and_reads_them_by_row_group(tm
             assert got[name].to_pylist() == full.column(name).take(pa.array(rows)).to_pylist()
     for i in (0, 13, 39):
         np.testing.assert_array_equal(ds.token_hidden(i, 0), src["hidden"][0][src["tok_start"][i]:src["tok_start"][i + 1]])
+
+
+def test_negative_layers_count_back_from_the_last_as_in_extract(tmp_path, rng):
+    """issue 37, item 8: one layer grammar in Python and on the command line (-1 is the last layer)."""
+    from lmprobe.errors import LayerNotFoundError
+
+    src = write_dataset(tmp_path / "ds", rng, n=9, layers=(0, 2, 5), dim=4, storage="full_sequence", statistics=True)
+    ds = lmprobe.load(tmp_path / "ds")
+    np.testing.assert_array_equal(ds.hidden(-1), ds.hidden(5))
+    np.testing.assert_array_equal(ds.token_hidden(3, -1), src["hidden"][5][src["tok_start"][3]:src["tok_start"][4]])
+    np.testing.assert_array_equal(ds.hidden(-4, rows=[1]), ds.hidden(2, rows=[1]))  # 6 layers: -4 is layer 2
+    assert ds.statistics(-1)["count"] == ds.statistics(5)["count"]
+    with pytest.raises(LayerNotFoundError, match=r"layer -2 \(layer 4\) is not stored in this dataset; stored layers: "
+                                                 r"\[0, 2, 5\]"):
+        ds.hidden(-2)
+    with pytest.raises(LayerNotFoundError, match=r"layer -7 does not exist: .*-1\.\.-6"):
+        ds.hidden(-7)

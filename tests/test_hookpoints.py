@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 import lmprobe
 import lmprobe.extraction.model as model_mod
@@ -159,7 +160,7 @@ def test_hookpoint_errors_come_before_the_weights_load(request, tmp_path, monkey
 
 def test_cli_hookpoints_and_pull_of_one_hookpoint(llama_dir, tmp_path, hub, fresh_hf_cache):
     out = tmp_path / "ds"
-    r = subprocess.run([sys.executable, "-m", "lmprobe", "extract", "--model", str(llama_dir), "--prompts", "examples/prompts.jsonl",
+    r = subprocess.run([sys.executable, "-m", "lmprobe", "extract", "--model", str(llama_dir), "--prompts", str(ROOT / "examples/prompts.jsonl"),
                         "--out", str(out), "--layers", "1", "--hookpoints", "mlp_out,resid_post", "--device", "cpu",
                         "--quiet"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 import numpy as np
@@ -406,3 +407,104 @@ def test_pulling_more_layers_after_a_new_push_never_mixes_versions(hub, tmp_path
     here = {p.relative_to(pinned).as_posix() for p in (pinned / "tensors").rglob("*") if p.is_file()}
     assert here == {r.rel for r in ds.meta.files()}  # both layers and the logits, of this version only
     assert lmprobe.validate(pinned).ok
+
+
+def test_a_partial_copy_validates_as_one_and_commands_use_the_layers_it_holds(hub, dataset, tmp_path, capsys):
+    """issue 37, item 3: `validate` reported every layer not pulled as an error, and `probe`/`report` failed on
+    the first layer not there instead of using the ones that are."""
+    path, src = dataset
+    repo = repo_name()
+    push_to_hub(path, repo, quiet=True)
+    local, bare = tmp_path / "local", tmp_path / "bare"
+    assert cli_main(["pull", repo, "--layers", "2", "--out", str(local), "--quiet"]) == 0
+    assert cli_main(["pull", repo, "--layers", "0,5", "--no-logits", "--out", str(bare), "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli_main(["validate", str(local), str(bare), "--strict"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{local}: OK (") and "0 error(s), 0 warning(s)" in out[0], out
+    assert out[1] == (f"  partial copy of {repo}: holds layers [2]; not pulled: layers 0, 5 (`lmprobe pull {repo} "
+                      f"--layers 0,5 --out {local}` fetches them)"), out
+    assert out[3] == (f"  partial copy of {repo}: holds layers [0, 5]; not pulled: layer 2, the logits (`lmprobe pull "
+                      f"{repo} --layers 2 --out {bare}` fetches them)"), out
+    # what a copy holds is still checked, byte for byte
+    shard = sorted((local / "tensors").glob("hidden_layer002_*"))[0]
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    assert cli_main(["validate", str(local)]) == 1
+    assert "hidden_layer002_shard000.safetensors: sha256 is" in capsys.readouterr().out
+    shard.write_bytes(good)
+    # a layer missing from a layer the copy holds is an error, not "not pulled"
+    last = sorted((local / "tensors").glob("hidden_layer002_*"))[-1]
+    kept = last.read_bytes()
+    last.unlink()
+    assert cli_main(["validate", str(local)]) == 1
+    assert f"{last.relative_to(local).as_posix()}: file is missing" in capsys.readouterr().out
+    last.write_bytes(kept)
+    # probe and report default to the layers the copy holds
+    assert cli_main(["probe", str(local), "--cv", "2"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[1:-1]] == ["2"], table
+    assert cli_main(["report", str(bare), "--out", str(tmp_path / "r"), "--quiet"]) == 0
+    html = (tmp_path / "r" / "index.html").read_text()
+    assert "<td>layers</td><td>0, 5 of 0, 2, 5 (a partial copy" in html
+
+
+def test_hints_name_what_works_for_push_and_an_offline_pull(hub, dataset, tmp_path, capsys, monkeypatch):
+    """issue 37, item 11: push of a missing folder mentioned hf://datasets/...; an offline pull suggested
+    `lmprobe pull`."""
+    from huggingface_hub import constants
+
+    assert cli_main(["push", "out/nope", "me/x", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("lmprobe push: error: out/nope does not exist; push publishes a local dataset folder "
+                   "(lmprobe push DIR OWNER/NAME)"), err
+    path, _ = dataset
+    repo = repo_name()
+    push_to_hub(path, repo, quiet=True)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the Hub is gone
+    assert cli_main(["pull", repo, "--out", str(tmp_path / "p"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot reach the Hub at http://127.0.0.1:9" in err[0], err
+    assert err[0].endswith("check the network (or HF_ENDPOINT) and run the same pull again: files already here are "
+                           "not fetched again"), err
+    assert cli_main(["info", repo]) == 2  # a read still points at a local copy
+    err = capsys.readouterr().err
+    assert "check the network (or HF_ENDPOINT), or read a local copy (made by `lmprobe pull`" in err, err
+
+
+def test_push_and_pull_into_a_log_write_lines_not_bars(hub, dataset, tmp_path, capsys, monkeypatch):
+    """issue 37, item 13: push wrote dozens of tqdm bars with escape codes into a log; pull drew bars too."""
+    monkeypatch.setenv("LMPROBE_PROGRESS_INTERVAL", "0")
+    path, _ = dataset
+    repo = repo_name()
+    assert cli_main(["push", str(path), repo]) == 0
+    out = capsys.readouterr()
+    assert "\r" not in out.err and "\x1b" not in out.err and "it/s" not in out.err, out.err
+    lines = out.err.splitlines()
+    assert lines and all(x.startswith(f"push {repo}: ") for x in lines) and "(100.0%)" in lines[-1], lines
+    assert cli_main(["pull", repo, "--layers", "2", "--out", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr()
+    assert "\r" not in out.err and "\x1b" not in out.err, out.err
+    assert re.fullmatch(rf"pull {repo}: \d+/\d+ files \(100\.0%\), .*", out.err.splitlines()[-1]), out.err
+
+
+def test_the_local_hub_server_stopped_with_sigterm_removes_its_temporary_folder(tmp_path):
+    """issue 37, item 15: `python -m tests.hub_server` killed with SIGTERM (as a job scheduler or `kill` stops it) left
+    its temporary folder behind; a --root given by the user is kept."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for given in (None, tmp_path / "mine"):
+        cmd = [sys.executable, "-m", "tests.hub_server"] + (["--root", str(given)] if given else [])
+        server = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, text=True)
+        try:
+            first = server.stdout.readline()
+            folder = Path(re.search(r"repos kept in (\S+);", first).group(1))
+            assert folder.is_dir()
+        finally:
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(timeout=30) == 0
+        assert folder.exists() == (given is not None), folder

@@ -108,3 +108,16 @@ def test_torchrun_two_processes_equal_one(llama_dir, tmp_path):
     np.testing.assert_array_equal(two.logits_topk()[1], single.logits_topk()[1])
     assert validate(tmp_path / "two").ok
     assert not (tmp_path / "two/.lmprobe-parts").exists()
+
+
+def test_parts_made_with_other_batch_sizes_merge_and_keep_their_runs(tmp_path):
+    """issue 37, item 5: a batch size changes no stored value beyond float rounding, for a merge as for a resume;
+    the merged dataset lists every part's runs, each at the row where its rows now start."""
+    texts = [p["text"] for p in PROMPTS]
+    a = lmprobe.extract("lmprobe-tiny", texts[:4], out=tmp_path / "a", layers="-1", batch_size=2, quiet=True)
+    b = lmprobe.extract("lmprobe-tiny", texts[4:], out=tmp_path / "b", layers="-1", batch_size=3, quiet=True)
+    assert cli_main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")]) == 0
+    m = lmprobe.load(tmp_path / "m")
+    assert m.texts == texts
+    np.testing.assert_array_equal(m.hidden(-1), np.concatenate([a.hidden(-1), b.hidden(-1)]))
+    assert [(r["first_row"], r["batch_size"]) for r in m.info["runs"]] == [(0, 2), (4, 3)]

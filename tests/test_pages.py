@@ -352,3 +352,59 @@ def test_a_datasets_model_name_never_runs_tokenizer_code(tmp_path, monkeypatch):
     with pytest.raises(InvalidArgumentError, match="cannot be loaded here"):
         ShardStream(lmprobe.load(tmp_path / "ds"), 0, 2, skip_special_tokens=True)
     assert not ran.exists()
+
+
+# ------------------------------------------------------------------ issue 37, item 14
+
+
+def _facts_table(dom: str) -> str:
+    return re.search(r"<h2>Dataset</h2>(<table.*?</table>)", dom, flags=re.S).group(1)
+
+
+def test_a_single_layer_report_shows_a_table_not_a_dot_in_an_empty_frame(tmp_path):
+    ds = lmprobe.extract("lmprobe-tiny", ["The cat sat.", "A dog ran far.", "Hi"], out=tmp_path / "ds", layers="-1",
+                         quiet=True)
+    dom = render(lmprobe.report(ds, tmp_path / "r", sample=1, quiet=True), "report-one-layer", height=1400)
+    assert_clean(dom)
+    assert "by layer</b>" not in dom  # no per-layer line charts for one layer
+    stats = ds.statistics(5)
+    figure = re.search(r'<figure class="chart"><table class="facts">(.*?)</table><figcaption><b>Statistics of layer '
+                       r"5</b>", dom, flags=re.S)
+    assert figure, dom[:3000]
+    assert f"<td>resid_post</td><td>{stats['mean_norm']:.4g}</td>" in figure.group(1)
+
+
+def test_a_corpus_report_says_windows_and_the_facts_align_alike(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(" ".join(f"word{i}{j}" for j in range(40)) for i in range(3)) + "\n")
+    ds = lmprobe.extract("lmprobe-tiny", corpus, out=tmp_path / "ds", layers="0,-1", context_len=16,
+                         storage="full_sequence", quiet=True)
+    dom = render(lmprobe.report(ds, tmp_path / "r", sample=2, quiet=True), "report-corpus", height=1600)
+    assert_clean(dom)
+    facts = _facts_table(dom)
+    assert "<td>windows</td>" in facts and "<td>prompts</td>" not in facts
+    assert f"{ds.num_prompts} windows" in re.search(r'<p class="sub">(.*?)</p>', dom).group(1)
+    assert "<h2>Windows</h2>" in dom and "<h2>Prompts</h2>" not in dom
+    assert re.search(r'<div class="meta"><b>window \d+</b>', dom) and "<b>prompt " not in dom
+    assert "mean over 54 windows" in dom or f"mean over {ds.num_prompts} windows" in dom
+    assert 'class="num"' not in facts  # one alignment for every value of the facts table
+
+
+def test_the_legend_of_several_hookpoints_sits_beside_the_plot_not_on_its_lines(tmp_path):
+    ds = lmprobe.extract("lmprobe-tiny", ["The cat sat.", "A dog ran far.", "Hi there"], out=tmp_path / "ds",
+                         hookpoints="resid_post,mlp_out,attn_out", storage="full_sequence", quiet=True)
+    dom = render(lmprobe.report(ds, tmp_path / "r", sample=1, probe=False, quiet=True), "report-hookpoints",
+                 height=1600)
+    assert_clean(dom)
+    chart = re.search(r'<figure class="chart">(<svg[^>]*aria-label="Mean L2 norm by layer".*?)</figure>', dom,
+                      flags=re.S).group(1)
+    svg, after = chart.split("</svg>", 1)
+    for hp in ("resid_post", "mlp_out", "attn_out"):
+        assert f">{hp}<" not in svg and hp in after  # the key is below the plot, outside its area
+    assert after.count('class="key"') == 3
+
+
+def test_pages_doc_runs_chromium_as_root_too():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "pages.md").read_text()
+    for cmd in re.findall(r"`(chromium [^`]*)`", text.replace("\n", " ")):
+        assert "--no-sandbox" in cmd, cmd

@@ -70,7 +70,7 @@ def test_probe_errors(tmp_path, rng):
     write_dataset(tmp_path / "p", rng, n=10)
     with pytest.raises(probe.ProbeError, match="--storage full_sequence"):
         probe.features(tmp_path / "p", 0, pooling="mean")
-    with pytest.raises(probe.ProbeError, match="no column 'sentiment'"):
+    with pytest.raises(probe.ProbeError, match="no 'sentiment' column"):
         probe.sweep(tmp_path / "p", label_column="sentiment")
     with pytest.raises(probe.ProbeError, match="cv=50 folds"):
         probe.sweep(tmp_path / "p", cv=50)
@@ -126,12 +126,28 @@ def test_example_notebook_runs_offline(tmp_path):
     assert "The pizza was wonderful." in last
 
 
-def test_third_party_reader_script_needs_no_lmprobe(tmp_path, rng):
-    src = write_dataset(tmp_path / "ds", rng, n=12, layers=(0, 7), dim=5, shard_size="100B")
-    code = ("import runpy, sys; sys.modules['lmprobe'] = None; sys.argv = sys.argv[1:];"
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_third_party_reader_script_needs_no_lmprobe(tmp_path, rng, dtype):
+    """The example reads every stored dtype, bfloat16 (which numpy lacks; issue 37, item 9) without torch too."""
+    write_dataset(tmp_path / "ds", rng, n=12, layers=(0, 7), dim=5, shard_size="100B", dtype=dtype)
+    code = ("import runpy, sys; sys.modules['lmprobe'] = None; sys.modules['torch'] = None; sys.argv = sys.argv[1:];"
             "runpy.run_path(sys.argv[0], run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples/read_without_lmprobe.py"), str(tmp_path / "ds"),
                         "7"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "12 prompts, layer 7: X (12, 5)" in r.stdout
-    assert f"|x| = {np.linalg.norm(src['hidden'][7][0]):.4f}" in r.stdout
+    X = lmprobe.load(tmp_path / "ds").hidden(7)  # lmprobe's reader: the stored values as float32
+    assert f"|x| = {np.linalg.norm(X[0]):.4f}" in r.stdout
+
+
+def test_probe_without_a_label_column_names_the_columns_and_the_option(tmp_path, capsys):
+    """issue 37, item 7: "no 'label'" should say which columns there are and how to pick one."""
+    f = tmp_path / "p.csv"
+    f.write_text("Text,Label,topic\n" + "".join(f"prompt number {i},{i % 2},t{i % 3}\n" for i in range(12)))
+    lmprobe.extract("lmprobe-tiny", f, out=tmp_path / "ds", layers="-1", text_column="Text", quiet=True)
+    assert "pass --label-column Label" in capsys.readouterr().err  # said at extraction already
+    assert cli_main(["probe", str(tmp_path / "ds")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("lmprobe probe: error: the dataset has no 'label' column; its own columns are ['Label', 'topic']: "
+                   "pass --label-column NAME (label_column= in Python); did you mean --label-column Label?"), err
+    assert cli_main(["probe", str(tmp_path / "ds"), "--label-column", "Label", "--cv", "2"]) == 0

@@ -551,3 +551,20 @@ def test_a_prompt_folder_is_not_said_to_be_missing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "does not exist" not in err and "prompts" in err
 
+
+
+def test_info_on_a_folder_another_process_is_writing_says_so(tmp_path, rng, capsys):
+    """issue 37, item 11: `info` said "re-run the command that wrote it" while that command was still running."""
+    out = tmp_path / "ds"
+    (out / ".lmprobe-staging").mkdir(parents=True)
+    child = hold_lock(out)
+    try:
+        assert cli_main(["info", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"lmprobe info: error: {out} is being written by process {child.pid} (no index yet); wait "
+                       "for that run to finish"), err
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert cli_main(["info", str(out)]) == 2  # its writer died: an interrupted run, to resume
+    assert "unfinished dataset (no index yet); re-run the command that wrote it to resume" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_dataset
+from conftest import ROOT, write_dataset
 
 import lmprobe
 from lmprobe.cli import main as cli_main
@@ -195,14 +195,14 @@ def test_owner_name_without_such_a_local_folder_still_means_the_hub():
 
 def test_a_model_name_close_to_the_embedded_one_gets_did_you_mean(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    assert cli_main(["extract", "--model", "lmprobe-tinny", "--prompts", "examples/prompts.jsonl", "--out",
+    assert cli_main(["extract", "--model", "lmprobe-tinny", "--prompts", str(ROOT / "examples/prompts.jsonl"), "--out",
                      str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did you mean 'lmprobe-tiny'" in err[0], err
 
 
 @pytest.mark.parametrize("command", [
-    ["extract", "--model", "someone/no-such-model", "--prompts", "examples/prompts.jsonl", "--out", "{tmp}/m"],
+    ["extract", "--model", "someone/no-such-model", "--prompts", "{root}/examples/prompts.jsonl", "--out", "{tmp}/m"],
     ["report", "{tmp}/ds", "--out", "{tmp}/r", "--tokenizer", "someone/no-such-tokenizer"],
 ])
 def test_an_unreachable_hub_is_one_attempt_and_one_line(tmp_path, rng, capsys, monkeypatch, command):
@@ -212,7 +212,7 @@ def test_an_unreachable_hub_is_one_attempt_and_one_line(tmp_path, rng, capsys, m
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    assert cli_main([a.replace("{tmp}", str(tmp_path)) for a in command]) == 2
+    assert cli_main([a.replace("{tmp}", str(tmp_path)).replace("{root}", str(ROOT)) for a in command]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot reach the Hub at http://127.0.0.1:9" in err[0], err
     assert "\\n" not in err[0] and "Retry" not in err[0]

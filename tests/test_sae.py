@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -193,6 +194,11 @@ def test_cli_export_and_topk(tmp_path, rng, capsys, llama_dir):
     assert r.returncode == 0 and r.stdout.count("feat_") == 4
     assert cli_main(["sae-topk", "--root", str(tmp_path / "r"), "--dict", "tiny", "--layer", "5"]) == 2
     assert "layer 5 is not in dictionary" in capsys.readouterr().err
+    # -1 is the last layer here too (issue 37, item 8): the dictionary's, and the dataset's
+    assert cli_main(["sae-topk", "--root", str(tmp_path / "r"), "--dict", "tiny", "--layer", "-1", "--topk", "3",
+                     "--dataset", str(tmp_path / "ds"), "--prompt", "1"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines() if "feat_" in line] == \
+        [f"feat_{i}" for i, _ in want]
 
 
 def test_dictionary_push_and_load_from_the_hub(hub, tmp_path, rng, fresh_hf_cache):
@@ -363,3 +369,36 @@ def test_damaged_shapes_and_huge_requests_are_one_line_errors(tmp_path, rng, cap
         rc, err = run_cli(capsys, ["sae-topk", "--root", tmp_path / "good", "--dict", "d", "--layer", 0, "--dataset",
                                    tmp_path / "ds", "--prompt", prompt])
         assert rc == 2 and f"prompt {prompt} is not in" in err and "0..5" in err, err
+
+
+def test_auto_device_on_a_machine_without_a_gpu_does_not_import_torch():
+    """issue 37, item 16: `sae-topk` spent ~1 s importing torch to learn there is no GPU, on every call."""
+    code = ("import sys; from lmprobe.sae.loader import detect_device; print(detect_device('auto'), "
+            "'torch' in sys.modules)")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU visible, as on this machine and CI
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["cpu", "False"], r.stdout + r.stderr
+
+
+def test_info_and_validate_describe_an_sae_dictionary(tmp_path, rng, capsys):
+    """issue 37, item 11: `info` and `validate` refused SAE dictionaries instead of describing them."""
+    from safetensors.numpy import save_file
+
+    W = rng.normal(size=(8, 16)).astype(np.float32)
+    save_file({"enc.weight": W.T.copy(), "enc.bias": np.zeros(16, np.float32)}, str(tmp_path / "sae.safetensors"))
+    for layer in ("2", "5"):
+        assert cli_main(["export-sae", str(tmp_path / "sae.safetensors"), "--layer", layer, "--root",
+                         str(tmp_path / "r"), "--dict", "tiny", "--weight-key", "enc.weight", "--orientation",
+                         "out_in"]) == 0
+    capsys.readouterr()
+    folder = tmp_path / "r" / "tiny"
+    assert cli_main(["info", str(folder)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"SAE dictionary {folder}", out
+    assert "layers       [2, 5] (16 features x 8 dims each, activation relu)" in out, out
+    assert cli_main(["validate", str(folder)]) == 0
+    assert capsys.readouterr().out.strip() == f"{folder}: SAE dictionary OK (0 problem(s))"
+    (folder / "layer_5" / "encoder.npz").write_bytes(b"not a zip")
+    assert cli_main(["validate", str(folder)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"{folder}: SAE dictionary INVALID (1 problem(s))") and "layer_5" in out, out

@@ -103,12 +103,12 @@ def test_half_precision_sources_round_trip_in_small_batches(tmp_path, rng, monke
     np.testing.assert_array_equal(np.stack([back.token_hidden(i, 2) for i in range(10)]), want)
 
 
-def test_export_takes_windows_of_one_length_and_says_what_it_left_out(tmp_path, rng, capsys):
+def test_exact_windows_take_the_prompts_of_one_length_and_say_what_they_left_out(tmp_path, rng, capsys):
     write_dataset(tmp_path / "ds", rng, n=10, layers=(3,), dim=4, storage="full_sequence", min_tokens=2,
                   max_tokens=6, token_ids=True)
     ds = lmprobe.load(tmp_path / "ds")
     lengths = ds.token_lengths()
-    out = export_saelens(tmp_path / "ds", tmp_path / "c", hookpoint="resid_post")
+    out = export_saelens(tmp_path / "ds", tmp_path / "c", hookpoint="resid_post", windows="exact")
     kept = np.flatnonzero(lengths == lengths.max())
     _, batches = read_cache(out)
     acts = np.array(pa.Table.from_batches(batches).column(0).to_pylist(), dtype=np.float32)
@@ -125,8 +125,10 @@ def test_export_refuses_what_saelens_cannot_hold_in_one_line(tmp_path, rng, sour
         (["export-saelens", str(tmp_path / "pooled"), "--out", str(tmp_path / "a")], "pooled"),
         (["export-saelens", str(path), "--out", str(tmp_path / "b")], "pass --layer"),
         (["export-saelens", str(path), "--out", str(tmp_path / "c"), "--layer", "5"], "layer 5 is not in"),
-        (["export-saelens", str(path), "--out", str(tmp_path / "d"), "--layer", "1", "--context-len", "3"],
-         "exactly 3 tokens"),
+        (["export-saelens", str(path), "--out", str(tmp_path / "d"), "--layer", "1", "--context-len", "3",
+          "--windows", "exact"], "exactly 3 tokens"),
+        (["export-saelens", str(path), "--out", str(tmp_path / "e"), "--layer", "1", "--context-len", "1000"],
+         "fewer than one window of 1000"),
     ]
     for argv, message in cases:
         assert cli_main(argv) == 2
@@ -456,3 +458,51 @@ def test_export_run_again_has_nothing_to_do_and_another_is_refused(tmp_path, sou
     assert cli_main([*argv[:-1], "0"]) == 2  # layer 0 into the folder holding layer 1
     assert "is not empty" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in (tmp_path / "cache").iterdir()} == before
+
+
+def test_info_of_an_imported_cache_and_of_the_demo_says_how_they_were_made(tmp_path, source, capsys):
+    """issue 37, item 16: `info` said "backend None" for datasets that no extraction made."""
+    path, _ = source
+    cache = export_saelens(path, tmp_path / "cache", layer=1, quiet=True)
+    back = import_saelens(cache, tmp_path / "back", quiet=True)
+    assert cli_main(["info", str(back)]) == 0
+    made = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("made with"))
+    assert "None" not in made and f"imported from a SAELens activation cache ({cache})" in made, made
+    assert cli_main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    made = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("made with"))
+    assert "None" not in made and "written directly (no extraction)" in made, made
+
+
+def test_export_takes_a_negative_layer_as_every_other_command_does(tmp_path, source):
+    """issue 37, item 8: `export-saelens --layer -1` is the last stored layer, as `--layers -1` is elsewhere."""
+    path, src = source
+    assert cli_main(["export-saelens", str(path), "--out", str(tmp_path / "c"), "--layer", "-1", "--quiet"]) == 0
+    _, batches = read_cache(tmp_path / "c")
+    assert batches[0].schema.names[0] == "blocks.1.hook_resid_post"
+    acts = np.array(pa.Table.from_batches(batches).column(0).to_pylist(), dtype=np.float32)
+    np.testing.assert_array_equal(acts, windows(src, 1))
+
+
+def test_export_packs_every_stored_token_into_windows_by_default(tmp_path, rng, capsys):
+    """issue 37, item 4: prompts of many lengths exported 1 prompt of 48 (those of the longest length) and exited 0.
+    By default the tokens are packed in index order, as SAELens' own caching does: all but the last partial window."""
+    src = write_dataset(tmp_path / "ds", rng, n=48, layers=(2,), dim=4, storage="full_sequence", min_tokens=3,
+                        max_tokens=20, token_ids=True)
+    total = int(src["n_tok"].sum())
+    T = int(src["n_tok"].max())
+    out = export_saelens(tmp_path / "ds", tmp_path / "c", shard_bytes=4 * T * 4 * 3)  # several data files
+    state, batches = read_cache(out)
+    assert len(state["_data_files"]) > 1
+    table = pa.Table.from_batches(batches)
+    n = total // T
+    assert table.num_rows == n and n * T > total - T  # every token but the last partial window's
+    acts = np.array(table.column("blocks.2.hook_resid_post").to_pylist(), dtype=np.float32)
+    np.testing.assert_array_equal(acts.reshape(-1, 4), src["hidden"][2][: n * T])  # the stream, in index order
+    ids = np.concatenate([np.arange(k) for k in src["n_tok"]])  # write_dataset's token j has id j
+    np.testing.assert_array_equal(np.array(table.column("token_ids").to_pylist()).reshape(-1), ids[: n * T])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"wrote {n} windows x {T} tokens x 4 dims of blocks.2.hook_resid_post to {out}: the "
+                          f"{total:,} stored tokens of 48 prompts packed in index order (the last {total - n * T} "
+                          "left out; --windows exact keeps whole prompts of one length instead)"), err
+    back = lmprobe.load(import_saelens(out, tmp_path / "back", quiet=True))
+    assert back.num_prompts == n and int(back.token_lengths().sum()) == n * T

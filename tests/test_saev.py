@@ -292,3 +292,38 @@ def test_saev_batches_use_the_training_reader_ranks_and_all(tmp_path, source):
     got = np.concatenate(shares)
     np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(want, axis=0))
     assert min(len(s) for s in shares) > 0
+
+
+def test_a_saev_dataset_shows_what_it_holds(tmp_path, source):
+    path, _ = source
+    folder = export_saev(path, tmp_path / "dump", context_len=5, quiet=True)
+    text = repr(SaevDataset(folder))
+    assert text == (f"<lmprobe SaevDataset {folder}: {len(SaevDataset(folder))} examples x 5 tokens, layers [1, 4], "
+                    "d_model 6, float32>"), text
+
+
+def test_info_and_validate_describe_a_saev_export_and_point_from_its_dump_folder(tmp_path, source, capsys):
+    """issue 37, item 11: `info` refused saev folders; `validate DUMP_TO` (export-saev's --out) did not point at
+    the export inside it."""
+    path, _ = source
+    folder = export_saev(path, tmp_path / "dump", context_len=5, quiet=True)
+    assert cli_main(["info", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"saev export {folder} (protocol 2.0)"
+    assert f"examples     {len(SaevDataset(folder)):,} x 5 tokens" in out and "layers       [1, 4]" in out
+    assert "d_model      6, float32" in out
+    for command in ("info", "validate"):
+        assert cli_main([command, str(tmp_path / "dump")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"lmprobe {command}: error: {tmp_path / 'dump'} is the --out of `lmprobe export-saev`, not a "
+                       f"dataset; the export it holds is {folder}: `lmprobe {command} {folder}`"), err
+
+
+def test_export_into_a_log_writes_lines_not_bars(tmp_path, source, capsys, monkeypatch):
+    """issue 37, item 13: the export commands drew bars when stderr was not a terminal."""
+    monkeypatch.setenv("LMPROBE_PROGRESS_INTERVAL", "0")
+    path, _ = source
+    assert cli_main(["export-saev", str(path), "--out", str(tmp_path / "dump"), "--context-len", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err, err
+    assert any(x.startswith("export-saev: ") and "examples" in x for x in err.splitlines()), err

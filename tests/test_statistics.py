@@ -61,7 +61,7 @@ def test_extraction_records_statistics_by_default(llama_dir, tmp_path):
                          batch_size=3, quiet=True)
     stored = np.concatenate([ds.token_hidden(i, 3) for i in range(ds.num_prompts)])
     _check(ds.statistics(3), _numpy_stats(stored))
-    with pytest.raises(KeyError, match="layers \\[1, 3\\]"):
+    with pytest.raises(KeyError, match="layer 0 is not stored in this dataset; stored layers: \\[1, 3\\]"):
         ds.statistics(0)
     off = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "off", layers="1", statistics=False, quiet=True)
     with pytest.raises(ValueError, match="no statistics"):

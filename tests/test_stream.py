@@ -7,7 +7,7 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import write_dataset
+from conftest import ROOT, write_dataset
 
 import lmprobe
 from lmprobe.errors import InvalidArgumentError
@@ -207,7 +207,7 @@ def test_the_train_sae_example_runs_end_to_end(tmp_path):
     import sys
 
     r = subprocess.run([sys.executable, "examples/train_sae.py", "--out", str(tmp_path), "--epochs", "3"],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)  # as the docs run it
     assert r.returncode == 0, r.stderr[-2000:]
     assert "epoch   2: FVU" in r.stdout and r.stdout.count("top 5 features for prompt") == 3
     first, last = (float(line.split("FVU ")[1].split()[0]) for line in r.stdout.splitlines() if "FVU" in line)
@@ -302,3 +302,24 @@ def test_world_size_zero_is_refused(tmp_path):
     ds = _sorted_dataset(tmp_path / "ds", n=300)
     with pytest.raises(InvalidArgumentError, match="world_size"):
         ShardStream(ds, 0, 50, rank=0, world_size=0)
+
+
+def test_skip_special_tokens_finds_the_embedded_tokenizer_offline(tmp_path, monkeypatch):
+    """issue 37, item 2: `skip_special_tokens=True` on an lmprobe-tiny dataset asked the Hub for `lmprobe-tiny`
+    (retries, ~47 s offline, then an error) while `report` and `ds.prompt()` found the embedded tokenizer."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from lmprobe.tokenizer import resolve_tokenizer
+
+    ds = lmprobe.extract("lmprobe-tiny", ["The cat sat on the mat.", "A dog ran."], out=tmp_path / "ds", layers="-1",
+                         storage="full_sequence", token_ids=True, quiet=True)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request would fail
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "get_session", lambda *a, **k: calls.append(a) or 1 / 0)
+    special = set(resolve_tokenizer("lmprobe-tiny").all_special_ids)
+    ids = [t for row in ds.index["token_ids"] for t in row]
+    assert special & set(ids)  # the tokenizer adds BOS: something to skip
+    stream = ShardStream(ds, -1, 4, shuffle=False, skip_special_tokens=True)
+    assert len(stream) == sum(t not in special for t in ids) < len(ids)
+    assert sum(len(b) for b in stream) == len(stream) and not calls

@@ -51,14 +51,14 @@ def _alone(model_dir: Path, block_path: str, causal: bool, policy):
         got: dict = {}
         handles = []
         for i, b in enumerate(blocks):
-            def pre(_m, a, k, i=i):
+            def pre(_m, a, k, i=i, got=got):
                 got.setdefault(("in", i), (a[0] if a else k["hidden_states"]).detach().clone())
-            def post(_m, _a, o, i=i):
+            def post(_m, _a, o, i=i, got=got):
                 got.setdefault(("out", i), (o[0] if isinstance(o, (tuple, list)) else o).detach().clone())
             handles += [b.register_forward_pre_hook(pre, with_kwargs=True), b.register_forward_hook(post)]
             for name, m in b.named_modules():  # every norm inside the block: what post-norm blocks normalise
                 if name and "norm" in type(m).__name__.lower():
-                    def norm_io(_m, a, o, key=(i, name)):
+                    def norm_io(_m, a, o, key=(i, name), got=got):
                         got.setdefault(("norm", key), (a[0].detach().clone(), o.detach().clone()))
                     handles.append(m.register_forward_hook(norm_io))
         kwargs = {"use_cache": False} if policy.use_cache else {}
@@ -108,7 +108,7 @@ def check(model_type: str, model_dir: Path, work: Path) -> Row:
     real_load = model_mod.load_model
     model_mod.load_model = _no_load
     try:
-        for hp, why in row.refused.items():
+        for hp in row.refused:
             layer = next(i for i in range(arch.num_layers) if i not in row.layers[hp])
             try:
                 lmprobe.extract(str(model_dir), PROMPTS, out=work / f"refused-{hp}", layers=[layer], hookpoints=[hp],

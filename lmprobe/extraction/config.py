@@ -12,11 +12,22 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from ..errors import ExtractionError
-from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, STORAGES
+from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, RUN_SETTINGS, STORAGES
 from ..units import parse_count, parse_size
 from .hookpoints import parse_hookpoints
 
 BACKENDS = ("transformers", "nnsight")
+#: recorded settings that change no stored value beyond float rounding: an output made under other values of
+#: these is the same extraction, and a partial one resumes (a smaller batch after an out-of-memory error)
+RESUMABLE_SETTINGS = RUN_SETTINGS
+
+
+def same_extraction(recorded: dict[str, Any], settings: dict[str, Any]) -> bool:
+    """Whether recorded extraction settings describe the same work as ``settings`` (RESUMABLE_SETTINGS aside)."""
+    def work(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.items() if k not in RESUMABLE_SETTINGS}
+
+    return work(recorded) == work(settings)
 
 
 @dataclass(frozen=True)
@@ -48,7 +59,7 @@ class ExtractionConfig:
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     """Stored dtype of the hidden states."""
     batch_size: int = 8
-    """Prompts per forward pass."""
+    """Prompts per forward pass. Changing it does not block a resume (each run is recorded in ``lmprobe:runs``)."""
     max_length: int | None = None
     """Longest prompt in tokens (default: the model's limit)."""
     truncate: Literal["left", "right"] | None = None

@@ -14,8 +14,6 @@ document ``d`` without parsing the records before it, and stores nothing twice.
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -170,29 +168,6 @@ def progress_after(batch: list[Window]) -> dict[str, int]:
     """Where the stream stands after ``batch``: the next window to run."""
     last = batch[-1]
     return {"document": last.document, "window": last.index + 1}
-
-
-class TokenProgress:
-    """A tqdm bar counting stored tokens (tokens/s; ETA against the budget), or None when quiet."""
-
-    def __init__(self, total: int | None, initial: int, quiet: bool):
-        self.bar = None
-        self.t0 = time.monotonic()
-        if quiet or not sys.stderr.isatty():
-            return
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, initial=initial, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True,
-                        smoothing=0.1)
-
-    def update(self, tokens: int, documents: int) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"document {documents:,}", refresh=False)
-            self.bar.update(tokens)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def describe_context(context_len: int, limit: int | None) -> None:

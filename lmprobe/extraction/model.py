@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from ..display import one_line
-from ..errors import ModelError
+from ..errors import LmprobeError, ModelError
 from ..format.values import torch_dtype
 from ..hashing import sha256_file
+from ..layers import parse_layers as parse_layer_spec
 from ..tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access
+
 
 def resolve_model_path(name: str) -> tuple[str, bool]:
     """(path or Hub id, is_local). Embedded names resolve to the model shipped inside lmprobe."""
@@ -97,44 +99,15 @@ def weights_revision(folder: Path) -> str:
 
 
 def parse_layers(spec: str | int | list[int] | None, num_layers: int) -> list[int]:
-    """Resolve ``all``, ``0,3,-1``, ``10:20`` (Python slice: 10..19) or a list to sorted layer indices.
+    """``lmprobe.layers.parse_layers`` against a model, its errors as ModelError (before the weights load).
 
     >>> parse_layers("0,2:4,-1", 12)
     [0, 2, 3, 11]
     """
-    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "all"):
-        return list(range(num_layers))
-    items: list[Any]
-    if isinstance(spec, int):
-        items = [spec]
-    elif isinstance(spec, str):
-        items = [s.strip() for s in spec.split(",") if s.strip()]
-    else:
-        items = list(spec)
-    if not items:
-        raise ModelError(f"no layers in {spec!r}; use 'all', a list like '0,3,-1' or a range like '10:20'")
-    out: set[int] = set()
-    for item in items:
-        if isinstance(item, str) and ":" in item:
-            try:
-                parts = [int(p) if p.strip() else None for p in item.split(":")]
-                if len(parts) > 3:
-                    raise ValueError
-                rng = range(num_layers)[slice(*parts)]
-            except ValueError:
-                raise ModelError(f"cannot read layer range {item!r}; write START:STOP like '10:20'") from None
-            if len(rng) == 0:
-                raise ModelError(f"layer range {item!r} is empty for a model with {num_layers} layers")
-            out.update(rng)
-            continue
-        try:
-            i = int(item)
-        except (TypeError, ValueError):
-            raise ModelError(f"cannot read layer {item!r}; use integers, ranges like '10:20' or 'all'") from None
-        if not -num_layers <= i < num_layers:
-            raise ModelError(f"layer {i} does not exist: the model has {num_layers} layers (0..{num_layers - 1}, or -1..-{num_layers})")
-        out.add(i % num_layers)
-    return sorted(out)
+    try:
+        return parse_layer_spec(spec, num_layers)
+    except LmprobeError as exc:
+        raise ModelError(str(exc)) from None
 
 
 def forward_takes(model: Any, name: str, *, via_kwargs: bool = True) -> bool:

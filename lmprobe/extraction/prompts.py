@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import PromptError
 from ..format.spec import RESERVED_COLUMNS
 from ..format.values import infer_column_type, is_null
+from ..progress import logger
 from .sources import PRETOKENIZED_COLUMN, Record, Source, open_source
 
 
@@ -68,12 +69,18 @@ def _from_records(records: list[Record], source: str, text_column: str, label_co
                 names.append(k)
     pretokenized = PRETOKENIZED_COLUMN in names
     if text_column not in names and not pretokenized:
-        raise PromptError(
-            f"{source}: no {text_column!r} column (columns: {names}); pass --text-column NAME to choose the text column"
-        )
+        close = _other_case(text_column, names)
+        raise PromptError(f"{source}: no {text_column!r} column (columns: {names}); "
+                          + (f"did you mean --text-column {close}?" if close else
+                             "pass --text-column NAME to choose the text column"))
     if label_column is not None and label_column not in names:
+        close = _other_case(label_column, names)
         if label_required:
-            raise PromptError(f"{source}: no label column {label_column!r} (columns: {names})")
+            raise PromptError(f"{source}: no label column {label_column!r} (columns: {names})"
+                              + (f"; did you mean --label-column {close}?" if close else ""))
+        if close is not None:  # said even with --quiet: it is about what the dataset will hold
+            logger.warning(f"note: {source} has a column {close!r} but no {label_column!r}: it is stored as an "
+                           f"ordinary column, not as the labels; pass --label-column {close} to use it as the labels")
         label_column = None
     input_ids = [check_token_ids(r.values.get(PRETOKENIZED_COLUMN), r) for r in records] if pretokenized else None
     texts = [record_text(r, text_column, required=not pretokenized) for r in records]
@@ -100,6 +107,12 @@ def _from_records(records: list[Record], source: str, text_column: str, label_co
             raise PromptError(f"{source}: {exc}") from None
         columns[name] = [None if is_null(v) else v for v in values]
     return Prompts(texts, labels, label_type, columns, types, source, input_ids, [r.at for r in records])
+
+
+def _other_case(name: str, names: list[str]) -> str | None:
+    """The column that differs from ``name`` only in case (``Label`` for ``label``), if exactly one does."""
+    found = [n for n in names if n != name and n.lower() == name.lower()]
+    return found[0] if len(found) == 1 else None
 
 
 def record_text(r: Record, text_column: str, *, required: bool = True) -> str:

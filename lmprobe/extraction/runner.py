@@ -9,8 +9,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,15 +26,15 @@ from ..format.values import torch_dtype
 from ..format.writer import DatasetWriter
 from ..opening import open_object_store
 from ..paths import check_output_path
+from ..progress import Progress, logger, on_terminal
 from ..storage.objectstore import UploadSink, cache_dir, is_object_store_url
-from ..units import format_size
+from ..units import format_size, plural
 from ..worker import BackgroundWorker
 from .backend_hf import TransformersBackend
 from .backend_nnsight import build_backend, check_api_key, nnsight_version, require_nnsight
-from .config import ExtractionConfig
+from .config import RESUMABLE_SETTINGS, ExtractionConfig, same_extraction
 from .corpus import (
     CorpusPlan,
-    TokenProgress,
     batches,
     check_first_record,
     pad,
@@ -75,6 +73,7 @@ class _Job:
     corpus: CorpusPlan | None = None  # corpus mode: the source and its windows
     captures: list[Capture] = field(default_factory=list)  # what to read in each block
     model: Any = None  # the loaded model, when examining the model needed it before the writer opened
+    cut: np.ndarray | None = None  # prompt mode with --truncate: tokens cut from each prompt (0: none)
     arch: Architecture | None = None  # the model's blocks, hookpoints and inputs (examine.py)
 
     @property
@@ -162,10 +161,14 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
                 "--truncate right (keep the start), or a larger --max-length, or --context-len to cut long "
                 "documents into windows"
             )
+    cut = None  # with --truncate: how many tokens each prompt loses (recorded per prompt)
+    if cfg.truncate:
+        cut = np.maximum(lengths - limit, 0) if limit is not None else np.zeros(len(lengths), np.int64)
+    if limit is not None:
         lengths = np.minimum(lengths, limit)
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=p.fingerprint(),
                             num_prompts=len(p), layers=layer_list, max_length=limit)
-    return _Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model, arch=arch)
+    return _Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model, cut=cut, arch=arch)
 
 
 #: architectures examined on a miniature in this process, by config and tokenizer padding (examining is
@@ -215,7 +218,7 @@ def _examine_model(cfg: ExtractionConfig, spec: ModelSpec, tok: Any, dev: str) -
             del mini
     if cfg.backend == "nnsight" and cfg.remote is True:
         raise ModelError(f"cannot check this architecture without its weights here ({why}); run with --remote local")
-    model, _ = load_model(spec, device=dev, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)
+    model, _ = load_model(spec, device=dev, compute_dtype=cfg.compute_dtype, quiet=_no_bars(cfg))
     low = next(model.parameters()).dtype.itemsize < 4
     try:
         arch = examine(model, pad_token_id=tok.pad_token_id, padding_side=tok.padding_side,
@@ -242,7 +245,7 @@ def _plan_captures(cfg: ExtractionConfig, spec: ModelSpec, arch: Architecture, l
                                           trust_remote_code=spec.trust_remote_code), arch.block_path, sites)
         except Exception:  # an architecture that cannot run on meta: measure the real one
             if model is None:
-                model, _ = load_model(spec, device=dev, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)
+                model, _ = load_model(spec, device=dev, compute_dtype=cfg.compute_dtype, quiet=_no_bars(cfg))
             widths = site_widths(model, arch.block_path, sites)
     return plan_captures(arch, cfg.hookpoints, layers, hidden_size=spec.hidden_size, widths=widths), model
 
@@ -275,13 +278,21 @@ def _prepare_corpus(cfg: ExtractionConfig, source: Any, spec: ModelSpec, tok: An
     dropped = check_first_record(source, cfg.text_column, vocab, label_column=cfg.label_column,
                                  windows_asked=cfg.context_len is not None)
     if dropped:  # said even with --quiet: it is about what the dataset will not hold
-        print(f"note: corpus extraction stores windows of documents; the source's other columns "
-              f"({', '.join(repr(c) for c in dropped)}) are not stored: join them on each row's `document` column",
-              file=sys.stderr)
+        logger.warning(f"note: corpus extraction stores windows of documents; the source's other columns "
+                       f"({', '.join(repr(c) for c in dropped)}) are not stored: join them on each row's `document` "
+                       "column")
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, layers=layer_list,
                             max_length=context_len, source=source.identity())
     plan = CorpusPlan(source, affixes, context_len, cfg.max_tokens, vocab)
     return _Job(cfg, None, spec, tok, None, settings, dev, corpus=plan)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an extraction did: the dataset, opened, and whether this run wrote it."""
+
+    dataset: Dataset
+    wrote: bool  # False: the output already held this extraction, and nothing was done
 
 
 def run(cfg: ExtractionConfig) -> Dataset:
@@ -290,6 +301,11 @@ def run(cfg: ExtractionConfig) -> Dataset:
     Re-running the same extraction after an interruption continues where it stopped; a different
     configuration against a partial output is an error unless ``overwrite`` is set.
     """
+    return execute(cfg).dataset
+
+
+def execute(cfg: ExtractionConfig) -> Outcome:
+    """``run``, also saying whether anything was written (the command line's last line depends on it)."""
     remote = is_object_store_url(cfg.out)
     if not remote:
         check_output_path(cfg.out, "output folder")  # before the tokenizer and the weights load
@@ -297,18 +313,51 @@ def run(cfg: ExtractionConfig) -> Dataset:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if remote and world > 1:
         raise ExtractionError("multi-process extraction writes to a local folder; push or copy it afterwards")
+    done = _finished(job, remote)
+    if done is not None:
+        if not cfg.quiet and int(os.environ.get("RANK", "0")) == 0:
+            logger.info(f"{cfg.out} already holds this extraction ({rows_text(done, corpus=cfg.corpus)}, "
+                        f"{done.storage}, {done.dtype}); nothing to do")
+        return Outcome(done, wrote=False)
     try:
         if remote:
-            return _extract_to_object_store(job, str(cfg.out))
+            return Outcome(_extract_to_object_store(job, str(cfg.out)), wrote=True)
         if world > 1:
-            return _extract_distributed(job, Path(cfg.out))
-        return _extract_to(job, Path(cfg.out))
+            return Outcome(_extract_distributed(job, Path(cfg.out)), wrote=True)
+        return Outcome(_extract_to(job, Path(cfg.out)), wrote=True)
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise
         where = cache_dir(str(cfg.out), "outputs") if remote else cfg.out
         raise OutOfSpaceError(f"the disk holding {where} is full ({exc.strerror}); free some space and run the same "
                               "command again: it resumes from its last checkpoint") from exc
+
+
+def rows_text(ds: Dataset, *, corpus: bool) -> str:
+    """What a dataset holds, for the last line: ``48 prompts x 6 layers x 128 dims``."""
+    rows = plural(ds.num_prompts, "prompt")
+    if corpus:
+        rows = f"{plural(ds.num_prompts, 'window')} ({plural(int(ds.column('num_tokens').sum()), 'token')})"
+    hps = "" if ds.hookpoints == ["resid_post"] else \
+        f" x {plural(len(ds.hookpoints), 'hookpoint')} ({', '.join(ds.hookpoints)})"
+    return f"{rows} x {plural(len(ds.layers), 'layer')}{hps} x {ds.dim} dims"
+
+
+def _finished(job: _Job, remote: bool) -> Dataset | None:
+    """The output, when it already holds this extraction (finished, with the same settings); else None."""
+    cfg = job.config
+    if cfg.overwrite:
+        return None
+    if remote:
+        try:
+            ds = open_object_store(str(cfg.out))
+        except DatasetNotFoundError:
+            return None
+    elif (Path(cfg.out) / INDEX_PATH).exists():
+        ds = open_local(cfg.out)
+    else:
+        return None
+    return ds if same_extraction(_recorded_settings(ds), job.settings) else None
 
 
 def _recorded_settings(ds: Dataset) -> dict:
@@ -338,9 +387,7 @@ def _extract_to_object_store(job: _Job, url: str) -> Dataset:
         except DatasetNotFoundError:
             ds = None
         if ds is not None:
-            if _recorded_settings(ds) == job.settings:
-                if not cfg.quiet:
-                    print(f"{url} already holds this extraction; nothing to do", file=sys.stderr)
+            if same_extraction(_recorded_settings(ds), job.settings):
                 return ds
             raise OutputExistsError(f"{url} already holds a dataset made with other settings; pass --overwrite")
     local = cache_dir(url, "outputs")
@@ -366,7 +413,7 @@ def _extract_to_object_store(job: _Job, url: str) -> Dataset:
             sink.put(rel)
     shutil.rmtree(local)  # everything is in the bucket now
     if not cfg.quiet:
-        print(f"uploaded the dataset to {url}", file=sys.stderr)
+        logger.info(f"uploaded the dataset to {url}")
     return open_object_store(url)
 
 
@@ -374,9 +421,7 @@ def _extract_to(job: _Job, out: Path, *, on_file_complete: Any = None, reopen: b
     cfg, settings = job.config, job.settings
     if (out / INDEX_PATH).exists() and not cfg.overwrite:
         ds = open_local(out)
-        if _recorded_settings(ds) == settings:
-            if not cfg.quiet:
-                print(f"{out} already holds this extraction; nothing to do", file=sys.stderr)
+        if same_extraction(_recorded_settings(ds), settings):
             return ds
         raise OutputExistsError(
             f"{out} already holds a dataset made with other settings "
@@ -402,15 +447,18 @@ def _extract_to(job: _Job, out: Path, *, on_file_complete: Any = None, reopen: b
         provenance=_provenance(cfg),
         metadata={"extraction": {"settings": settings, "architecture": _architecture_record(job)}},
         fingerprint=settings,
-        resumable=("max_tokens",) if job.corpus is not None else (),  # the budget only says when to stop
+        # the budget only says when to stop; a batch size changes no stored value beyond float rounding
+        resumable=RESUMABLE_SETTINGS + (("max_tokens",) if job.corpus is not None else ()),
         checksums=cfg.checksums,
         statistics=cfg.statistics,
         corpus=job.corpus is not None,
+        truncation=job.cut is not None,  # each prompt's cut tokens, in `truncated_tokens`
         hookpoints=cfg.hookpoints,
         hookpoint_dims=job.hookpoint_dims,
         overwrite=cfg.overwrite,
         checkpoint_interval=cfg.checkpoint_interval,
         on_file_complete=on_file_complete,
+        run={"batch_size": cfg.batch_size, "device": job.device, "checkpoint_interval": cfg.checkpoint_interval},
     )
     try:
         _announce(job, writer, out, local=on_file_complete is None)
@@ -440,7 +488,7 @@ def _extract_distributed(job: _Job, out: Path) -> Dataset:
     if job.device.startswith("cuda") and torch.cuda.device_count() > 1:
         job.device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % torch.cuda.device_count()}"
     done = (out / INDEX_PATH).exists() and not cfg.overwrite
-    if done and _recorded_settings(open_local(out)) != job.settings:
+    if done and not same_extraction(_recorded_settings(open_local(out)), job.settings):
         raise OutputExistsError(f"{out} already holds a dataset made with other settings; pass --overwrite")
     if not done:
         n = len(p)
@@ -451,7 +499,8 @@ def _extract_distributed(job: _Job, out: Path) -> Dataset:
         parts_dir = out / ".lmprobe-parts"
         part_cfg = dataclasses.replace(cfg, quiet=cfg.quiet or rank != 0)
         part_job = _Job(part_cfg, part, job.spec, job.tokenizer, job.lengths[lo:hi], part_settings, job.device,
-                        captures=job.captures, model=job.model, arch=job.arch)
+                        captures=job.captures, model=job.model, cut=job.cut[lo:hi] if job.cut is not None else None,
+                        arch=job.arch)
         _extract_to(part_job, parts_dir / f"part-{rank:05d}", reopen=False)
         dist.barrier()
         if rank == 0:
@@ -488,11 +537,11 @@ def _build_backend(job: _Job) -> Any:
     model, job.model = job.model, None  # loaded early to locate the hookpoints, or loaded now
     if cfg.backend == "nnsight":
         if model is None and cfg.remote is not True:
-            model = load_model(job.spec, device=job.device, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)[0]
+            model = load_model(job.spec, device=job.device, compute_dtype=cfg.compute_dtype, quiet=_no_bars(cfg))[0]
         return build_backend(job.spec, model, job.tokenizer, block_path=job.arch.block_path, inputs=job.arch.inputs,
                              remote=cfg.remote)
     if model is None:
-        model, _commit = load_model(job.spec, device=job.device, compute_dtype=cfg.compute_dtype, quiet=cfg.quiet)
+        model, _commit = load_model(job.spec, device=job.device, compute_dtype=cfg.compute_dtype, quiet=_no_bars(cfg))
     blocks = get_module(model, job.arch.block_path)
     return TransformersBackend(model, blocks, causal_lm=job.spec.causal_lm, inputs=job.arch.inputs)
 
@@ -514,7 +563,7 @@ def _run(writer: DatasetWriter, job: _Job) -> None:
     encoder = Encoder(tok, chat_template=cfg.chat_template, drop_special_tokens=cfg.drop_special_tokens,
                       max_length=job.settings["max_length"], truncate=cfg.truncate)
     bg = BackgroundWorker(lambda item: writer.add_batch(**item), max_pending=1, name="lmprobe-writer")
-    bar = _progress(n, done, cfg.quiet)
+    bar = Progress(n, initial=done, desc="extract", unit="prompt", quiet=cfg.quiet, tokens=True)
     try:
         _loop(bg, backend, encoder, job, order, done, bar)
     except BaseException:
@@ -525,20 +574,18 @@ def _run(writer: DatasetWriter, job: _Job) -> None:
             writer.checkpoint()
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     bg.finish()
 
 
 def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: _Job, order: np.ndarray, done: int,
-          bar: Any) -> None:
+          bar: Progress) -> None:
     import torch
 
     cfg, p = job.config, job.prompts
     out_dtype = torch_dtype(cfg.dtype)
     layers = job.settings["layers"]
     bs = cfg.batch_size
-    t0, tokens = time.monotonic(), 0
     trim = HeapTrimmer()  # after the model loaded
     with torch.inference_mode():
         for s in range(done, len(order), bs):
@@ -555,14 +602,13 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: _Job, order
                 item["labels"] = [p.labels[i] for i in idx]
             if p.columns:
                 item["columns"] = {c: [v[i] for i in idx] for c, v in p.columns.items()}
+            if job.cut is not None:
+                item["truncated_tokens"] = job.cut[idx]
             bg.submit(item)
             n_tokens = int(res.num_tokens.sum())
             del item, res  # the writer owns the batch now; free it while the next one computes
             trim()
-            tokens += n_tokens
-            if bar is not None:
-                bar.set_postfix_str(f"{tokens / max(time.monotonic() - t0, 1e-9):,.0f} tok/s", refresh=False)
-                bar.update(len(idx))
+            bar.update(len(idx), tokens=n_tokens)
 
 
 def _batch_item(job: _Job, texts: list[str], res: Any) -> dict[str, Any]:
@@ -605,7 +651,7 @@ def _run_corpus(writer: DatasetWriter, job: _Job) -> None:
     layers = job.settings["layers"]
     left = tok.padding_side == "left"
     bg = BackgroundWorker(lambda item: writer.add_batch(**item), max_pending=1, name="lmprobe-writer")
-    bar = TokenProgress(plan.max_tokens, writer.num_tokens, cfg.quiet)
+    bar = Progress(plan.max_tokens, initial=writer.num_tokens, desc="extract", unit="tok", quiet=cfg.quiet)
     trim = HeapTrimmer()
     try:
         with torch.inference_mode():
@@ -619,7 +665,7 @@ def _run_corpus(writer: DatasetWriter, job: _Job) -> None:
                 item["window_start"] = [w.start for w in batch]
                 item["progress"] = progress_after(batch)
                 bg.submit(item)
-                bar.update(int(res.num_tokens.sum()), batch[-1].document + 1)
+                bar.update(int(res.num_tokens.sum()), note=f"document {batch[-1].document + 1:,}")
                 del item, res
                 trim()
     except BaseException:
@@ -668,7 +714,7 @@ def _announce(job: _Job, writer: DatasetWriter, out: Path, *, local: bool) -> No
     if not cfg.quiet:
         size = "size unknown (no --max-tokens)" if planned is None else f"about {format_size(planned)}"
         resumed = f", resuming after {writer.num_prompts:,} rows" if writer.num_prompts else ""
-        print(f"lmprobe: writing {what}: {size}{resumed}", file=sys.stderr)
+        logger.info(f"lmprobe: writing {what}: {size}{resumed}")
     if planned is None or not cfg.space_check:
         return
     if not local and cfg.storage == "pooled":  # shards go to the bucket as they close
@@ -680,10 +726,6 @@ def _announce(job: _Job, writer: DatasetWriter, out: Path, *, local: bool) -> No
             "some space, choose another --out, or pass --no-space-check to start anyway")
 
 
-def _progress(total: int, initial: int, quiet: bool):
-    """A tqdm bar (prompts/s, ETA; tokens/s in the postfix), or None when quiet or not on a terminal."""
-    if quiet or not sys.stderr.isatty():
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, unit="prompt", desc="extract", dynamic_ncols=True, smoothing=0.1)
+def _no_bars(cfg: ExtractionConfig) -> bool:
+    """transformers' own bars ("Loading weights") only on a terminal: in a log file they are escape codes."""
+    return cfg.quiet or not on_terminal()

@@ -38,7 +38,8 @@ def check_batch(spec: DatasetSpec, base: int, *, texts: Sequence[str], hidden: M
                 token_ids: Sequence[Sequence[int]] | None = None, token_strings: Sequence[Sequence[str]] | None = None,
                 token_perplexity: Sequence[Sequence[float]] | None = None,
                 positions: Sequence[int] | None = None, document: Sequence[int] | None = None,
-                window_start: Sequence[int] | None = None) -> CheckedBatch:
+                window_start: Sequence[int] | None = None,
+                truncated_tokens: Sequence[int] | None = None) -> CheckedBatch:
     """Check a batch whose first prompt becomes row ``base``; raise naming the row and what to fix."""
     b = len(texts)
     counts = np.asarray(num_tokens, dtype=np.int64)
@@ -59,6 +60,7 @@ def check_batch(spec: DatasetSpec, base: int, *, texts: Sequence[str], hidden: M
     out_columns = _check_format_columns(spec, b, base, counts, perplexity_mean, perplexity_min, perplexity_max,
                                         token_ids, token_strings, token_perplexity)
     out_columns.update(_check_corpus_columns(spec, b, document, window_start))
+    out_columns.update(_check_truncation(spec, b, truncated_tokens))
     out_columns.update(_check_user_columns(spec, columns, b, base))
     return CheckedBatch(
         texts=list(texts),
@@ -85,6 +87,19 @@ def _check_corpus_columns(spec: DatasetSpec, b: int, document: Any, window_start
             raise InvalidArgumentError(f"{name} must hold {b} non-negative integers")
         out[name] = a.astype(np.int64)
     return out
+
+
+def _check_truncation(spec: DatasetSpec, b: int, truncated_tokens: Any) -> dict[str, Any]:
+    if not spec.truncation:
+        if truncated_tokens is not None:
+            raise InvalidArgumentError("truncated_tokens was given but the writer was created with truncation=False")
+        return {}
+    if truncated_tokens is None:
+        raise InvalidArgumentError("this dataset records truncation; pass truncated_tokens (0 for a prompt not cut)")
+    a = np.asarray(to_numpy(truncated_tokens))
+    if a.shape != (b,) or (b and (a.dtype.kind not in "iu" or a.min() < 0 or a.max() >= 2**31)):
+        raise InvalidArgumentError(f"truncated_tokens must hold {b} non-negative integers")
+    return {"truncated_tokens": a.astype(np.int32)}
 
 
 def _check_labels(spec: DatasetSpec, labels: Sequence[Any] | None, b: int, base: int) -> list:

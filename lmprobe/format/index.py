@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from ..atomic import atomic_output
 from ..errors import FormatError
-from .spec import CORPUS_COLUMNS, DatasetSpec
+from .spec import CORPUS_COLUMNS, TRUNCATION_COLUMNS, DatasetSpec
 from .values import COLUMN_TYPES
 
 #: Most rows in one row group of the index.
@@ -43,6 +43,8 @@ def staging_schema(spec: DatasetSpec) -> pa.Schema:
         fields += [("_seq_shard", pa.int32()), ("_seq_offset", pa.int64())]
     if spec.corpus:
         fields += list(CORPUS_COLUMNS.items())
+    if spec.truncation:
+        fields += list(TRUNCATION_COLUMNS.items())
     if spec.logits_k:
         fields += [("shard_index_logits", pa.int32()), ("row_offset_logits", pa.int32())]
     if spec.perplexity:

@@ -28,11 +28,11 @@ from . import card
 from .files import LocalFiles
 from .metadata import encode_schema_metadata
 from .reader import Dataset, open_local
-from .spec import CARD_PATH, INDEX_PATH
+from .spec import CARD_PATH, INDEX_PATH, RUN_SETTINGS
 from .statistics import RunningStats, write_statistics
 
-# extraction settings that may differ between parts of one job
-_PART_SETTINGS = {"prompts_sha256", "num_prompts", "part"}
+# extraction settings that may differ between parts of one job (the batch size: each part's runs record theirs)
+_PART_SETTINGS = {"prompts_sha256", "num_prompts", "part", *RUN_SETTINGS}
 
 #: what a merge in progress records in its output: the same command finds it and finishes the merge
 _MARKER = ".lmprobe-merge.json"
@@ -203,6 +203,13 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
         info["tensors"]["logits_topk"]["file_pattern"] = lg0.file_pattern
     info["num_prompts"] = int(sum(d.num_prompts for d in dss))
     info["merged_from"] = sources
+    # every part's runs, each at the row where its part's rows now start (part 0's alone would mislead)
+    starts = np.concatenate([[0], np.cumsum([d.num_prompts for d in dss])]).tolist()
+    runs = [{**r, "first_row": int(starts[k]) + r["first_row"]} for k, d in enumerate(dss)
+            for r in (d.info.get("runs") or []) if isinstance(r, dict) and isinstance(r.get("first_row"), int)]
+    info.pop("runs", None)
+    if runs:
+        info["runs"] = runs
     ext = info.get("extraction") or {}
     if settings is not None:
         info["extraction"] = {**ext, "settings": settings}

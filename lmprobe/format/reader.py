@@ -31,6 +31,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import DatasetNotFoundError, FormatError, LayerNotFoundError, ShardMissingError
+from ..layers import stored_layer
+from ..lock import writer_pid
 from ..paths import resolve_inside
 from ..safeio import check_regular
 from ..tokenizer import local_tokenizer
@@ -75,6 +77,10 @@ def find_index(root: Path) -> Path:
         hub = f" (a Hub dataset is hf://datasets/{root.as_posix()})" if re.fullmatch(r"[\w.-]+/[\w.-]+", str(root)) else ""
         raise DatasetNotFoundError(f"{root} does not exist{hub}")
     if (root / STAGING_DIR).exists():
+        pid = writer_pid(root)
+        if pid is not None:
+            raise DatasetNotFoundError(f"{root} is being written by process {pid} (no index yet); wait for that run "
+                                       "to finish")
         raise DatasetNotFoundError(
             f"{root} holds an unfinished dataset (no index yet); re-run the command that wrote it to resume"
         )
@@ -314,8 +320,9 @@ class Dataset:
         if n is None:  # lmprobe 0.10.3 left num_tokens null in pooled datasets
             n = int(self.token_lengths()[row])
         p = Prompt(row, value("text"), int(n), label=value("label"), token_ids=ids, tokens=strings,
-                   token_perplexity=lists.get("token_perplexity"), perplexity_mean=value("perplexity_mean"))
-        if self.meta.logits is not None:
+                   token_perplexity=lists.get("token_perplexity"), perplexity_mean=value("perplexity_mean"),
+                   noun="window" if "document" in self.schema.names else "prompt")
+        if self.meta.logits is not None and self.logits_here():  # not in a copy pulled with --no-logits
             values, indices = self.logits_topk([row])
             names = [tokenizer.decode([int(t)]) if tokenizer is not None else f"#{int(t)}" for t in indices[0]]
             p.topk = list(zip(names, [float(v) for v in values[0]], strict=True))
@@ -353,12 +360,9 @@ class Dataset:
         return arr
 
     def check_layer(self, layer: int, hookpoint: str | None = None) -> int:
-        """``layer`` as an int if the dataset stores it; else LayerNotFoundError naming the stored layers."""
-        h = self.hidden_desc(hookpoint)
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in h.layers:
-            raise LayerNotFoundError(f"layer {layer!r} is not stored in this dataset; stored layers: {h.layers}",
-                                     layer=layer, available=list(h.layers))
-        return int(layer)
+        """``layer`` as an int if the dataset stores it (negative: back from the last stored layer, as in
+        ``lmprobe extract --layers -1``); else LayerNotFoundError naming the stored layers."""
+        return stored_layer(layer, list(self.hidden_desc(hookpoint).layers))
 
     def column(self, name: str) -> np.ndarray:
         """A non-null integer column of the index as int64."""
@@ -393,6 +397,19 @@ class Dataset:
             return list(h.layers)
         return [layer for layer in h.layers if all(has(h.file(layer, s)) for s in range(len(h.shards)))]
 
+    def logits_here(self) -> bool:
+        """Whether the top-k logits' shards are in this copy (``lmprobe pull --no-logits`` leaves them out)."""
+        lg, has = self.meta.logits, getattr(self.files, "has", None)
+        return lg is not None and (has is None or all(has(lg.file(s)) for s in range(len(lg.shards))))
+
+    def default_layers(self, hookpoint: str | None = None) -> list[int]:
+        """The layers a command takes when none are named: every stored layer; in a copy that ``lmprobe pull
+        --layers`` made, the layers it holds (a folder that merely lacks files is not guessed around: reading
+        the missing layer says what is missing)."""
+        if getattr(self.files, "origin", None):
+            return self.layers_here(hookpoint)
+        return list(self.hidden_desc(hookpoint).layers)
+
     def _missing_hint(self, rel: str) -> str:
         """What to do about a missing file: for a layer's shard in a partial copy, the pull that fetches it."""
         descs = self.meta.hookpoints or {self._hidden_desc.hookpoint: self._hidden_desc}
@@ -408,6 +425,11 @@ class Dataset:
             held = f"layer {here[0]}" if len(here) == 1 else f"layers {', '.join(map(str, here))}"
             return (f"this copy holds {held} only, not layer {layer} ({rel} is not here): "
                     f"`lmprobe pull {repo} --layers {layer}{hps} --out {self.files}` fetches it")
+        lg = self.meta.logits
+        if lg is not None and getattr(self.files, "origin", None) and not self.logits_here() \
+                and rel in {lg.file(s) for s in range(len(lg.shards))}:
+            return (f"this copy was pulled without its top-k logits ({rel} is not here): `lmprobe pull "
+                    f"{self.files.origin} --out {self.files}` (without --no-logits) fetches them")
         return self.files.missing_hint(rel)
 
     def tensor(self, rel: str, key: str, dtype: str, row_shape: tuple[int, ...], min_rows: int) -> tuple[Path, TensorEntry]:
@@ -604,7 +626,7 @@ class Dataset:
     # ---------------------------------------------------------------- reading
 
     def hidden(self, layer: int, rows: RowsArg = None, *, as_torch: bool = False, hookpoint: str | None = None):
-        """Last-token hidden states of ``layer``: an (N, dim) array in index order.
+        """Last-token hidden states of ``layer`` (``-1``: the last stored layer): an (N, dim) array in index order.
 
         ``hookpoint`` picks another stored hookpoint (``ds.hookpoints``); default: what
         ``hidden_layers`` holds, the block outputs (resid_post) of a default extraction.
@@ -644,6 +666,7 @@ class Dataset:
         desc = self.meta.statistics
         if desc is None:
             raise FormatError("this dataset stores no statistics (extract with statistics on, the default)")
+        layer = self.check_layer(layer, hookpoint)
         if hookpoint is not None and hookpoint != self._hidden_desc.hookpoint:
             self.hidden_desc(hookpoint)  # stored at all?
             desc = desc.for_hookpoint(hookpoint)

@@ -121,13 +121,22 @@ CORPUS_COLUMNS: dict[str, pa.DataType] = {
     "document": pa.int64(),
     "window_start": pa.int64(),
 }
+#: recorded extraction settings that change no stored value beyond float rounding: outputs made under other
+#: values of these are the same work (a partial output resumes under them; parts made with them merge); each
+#: run's own values are kept in `lmprobe:runs`
+RUN_SETTINGS = ("batch_size",)
+#: prompts cut to --max-length (``--truncate left|right``): how many of each prompt's tokens the model did not see
+TRUNCATION_COLUMNS: dict[str, pa.DataType] = {
+    "truncated_tokens": pa.int32(),
+}
 TOKEN_COLUMNS: dict[str, pa.DataType] = {
     "token_ids": pa.list_(pa.int64()),
     "token_perplexity": pa.list_(pa.float64()),
     "token_strings": pa.list_(pa.string()),
 }
 RESERVED_COLUMNS = frozenset(
-    [*CORE_COLUMNS, *FULL_SEQUENCE_COLUMNS, *LOGITS_COLUMNS, *PERPLEXITY_COLUMNS, *TOKEN_COLUMNS, *CORPUS_COLUMNS]
+    [*CORE_COLUMNS, *FULL_SEQUENCE_COLUMNS, *LOGITS_COLUMNS, *PERPLEXITY_COLUMNS, *TOKEN_COLUMNS, *CORPUS_COLUMNS,
+     *TRUNCATION_COLUMNS]
 )
 #: Index columns with one entry per token: read lazily, by row group, never all at once.
 PER_TOKEN_COLUMNS = frozenset(["token_shard_ids", "token_shard_offsets", *TOKEN_COLUMNS])
@@ -165,6 +174,8 @@ class DatasetSpec:
     """Keep running per-layer statistics of every stored vector."""
     corpus: bool = False
     """Rows are windows cut from documents: the index has ``document`` and ``window_start`` columns."""
+    truncation: bool = False
+    """Prompts may have been cut to a length: the index has a ``truncated_tokens`` column (0: not cut)."""
     hookpoints: tuple[str, ...] = (DEFAULT_HOOKPOINT,)
     """Where in each block the stored vectors were read; the first (resid_post when present) is ``hidden_layers``."""
     hookpoint_dims: tuple[int, ...] = ()
@@ -284,6 +295,7 @@ class DatasetSpec:
             "statistics": self.statistics,
             # added later: present only when set, so that partial outputs of earlier versions still resume
             **({"corpus": True} if self.corpus else {}),
+            **({"truncation": True} if self.truncation else {}),
             **({"hookpoints": list(self.hookpoints)} if self.hookpoints != (DEFAULT_HOOKPOINT,) else {}),
             **({"hookpoint_dims": list(self.hookpoint_dims)} if self.hookpoint_dims else {}),
         }

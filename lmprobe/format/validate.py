@@ -15,6 +15,7 @@ from ..errors import FormatError, UnsafePathError, ValidationError
 from ..hashing import sha256_file
 from ..paths import resolve_inside
 from ..safeio import check_regular
+from .files import LocalFiles
 from .metadata import WRITER, DatasetInfo, decode_schema_metadata, parse_info
 from .reader import find_index
 from .safetensors_io import read_header
@@ -28,14 +29,42 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     checked_files: int = 0
     info: dict | None = None  # the decoded metadata, once it parsed
+    #: a copy ``lmprobe pull`` made of part of a dataset: the repo it came from, what it holds, what it left there
+    origin: str | None = None
+    held: dict[str, list[int]] = field(default_factory=dict)  # hookpoint -> layers whose shards are here
+    not_pulled: dict[str, list[int]] = field(default_factory=dict)  # hookpoint -> layers none of whose shards are
+    logits_not_pulled: bool = False
 
     @property
     def ok(self) -> bool:
         return not self.errors
 
+    @property
+    def partial(self) -> bool:
+        """A copy of some of a dataset's layers (or without its logits), as ``lmprobe pull`` makes."""
+        return any(self.not_pulled.values()) or self.logits_not_pulled
+
+    def partial_line(self) -> str:
+        """What a partial copy holds and lacks, and the pull that fetches the rest."""
+        multi = len(self.held) > 1
+
+        def named(hp: str, layers: list[int]) -> str:
+            return f"{hp + ' ' if multi else ''}{'layer' if len(layers) == 1 else 'layers'} {', '.join(map(str, layers))}"
+
+        held = "; ".join(f"{hp + ' ' if multi else ''}layers {ls}" for hp, ls in self.held.items())
+        lacking = [named(hp, ls) for hp, ls in self.not_pulled.items() if ls]
+        lacking += ["the logits"] if self.logits_not_pulled else []
+        wanted = sorted({x for ls in self.not_pulled.values() for x in ls})
+        how = (f"`lmprobe pull {self.origin or 'REPO'}" + (f" --layers {','.join(map(str, wanted))}" if wanted else "")
+               + f" --out {self.path}`")
+        return (f"partial copy of {self.origin or 'a Hub dataset'}: holds {held}; not pulled: {', '.join(lacking)} "
+                f"({how} fetches them)")
+
     def __str__(self) -> str:
         lines = [f"{self.path}: {'OK' if self.ok else 'INVALID'} ({self.checked_files} shard files checked, "
                  f"{len(self.errors)} error(s), {len(self.warnings)} warning(s))"]
+        if self.partial:
+            lines.append(f"  {self.partial_line()}")
         lines += [f"  error: {e}" for e in self.errors]
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -44,7 +73,6 @@ class Report:
         """Raise ValidationError listing every error, if there is any."""
         if self.errors:
             raise ValidationError(self.path, self.errors)
-
 
 
 def _int_col(table: pa.Table, name: str, rep: Report, *, expected: str = "int32") -> np.ndarray | None:
@@ -195,6 +223,8 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
         rep.errors.append(str(exc))
         return rep
     rep.info = raw
+    rep.origin = LocalFiles(root).origin  # a `lmprobe pull` copy may hold some layers only
+    present = _files_under(root)
     for key in ("model", "prompt_ordering", "provenance"):
         if key not in raw:
             rep.warnings.append(f"metadata key 'lmprobe:{key}' is missing")
@@ -245,13 +275,18 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
             rep.errors.append(f"hidden_layers.layout is {h.raw.get('layout')!r}; only 'per_layer' is defined")
         # a file not on disk costs a set lookup: metadata listing 100,000 layers is answered in seconds, and
         # past the first few, missing files are counted rather than listed one line each
-        present = _files_under(root)
+        pulled = _pulled_layers(info, present) if rep.origin else None
+        if pulled is not None:
+            rep.held = pulled
+            rep.not_pulled = {hp: [x for x in hd.layers if x not in pulled[hp]] for hp, hd in info.hookpoints.items()}
         unlisted = 0
-        for hd in info.hookpoints.values():  # hidden_layers, then every other hookpoint's descriptor
+        for hp, hd in info.hookpoints.items():  # hidden_layers, then every other hookpoint's descriptor
             for s in range(len(hd.shards)):
                 rows = hd.shard_rows(s)
                 files = hd.shards[s].get("files") or {}
                 for layer in hd.layers:
+                    if pulled is not None and layer not in pulled[hp]:
+                        continue  # left on the Hub by `lmprobe pull --layers`: listed, not an error
                     try:
                         rel = hd.file(layer, s)
                     except FormatError as exc:
@@ -277,6 +312,8 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
 
     # --- logits
     lg = info.logits
+    if lg is not None and rep.origin and not any(lg.file(i) in present for i in range(len(lg.shards))):
+        rep.logits_not_pulled, lg = True, None  # `lmprobe pull --no-logits`
     if lg is not None:
         if "shard_index_logits" in table.column_names or "row_offset_logits" in table.column_names or lg.shards:
             ls = _int_col(table, "shard_index_logits", rep)
@@ -350,6 +387,18 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
     if not (root / CARD_PATH).exists():
         rep.warnings.append("README.md (the dataset card) is missing")
     return rep
+
+
+def _pulled_layers(info: DatasetInfo, present: set[str]) -> dict[str, list[int]]:
+    """Per hookpoint, the layers of a pulled copy that it holds: those with any shard file here. The others
+    were left on the Hub (``lmprobe pull --layers``); a layer with some of its files here must have them all."""
+    def here(hd, layer: int) -> bool:
+        try:
+            return any(hd.file(layer, s) in present for s in range(len(hd.shards)))
+        except FormatError:
+            return True  # checked (and reported) with the files
+
+    return {hp: [layer for layer in hd.layers if here(hd, layer)] for hp, hd in info.hookpoints.items()}
 
 
 def _check_full_sequence(table: pa.Table, h, lengths, shard_index, row_offset, rep: Report) -> None:

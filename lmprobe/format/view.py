@@ -29,6 +29,8 @@ class Prompt:
     perplexity_mean: float | None = None
     topk: list[tuple[str, float]] = field(default_factory=list)
     """The top-k next-token predictions after the last token: (token, logit), best first."""
+    noun: str = "prompt"
+    """What a row is: ``prompt``, or ``window`` (a window of a document, in a corpus extraction)."""
 
     def token_strings(self) -> list[str]:
         if self.tokens is not None:
@@ -47,7 +49,7 @@ class Prompt:
                 if i < len(values) and p is not None and math.isfinite(p) and p > 0:
                     values[i] = math.log(p)
                     titles[i] = f"token {i}: perplexity {p:.4g}"
-        head = f"prompt {self.index}"
+        head = f"{self.noun} {self.index}"
         bits = [f"{self.num_tokens} tokens"]
         if self.label is not None:
             bits.append(f"label {esc(self.label)}")

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -122,12 +123,14 @@ class DatasetWriter:
         fsync: bool = False,
         statistics: bool = False,
         corpus: bool = False,
+        truncation: bool = False,
         hookpoints: Sequence[str] = (DEFAULT_HOOKPOINT,),
         hookpoint_dims: Sequence[int] = (),
         on_file_complete: Callable[[str], None] | None = None,
         resume: bool = True,
         overwrite: bool = False,
         checkpoint_interval: float = 30.0,
+        run: Mapping[str, Any] | None = None,
     ):
         # --- check the configuration before touching the disk
         try:
@@ -140,6 +143,7 @@ class DatasetWriter:
             label_type=label_type, columns={n: column_type_name(t) for n, t in (columns or {}).items()},
             perplexity=bool(perplexity), token_ids=bool(token_ids), token_strings=bool(token_strings),
             token_perplexity=bool(token_perplexity), statistics=bool(statistics), corpus=bool(corpus),
+            truncation=bool(truncation),
             hookpoints=tuple(hookpoints) if not isinstance(hookpoints, str) else (hookpoints,),
             hookpoint_dims=tuple(int(d) for d in hookpoint_dims),
             file_pattern=file_pattern,
@@ -158,6 +162,10 @@ class DatasetWriter:
         if fingerprint:
             self.fingerprint["caller"] = json.loads(json.dumps(dict(fingerprint), default=str))
         self.resumable = frozenset(resumable)
+        # what this run writes with (batch size, device, ...): an output resumed under other such settings lists
+        # every run, each with the first row it wrote, in `lmprobe:runs`
+        self._run = json.loads(json.dumps(dict(run), default=str)) if run else None
+        self.runs: list[dict[str, Any]] = []
 
         self.staging = Staging(self.out_dir, fsync=fsync)
         self._stats = ({slot: RunningStats.empty(spec.dim_of(hp)) for slot, (hp, _) in spec.sites.items()}
@@ -209,6 +217,11 @@ class DatasetWriter:
         except BaseException:
             self._release()
             raise
+        if self._run is not None:
+            if self.runs and self.runs[-1].get("first_row") == self.num_prompts:
+                self.runs.pop()  # the run before wrote nothing: this one replaces it
+            self.runs.append({"first_row": self.num_prompts, **self._run,
+                              "started_at": datetime.now(timezone.utc).isoformat()})
 
     def _release(self) -> None:
         # after close() every hash is recorded; after abort() the pending ones are not needed (a resume
@@ -305,6 +318,7 @@ class DatasetWriter:
         self.num_prompts = _count(st["num_prompts"])
         self.num_tokens = _count(st.get("num_tokens", 0))
         self.progress = _check_progress(st["progress"]) if st.get("progress") is not None else None
+        self.runs = _check_runs(st.get("runs", []))
         self._n_parts = _count(st["index_parts"])
         if st["phase"] not in ("writing", "finalizing"):
             raise ValueError(f"unknown phase {st['phase']!r}")
@@ -384,6 +398,7 @@ class DatasetWriter:
         positions: Sequence[int] | None = None,
         document: Sequence[int] | None = None,
         window_start: Sequence[int] | None = None,
+        truncated_tokens: Sequence[int] | None = None,
         progress: Mapping[str, int] | None = None,
         statistics: Mapping[Any, RunningStats] | None = None,
     ) -> None:
@@ -394,6 +409,7 @@ class DatasetWriter:
         and the positions of all batches must form 0..N-1. By default prompts keep arrival order.
 
         ``document``/``window_start``: where each row came from, for a writer made with ``corpus=True``.
+        ``truncated_tokens``: how many tokens of each prompt were cut off, for a writer made with ``truncation=True``.
         ``progress``: the caller's position in its source after this batch (small ints); a checkpoint
         records it with the rows, and a resumed writer gives it back as ``writer.progress``.
 
@@ -410,7 +426,7 @@ class DatasetWriter:
             columns=columns, logits_values=logits_values, logits_indices=logits_indices,
             perplexity_mean=perplexity_mean, perplexity_min=perplexity_min, perplexity_max=perplexity_max,
             token_ids=token_ids, token_strings=token_strings, token_perplexity=token_perplexity, positions=positions,
-            document=document, window_start=window_start,
+            document=document, window_start=window_start, truncated_tokens=truncated_tokens,
         )
         b = len(batch)
         if b == 0:
@@ -522,6 +538,7 @@ class DatasetWriter:
             "num_prompts": self.num_prompts,
             "num_tokens": self.num_tokens,
             "progress": self.progress,
+            "runs": self.runs,
             "index_parts": self._n_parts,
             "phase": self._phase,
             "created_at": self.provenance["created_at"],
@@ -622,6 +639,8 @@ class DatasetWriter:
         if self._logits is not None:
             tensors["logits_topk"] = build_logits_descriptor(self.spec, self._logits.closed)
         extra = dict(self.metadata)
+        if self.runs:
+            extra["runs"] = self.runs
         if self._stats:
             by_hp: dict[str, dict[int, RunningStats]] = {}
             for slot, st in self._stats.items():
@@ -646,6 +665,14 @@ def _check_progress(progress: Any) -> dict[str, int]:
     if not isinstance(progress, Mapping) or not all(isinstance(k, str) for k in progress):
         raise ValueError(f"progress must map names to counts, got {progress!r}")
     return {k: _count(v) for k, v in progress.items()}
+
+
+def _check_runs(runs: Any) -> list[dict[str, Any]]:
+    """A checkpoint's run records: a list of objects, each with the first row its run wrote."""
+    if not isinstance(runs, list) or not all(isinstance(r, dict) and isinstance(r.get("first_row"), int)
+                                             for r in runs):
+        raise ValueError(f"runs must be a list of records with a first_row, got {str(runs)[:80]}")
+    return runs
 
 
 def _count(v: Any) -> int:

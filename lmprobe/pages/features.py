@@ -38,6 +38,7 @@ from ..html import esc, filter_box, histogram_chart, page, percent, table, token
 from ..lock import OutputLock
 from ..opening import load
 from ..paths import check_output_path
+from ..progress import Progress
 from ..sae.activation import activate, describe
 from ..sae.loader import SAEConfig, dense_encoder, load_dictionary
 from ..safeio import read_json
@@ -296,10 +297,7 @@ def _compute(ds: Dataset, enc: _Encoder, settings: dict, out: Path, layer: int, 
     # a batch's scores (tokens x features float32) and its vectors fit the budget
     per_token = 4 * (n_features + W.shape[1]) * 5  # scores, activations, a top-k rule's int64 selection
     batch_tokens = max(1, budget // per_token)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=int(lengths.sum()), initial=int(lengths[:start].sum()), unit="tok", desc="features",
-               disable=quiet or not sys.stderr.isatty())
+    bar = Progress(int(lengths.sum()), initial=int(lengths[:start].sum()), desc="features", unit="tok", quiet=quiet)
     since = 0
     p = start
     try:

@@ -18,15 +18,15 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write
-from ..display import one_line
-from ..errors import FormatError, InvalidArgumentError, ModelError
-from ..extraction.model import resolve_model_path
+from ..errors import FormatError, InvalidArgumentError
 from ..format.reader import Dataset
 from ..html import bar_chart, esc, line_chart, page, table
 from ..opening import load
 from ..paths import check_output_path
 from ..probe import sweep
-from ..tokenizer import hub_access
+from ..summary import is_corpus
+from ..tokenizer import resolve_tokenizer
+from ..units import plural
 
 __all__ = ["load_tokenizer_for", "report"]
 
@@ -36,30 +36,12 @@ _MAX_POSITIONS = 256
 
 
 def load_tokenizer_for(ds: Dataset, tokenizer: str | None = None) -> Any:
-    """The tokenizer that decodes the dataset's token ids: ``tokenizer`` (a folder or Hub id), else the
-    dataset's model when it can be loaded here; None when neither can (ids are then shown as ``#id``)."""
-    name = tokenizer or ds.model.get("name")
-    if not name:
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        path, local = resolve_model_path(name)
-        revision = None if tokenizer else ds.model.get("revision")
-        if isinstance(revision, str) and revision.startswith("sha256:"):
-            revision = None  # the embedded model's weights digest, not a Hub revision
-        access = {} if local else hub_access(path, revision, "the tokenizer")  # one look, not five retries
-        # trust_remote_code=False: a name read from a dataset never runs a repo's code (transformers would ask)
-        return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=False, **access)
-    except ModelError as exc:
-        if tokenizer:
-            raise InvalidArgumentError(str(exc)) from None
-        return None
-    except Exception as exc:  # a Hub id that is no model, or a folder without a tokenizer: show ids instead
-        if tokenizer:
-            raise InvalidArgumentError(f"cannot load the tokenizer {tokenizer!r}: {type(exc).__name__}: "
-                                       f"{one_line(exc)}") from None
-        return None
+    """The tokenizer that decodes the dataset's token ids: ``tokenizer`` (a folder or Hub id; an error when it
+    cannot be loaded), else the dataset's model's when it can be loaded (``resolve_tokenizer``); None when it
+    cannot (ids are then shown as ``#id``)."""
+    if tokenizer:
+        return resolve_tokenizer(tokenizer, need="--tokenizer")
+    return resolve_tokenizer(ds.model.get("name"), ds.model.get("revision"))
 
 
 def _parse_rows(prompts: Any, n: int) -> list[int]:
@@ -103,10 +85,15 @@ def report(dataset: Any, out: str | os.PathLike, *, prompts: Any = None, sample:
         sections.append(labels)
     model = ds.model.get("name") or "dataset"
     html = page(f"lmprobe report: {model}", "".join(sections),
-                subtitle=f"{ds.num_prompts:,} prompts · {esc(ds.files)}")
+                subtitle=f"{plural(ds.num_prompts, _row_noun(ds))} · {esc(ds.files)}")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "index.html", html)
     return out / "index.html"
+
+
+def _row_noun(ds: Dataset) -> str:
+    """What a row is: a window of a document (corpus extraction), as ``lmprobe info`` says, or a prompt."""
+    return "window" if is_corpus(ds) else "prompt"
 
 
 def _facts(ds: Dataset) -> str:
@@ -115,19 +102,27 @@ def _facts(ds: Dataset) -> str:
     model = ds.model
     lengths = ds.token_lengths()
     size = sum(f.bytes or 0 for f in ds.meta.files())
+    noun = _row_noun(ds)
     rows = [("model", model.get("name")), ("revision", model.get("revision") or "(none recorded)"),
-            ("prompts", ds.num_prompts), ("stored tokens", int(lengths.sum()) if h and h.storage == "full_sequence"
-                                           else f"{int(lengths.sum()):,} (last token stored per prompt)")]
+            (f"{noun}s", f"{ds.num_prompts:,}"),
+            ("stored tokens", f"{int(lengths.sum()):,}" if h and h.storage == "full_sequence"
+             else f"{int(lengths.sum()):,} (last token stored per {noun})")]
     if h is not None:
-        rows += [("layers", ", ".join(map(str, h.layers))), ("hookpoints", ", ".join(ds.hookpoints)),
-                 ("dim", h.dim), ("dtype", h.dtype), ("storage", h.storage)]
+        here = ds.default_layers()
+        layers = ", ".join(map(str, h.layers))
+        if len(here) < len(h.layers):  # a `lmprobe pull --layers` copy: the page shows what it holds
+            layers = (f"{', '.join(map(str, here))} of {layers} (a partial copy; `lmprobe pull "
+                      f"{getattr(ds.files, 'origin', None) or 'REPO'} --layers L` fetches more)")
+        rows += [("layers", layers), ("hookpoints", ", ".join(ds.hookpoints)),
+                 ("dim", f"{h.dim:,}"), ("dtype", h.dtype), ("storage", h.storage)]
     if ds.meta.logits is not None:
-        rows.append(("top-k logits", ds.meta.logits.k))
+        rows.append(("top-k logits", str(ds.meta.logits.k)))
     rows.append(("size of the data files", f"{size / 2**20:,.1f} MiB"))
     for key in ("lmprobe_version", "extraction_backend", "torch_version", "transformers_version", "created_at"):
         if prov.get(key) is not None:
-            rows.append((key.replace("_", " "), prov[key]))
-    return "<h2>Dataset</h2>" + table(rows)
+            rows.append((key.replace("_", " "), str(prov[key])))
+    # every value as text, left-aligned alike (numbers were right-aligned beside left-aligned text)
+    return "<h2>Dataset</h2>" + table(rows, cls="facts")
 
 
 def _plots(ds: Dataset) -> str:
@@ -153,7 +148,16 @@ def _plots(ds: Dataset) -> str:
                 norm_series[hp] = (layers, norms)
                 spread_series[hp] = (layers, med)
                 bands[hp] = (lo, hi)
-        if norm_series:
+        one_layer = bool(norm_series) and all(len(ls) == 1 for ls, _ in norm_series.values())
+        if one_layer:  # a line chart would be one dot in an empty frame: the numbers, as a table
+            layer = next(iter(norm_series.values()))[0][0]
+            stats = [(hp, f"{norm_series[hp][1][0]:.4g}", f"{spread_series[hp][1][0]:.4g}",
+                      f"{bands[hp][0][0]:.4g} to {bands[hp][1][0]:.4g}") for hp in norm_series]
+            head = ["hookpoint", "mean L2 norm", "median std", "std, 5th to 95th percentile"]
+            charts.append(f'<figure class="chart">{table(stats, head, cls="facts")}<figcaption><b>Statistics of layer '
+                          f"{layer}</b> over every stored vector (one layer is stored: nothing to plot by layer)"
+                          "</figcaption></figure>")
+        elif norm_series:
             charts.append(line_chart(norm_series, title="Mean L2 norm by layer", xlabel="layer", ylabel="mean norm",
                                      caption="over every stored vector (stored statistics)"))
             charts.append(line_chart(spread_series, bands=bands, title="Per-dimension std by layer", xlabel="layer",
@@ -169,7 +173,10 @@ def _plots(ds: Dataset) -> str:
 def _position_chart(ds: Dataset) -> str:
     """Mean norm by token position over a sample of prompts, for the first, middle and last layer."""
     rows = np.random.default_rng(0).permutation(ds.num_prompts)[:_POSITION_PROMPTS]
-    layers = sorted({ds.layers[0], ds.layers[len(ds.layers) // 2], ds.layers[-1]})
+    here = ds.default_layers()  # a partial copy: the layers it holds
+    if not here:
+        return ""
+    layers = sorted({here[0], here[len(here) // 2], here[-1]})
     ids, offs, lengths = ds.token_addresses(rows)
     pos = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     keep = pos < _MAX_POSITIONS
@@ -183,7 +190,8 @@ def _position_chart(ds: Dataset) -> str:
         valid = counts > 0
         series[f"layer {layer}"] = (np.flatnonzero(valid).tolist(), (sums[valid] / counts[valid]).tolist())
     return line_chart(series, title="Norm by token position", xlabel="token position", ylabel="mean norm",
-                      caption=f"mean over {len(rows)} prompts; outsized first tokens are attention sinks")
+                      caption=f"mean over {plural(len(rows), _row_noun(ds))}; outsized first tokens are attention "
+                      "sinks")
 
 
 def _prompts(ds: Dataset, rows: list[int], tok: Any) -> str:
@@ -196,7 +204,8 @@ def _prompts(ds: Dataset, rows: list[int], tok: Any) -> str:
             "token has no prediction). Hover a token for its value.")
     if not any(v.token_perplexity for v in views):
         note = "This dataset stores no per-token perplexity (extract with --perplexity to colour the tokens)."
-    return f'<h2>Prompts</h2><p class="legend">{note}</p>' + "".join(v.html(vmax=vmax) for v in views)
+    return (f'<h2>{_row_noun(ds).capitalize()}s</h2><p class="legend">{note}</p>'
+            + "".join(v.html(vmax=vmax) for v in views))
 
 
 def _labels(ds: Dataset, probe: bool) -> str:

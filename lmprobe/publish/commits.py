@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import PushError
 from ..hashing import sha256_file
+from ..progress import Progress, on_terminal, third_party_bars
 from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
 from ..storage.hub import hub_api, transport_errors
 
@@ -135,8 +136,6 @@ class HubCommitter:
 
         Returns how many files were sent.
         """
-        from tqdm.auto import tqdm
-
         for f in [*files, *last]:
             if not f.local.is_file():
                 raise PushError(f"{f.local} is missing; the local copy is incomplete, nothing was pushed")
@@ -151,18 +150,13 @@ class HubCommitter:
             if not batches or len(batches[-1]) >= commit_files or sum(x.size for x in batches[-1]) + f.size > commit_bytes:
                 batches.append([])
             batches[-1].append(f)
-        bar = None if self.quiet else tqdm(total=sum(f.size for f in todo + final), unit="B", unit_scale=True,
-                                           desc=f"push {self.repo_id}")
-        try:
+        # huggingface_hub's own bars (one per file) only on a terminal: in a log they are dozens of escape codes
+        with Progress(sum(f.size for f in todo + final), desc=f"push {self.repo_id}", unit="B", quiet=self.quiet) as bar, \
+                third_party_bars(not self.quiet and on_terminal()):
             for i, batch in enumerate(batches):
                 self.commit(batch, f"lmprobe: add {label} files ({i + 1}/{len(batches)})")
-                if bar is not None:
-                    bar.update(sum(f.size for f in batch))
+                bar.update(sum(f.size for f in batch))
             if final:
                 self.commit(final, f"lmprobe: add {label} index and card")
-                if bar is not None:
-                    bar.update(sum(f.size for f in final))
-        finally:
-            if bar is not None:
-                bar.close()
+                bar.update(sum(f.size for f in final))
         return len(todo) + len(final)

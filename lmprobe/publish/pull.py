@@ -19,6 +19,7 @@ from typing import Any
 from ..atomic import atomic_output, atomic_write
 from ..errors import (
     FormatError,
+    HubUnreachableError,
     InvalidArgumentError,
     LayerNotFoundError,
     OutputExistsError,
@@ -31,6 +32,7 @@ from ..hashing import sha256_file
 from ..lock import OutputLock
 from ..opening import open_hub
 from ..paths import check_output_path
+from ..progress import Progress, on_terminal, third_party_bars
 from ..safeio import read_json
 from ..storage.hub import HubFiles, parse_dataset_ref
 
@@ -63,17 +65,28 @@ def pull(
     if ref is None:
         raise InvalidArgumentError(f"{repo!r} is not a Hub repo id (OWNER/NAME or hf://datasets/OWNER/NAME)")
     out = check_output_path(out, "pull destination")
-    with OutputLock(out):
-        return _pull(ref, out, layers=layers, hookpoints=hookpoints, logits=logits, only=only, token=token,
-                     overwrite=overwrite, quiet=quiet)
+    try:
+        with OutputLock(out):
+            return _pull(ref, out, layers=layers, hookpoints=hookpoints, logits=logits, only=only, token=token,
+                         overwrite=overwrite, quiet=quiet)
+    except HubUnreachableError as exc:  # a pull cannot read a local copy instead: it makes one
+        raise HubUnreachableError(
+            f"cannot reach the Hub at {exc.endpoint} to pull {exc.repo_id} ({exc.reason}); check the network (or "
+            "HF_ENDPOINT) and run the same pull again: files already here are not fetched again",
+            endpoint=exc.endpoint, repo_id=exc.repo_id, reason=exc.reason) from exc
 
 
 def _pull(ref, out: Path, *, layers, hookpoints, logits: bool, only: str | None, token, overwrite: bool,
           quiet: bool) -> Path:
     ds = open_hub(ref, token=token)
     files: HubFiles = ds.files
-    from tqdm.auto import tqdm
+    with third_party_bars(not quiet and on_terminal()):  # huggingface_hub's download bars: not into a log
+        return _copy(ref, ds, files, out, layers=layers, hookpoints=hookpoints, logits=logits, only=only,
+                     overwrite=overwrite, quiet=quiet)
 
+
+def _copy(ref, ds, files: HubFiles, out: Path, *, layers, hookpoints, logits: bool, only: str | None,
+          overwrite: bool, quiet: bool) -> Path:
     if only not in (None, "dataset"):
         prefix = only.strip("/") + "/"
         if not prefix.startswith(("saev/", "sae/")):
@@ -85,8 +98,10 @@ def _pull(ref, out: Path, *, layers, hookpoints, logits: bool, only: str | None,
         meta_names = ("metadata.json", "meta.json")
         rels.sort(key=lambda r: r.rsplit("/", 1)[-1] in meta_names)  # metadata last
         _record(out, ref.repo_id, files.commit)
-        for rel in tqdm(rels, desc=f"pull {ref.repo_id}", unit="file", disable=quiet):
-            _copy_into(files.fetch(rel), out / rel)
+        with Progress(len(rels), desc=f"pull {ref.repo_id}", unit="file", quiet=quiet) as bar:
+            for rel in rels:
+                _copy_into(files.fetch(rel), out / rel)
+                bar.update(1)
         if not quiet:
             print(f"pulled {len(rels)} file(s) under {prefix} of {files} to {out}")
         return out
@@ -134,14 +149,15 @@ def _pull(ref, out: Path, *, layers, hookpoints, logits: bool, only: str | None,
     # that fetches it; the next pull tells an unchanged repo from one pushed again
     _record(out, ref.repo_id, files.commit)
     sent = 0
-    for rel in tqdm(rels, desc=f"pull {ref.repo_id}", unit="file", disable=quiet):
-        rec = recorded.get(rel)
-        dst = out / rel
-        if rec is not None and rec.sha256 and dst.is_file() and not dst.is_symlink() \
-                and (rec.bytes is None or dst.stat().st_size == rec.bytes) and sha256_file(dst) == rec.sha256:
-            continue  # already here, byte for byte (a resumed pull)
-        _copy_into(files.fetch(rel), dst)
-        sent += 1
+    with Progress(len(rels), desc=f"pull {ref.repo_id}", unit="file", quiet=quiet) as bar:
+        for rel in rels:
+            rec = recorded.get(rel)
+            dst = out / rel
+            if not (rec is not None and rec.sha256 and dst.is_file() and not dst.is_symlink()
+                    and (rec.bytes is None or dst.stat().st_size == rec.bytes) and sha256_file(dst) == rec.sha256):
+                _copy_into(files.fetch(rel), dst)  # (else already here, byte for byte: a resumed pull)
+                sent += 1
+            bar.update(1)
     remove_files_inside(out, stale)  # shards of the old version that the new index no longer lists
     if not quiet:
         print(f"pulled {sent} file(s) of {files} (layers {wanted}) to {out}"

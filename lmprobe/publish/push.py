@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..display import hide_credentials
-from ..errors import InvalidArgumentError
+from ..errors import DatasetNotFoundError, InvalidArgumentError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..storage.hub import check_repo_id
@@ -59,6 +59,9 @@ def push_to_hub(
     if commit_files < 1:
         raise InvalidArgumentError("commit_files must be >= 1")
     root = Path(path)
+    if not root.exists():  # not a Hub name: push sends a local folder
+        raise DatasetNotFoundError(f"{root} does not exist; push publishes a local dataset folder "
+                                   "(lmprobe push DIR OWNER/NAME)")
     ds = open_local(root)
     shards = dataset_files(ds)  # loads and checks the metadata before anything is sent
     for kind, folders in ((SAEV_DIR, saev), (SAE_DIR, sae)):
@@ -74,10 +77,6 @@ def push_to_hub(
     last = [RepoFile(CARD_PATH, root / CARD_PATH), RepoFile(INDEX_PATH, root / INDEX_PATH)]
     if not (root / CARD_PATH).exists():
         last = last[1:]
-    if quiet:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
     committer = HubCommitter(repo_id, token=token, revision=revision,
                              policy=push_policy(max_retries=max_retries, base_wait=base_wait), quiet=quiet)
     committer.prepare(private)

@@ -8,7 +8,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ..errors import InvalidArgumentError, LmprobeError
+from ..errors import DictionaryError, InvalidArgumentError, LayerNotFoundError, LmprobeError
+from ..layers import stored_layer
 from .activation import describe
 from .loader import SAEConfig, encode_topk, load_dictionary, project_topk
 
@@ -16,7 +17,7 @@ from .loader import SAEConfig, encode_topk, load_dictionary, project_topk
 def add_topk_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", required=True, help="folder holding dictionaries, or hf://OWNER/NAME (a model repo)")
     p.add_argument("--dict", required=True, dest="dictionary", help="dictionary name (a folder under --root)")
-    p.add_argument("--layer", required=True, type=int, help="the layer of the dictionary to load")
+    p.add_argument("--layer", required=True, type=int, help="the layer of the dictionary to load (-1: its last)")
     p.add_argument("--topk", type=int, default=10, help="features to print (default 10)")
     p.add_argument("--dataset", default=None, help="take the probe vector from this lmprobe dataset (path or repo)")
     p.add_argument("--prompt", type=int, default=0, help="with --dataset: the prompt (index row) to use (default 0)")
@@ -30,6 +31,11 @@ def add_topk_arguments(p: argparse.ArgumentParser) -> None:
 def run_topk(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     dct = load_dictionary(SAEConfig(root_path=args.root, dictionary_name=args.dictionary, device=args.device))
+    if args.layer < 0:  # -1: the dictionary's last layer, the one layer grammar of lmprobe
+        try:
+            args.layer = stored_layer(args.layer, dct.layers)
+        except LayerNotFoundError as exc:
+            raise DictionaryError(f"dictionary {args.dictionary!r}: {exc}") from None
     layer = dct.get_layer(args.layer)
     t_load = time.perf_counter() - t0
     if args.dataset:

@@ -20,6 +20,7 @@ import math
 import os
 import re
 import struct
+import sys
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -50,6 +51,17 @@ def _numpy():
         return None
 
 
+def _may_have_cuda() -> bool:
+    """Whether torch could see a GPU, answered without importing it (about a second, on every ``sae-topk``):
+    torch is imported already, or a GPU device node exists (NVIDIA, or AMD's for ROCm) and CUDA_VISIBLE_DEVICES
+    does not hide every device. Elsewhere than Linux, only torch can tell."""
+    if "torch" in sys.modules or not sys.platform.startswith("linux"):
+        return True
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return False
+    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
+
+
 def detect_device(device: str = "auto") -> str:
     """The device projections run on: 'cpu', or 'cuda[:N]' (batched projections then run in torch there).
 
@@ -58,8 +70,8 @@ def detect_device(device: str = "auto") -> str:
     """
     if device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(device)):
         raise InvalidArgumentError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-    if device == "cpu":
-        return device
+    if device == "cpu" or (device == "auto" and not _may_have_cuda()):
+        return "cpu"
     try:
         torch = importlib.import_module("torch")
         available = torch.cuda.is_available()
@@ -599,6 +611,12 @@ def dense_encoder(layer: SAELayerWeights):
         W[rows, layer.indices] = layer.data.astype(np.float32)
         layer._dense = W
     return layer._dense
+
+
+def is_dictionary_folder(path: str | os.PathLike) -> bool:
+    """A folder holding an SAE dictionary's meta.json (``<root>/<name>/``), not an lmprobe dataset."""
+    p = Path(path)
+    return (p / "meta.json").is_file() and not (p / "index").is_dir() and not (p / "metadata.json").exists()
 
 
 def validate_dictionary(root: str | os.PathLike, name: str) -> list[str]:

@@ -29,8 +29,8 @@ from .protocol import (
     recorded_source_hash,
     shard_sizes,
 )
-from .reader import SaevDataset, is_saev_folder, validate_saev
+from .reader import SaevDataset, is_saev_folder, saev_exports, validate_saev
 
 __all__ = ["COMPAT", "DEFAULT_PATCHES_PER_SHARD", "PROTOCOL", "SaevDataset", "SaevError", "canonical_metadata",
            "compat_mode", "ex_per_shard", "export_saev", "is_saev_folder", "metadata_hash", "read_saev_metadata",
-           "recorded_source_hash", "shard_sizes", "source_index_hash", "validate_saev"]
+           "recorded_source_hash", "saev_exports", "shard_sizes", "source_index_hash", "validate_saev"]

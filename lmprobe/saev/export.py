@@ -22,6 +22,8 @@ from ..format.values import bfloat16_bits_to_float32, bfloat16_to_float32_later
 from ..lock import OutputLock
 from ..opening import load
 from ..paths import check_output_path
+from ..progress import Progress
+from ..units import plural
 from ..worker import settle
 from .protocol import (
     DEFAULT_PATCHES_PER_SHARD,
@@ -187,7 +189,8 @@ def export_saev(
     source_desc = ds.source if not isinstance(source, (str, os.PathLike)) else str(source)
     if isinstance(source, (str, os.PathLike)) and Path(source).exists():
         source_desc = str(Path(source).resolve())
-    layer_list = list(ds.layers) if layers is None else [int(x) for x in layers]
+    # default: every stored layer (of a partial copy made by `lmprobe pull --layers`, the ones it holds)
+    layer_list = ds.default_layers(hookpoint) if layers is None else [int(x) for x in layers]
     if not layer_list:
         raise SaevError("no layers to export")
     out = Path(out)
@@ -278,9 +281,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
 
 
     ex_chunk = max(1, _CHUNK_BYTES // (L * T * vec_bytes))
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=plan.n_ex, unit="ex", desc="export-saev", disable=quiet)
+    bar = Progress(plan.n_ex, desc="export-saev", unit="example", quiet=quiet)
     shards_json = []
     shape = (min(ex_chunk, max(plan.shard_sizes)), L, T, D)
     # two blocks: one is filled while the other is converted (converter threads) and written (the writer thread)
@@ -307,8 +308,8 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     atomic_write(partial / "metadata.json", json.dumps(plan.metadata, indent=2) + "\n")  # last
     move_into_place(partial, final)
     if not quiet:
-        print(f"wrote {plan.n_ex} examples x {L} layers x {T} tokens x {D} dims "
-              f"in {len(shards_json)} shard(s) to {final}")
+        print(f"wrote {plural(plan.n_ex, 'example')} x {plural(L, 'layer')} x {plural(T, 'token')} x {D} dims "
+              f"in {plural(len(shards_json), 'shard')} to {final}")
     return final
 
 

@@ -63,6 +63,10 @@ class SaevDataset:
     def __len__(self) -> int:
         return self.n_ex
 
+    def __repr__(self) -> str:
+        return (f"<lmprobe SaevDataset {self._hub or self.path}: {self.n_ex:,} examples x {self.tokens_per_ex} tokens, "
+                f"layers {self.layers}, d_model {self.d_model}, {self.metadata.get('dtype', 'float32')}>")
+
     def _local(self, name: str) -> Path:
         return file_inside(self.path, name) if self._hub is None else self.path / name
 
@@ -260,6 +264,14 @@ def is_saev_folder(path: str | os.PathLike) -> bool:
     """A folder holding metadata.json and shards.json (and no lmprobe index) is judged as a saev folder."""
     p = Path(path)
     return (p / "metadata.json").exists() and (p / "shards.json").exists() and not (p / "index").is_dir()
+
+
+def saev_exports(path: str | os.PathLike) -> list[Path]:
+    """The saev folders directly inside ``path`` (what ``export-saev --out DUMP_TO`` made: DUMP_TO/<HASH>/)."""
+    p = Path(path)
+    if not p.is_dir() or is_saev_folder(p) or (p / "index").is_dir():
+        return []
+    return sorted(c for c in p.iterdir() if c.is_dir() and not c.is_symlink() and is_saev_folder(c))
 
 
 class _SaevRows(RowSource):

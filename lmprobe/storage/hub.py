@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from ..display import hide_credentials
-from ..errors import DatasetNotFoundError, HubError, InvalidArgumentError, ShardMissingError
+from ..errors import (
+    DatasetNotFoundError,
+    HubError,
+    HubUnreachableError,
+    InvalidArgumentError,
+    ShardMissingError,
+)
 from ..paths import check_relpath
 from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
 
@@ -124,11 +130,13 @@ def hub_api(token: str | bool | None = None):
     return HfApi(token=token)
 
 
-def _unreachable(ref: HubRef, exc: BaseException) -> HubError:
+def _unreachable(ref: HubRef, exc: BaseException) -> HubUnreachableError:
     from huggingface_hub import constants
 
-    return HubError(f"cannot reach the Hub at {hide_credentials(constants.ENDPOINT)} to read {ref.repo_id} ({describe(exc)}); "
-                    "check the network (or HF_ENDPOINT), or use a local copy (`lmprobe pull`)")
+    return HubUnreachableError(
+        f"cannot reach the Hub at {hide_credentials(constants.ENDPOINT)} to read {ref.repo_id} ({describe(exc)}); check the network "
+        "(or HF_ENDPOINT), or read a local copy (made by `lmprobe pull` while the Hub answers)",
+        endpoint=hide_credentials(constants.ENDPOINT), repo_id=ref.repo_id, reason=describe(exc))
 
 
 def resolve_commit(ref: HubRef, *, token: str | bool | None = None) -> tuple[str, list[str]]:

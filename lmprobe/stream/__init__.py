@@ -25,6 +25,7 @@ from ..errors import InvalidArgumentError
 from ..format.reader import Dataset
 from ..opening import load
 from ..storage.cache import cache_budget
+from ..tokenizer import resolve_tokenizer
 from ..units import format_size, parse_size
 from .engine import OUT_DTYPES, Engine, RowSource, rank_world
 from .sources import DatasetRows, RemoteRows
@@ -144,18 +145,9 @@ class ShardStream:
     def _special_ids(self, skip: bool | Sequence[int]) -> np.ndarray | None:
         if skip is False or skip is None:
             return None
-        if skip is True:
-            name = self.ds.model.get("name")
-            try:
-                from transformers import AutoTokenizer
-
-                tok = AutoTokenizer.from_pretrained(name, revision=self.ds.model.get("revision") or None,
-                                                    trust_remote_code=False)  # metadata never runs code
-            except Exception as exc:
-                raise InvalidArgumentError(
-                    f"skip_special_tokens=True reads the special token ids from the tokenizer of {name!r}, which "
-                    f"cannot be loaded here ({type(exc).__name__}); pass the ids instead: skip_special_tokens=[...]"
-                ) from None
+        if skip is True:  # the one way a dataset's tokenizer is found: embedded, local, cached, then the Hub
+            tok = resolve_tokenizer(self.ds.model.get("name"), self.ds.model.get("revision"),
+                                    need="skip_special_tokens=True (or pass the ids: skip_special_tokens=[...])")
             ids = sorted(set(tok.all_special_ids))
         else:
             ids = sorted({int(x) for x in skip})
