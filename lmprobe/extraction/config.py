@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from ..errors import ExtractionError
-from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, RUN_SETTINGS, STORAGES
+from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, MAX_SHARD_SIZE, RUN_SETTINGS, STORAGES
 from ..units import parse_count, parse_size
 from .hookpoints import parse_hookpoints
 
@@ -167,7 +167,9 @@ class ExtractionConfig:
             bad(f"checkpoint_interval must be a number of seconds >= 0, got {self.checkpoint_interval!r}")
         if self.out is None or str(self.out) == "":
             bad("out must name an output folder or URL")
-        parse_size(self.shard_size)  # raises on a bad size
+        if parse_size(self.shard_size) > MAX_SHARD_SIZE:  # parse_size raises on a bad size
+            bad(f"--shard-size {self.shard_size} is more than a shard may hold (16GiB: the Hub takes files under "
+                "20 GB); pass --shard-size 16GiB or less")
 
     @property
     def corpus(self) -> bool:

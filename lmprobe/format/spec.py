@@ -32,6 +32,20 @@ LOGITS_INDICES_KEY = "topk_indices"
 LEGACY_LOGITS_KEYS = ("logits_topk.values", "logits_topk.indices")
 
 DEFAULT_SHARD_SIZE = 1024**3
+#: the largest shard a writer makes: the Hub takes files under 20 GB (a shard is its tensor bytes plus a header)
+MAX_SHARD_SIZE = 16 * 1024**3
+
+#: shard file layouts. ``flat``: every shard in ``tensors/`` with 3-digit numbers (lmprobe 0.10.3's names);
+#: ``nested``: a folder per hookpoint and layer, 5-digit shard numbers, so that names sort in shard order and no
+#: folder holds more than a layer's shards (the Hub recommends under 10,000 entries a folder)
+LAYOUTS = ("flat", "nested")
+#: a dataset planned to hold at least this many shards per layer (or of unknown size) is written nested
+NESTED_FROM_SHARDS = 1000
+NESTED_HIDDEN_FILE_PATTERN = "tensors/hidden/layer{layer:03d}/shard{shard:05d}.safetensors"
+NESTED_LOGITS_FILE_PATTERN = "tensors/logits_topk/shard{shard:05d}.safetensors"
+#: the Hub's limits (huggingface.co/docs/hub/repositories-recommendations): entries a folder, files a repo
+HUB_FOLDER_ENTRIES = 10_000
+HUB_REPO_FILES = 100_000
 
 STORAGES = ("pooled", "full_sequence")
 
@@ -56,9 +70,11 @@ def hookpoint_slug(hookpoint: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", hookpoint).strip("_")
 
 
-def hookpoint_patterns(hookpoint: str) -> tuple[str, str]:
+def hookpoint_patterns(hookpoint: str, layout: str = "flat") -> tuple[str, str]:
     """(file_pattern, key_pattern) of a hookpoint other than the one ``hidden_layers`` holds."""
     slug = hookpoint_slug(hookpoint)
+    if layout == "nested":
+        return f"tensors/{slug}/layer{{layer:03d}}/shard{{shard:05d}}.safetensors", f"{slug}.layer_{{layer}}"
     return f"tensors/{slug}_layer{{layer:03d}}_shard{{shard:03d}}.safetensors", f"{slug}.layer_{{layer}}"
 
 
@@ -183,8 +199,22 @@ class DatasetSpec:
     file_pattern: str = DEFAULT_HIDDEN_FILE_PATTERN
     key_pattern: str = DEFAULT_HIDDEN_KEY_PATTERN
     logits_file_pattern: str = DEFAULT_LOGITS_FILE_PATTERN
+    layout: str = "flat"
+    """``flat`` (today's names, every shard in ``tensors/``) or ``nested`` (a folder per hookpoint and layer,
+    5-digit shard numbers): the default patterns follow it (docs/format.md, "Shard file layout")."""
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise InvalidArgumentError(f"layout must be one of {list(LAYOUTS)}, got {self.layout!r}")
+        if self.layout == "nested":  # the default names of a nested dataset (explicit patterns stay as given)
+            if self.file_pattern == DEFAULT_HIDDEN_FILE_PATTERN:
+                object.__setattr__(self, "file_pattern", NESTED_HIDDEN_FILE_PATTERN)
+            if self.logits_file_pattern == DEFAULT_LOGITS_FILE_PATTERN:
+                object.__setattr__(self, "logits_file_pattern", NESTED_LOGITS_FILE_PATTERN)
+        if isinstance(self.shard_size, bool) or not isinstance(self.shard_size, (int, np.integer)) \
+                or not 0 < self.shard_size <= MAX_SHARD_SIZE:
+            raise InvalidArgumentError(f"shard_size must be 1 byte to 16 GiB (the Hub takes files under 20 GB), got "
+                                       f"{self.shard_size!r}")
         layers = self.layers
         if not layers or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0 for x in layers) \
                 or len(set(layers)) != len(layers):
@@ -246,7 +276,7 @@ class DatasetSpec:
         """(file_pattern, key_pattern) of a stored hookpoint."""
         if hookpoint == self.primary_hookpoint:
             return self.file_pattern, self.key_pattern
-        return hookpoint_patterns(hookpoint)
+        return hookpoint_patterns(hookpoint, self.layout)
 
     @property
     def full_sequence(self) -> bool:
@@ -298,4 +328,5 @@ class DatasetSpec:
             **({"truncation": True} if self.truncation else {}),
             **({"hookpoints": list(self.hookpoints)} if self.hookpoints != (DEFAULT_HOOKPOINT,) else {}),
             **({"hookpoint_dims": list(self.hookpoint_dims)} if self.hookpoint_dims else {}),
+            **({"layout": self.layout} if self.layout != "flat" else {}),
         }

@@ -119,6 +119,7 @@ class DatasetWriter:
         file_pattern: str = DEFAULT_HIDDEN_FILE_PATTERN,
         key_pattern: str = DEFAULT_HIDDEN_KEY_PATTERN,
         logits_file_pattern: str = DEFAULT_LOGITS_FILE_PATTERN,
+        layout: Literal["flat", "nested"] = "flat",
         checksums: bool = True,
         fsync: bool = False,
         statistics: bool = False,
@@ -127,6 +128,7 @@ class DatasetWriter:
         hookpoints: Sequence[str] = (DEFAULT_HOOKPOINT,),
         hookpoint_dims: Sequence[int] = (),
         on_file_complete: Callable[[str], None] | None = None,
+        on_file_renamed: Callable[[str, str], None] | None = None,
         resume: bool = True,
         overwrite: bool = False,
         checkpoint_interval: float = 30.0,
@@ -147,7 +149,7 @@ class DatasetWriter:
             hookpoints=tuple(hookpoints) if not isinstance(hookpoints, str) else (hookpoints,),
             hookpoint_dims=tuple(int(d) for d in hookpoint_dims),
             file_pattern=file_pattern,
-            key_pattern=key_pattern, logits_file_pattern=logits_file_pattern,
+            key_pattern=key_pattern, logits_file_pattern=logits_file_pattern, layout=layout,
         )
         spec = self.spec
         self.out_dir = Path(out_dir)
@@ -157,6 +159,11 @@ class DatasetWriter:
         self.checksums = checksums
         self.fsync = fsync
         self.on_file_complete = on_file_complete  # called with each shard's path once it is final
+        # with on_file_renamed too, sequence shards leave as they close, under provisional names (their numbers
+        # follow the last-token shards', known only at the end), and are renamed where they went when it comes
+        if on_file_renamed is not None and on_file_complete is None:
+            raise InvalidArgumentError("on_file_renamed needs on_file_complete: it renames files handed over")
+        self.on_file_renamed = on_file_renamed
         self.checkpoint_interval = float(checkpoint_interval)
         self.fingerprint = spec.fingerprint()
         if fingerprint:
@@ -579,12 +586,21 @@ class DatasetWriter:
             raise FormatError(f"shard {self.out_dir / rel} is missing; the partial output is damaged, pass overwrite=True")
 
     def _publish_closed(self) -> None:
-        """Move closed last-token and logits shards to their final names (sequence shards move at close)."""
+        """Move closed last-token and logits shards to their final names (sequence shards move at close), and
+        hand closed sequence shards over under provisional names when they leave the machine."""
         for s in (self._last, self._logits):
             if s is not None:
                 for shard, d in enumerate(s.closed):
                     for slot, f in d["files"].items():
                         self._publish(s.name, slot, shard, f["staging"])
+        if self.on_file_renamed is not None and self._seq is not None and self._phase == "writing":
+            for d in self._seq.closed:  # (when finalizing, the last ones go under their final names at once)
+                for f in d["files"].values():
+                    src = self.staging.path / f["staging"]
+                    if "provisional" not in f and ("sha256" in f or not self.checksums) and src.exists():
+                        f["provisional"] = provisional_name(f["staging"])
+                        move_into_place(src, self.out_dir / f["provisional"])
+                        self.on_file_complete(f["provisional"])
 
     def close(self) -> Path:
         """Finish every shard, write the card and, last, the index. Returns the dataset folder."""
@@ -630,7 +646,12 @@ class DatasetWriter:
         seq_closed = self._seq.closed if self._seq else []
         for j, d in enumerate(seq_closed):  # sequence shards are numbered after the last-token shards
             for slot, f in d["files"].items():
-                self._publish("seq", slot, n_last + j, f["staging"], required=True)
+                if self.on_file_renamed is not None and not (self.staging.path / f["staging"]).exists():
+                    # handed over as it closed (also when a crash came before the checkpoint recording it: the
+                    # provisional name follows from the staging name): renamed where it went
+                    self.on_file_renamed(provisional_name(f["staging"]), self._final_name("seq", slot, n_last + j))
+                else:
+                    self._publish("seq", slot, n_last + j, f["staging"], required=True)
         spec = self.spec
         tensors: dict[str, Any] = {"hidden_layers": build_hidden_descriptor(spec, self._last.closed, seq_closed)}
         for hp in spec.hookpoints:  # each other hookpoint: one more descriptor with the same shards
@@ -659,6 +680,15 @@ class DatasetWriter:
         index.write_index(self.out_dir / INDEX_PATH, self.staging.parts(self._n_parts), spec=self.spec, n_last=n_last,
                           metadata=encode_schema_metadata(info), fsync=self.fsync)
         self.staging.remove()
+
+
+#: where a sequence shard handed over before its number is known goes (a dot folder: never a dataset file)
+PROVISIONAL_DIR = "tensors/.provisional"
+
+
+def provisional_name(staging_name: str) -> str:
+    """The provisional path of a sequence shard handed over as it closed (renamed at the end)."""
+    return f"{PROVISIONAL_DIR}/{staging_name}"
 
 
 def _check_progress(progress: Any) -> dict[str, int]:
