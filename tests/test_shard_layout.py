@@ -46,7 +46,7 @@ def test_a_nested_dataset_keeps_each_layer_in_a_folder_with_names_in_shard_order
     n_shards = len(ds.meta.hidden.shards)
     assert n_shards > 12  # enough that 3-digit names would be needed, and sorting matters
     files = _files(tmp_path / "ds")
-    for hp, folder in (("resid_post", "hidden"), ("mlp_out", "mlp_out")):
+    for folder in ("hidden", "mlp_out"):  # resid_post (hidden_layers) and the other hookpoint
         for layer in (0, 2):
             mine = [f for f in files if f.startswith(f"tensors/{folder}/layer{layer:03d}/")]
             assert mine == [f"tensors/{folder}/layer{layer:03d}/shard{s:05d}.safetensors" for s in range(n_shards)]
