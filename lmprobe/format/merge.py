@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,17 +152,85 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(marker, json.dumps(plan))
 
+    merge = plan_merge(dss, sources=sources, settings=settings)
+    transfer = move_into_place if move else _link
+    for k, src, dst in merge.moves:
+        transfer(dss[k].fetch(src, "shard file"), out / dst)
+    merge.finish(dss, out)
+    marker.unlink()
+    return out
+
+
+@dataclass
+class MergePlan:
+    """What a merge does, decided from the parts' metadata alone (no shard is read).
+
+    ``moves``: (part, file in the part, file in the merged dataset), every shard of every part once.
+    ``finish`` then writes the merged statistics, card and, last, index into a local folder; an output
+    elsewhere (object storage, a Hub repo) moves the shards there itself (server-side copies) and uploads
+    those three files.
+    """
+
+    moves: list[tuple[int, str, str]]
+    info: dict[str, Any]
+    offsets: dict[str, np.ndarray]  # "last", "seq", "logits": each part's first shard in the merged numbering
+    last_token_shards: list[int]  # each part's
+    order: str  # "concat", "positions" or "documents" (``_ordered``)
+
+    def finish(self, dss: list[Dataset], out: Path) -> list[str]:
+        """Write the merged statistics, card and index (last) into ``out``; returns their paths, index last."""
+        info = json.loads(json.dumps(self.info))
+        written = []
+        first = dss[0]
+        if first.meta.statistics is not None:
+            info["statistics"] = _merge_statistics(dss, out, first.meta.statistics.raw)
+            written.append(info["statistics"]["file"])
+        schema = first.schema.remove_metadata().with_metadata(encode_schema_metadata(info))
+        atomic_write(out / CARD_PATH, card.render_card(info, schema))
+        (out / "index").mkdir(parents=True, exist_ok=True)
+        with atomic_output(out / INDEX_PATH) as tmp, pq.ParquetWriter(tmp, schema) as pw:  # last
+            for t in _ordered(dss, self):  # row group by row group: the index is never whole in memory
+                pw.write_table(t.cast(schema.remove_metadata()))
+        return [*written, CARD_PATH, INDEX_PATH]
+
+    def renumbered(self, k: int, ds: Dataset, t: pa.Table) -> pa.Table:
+        """Rows of part ``k``'s index with its shard numbers shifted to the merged dataset's."""
+        cols = {name: t.column(name) for name in t.column_names}
+        cols["shard_index"] = pc.add(t.column("shard_index"), int(self.offsets["last"][k])).cast(pa.int32())
+        if "token_shard_ids" in cols:
+            ids = t.column("token_shard_ids").combine_chunks()
+            flat = ids.values.to_numpy().astype(np.int64)
+            n_last = self.last_token_shards[k]
+            new_flat = np.where(flat < n_last, flat + self.offsets["last"][k], flat - n_last + self.offsets["seq"][k])
+            cols["token_shard_ids"] = pa.ListArray.from_arrays(ids.offsets, pa.array(new_flat, pa.int64()))
+        if "shard_index_logits" in cols:
+            cols["shard_index_logits"] = pc.add(t.column("shard_index_logits"), int(self.offsets["logits"][k])).cast(
+                pa.int32())
+        return pa.table(cols)
+
+
+def plan_merge(dss: list[Dataset], *, sources: list[str] | None = None, settings: dict | None = None,
+               order: str = "concat") -> MergePlan:
+    """The merge of compatible parts ``dss`` (``_compatible``): shards renumbered (each part's last-token shards,
+    then each part's sequence shards), metadata combined.
+
+    ``order``: the merged index's row order. ``concat``: part after part (``lmprobe merge``). ``positions``: the
+    parts of a multi-process extraction whose prompts were dealt round-robin (prompt i to part i % n): every
+    prompt back at its position. ``documents``: the same for documents of a corpus (rows by document, then
+    window), so that a multi-process corpus extraction's rows are in source order.
+    """
+    if order not in ("concat", "positions", "documents"):
+        raise InvalidArgumentError(f"order must be 'concat', 'positions' or 'documents', got {order!r}")
     first = dss[0]
-    h0 = first.meta.hidden
-    full = h0.storage == "full_sequence"
+    full = first.meta.hidden.storage == "full_sequence"
     n_lts = [d.meta.hidden.last_token_shards for d in dss]
     n_seq = [len(d.meta.hidden.shards) - d.meta.hidden.last_token_shards for d in dss]
     lt_off = np.concatenate([[0], np.cumsum(n_lts)]).astype(int)
     seq_off = (sum(n_lts) + np.concatenate([[0], np.cumsum(n_seq)])).astype(int)
     lg0 = first.meta.logits
     lg_off = np.concatenate([[0], np.cumsum([len(d.meta.logits.shards) if lg0 else 0 for d in dss])]).astype(int)
-    transfer = move_into_place if move else _link
 
+    moves: list[tuple[int, str, str]] = []
     shards_lt, shards_seq, logits_shards = [], [], []
     for k, ds in enumerate(dss):
         h = ds.meta.hidden
@@ -169,28 +238,14 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
             new = (lt_off[k] + s) if s < h.last_token_shards else (seq_off[k] + s - h.last_token_shards)
             for hp, hd in ds.meta.hookpoints.items():  # every hookpoint shares the shard numbering
                 for layer in hd.layers:
-                    transfer(ds.fetch(hd.file(layer, s), "shard file"), out / first.meta.hookpoints[hp].file(layer, int(new)))
+                    moves.append((k, hd.file(layer, s), first.meta.hookpoints[hp].file(layer, int(new))))
             (shards_lt if s < h.last_token_shards else shards_seq).append((k, s))
         if lg0:
             lg = ds.meta.logits
             for s, desc in enumerate(lg.shards):
                 new_rel = _logits_rel(lg0, int(lg_off[k] + s))
-                transfer(ds.fetch(lg.file(s), "logits shard"), out / new_rel)
+                moves.append((k, lg.file(s), new_rel))
                 logits_shards.append({**desc, "file": new_rel})
-
-    def renumbered(k: int, ds: Dataset, t: pa.Table) -> pa.Table:
-        """One row group of part ``k``'s index with its shard numbers shifted to the merged dataset's."""
-        h = ds.meta.hidden
-        cols = {name: t.column(name) for name in t.column_names}
-        cols["shard_index"] = pc.add(t.column("shard_index"), int(lt_off[k])).cast(pa.int32())
-        if full:
-            ids = t.column("token_shard_ids").combine_chunks()
-            flat = ids.values.to_numpy().astype(np.int64)
-            new_flat = np.where(flat < h.last_token_shards, flat + lt_off[k], flat - h.last_token_shards + seq_off[k])
-            cols["token_shard_ids"] = pa.ListArray.from_arrays(ids.offsets, pa.array(new_flat, pa.int64()))
-        if lg0:
-            cols["shard_index_logits"] = pc.add(t.column("shard_index_logits"), int(lg_off[k])).cast(pa.int32())
-        return pa.table(cols).cast(first.schema.remove_metadata())
 
     info = json.loads(json.dumps(first.info))
     for hp, hd0 in first.meta.hookpoints.items():
@@ -202,10 +257,12 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
         info["tensors"]["logits_topk"]["shards"] = logits_shards
         info["tensors"]["logits_topk"]["file_pattern"] = lg0.file_pattern
     info["num_prompts"] = int(sum(d.num_prompts for d in dss))
-    info["merged_from"] = sources
-    # every part's runs, each at the row where its part's rows now start (part 0's alone would mislead)
+    info["merged_from"] = sources if sources is not None else [d.source for d in dss]
+    # every part's runs, each at the row where its part's rows now start (part 0's alone would mislead); rows
+    # dealt round-robin have no such start: each run keeps its part's numbering, with the part named
     starts = np.concatenate([[0], np.cumsum([d.num_prompts for d in dss])]).tolist()
-    runs = [{**r, "first_row": int(starts[k]) + r["first_row"]} for k, d in enumerate(dss)
+    runs = [{**r, "first_row": int(starts[k]) + r["first_row"]} if order == "concat" else {**r, "part": k}
+            for k, d in enumerate(dss)
             for r in (d.info.get("runs") or []) if isinstance(r, dict) and isinstance(r.get("first_row"), int)]
     info.pop("runs", None)
     if runs:
@@ -218,19 +275,61 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
         ext["settings"]["num_prompts"] = info["num_prompts"]
     if first.meta.statistics is not None:
         info.get("tensors", {}).pop("statistics", None)  # where datasets written before 2026-11 kept it
-        info["statistics"] = _merge_statistics(dss, out, first.meta.statistics.raw)
     info.pop("extras", None)
     info.pop("attachments", None)
+    return MergePlan(moves, info, {"last": lt_off, "seq": seq_off, "logits": lg_off}, n_lts, order)
 
-    schema = first.schema.remove_metadata().with_metadata(encode_schema_metadata(info))
-    atomic_write(out / CARD_PATH, card.render_card(info, schema))
-    (out / "index").mkdir(parents=True, exist_ok=True)
-    with atomic_output(out / INDEX_PATH) as tmp, pq.ParquetWriter(tmp, schema) as pw:  # last
-        for k, ds in enumerate(dss):  # row group by row group: the index is never whole in memory
+
+def _ordered(dss: list[Dataset], merge: MergePlan, chunk: int = 1 << 16):
+    """The merged index's rows in ``merge.order``, a bounded table at a time (parts read row group by row group)."""
+    if merge.order == "concat":
+        for k, ds in enumerate(dss):
             for t in ds.iter_index():
-                pw.write_table(renumbered(k, ds, t))
-    marker.unlink()
-    return out
+                yield merge.renumbered(k, ds, t)
+        return
+    n = len(dss)
+    streams = [ds.iter_index() for ds in dss]
+    seen = [0] * n  # rows of each part read so far
+    done = [False] * n
+
+    def keys(k: int, t: pa.Table, first_row: int) -> np.ndarray:
+        """Each row's place in the merged order: its prompt's position, or (document, window) as one number."""
+        if merge.order == "positions":
+            return (first_row + np.arange(t.num_rows, dtype=np.int64)) * n + k
+        doc = t.column("document").to_numpy().astype(np.int64)
+        win = t.column("window_start").to_numpy().astype(np.int64)
+        return doc * (1 << 32) + win  # windows start within a document of under 4 G tokens
+
+    pending: list[tuple[pa.Table, np.ndarray] | None] = [None] * n  # rows read and not written yet, with keys
+    while True:
+        for k in range(n):  # at least one row group of every part not yet exhausted
+            while not done[k] and (pending[k] is None or len(pending[k][1]) < chunk):
+                t = next(streams[k], None)
+                if t is None:
+                    done[k] = True
+                    break
+                t = merge.renumbered(k, dss[k], t)
+                kk = keys(k, t, seen[k])
+                seen[k] += t.num_rows
+                pending[k] = (t, kk) if pending[k] is None else (
+                    pa.concat_tables([pending[k][0], t]), np.concatenate([pending[k][1], kk]))
+        live = [k for k in range(n) if pending[k] is not None and len(pending[k][1])]
+        if not live:
+            return
+        # rows up to the smallest "last key held" of the parts that still have more are safe to write
+        limit = min((pending[k][1][-1] for k in live if not done[k]), default=None)
+        out_t, out_k = [], []
+        for k in live:
+            t, kk = pending[k]
+            take = len(kk) if limit is None else int(np.searchsorted(kk, limit, side="right"))
+            if take:
+                out_t.append(t.slice(0, take))
+                out_k.append(kk[:take])
+                pending[k] = (t.slice(take), kk[take:])
+        if out_t:
+            table = pa.concat_tables(out_t)
+            order = np.argsort(np.concatenate(out_k), kind="stable")
+            yield table.take(pa.array(order))
 
 
 def _read_marker(path: Path) -> Any:
