@@ -53,6 +53,15 @@ class Prompts:
                        self.input_ids[lo:hi] if self.input_ids is not None else None,
                        self.locations[lo:hi] if self.locations is not None else None)
 
+    def take(self, indices: Any) -> Prompts:
+        """The prompts at ``indices``, in that order (one process's share of a multi-process extraction)."""
+        idx = [int(i) for i in indices]
+        pick = (lambda v: [v[i] for i in idx]) if idx else (lambda v: [])
+        return Prompts(pick(self.texts), pick(self.labels) if self.labels is not None else None, self.label_type,
+                       {c: pick(v) for c, v in self.columns.items()}, self.column_types, self.source,
+                       pick(self.input_ids) if self.input_ids is not None else None,
+                       pick(self.locations) if self.locations is not None else None)
+
     def where(self, i: int) -> str:
         """Where prompt ``i`` is, for messages: "prompts.jsonl, line 4"."""
         return f"{self.source}, {self.locations[i] if self.locations else f'prompt {i}'}"

@@ -17,17 +17,13 @@ import numpy as np
 
 from ..allocator import HeapTrimmer, bound_allocator_cache
 from ..display import one_line
-from ..errors import DatasetNotFoundError, ExtractionError, ModelError, OutOfSpaceError, OutputExistsError
-from ..format.merge import merge_datasets
-from ..format.reader import Dataset, open_local
-from ..format.spec import CARD_PATH, INDEX_PATH
+from ..errors import ExtractionError, ModelError, OutOfSpaceError, OutputExistsError
+from ..format.reader import Dataset
+from ..format.spec import NESTED_FROM_SHARDS
 from ..format.staging import describe_mismatch
 from ..format.values import torch_dtype
 from ..format.writer import DatasetWriter
-from ..opening import open_object_store
-from ..paths import check_output_path
 from ..progress import Progress, logger, on_terminal
-from ..storage.objectstore import UploadSink, cache_dir, is_object_store_url
 from ..units import format_size, plural
 from ..worker import BackgroundWorker
 from .backend_hf import TransformersBackend
@@ -53,6 +49,7 @@ from .model import (
     pick_device,
     read_model_spec,
 )
+from .outputs import Output, open_output
 from .prompts import Prompts, check_token_ids, read_prompts
 from .sources import Record, open_source
 from .tokens import Encoder
@@ -75,6 +72,7 @@ class _Job:
     model: Any = None  # the loaded model, when examining the model needed it before the writer opened
     cut: np.ndarray | None = None  # prompt mode with --truncate: tokens cut from each prompt (0: none)
     arch: Architecture | None = None  # the model's blocks, hookpoints and inputs (examine.py)
+    layout: str = "flat"  # the shard file layout: nested for 1,000 shards a layer or more (format/spec.py)
 
     @property
     def hookpoint_dims(self) -> tuple[int, ...]:
@@ -142,6 +140,7 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
     if p is None:
         job = _prepare_corpus(cfg, source, spec, tok, limit, vocab, layer_list, dev)
         job.captures, job.model, job.arch = captures, model, arch
+        job.layout = _layout(job)
         return job
     if p.input_ids is not None:
         _check_pretokenized(cfg, p, tok, vocab)
@@ -168,7 +167,32 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
         lengths = np.minimum(lengths, limit)
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=p.fingerprint(),
                             num_prompts=len(p), layers=layer_list, max_length=limit)
-    return _Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model, cut=cut, arch=arch)
+    job = _Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model, cut=cut, arch=arch)
+    job.layout = _layout(job)
+    return job
+
+
+def planned_shards(job: _Job, *, world: int = 1) -> int | None:
+    """How many shards each stored site (layer and hookpoint) will hold, all ranks of a ``world``-process job
+    together (None: the source's length is unknown)."""
+    cfg = job.config
+    widest = max((c.width or job.spec.hidden_size) for c in job.captures) if job.captures else job.spec.hidden_size
+    per_shard = max(1, cfg.shard_bytes // (widest * np.dtype("float16" if cfg.dtype == "bfloat16" else cfg.dtype).itemsize))
+    if job.corpus is not None:
+        if job.corpus.max_tokens is None:
+            return None
+        windows = -(-job.corpus.max_tokens // max(1, job.corpus.context_len - 1)) + 1
+        rows, last = (job.corpus.max_tokens, windows) if cfg.storage == "full_sequence" else (windows, 0)
+    else:
+        n = len(job.prompts) * world
+        rows, last = (int(job.lengths.sum()) * world, n) if cfg.storage == "full_sequence" else (n, 0)
+    return -(-rows // per_shard) + (-(-last // per_shard) if last else 0)
+
+
+def _layout(job: _Job) -> str:
+    """``nested`` (a folder per site, 5-digit numbers) for 1,000 shards a site or more, or an unknown number."""
+    n = planned_shards(job, world=_ranks()[1])
+    return "nested" if n is None or n >= NESTED_FROM_SHARDS else "flat"
 
 
 #: architectures examined on a miniature in this process, by config and tokenizer padding (examining is
@@ -306,31 +330,24 @@ def run(cfg: ExtractionConfig) -> Dataset:
 
 def execute(cfg: ExtractionConfig) -> Outcome:
     """``run``, also saying whether anything was written (the command line's last line depends on it)."""
-    remote = is_object_store_url(cfg.out)
-    if not remote:
-        check_output_path(cfg.out, "output folder")  # before the tokenizer and the weights load
+    output = open_output(cfg.out)  # a bad --out is an error before the tokenizer and the weights load
+    rank, world = _ranks()
     job = _prepare(cfg)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if remote and world > 1:
-        raise ExtractionError("multi-process extraction writes to a local folder; push or copy it afterwards")
-    done = _finished(job, remote)
+    done = _finished(job, output)
     if done is not None:
-        if not cfg.quiet and int(os.environ.get("RANK", "0")) == 0:
-            logger.info(f"{cfg.out} already holds this extraction ({rows_text(done, corpus=cfg.corpus)}, "
+        if not cfg.quiet and rank == 0:
+            logger.info(f"{output} already holds this extraction ({rows_text(done, corpus=cfg.corpus)}, "
                         f"{done.storage}, {done.dtype}); nothing to do")
         return Outcome(done, wrote=False)
     try:
-        if remote:
-            return Outcome(_extract_to_object_store(job, str(cfg.out)), wrote=True)
         if world > 1:
-            return Outcome(_extract_distributed(job, Path(cfg.out)), wrote=True)
-        return Outcome(_extract_to(job, Path(cfg.out)), wrote=True)
+            return Outcome(_extract_parallel(job, output, rank, world), wrote=True)
+        return Outcome(_extract(job, output), wrote=True)
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise
-        where = cache_dir(str(cfg.out), "outputs") if remote else cfg.out
-        raise OutOfSpaceError(f"the disk holding {where} is full ({exc.strerror}); free some space and run the same "
-                              "command again: it resumes from its last checkpoint") from exc
+        raise OutOfSpaceError(f"the disk holding {output.staging()} is full ({exc.strerror}); free some space and run "
+                              "the same command again: it resumes from its last checkpoint") from exc
 
 
 def rows_text(ds: Dataset, *, corpus: bool) -> str:
@@ -343,21 +360,26 @@ def rows_text(ds: Dataset, *, corpus: bool) -> str:
     return f"{rows} x {plural(len(ds.layers), 'layer')}{hps} x {ds.dim} dims"
 
 
-def _finished(job: _Job, remote: bool) -> Dataset | None:
-    """The output, when it already holds this extraction (finished, with the same settings); else None."""
+def _ranks() -> tuple[int, int]:
+    """(rank, world size) of this process: torchrun's, else (0, 1)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _finished(job: _Job, output: Output) -> Dataset | None:
+    """The output, when it already holds this extraction (finished, with the same settings); None when it holds
+    none (or ``overwrite``); an error naming the difference when it holds another one."""
     cfg = job.config
     if cfg.overwrite:
         return None
-    if remote:
-        try:
-            ds = open_object_store(str(cfg.out))
-        except DatasetNotFoundError:
-            return None
-    elif (Path(cfg.out) / INDEX_PATH).exists():
-        ds = open_local(cfg.out)
-    else:
+    ds = output.finished()
+    if ds is None:
         return None
-    return ds if same_extraction(_recorded_settings(ds), job.settings) else None
+    recorded = _recorded_settings(ds)
+    if same_extraction(recorded, job.settings):
+        return ds
+    raise OutputExistsError(f"{output} already holds a dataset made with other settings "
+                            f"({describe_mismatch(recorded, job.settings)}); pass --overwrite to replace it, "
+                            "or choose another --out")
 
 
 def _recorded_settings(ds: Dataset) -> dict:
@@ -367,148 +389,104 @@ def _recorded_settings(ds: Dataset) -> dict:
     return recorded if isinstance(recorded, dict) else {}
 
 
-def _check_uploaded(local: Path, sink: UploadSink, url: str) -> None:
-    """Before the index goes up: every data file it names is in the bucket. Files an interrupted run uploaded
-    (and deleted here) may have gone since; an index over them would be a dataset with holes."""
-    there = sink.listing()
-    missing = [f.rel for f in open_local(local).meta.files() if f.rel not in there]
-    if missing:
-        raise ExtractionError(f"{url} is missing {len(missing)} data file(s) that an earlier, interrupted run "
-                              f"uploaded ({missing[0]}{', ...' if len(missing) > 1 else ''}); the bucket changed "
-                              "since: re-run with --overwrite to extract again")
-
-
-def _extract_to_object_store(job: _Job, url: str) -> Dataset:
-    """Extract into a local staging folder while a background thread uploads finished shards to ``url``."""
-    cfg = job.config
-    if not cfg.overwrite:
-        try:
-            ds = open_object_store(url)
-        except DatasetNotFoundError:
-            ds = None
-        if ds is not None:
-            if same_extraction(_recorded_settings(ds), job.settings):
-                return ds
-            raise OutputExistsError(f"{url} already holds a dataset made with other settings; pass --overwrite")
-    local = cache_dir(url, "outputs")
-    if (local / INDEX_PATH).exists():
-        # a finished staging copy left by an earlier run: the bucket, checked above, decides
-        shutil.rmtree(local)
-    sink = UploadSink(url, local, keep=(INDEX_PATH, CARD_PATH))
-    if cfg.overwrite:
-        # the old index goes before any new shard does: an interrupted overwrite leaves no complete-looking
-        # dataset of old texts over new vectors
-        sink.remove(INDEX_PATH)
-    else:
-        sink.submit_existing()  # shards an interrupted run finished but may not have uploaded (not when starting over)
-    try:
-        _extract_to(job, local, on_file_complete=sink.submit, reopen=False)
-    except BaseException:
-        sink.abort()
-        raise
-    sink.finish()
-    _check_uploaded(local, sink, url)
-    for rel in (CARD_PATH, INDEX_PATH):  # the index last: the bucket shows a dataset only once it is complete
-        if (local / rel).exists():
-            sink.put(rel)
-    shutil.rmtree(local)  # everything is in the bucket now
-    if not cfg.quiet:
-        logger.info(f"uploaded the dataset to {url}")
-    return open_object_store(url)
-
-
-def _extract_to(job: _Job, out: Path, *, on_file_complete: Any = None, reopen: bool = True) -> Dataset | None:
+def _extract(job: _Job, output: Output) -> Dataset:
+    """Extract into ``output``: the writer writes in its staging folder while its session takes finished files."""
     cfg, settings = job.config, job.settings
-    if (out / INDEX_PATH).exists() and not cfg.overwrite:
-        ds = open_local(out)
-        if same_extraction(_recorded_settings(ds), settings):
-            return ds
-        raise OutputExistsError(
-            f"{out} already holds a dataset made with other settings "
-            f"({describe_mismatch(_recorded_settings(ds), settings)}); pass --overwrite to replace it, "
-            "or choose another --out"
-        )
-    writer = DatasetWriter(
-        out,
-        layers=settings["layers"],
-        dim=job.spec.hidden_size,
-        model_name=job.spec.name,
-        model_revision=settings["revision"],
-        storage=cfg.storage,
-        dtype=cfg.dtype,
-        shard_size=cfg.shard_bytes,
-        logits_k=cfg.logits_topk,
-        label_type=job.prompts.label_type if job.prompts else None,
-        columns=job.prompts.column_types if job.prompts else None,
-        perplexity=cfg.perplexity,
-        token_ids=settings["token_ids"],
-        token_strings=cfg.token_strings,
-        token_perplexity=cfg.perplexity,
-        provenance=_provenance(cfg),
-        metadata={"extraction": {"settings": settings, "architecture": _architecture_record(job)}},
-        fingerprint=settings,
-        # the budget only says when to stop; a batch size changes no stored value beyond float rounding
-        resumable=RESUMABLE_SETTINGS + (("max_tokens",) if job.corpus is not None else ()),
-        checksums=cfg.checksums,
-        statistics=cfg.statistics,
-        corpus=job.corpus is not None,
-        truncation=job.cut is not None,  # each prompt's cut tokens, in `truncated_tokens`
-        hookpoints=cfg.hookpoints,
-        hookpoint_dims=job.hookpoint_dims,
-        overwrite=cfg.overwrite,
-        checkpoint_interval=cfg.checkpoint_interval,
-        on_file_complete=on_file_complete,
-        run={"batch_size": cfg.batch_size, "device": job.device, "checkpoint_interval": cfg.checkpoint_interval},
-    )
+    out = output.staging()
+    session = output.session(overwrite=cfg.overwrite)
     try:
-        _announce(job, writer, out, local=on_file_complete is None)
+        writer = DatasetWriter(
+            out,
+            layers=settings["layers"],
+            dim=job.spec.hidden_size,
+            model_name=job.spec.name,
+            model_revision=settings["revision"],
+            storage=cfg.storage,
+            dtype=cfg.dtype,
+            shard_size=cfg.shard_bytes,
+            logits_k=cfg.logits_topk,
+            label_type=job.prompts.label_type if job.prompts else None,
+            columns=job.prompts.column_types if job.prompts else None,
+            perplexity=cfg.perplexity,
+            token_ids=settings["token_ids"],
+            token_strings=cfg.token_strings,
+            token_perplexity=cfg.perplexity,
+            provenance=_provenance(cfg),
+            metadata={"extraction": {"settings": settings, "architecture": _architecture_record(job)}},
+            fingerprint=settings,
+            # the budget only says when to stop; a batch size changes no stored value beyond float rounding
+            resumable=RESUMABLE_SETTINGS + (("max_tokens",) if job.corpus is not None else ()),
+            checksums=cfg.checksums,
+            statistics=cfg.statistics,
+            corpus=job.corpus is not None,
+            truncation=job.cut is not None,  # each prompt's cut tokens, in `truncated_tokens`
+            hookpoints=cfg.hookpoints,
+            hookpoint_dims=job.hookpoint_dims,
+            layout=job.layout,
+            overwrite=cfg.overwrite,
+            checkpoint_interval=cfg.checkpoint_interval,
+            run={"batch_size": cfg.batch_size, "device": job.device, "checkpoint_interval": cfg.checkpoint_interval},
+            **session.writer_callbacks(),
+        )
+    except BaseException:
+        session.abort()
+        raise
+    try:
+        _announce(job, writer, out, local=output.local)
         if job.corpus is not None:
             _run_corpus(writer, job)
         else:
             _run(writer, job)
     except BaseException:
         writer.abort()
+        session.abort()
         raise
     writer.close()
-    return open_local(out) if reopen else None
+    ds = session.finish()
+    if not output.local and not cfg.quiet:
+        logger.info(f"uploaded the dataset to {output}")
+    return ds
 
 
-def _extract_distributed(job: _Job, out: Path) -> Dataset:
-    """One rank of ``torchrun``: extract a contiguous slice of the prompts into its own part, then rank 0
-    merges the parts into ``out`` (files moved, not copied) and every rank returns the merged dataset."""
+def _extract_parallel(job: _Job, output: Output, rank: int, world: int) -> Dataset:
+    """One rank of ``torchrun``: extract this rank's share into its own part of the output, then rank 0 merges the
+    parts into one dataset (renames: local moves, server-side copies), and every rank returns it.
+
+    The ranks meet through a process group of their own (gloo, on the CPU) whose timeout is sized for long
+    extractions (``LMPROBE_DIST_TIMEOUT`` seconds, default 14 days): a rank that finishes early waits for the
+    others instead of being killed by the default ten minutes.
+    """
     import dataclasses
+    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
     cfg, p = job.config, job.prompts
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if job.device.startswith("cuda") else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+        timeout = float(os.environ.get("LMPROBE_DIST_TIMEOUT", 14 * 24 * 3600))
+        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout))
     if job.device.startswith("cuda") and torch.cuda.device_count() > 1:
         job.device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % torch.cuda.device_count()}"
-    done = (out / INDEX_PATH).exists() and not cfg.overwrite
-    if done and not same_extraction(_recorded_settings(open_local(out)), job.settings):
-        raise OutputExistsError(f"{out} already holds a dataset made with other settings; pass --overwrite")
-    if not done:
-        n = len(p)
-        lo, hi = rank * n // world, (rank + 1) * n // world
-        part = p.subset(lo, hi)
-        part_settings = {**job.settings, "prompts_sha256": part.fingerprint(), "num_prompts": len(part),
-                         "part": [rank, world]}
-        parts_dir = out / ".lmprobe-parts"
-        part_cfg = dataclasses.replace(cfg, quiet=cfg.quiet or rank != 0)
-        part_job = _Job(part_cfg, part, job.spec, job.tokenizer, job.lengths[lo:hi], part_settings, job.device,
-                        captures=job.captures, model=job.model, cut=job.cut[lo:hi] if job.cut is not None else None,
-                        arch=job.arch)
-        _extract_to(part_job, parts_dir / f"part-{rank:05d}", reopen=False)
-        dist.barrier()
-        if rank == 0:
-            parts = [parts_dir / f"part-{r:05d}" for r in range(world)]
-            merge_datasets(parts, out, overwrite=cfg.overwrite, move=True, settings=job.settings)
-            shutil.rmtree(parts_dir)
+    part = output.part(rank)
+    mine = np.arange(rank, len(p), world)  # prompt i goes to rank i % world
+    share = p.take(mine)
+    part_settings = {**job.settings, "prompts_sha256": share.fingerprint(), "num_prompts": len(share),
+                     "part": [rank, world]}
+    part_cfg = dataclasses.replace(cfg, quiet=cfg.quiet or rank != 0)
+    part_job = dataclasses.replace(job, config=part_cfg, prompts=share, lengths=job.lengths[mine],
+                                   settings=part_settings, cut=job.cut[mine] if job.cut is not None else None)
+    if _finished(part_job, part) is None:
+        _extract(part_job, part)
     dist.barrier()
-    return open_local(out)
+    if rank == 0:
+        output.merge([output.part(r) for r in range(world)], settings=job.settings, order="positions",
+                     quiet=cfg.quiet)
+    dist.barrier()
+    ds = output.finished()
+    if ds is None:  # pragma: no cover - rank 0 merged before the barrier
+        raise ExtractionError(f"{output} holds no dataset after the merge")
+    return ds
 
 
 def _architecture_record(job: _Job) -> dict[str, Any]:
