@@ -363,7 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the running per-layer statistics (count, mean, std, mean norm)")
     g = p.add_argument_group("output")
     g.add_argument("--out", required=True, metavar="DIR", help="dataset folder to write (or to resume)")
-    g.add_argument("--shard-size", default="1GiB", help="shard byte budget, e.g. 512MB, 1GiB")
+    g.add_argument("--shard-size", default="1GiB", help="shard byte budget, e.g. 512MB, 1GiB (16GiB at most)")
+    g.add_argument("--checkpoint-interval", type=float, default=30.0, metavar="SECONDS",
+                   help="seconds between checkpoints: at most this much work is redone after an interruption")
     g.add_argument("--no-space-check", dest="space_check", action="store_false",
                    help="start even when the output's disk has less free space than the planned bytes")
     g.add_argument("--overwrite", action="store_true", help="replace an existing or partial output instead of resuming")

@@ -1,0 +1,124 @@
+"""One dataset from many machines (issue 34): torchrun across simulated nodes on 127.0.0.1 (gloo, c10d), each node
+with its own working, temporary and cache folders, writing straight to object storage (moto) or a Hub repo (the local
+test server); the result equals a single-process extraction, local disk stays bounded, a killed run resumes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import numpy as np
+import pytest
+from conftest import PROMPTS
+from nodes import disk_use, kill_when, launch, run
+
+import lmprobe
+
+pytestmark = pytest.mark.slow  # real processes, rendezvous and model loads
+
+MANY = [dict(p, text=p["text"] + f" #{i}") for i in range(12) for p in PROMPTS]  # 84 prompts
+
+
+def _single(*args, **kw):
+    """A single-process extraction computed as the nodes compute (one thread: the same sums in the same order)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return lmprobe.extract(*args, quiet=True, **kw)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _prompts(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in MANY) + "\n")
+    return f
+
+
+class Peak:
+    """The largest shard data (``*.safetensors*``) seen under some folders while a run goes (polled every 20 ms): the
+    index parts and checkpoints beside them grow with the rows, as the index itself does."""
+
+    def __init__(self, folders):
+        self.folders, self.peak, self._stop = folders, 0, threading.Event()
+        self._t = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, max(disk_use(f, "*.safetensors*") for f in self.folders))
+            self._stop.wait(0.02)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def _same_rows(a, b, layers, *, full):
+    assert a.texts == b.texts and a.num_prompts == b.num_prompts
+    for layer in layers:
+        np.testing.assert_array_equal(a.hidden(layer), b.hidden(layer))
+        if full:
+            for i in range(a.num_prompts):
+                np.testing.assert_array_equal(a.token_hidden(i, layer), b.token_hidden(i, layer))
+        sa, sb = a.statistics(layer), b.statistics(layer)
+        assert sa["count"] == sb["count"]
+        np.testing.assert_allclose(sb["mean"], sa["mean"], rtol=1e-6, atol=1e-6)
+
+
+def test_two_nodes_write_one_dataset_to_object_storage(s3, llama_dir, tmp_path):
+    """Prompt mode, two nodes of one rank, no shared disk: the bucket ends with one dataset equal to one process's
+    (float32 on CPU: the same numbers), in prompt order, with nothing left of the parts; each
+    node's local disk held a few shards at a time."""
+    f = _prompts(tmp_path)
+    kw = dict(layers="0,3", storage="full_sequence", logits_topk=3, batch_size=1, shard_size="2KB")
+    single = _single(str(llama_dir), f, out=tmp_path / "one", **kw)
+    url = f"s3://acts/nodes-{uuid.uuid4().hex[:6]}"
+    argv = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", url, "--layers", "0,3", "--storage",
+            "full_sequence", "--logits-topk", "3", "--batch-size", "1", "--shard-size", "2KB",
+            "--checkpoint-interval", "0", "--quiet"]
+    homes = [tmp_path / "node0" / "cache", tmp_path / "node1" / "cache"]
+    with Peak(homes) as peak:
+        run(tmp_path, argv)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    two = lmprobe.load(url)
+    _same_rows(single, two, (0, 3), full=True)
+    np.testing.assert_array_equal(two.logits_topk()[1], single.logits_topk()[1])
+    keys = s3fs.S3FileSystem().find(url)
+    assert not [k for k in keys if ".lmprobe-parts" in k or ".provisional" in k]
+    shards = list((tmp_path / "one" / "tensors").glob("*.safetensors"))
+    shard = max(p.stat().st_size for p in shards)
+    # a few shards per stored site (2 layers) and the logits' and statistics' files, not the dataset
+    assert peak.peak <= 2 * 6 * shard, (peak.peak, shard, len(shards))
+    assert disk_use(tmp_path / "one" / "tensors") > 4 * peak.peak
+
+
+def test_a_killed_two_node_run_resumes_and_equals_an_uninterrupted_one(s3, llama_dir, tmp_path):
+    f = _prompts(tmp_path)
+    single = _single(str(llama_dir), f, out=tmp_path / "one", layers="1", storage="full_sequence", batch_size=1,
+                     shard_size="2KB")
+    url = f"s3://acts/killed-{uuid.uuid4().hex[:6]}"
+    argv = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", url, "--layers", "1", "--storage",
+            "full_sequence", "--batch-size", "1", "--shard-size", "2KB", "--checkpoint-interval", "0", "--quiet"]
+    procs = launch(tmp_path, argv)
+    staging = [tmp_path / f"node{n}" / "cache" / "outputs" for n in (0, 1)]
+
+    def some_progress():  # both ranks checkpointed at least once
+        states = [list(s.rglob("state.json")) for s in staging]
+        return all(states)
+
+    kill_when(procs, some_progress)
+    run(tmp_path, argv)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    _same_rows(single, lmprobe.load(url), (1,), full=True)
+    assert not [k for k in s3fs.S3FileSystem().find(url) if ".lmprobe-parts" in k]
