@@ -17,8 +17,8 @@ The shrinking goes by what a config attribute means, read from its name, never b
 - head counts drop to a few; key-value head counts keep their kind (multi-query stays 1, multi-head equals the
   head count, grouped-query stays a proper divisor); a head count whose product with a head size made up a
   width (Mamba-2's ``num_heads * head_dim == expand * hidden_size``) is recomputed so the product still holds;
-- expert counts drop to at most 16 (a square, for product-key experts), top-k and group routing stay
-  feasible;
+- expert counts drop to about MAX_EXPERTS (distinct per-layer counts stay distinct), top-k stays sparse and
+  group-limited routing feasible;
 - every vocabulary shrinks to 512 entries or to just above the largest token id that was inside it.
 
 Example::
@@ -42,7 +42,9 @@ from ..errors import ModelError
 WIDTH = 64
 HEAD_DIM = 16
 HEADS = 4
-MAX_EXPERTS = 16  # a perfect square: product-key experts (Doge) take its square root
+#: enough experts to route sparsely (top-k at most MAX_EXPERTS // 2); product-key experts (Doge) route over
+#: the largest square grid that fits, 2 x 2 here, which still holds every top-k a miniature keeps
+MAX_EXPERTS = 8
 MIN_VOCAB = 512
 SSM_STATE = 16
 #: a width given per layer (Gemma's per-layer inputs) is multiplied by the layer count in its embedding table,
@@ -111,6 +113,50 @@ def _role(key: str) -> str | None:
 
 
 @dataclass(frozen=True)
+class _Tree:
+    """What holds across a whole config tree: the width scale, the token ids, the expert counts."""
+
+    ref: int  # the widest original residual width in the tree
+    ids: frozenset[int]  # every token id the config names
+    experts: dict[int, int]  # original expert count -> shrunk
+
+    @classmethod
+    def of(cls, original: dict[str, Any]) -> _Tree:
+        counts = sorted(set(_values(original, "experts")))
+        sparse_k = [k for k in _values(original, "top_k") if k < max(counts, default=0)]
+        floor = max((_top_k(k) for k in sparse_k), default=0) + 1
+        experts: dict[int, int] = {}
+        previous = 0
+        for e in counts:  # monotone and one-to-one: per-layer expert counts stay distinct
+            target = math.ceil(e * MAX_EXPERTS / counts[-1])
+            experts[e] = previous = min(e, max(target, previous + 1, floor))
+        return cls(_widest(original) or WIDTH, frozenset(_values(original, "id")), experts)
+
+    def vocab(self, v: int) -> int:
+        """A vocabulary keeps room for every token id that was inside it."""
+        return min(v, max([MIN_VOCAB] + [i + 1 for i in self.ids if i < v]))
+
+
+def _top_k(k: int) -> int:
+    return min(k, MAX_EXPERTS // 2)
+
+
+def _values(tree: Any, role: str) -> list[int]:
+    """Every non-negative integer (or list entry) under an attribute of `role` anywhere in the tree."""
+    found: list[int] = []
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if isinstance(k, str) and _role(k) == role:
+                found.extend(x for x in (v if isinstance(v, list) else [v]) if _is_int(x) and x >= 0)
+            else:
+                found.extend(_values(v, role))
+    elif isinstance(tree, list):
+        for v in tree:
+            found.extend(_values(v, role))
+    return found
+
+
+@dataclass(frozen=True)
 class _Scale:
     """How one config (or sub-config) shrinks.
 
@@ -119,31 +165,32 @@ class _Scale:
     Head counts and head sizes scale per config: its main head size becomes the shrunk width over the shrunk
     head count (or HEAD_DIM when the config states ``head_dim``)."""
 
-    ref: int  # the widest original residual width in the tree
+    tree: _Tree
     width: int  # this config's original residual width
     heads: int  # this config's original main head count
     new_heads: int
     head_dim_divisor: float  # head sizes are divided by this
-    ids: frozenset[int]  # every token id the whole config names
 
     @classmethod
-    def of(cls, d: dict[str, Any], parent: _Scale | None, ids: frozenset[int], ref: int) -> _Scale:
+    def of(cls, d: dict[str, Any], parent: _Scale | None, tree: _Tree) -> _Scale:
         width = _main(d, _MAIN_WIDTH)
         heads = _main(d, _MAIN_HEADS) or max(_scalars(d, "heads").values(), default=None)
         if width is None and heads is None and parent is not None:
             return parent
-        width = width or (parent.width if parent else ref)
+        width = width or (parent.width if parent else tree.ref)
         heads = heads or (parent.heads if parent else HEADS)
         new_heads = min(heads, HEADS)
-        scale = cls(ref, width, heads, new_heads, 1.0, ids)
+        scale = cls(tree, width, heads, new_heads, 1.0)
         head_dim = d.get("head_dim")
-        if _is_int(head_dim) and head_dim > 0:
-            return cls(ref, width, heads, new_heads, max(1.0, head_dim / HEAD_DIM), ids)
-        new_head_dim = scale.width_like(width) / new_heads
-        return cls(ref, width, heads, new_heads, max(1.0, width / heads / new_head_dim), ids)
+        new_width = scale.width_like(width)
+        if _is_int(head_dim) and head_dim > 0 and (head_dim * heads != width or new_width % new_heads):
+            return cls(tree, width, heads, new_heads, max(1.0, head_dim / HEAD_DIM))
+        # the head size is (or is stated equal to) the width over the heads: keep it so
+        return cls(tree, width, heads, new_heads, max(1.0, width / heads / (new_width / new_heads)))
 
     def width_like(self, v: int) -> int:
-        return min(v, max(8, 8 * round(v * min(self.ref, WIDTH) / self.ref / 8)))
+        ref = self.tree.ref
+        return min(v, max(8, 8 * round(v * min(ref, WIDTH) / ref / 8)))
 
     def head_dim(self, v: int) -> int:
         return min(v, max(2, 2 * round(v / self.head_dim_divisor / 2)))
@@ -153,10 +200,6 @@ class _Scale:
 
     def rank(self, v: int) -> int:
         return self.width_like(v)
-
-    def vocab(self, v: int) -> int:
-        inside = [i for i in self.ids if i < v]
-        return min(v, max([MIN_VOCAB] + [i + 1 for i in inside]))
 
     @property
     def new_width(self) -> int:
@@ -189,19 +232,6 @@ def _words(key: str) -> frozenset[str]:
     return frozenset(w for w in key.lower().split("_") if w and w not in _NAME_WORDS_IGNORED)
 
 
-def _collect_ids(tree: Any, acc: set[int]) -> set[int]:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            if isinstance(k, str) and _role(k) == "id":
-                acc.update(x for x in (v if isinstance(v, list) else [v]) if _is_int(x) and x >= 0)
-            else:
-                _collect_ids(v, acc)
-    elif isinstance(tree, list):
-        for v in tree:
-            _collect_ids(v, acc)
-    return acc
-
-
 def _map_ints(value: Any, fn) -> Any:
     if _is_int(value):
         return fn(value) if value > 0 else value
@@ -219,17 +249,17 @@ def _largest_divisor(n: int, at_most: int, *, min_quotient: int = 1) -> int:
                or g == 1)
 
 
-def _shrink_dict(d: dict[str, Any], parent: _Scale | None, ids: frozenset[int], ref: int,
+def _shrink_dict(d: dict[str, Any], parent: _Scale | None, tree: _Tree,
                  outer: tuple[dict[str, Any], dict[str, Any]] | None) -> dict[str, Any]:
     """Shrink one config dict. `outer` is the enclosing config's (original, shrunk) dicts: a partial dict
     (per-layer overrides, rope parameters) takes the partners of its attributes from there."""
     is_config = "model_type" in d or parent is None
-    scale = _Scale.of(d, parent, ids, ref) if is_config else parent
+    scale = _Scale.of(d, parent, tree) if is_config else parent
     assert scale is not None
     out: dict[str, Any] = {}
     for k, v in d.items():
         role = _role(k) if isinstance(k, str) else None
-        fn = {"width": scale.width_like, "head_dim": scale.head_dim, "rank": scale.rank, "vocab": scale.vocab,
+        fn = {"width": scale.width_like, "head_dim": scale.head_dim, "rank": scale.rank, "vocab": tree.vocab,
               "heads": scale.head_count, "ssm_state": lambda x: min(x, SSM_STATE),
               "per_layer_width": lambda x: min(x, PER_LAYER_WIDTH)}.get(role or "")
         out[k] = _map_ints(v, fn) if fn else v
@@ -238,14 +268,15 @@ def _shrink_dict(d: dict[str, Any], parent: _Scale | None, ids: frozenset[int], 
     _repair_head_products(orig, new, out, scale)
     _fit_kv_heads(orig, new, out, scale)
     _fit_ssm_groups(orig, new, out)
-    _fit_experts(orig, out)
+    _fit_experts(orig, out, tree)
     _fit_rope_lists(d, orig, new, out)
+    _fit_width_splits(d, orig, new, out)
     new.update(out)
     for k, v in d.items():
         if isinstance(v, dict):
-            out[k] = _shrink_dict(v, scale, ids, ref, (orig, new))
+            out[k] = _shrink_dict(v, scale, tree, (orig, new))
         elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            out[k] = [_shrink_dict(x, scale, ids, ref, (orig, new)) for x in v]
+            out[k] = [_shrink_dict(x, scale, tree, (orig, new)) for x in v]
     return out
 
 
@@ -332,17 +363,18 @@ def _fit_ssm_groups(orig: dict, new: dict, out: dict) -> None:
                 break
 
 
-def _fit_experts(orig: dict, out: dict) -> None:
-    """At most MAX_EXPERTS experts; group-limited routing keeps at least two experts a group; top-k stays
-    sparse (or dense when it was) and within the experts the chosen groups hold."""
+def _fit_experts(orig: dict, out: dict, tree: _Tree) -> None:
+    """Expert counts follow the tree's map (at most about MAX_EXPERTS, distinct ones stay distinct); top-k
+    stays sparse (or dense when it was); group-limited routing keeps at least two experts a group and a
+    top-k within the experts of the chosen groups."""
     experts = _scalars(orig, "experts")
+    for k, v in experts.items():
+        if k in out:
+            out[k] = tree.experts.get(v, v)
     if not experts:
         return
     e_old = max(experts.values())
-    e_new = min(e_old, MAX_EXPERTS)
-    for k, v in experts.items():
-        if k in out:
-            out[k] = min(v, MAX_EXPERTS)
+    e_new = tree.experts.get(e_old, e_old)
     g_old, g_new = 1, 1
     for gk, g in _scalars(orig, "expert_groups").items():
         g_old, g_new = g, _largest_divisor(e_new, g, min_quotient=2) if g > 1 else 1
@@ -355,11 +387,20 @@ def _fit_experts(orig: dict, out: dict) -> None:
             out[tk] = t_new
     for kk, k in _scalars(orig, "top_k").items():
         if kk in out:
-            k_new = e_new if k >= e_old else min(k, max(1, e_new // 2))
-            out[kk] = min(k_new, t_new * (e_new // g_new))
+            out[kk] = min(e_new if k >= e_old else _top_k(k), t_new * (e_new // g_new))
     for sk, s in _scalars(orig, "shared_experts").items():
         if sk in out:
             out[sk] = min(s, 2)
+
+
+def _fit_width_splits(d: dict, orig: dict, new: dict, out: dict) -> None:
+    """A list of sizes that splits a width into parts (Reformer's ``axial_pos_embds_dim`` sums to
+    ``hidden_size``) splits the shrunk width in the same proportions."""
+    widths = {v: new[k] for k, v in _scalars(orig, "width").items() if _is_int(new.get(k))}
+    for k, v in d.items():
+        if (isinstance(k, str) and _role(k) is None and re.search(r"dim|size|width", k) and isinstance(v, list)
+                and len(v) > 1 and all(_is_int(x) and x > 0 for x in v) and sum(v) in widths):
+            out[k] = _split(widths[sum(v)], v)
 
 
 def _head_dim_of(d: dict[str, Any]) -> int | None:
@@ -426,8 +467,7 @@ def miniature_config(config):
     except Exception as exc:  # a config object lmprobe cannot read is the caller's input, not our bug
         raise ModelError(f"cannot read the config {type(config).__name__}: {exc}; pass a transformers "
                          "PretrainedConfig") from exc
-    ids = frozenset(_collect_ids(original, set()))
-    small = _shrink_dict(original, None, ids, _widest(original) or WIDTH, None)
+    small = _shrink_dict(original, None, _Tree.of(original), None)
     small.pop("transformers_version", None)
     try:
         return type(config).from_dict(small)
