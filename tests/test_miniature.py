@@ -339,8 +339,8 @@ def test_a_zoo_model_loads_offline_and_agrees_with_its_tokenizer(tmp_path):
 
 
 def _widths(config) -> set[int]:
-    return {v for _, k, v in _walk(config.to_dict()) if k in ("hidden_size", "n_embd", "d_model", "dim")
-            and isinstance(v, int)}
+    names = ("hidden_size", "n_embd", "d_model", "dim", "emb_dim", "embed_dim")
+    return {v for _, k, v in _walk(config.to_dict()) if k in names and isinstance(v, int)}
 
 
 def _batch_tokens_width(h: torch.Tensor, batch: int, tokens: int) -> tuple[int, int, int]:
@@ -356,9 +356,19 @@ def _batch_tokens_width(h: torch.Tensor, batch: int, tokens: int) -> tuple[int, 
 ZOO_BUILT = [t for t in ZOO_TYPES if t not in ZOO_SKIPPED]
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; on a busy 2-core machine the spinning threads triple
+    the zoo's CPU time."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ZOO_BUILT)
-def test_every_zoo_model_loads_and_runs_a_padded_batch(model_type, tmp_path):
+def test_every_zoo_model_loads_and_runs_a_padded_batch(model_type, tmp_path, one_thread):
     out = build_zoo_model(model_type, tmp_path / model_type)
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"], info

@@ -12,6 +12,7 @@ saying why); types that cannot run at all with plain transformers are in ZOO_SKI
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import shutil
@@ -136,6 +137,7 @@ def _tokenizer_dir(vocab_size: int) -> Path:
     from tiny_models import train_tokenizer
 
     out = Path(tempfile.mkdtemp(prefix=f"lmprobe-zoo-tokenizer-{vocab_size}-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     train_tokenizer(out, kind="llama", padding_side="left", vocab_size=vocab_size)
     return out
 
