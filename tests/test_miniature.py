@@ -107,6 +107,16 @@ def _text(config) -> dict:
     return config.get_text_config().to_dict()
 
 
+def test_per_layer_head_counts_keep_their_pattern_and_their_key_value_groups():
+    config = CONFIG_MAPPING["laguna"](num_hidden_layers=4, num_attention_heads_per_layer=[48, 64, 48, 64])
+    mini = miniature_config(config)
+    per_layer = mini.num_attention_heads_per_layer
+    assert _partition(per_layer) == [0, 1, 0, 1] and per_layer[1] > per_layer[0]
+    assert 1 < mini.num_key_value_heads < min(per_layer)
+    assert all(h % mini.num_key_value_heads == 0 for h in per_layer)
+    _runs(build_miniature(config))
+
+
 def _ids(tree) -> set[int]:
     return {x for _, k, v in _walk(tree) if isinstance(k, str) and k.endswith(("token_id", "token_index"))
             for x in (v if isinstance(v, list) else [v]) if isinstance(x, int)}

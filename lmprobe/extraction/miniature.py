@@ -34,9 +34,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
 #: the residual width of a miniature; head sizes scale so that the main attention head has HEAD_DIM entries
 WIDTH = 64
@@ -224,7 +228,8 @@ def _widest(tree: Any) -> int | None:
 
 # ---------------------------------------------------------------------------------------------- the walk
 
-_NAME_WORDS_IGNORED = {"num", "n", "heads", "head", "dim", "d", "headdim", "attention", "size", "groups", "ngroups"}
+_NAME_WORDS_IGNORED = {"num", "n", "heads", "head", "dim", "d", "headdim", "attention", "size", "groups", "ngroups",
+                       "per", "layer"}
 
 
 def _words(key: str) -> frozenset[str]:
@@ -348,8 +353,8 @@ def _fit_kv_heads(orig: dict, new: dict, out: dict, scale: _Scale) -> None:
                                                          and isinstance(v, list)}:
                 if hk in out and hk != partner and _words(hk) == _words(partner or ""):
                     kvn = new[kk]
-                    out[hk] = new[hk] = _map_ints(orig[hk], lambda x, kvn=kvn, kv=kv: max(1, round(
-                        scale.head_count(x) / kvn)) * kvn if x % kv == 0 else scale.head_count(x))
+                    out[hk] = new[hk] = _map_ints(orig[hk], lambda x, kvn=kvn, kv=kv: math.ceil(
+                        scale.head_count(x) / kvn) * kvn if x % kv == 0 else scale.head_count(x))
 
 
 def _fit_ssm_groups(orig: dict, new: dict, out: dict) -> None:
@@ -446,7 +451,7 @@ def _split(total: int, weights: list[int]) -> list[int]:
 # ---------------------------------------------------------------------------------------------- public
 
 
-def miniature_config(config):
+def miniature_config(config: PretrainedConfig) -> PretrainedConfig:
     """A copy of `config` with every width, head count, expert count and vocabulary shrunk; the number of
     layers and every per-layer pattern kept. Raises lmprobe.errors.ModelError when it cannot.
 
@@ -482,7 +487,8 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(lines[:3])[:300]}"
 
 
-def build_miniature(config, *, seed: int = 0, max_parameters: int = DEFAULT_MAX_PARAMETERS):
+def build_miniature(config: PretrainedConfig, *, seed: int = 0,
+                    max_parameters: int = DEFAULT_MAX_PARAMETERS) -> torch.nn.Module:
     """AutoModelForCausalLM (or AutoModel when the config is not a causal LM) of ``miniature_config(config)``,
     float32, CPU, eval mode, random weights.
 
