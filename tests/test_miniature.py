@@ -213,15 +213,20 @@ def test_longrope_factor_lists_follow_the_head_size():
     _runs(build_miniature(config))
 
 
-def test_multimodal_rope_sections_follow_the_head_size():
-    from transformers import Qwen2VLConfig
+def test_multimodal_rope_sections_follow_the_head_size_and_a_non_causal_config_gets_its_base_model():
+    from transformers import Qwen2VLConfig, Qwen2VLModel
 
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
-    config = Qwen2VLConfig(text_config={"rope_parameters": rope})
+    config = Qwen2VLConfig(text_config={"rope_parameters": rope, "num_hidden_layers": 2}, vision_config={"depth": 2})
     text = miniature_config(config).text_config
     sections = text.rope_parameters["mrope_section"]
     assert sum(sections) == text.hidden_size // text.num_attention_heads // 2
     assert sections[1] == sections[2] > sections[0]
+    model = build_miniature(config)  # qwen2_vl is no causal-LM type: AutoModel builds it
+    assert type(model) is Qwen2VLModel
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(3, 100, (2, 5)), use_cache=False)
+    assert out.last_hidden_state.shape == (2, 5, 64)
 
 
 def test_widths_one_sub_config_names_of_another_stay_equal():

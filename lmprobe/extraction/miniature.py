@@ -9,8 +9,11 @@ and shrinks what only decides *how big* they are (widths, head counts, expert co
 The shrinking goes by what a config attribute means, read from its name, never by model type:
 
 - widths (``hidden_size``, ``n_embd``, ``d_model``, ``*_intermediate_size``, ``ffn_dim``, ...) scale by one
-  factor per config, so that two attributes that were equal stay equal (an adapter's input width that must
-  match ``hidden_size``) and a feed-forward keeps its ratio to the residual width;
+  factor over the whole config tree (the widest residual width becomes WIDTH), so that two attributes that
+  were equal stay equal (an adapter's input width that must match ``hidden_size``, BLT's
+  ``hidden_size_global``) and a feed-forward keeps its ratio to the residual width; a list of sizes that
+  splits a width (Reformer's ``axial_pos_embds_dim``) splits the shrunk one; a per-layer input width
+  (Gemma's ``hidden_size_per_layer_input``) drops to PER_LAYER_WIDTH;
 - head sizes (``head_dim``, ``rotary_dim``, MLA's ``qk_rope_head_dim``/``qk_nope_head_dim``/``v_head_dim``,
   linear-attention head sizes, ...) scale by one factor too, so sums such as ``qk_head_dim = nope + rope``
   and the rotary share of a head survive;
@@ -19,7 +22,11 @@ The shrinking goes by what a config attribute means, read from its name, never b
   width (Mamba-2's ``num_heads * head_dim == expand * hidden_size``) is recomputed so the product still holds;
 - expert counts drop to about MAX_EXPERTS (distinct per-layer counts stay distinct), top-k stays sparse and
   group-limited routing feasible;
-- every vocabulary shrinks to 512 entries or to just above the largest token id that was inside it.
+- every vocabulary shrinks to MIN_VOCAB entries or to just above the largest token id that was inside it;
+- rope parameters listed per rotary frequency (longrope's factors) or per section (``mrope_section``) follow
+  the shrunk head size.
+
+Layer counts, layer types, periods, offsets, windows, positions and everything else stays as it is.
 
 Example::
 
@@ -250,8 +257,9 @@ def _scalars(d: dict[str, Any], role: str) -> dict[str, int]:
 
 
 def _largest_divisor(n: int, at_most: int, *, min_quotient: int = 1) -> int:
-    return max(g for g in range(1, n + 1) if n % g == 0 and g <= max(1, at_most) and n // g >= min_quotient
-               or g == 1)
+    """The largest divisor of `n` no larger than `at_most` that leaves at least `min_quotient` (or 1)."""
+    fits = [g for g in range(1, n + 1) if n % g == 0 and g <= at_most and n // g >= min_quotient]
+    return max(fits, default=1)
 
 
 def _shrink_dict(d: dict[str, Any], parent: _Scale | None, tree: _Tree,
@@ -299,13 +307,10 @@ def _repair_head_products(orig: dict, new: dict, out: dict, scale: _Scale) -> No
         for dk, hd in _scalars(orig, "head_dim").items():
             if _words(dk) != _words(hk) or not _is_int(new.get(dk)):
                 continue
-            for w_old, w_new in widths.values():
-                if h * hd == w_old and w_new % new[dk] == 0 and w_new // new[dk] >= 1:
-                    out[hk] = new[hk] = int(w_new // new[dk])
-                    break
-            else:
-                continue
-            break
+            made_up = [w_new for w_old, w_new in widths.values() if h * hd == w_old and w_new % new[dk] == 0]
+            if made_up:
+                out[hk] = new[hk] = int(made_up[0] // new[dk])
+                break
 
 
 _KV_FRAGMENTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_n_heads", "multi_query_group_num",
