@@ -38,8 +38,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -456,9 +458,11 @@ def _split(total: int, weights: list[int]) -> list[int]:
 # ---------------------------------------------------------------------------------------------- public
 
 
-def miniature_config(config: PretrainedConfig) -> PretrainedConfig:
+def miniature_config(config: PretrainedConfig, *, token_ids: Iterable[int] = ()) -> PretrainedConfig:
     """A copy of `config` with every width, head count, expert count and vocabulary shrunk; the number of
     layers and every per-layer pattern kept. Raises lmprobe.errors.ModelError when it cannot.
+
+    ``token_ids``: ids besides those the config names that must stay valid (the tokenizer's pad id).
 
     Works on ``config.to_dict()`` and rebuilds with ``type(config).from_dict``, so sub-configs (text,
     vision, attention and feed-forward configs) and heterogeneous per-layer overrides shrink by the same
@@ -477,7 +481,11 @@ def miniature_config(config: PretrainedConfig) -> PretrainedConfig:
     except Exception as exc:  # a config object lmprobe cannot read is the caller's input, not our bug
         raise ModelError(f"cannot read the config {type(config).__name__}: {exc}; pass a transformers "
                          "PretrainedConfig") from exc
-    small = _shrink_dict(original, None, _Tree.of(original), None)
+    tree = _Tree.of(original)
+    extra = frozenset(int(i) for i in token_ids if _is_int(i) and i >= 0)
+    if extra:
+        tree = dataclasses.replace(tree, ids=tree.ids | extra)
+    small = _shrink_dict(original, None, tree, None)
     small.pop("transformers_version", None)
     try:
         return type(config).from_dict(small)
@@ -492,10 +500,14 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(lines[:3])[:300]}"
 
 
-def build_miniature(config: PretrainedConfig, *, seed: int = 0,
-                    max_parameters: int = DEFAULT_MAX_PARAMETERS) -> torch.nn.Module:
+def build_miniature(config: PretrainedConfig, *, seed: int = 0, max_parameters: int = DEFAULT_MAX_PARAMETERS,
+                    causal_lm: bool | None = None, token_ids: Iterable[int] = (),
+                    trust_remote_code: bool = False) -> torch.nn.Module:
     """AutoModelForCausalLM (or AutoModel when the config is not a causal LM) of ``miniature_config(config)``,
     float32, CPU, eval mode, random weights.
+
+    ``causal_lm`` picks the class as the real model is loaded (default: by the model type); ``token_ids`` stay
+    valid (see ``miniature_config``).
 
     Every floating-point entry of the state dict (parameters and persistent buffers: norm weights, biases,
     per-layer scalars) is drawn at random around its initial value, so that no scale is exactly 1 and no bias
@@ -517,9 +529,12 @@ def build_miniature(config: PretrainedConfig, *, seed: int = 0,
 
     if not _is_int(max_parameters) or max_parameters <= 0:
         raise ModelError(f"max_parameters must be a positive integer, got {max_parameters!r}")
-    mini = miniature_config(config)
-    auto = AutoModelForCausalLM if mini.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
-    n_params, n_buffer_bytes = _count_on_meta(mini, auto)
+    mini = miniature_config(config, token_ids=token_ids)
+    if causal_lm is None:
+        causal_lm = mini.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    auto = AutoModelForCausalLM if causal_lm else AutoModel
+    remote = {"trust_remote_code": True} if trust_remote_code else {}
+    n_params, n_buffer_bytes = _count_on_meta(mini, auto, remote)
     if n_params > max_parameters:
         raise ModelError(f"the miniature of {mini.model_type} would have {n_params:,} parameters, more than "
                          f"max_parameters={max_parameters:,}; raise max_parameters")
@@ -529,20 +544,31 @@ def build_miniature(config: PretrainedConfig, *, seed: int = 0,
                          "raise max_parameters")
     torch.manual_seed(seed)
     try:
-        model = auto.from_config(mini, dtype=torch.float32)
+        model = auto.from_config(mini, dtype=torch.float32, **remote)
     except Exception as exc:
         raise ModelError(f"cannot build a miniature of {mini.model_type}: {_first_line(exc)}") from exc
     _randomize(model, seed=seed)
     return model.eval()
 
 
-def _count_on_meta(config, auto) -> tuple[int, int]:
+def skeleton(config: PretrainedConfig, *, causal_lm: bool, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The full-size model of ``config`` on the ``meta`` device (no memory, no weights): what module paths measure."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    remote = {"trust_remote_code": True} if trust_remote_code else {}
+    with torch.device("meta"):  # eager attention: sdpa's mask checks read values, which meta tensors lack
+        return (AutoModelForCausalLM if causal_lm else AutoModel).from_config(config, attn_implementation="eager",
+                                                                            **remote)
+
+
+def _count_on_meta(config, auto, remote: dict) -> tuple[int, int]:
     """(parameters, bytes of buffers) of the model `config` describes, built on the meta device."""
     import torch
 
     try:
         with torch.device("meta"):
-            model = auto.from_config(config)
+            model = auto.from_config(config, **remote)
     except Exception as exc:
         raise ModelError(f"cannot build {config.model_type} from its config: {_first_line(exc)}") from exc
     n_params = sum(t.numel() for t in model.parameters())
