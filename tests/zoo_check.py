@@ -52,15 +52,17 @@ def _alone(model_dir: Path, block_path: str, causal: bool, policy):
         handles = []
         for i, b in enumerate(blocks):
             def pre(_m, a, k, i=i, got=got):
-                got.setdefault(("in", i), (a[0] if a else k["hidden_states"]).detach().clone())
+                got.setdefault(("in", i), _first(a, k).detach().clone())
             def post(_m, _a, o, i=i, got=got):
-                got.setdefault(("out", i), (o[0] if isinstance(o, (tuple, list)) else o).detach().clone())
+                got.setdefault(("out", i), _first(o).detach().clone())
             handles += [b.register_forward_pre_hook(pre, with_kwargs=True), b.register_forward_hook(post)]
             for name, m in b.named_modules():  # every norm inside the block: what post-norm blocks normalise
                 if name and "norm" in type(m).__name__.lower():
-                    def norm_io(_m, a, o, key=(i, name), got=got):
-                        got.setdefault(("norm", key), (a[0].detach().clone(), o.detach().clone()))
-                    handles.append(m.register_forward_hook(norm_io))
+                    def norm_io(_m, a, k, o, key=(i, name), got=got):
+                        x, y = _first(a, k), _first(o)
+                        if hasattr(x, "detach") and hasattr(y, "detach"):
+                            got.setdefault(("norm", key), (x.detach().clone(), y.detach().clone()))
+                    handles.append(m.register_forward_hook(norm_io, with_kwargs=True))
         kwargs = {"use_cache": False} if policy.use_cache else {}
         if policy.decoder_inputs:
             from lmprobe.extraction.examine import forward_kwargs
@@ -189,6 +191,20 @@ def check(model_type: str, model_dir: Path, work: Path) -> Row:
                 _same(row, got["resid_pre"], stored[("resid_post", layer - 1)][i],
                       f"resid_pre[{layer}] vs resid_post[{layer - 1}]")
     return row
+
+
+def _first(value, kwargs=None):
+    """A module's first input (positional, else ``hidden_states``, else the first keyword) or first output."""
+    if kwargs is not None:
+        if value:
+            value = value[0]
+        elif "hidden_states" in kwargs:
+            value = kwargs["hidden_states"]
+        else:
+            value = next(iter(kwargs.values()), None)
+    while isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    return value
 
 
 def _no_load(*a, **k):

@@ -73,9 +73,16 @@ class BlockAnatomy:
 
 
 def is_norm(module: Any) -> bool:
+    """A normalisation: a LayerNorm, or a module named like one that holds no module with weights of its own
+    (DBRX's NormAttentionNorm and RoBERTa-PreLayerNorm's attention are blocks that contain norms, not norms)."""
     import torch
 
-    return isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)) or bool(_NORM.search(type(module).__name__))
+    if isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)):
+        return True
+    name = type(module).__name__
+    if not _NORM.search(name) or _ATTN.search(name):
+        return False
+    return not any(any(True for _ in child.parameters()) for child in module.children())
 
 
 def _inert(module: Any) -> bool:
@@ -206,7 +213,11 @@ def block_anatomy(block: Any, rec: BlockRecord, *, tol: float) -> BlockAnatomy:
                 and not _inert(m) and n in rec.inputs and same(inp(n), out(module))]
         return hits[0] if module is not None and hits else None
 
-    ln_mlp = norm_where(lambda n: same(out(n), inp(mlp_in_mod)))
+    # the pre-MLP norm may sit inside another child (DBRX keeps it in norm_attn_norm): any norm of the block
+    deep_norms = [n for n in rec.outputs if n and n in rec.inputs and is_norm(block.get_submodule(n))
+                  and not (mlp_in_mod and n.startswith(mlp_in_mod + "."))]
+    ln_mlp = norm_where(lambda n: same(out(n), inp(mlp_in_mod))) or next(
+        (n for n in deep_norms if same(out(n), inp(mlp_in_mod))), None)
     mlp_post_norm = norm_where(lambda n: mlp_out_mod == mlp_in_mod and same(inp(n), out(mlp_out_mod)))
     parallel = mixer is not None and mlp_in_mod is not None and (
         same(inp(mlp_in_mod), inp(mixer)) or same(inp(mlp_in_mod), x) or (ln_mlp is not None and same(inp(ln_mlp), x)))
@@ -259,8 +270,9 @@ def block_anatomy(block: Any, rec: BlockRecord, *, tol: float) -> BlockAnatomy:
         """How to read what a sublayer (``module``) adds between two stream tensors, or None when it adds no such
         thing: a module whose output is exactly that, else the stream's difference when the sublayer's output is
         scaled, offset by a bias, or has the residual added inside the module (never when a norm ends it)."""
-        if before is None or after is None:
-            return None
+        if before is None or after is None or not hasattr(after, "shape") or not hasattr(before, "shape") \
+                or tuple(after.shape) != tuple(before.shape):
+            return None  # not two states of one stream
         delta = after.detach().double() - before.detach().to(after.device).double()
         for site, value in [*candidates, *inner(module)]:
             if value is not None and close(value, delta, tol):
@@ -288,7 +300,10 @@ def block_anatomy(block: Any, rec: BlockRecord, *, tol: float) -> BlockAnatomy:
                 readings["attn_out"] = r
         return anatomy
 
-    readings["mlp_in"] = Reading(Site(mlp_in_mod, "input"))
+    # "after its normalisation": a norm at the start of the MLP module (RoBERTa-PreLayerNorm's intermediate)
+    inner_norm = next((n for n in rec.outputs if mlp_in_mod and n.startswith(mlp_in_mod + ".") and n in rec.inputs
+                       and is_norm(block.get_submodule(n)) and same(inp(n), inp(mlp_in_mod))), None)
+    readings["mlp_in"] = Reading(Site(inner_norm, "output") if inner_norm else Site(mlp_in_mod, "input"))
     if parallel:
         refusals["resid_mid"] = ("its attention and MLP read the same input in parallel, so there is no stream "
                                  "between them")
@@ -330,7 +345,7 @@ def block_anatomy(block: Any, rec: BlockRecord, *, tol: float) -> BlockAnatomy:
 def _parallel_branches(anatomy: BlockAnatomy, x: Any, y: Any, mixers: list, mlps: list, tol: float,
                        attention: bool) -> None:
     """Parallel blocks: attn_out and mlp_out are the two branches when their sum is what the block adds."""
-    if x is None or y is None:
+    if x is None or y is None or tuple(getattr(x, "shape", ())) != tuple(getattr(y, "shape", (None,))):
         return
     delta = y.detach().double() - x.detach().to(y.device).double()
     for a_site, a in mixers:

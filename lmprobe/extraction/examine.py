@@ -317,6 +317,11 @@ def _examine(model: Any, *, pad_token_id: int | None, padding_side: str, block_p
     else:
         raise errors[0]
     width = int(hs[0].shape[-1]) if hs is not None else int(records[0].inputs[""].shape[-1])
+    stated = _hidden_size(model.config)
+    if stated is not None and stated != width:
+        raise ModelError(f"this model's hidden states are {width} wide where its config's hidden size is {stated} "
+                         "(several streams side by side, as with hyper-connections); lmprobe stores one stream of the "
+                         "hidden size per layer, so it is not supported")
     deep, _ = record_blocks(list(blocks), run(plain, ids, ones), deep=True)
     anatomies = [block_anatomy(b, r, tol=tolerance) for b, r in zip(blocks, deep, strict=True)]
     for layer, (a, r, b) in enumerate(zip(anatomies, deep, blocks, strict=True)):
@@ -325,6 +330,12 @@ def _examine(model: Any, *, pad_token_id: int | None, padding_side: str, block_p
         a.modules = [n for n, _ in b.named_modules() if n]
     policy = _choose_inputs(model, base, avoid, pad_token_id, tolerance, run, stream)
     return Architecture(path, anatomies, policy, checked_on, width, stream)
+
+
+def _hidden_size(config: Any) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return next((getattr(text, a) for a in ("hidden_size", "n_embd", "d_model")
+                 if isinstance(getattr(text, a, None), int)), None)
 
 
 def _choose_blocks(lists, flat, records, hs, n_tokens: int, tol: float, block_path: str | None):
@@ -355,7 +366,12 @@ def _choose_blocks(lists, flat, records, hs, n_tokens: int, tol: float, block_pa
             return name, ml
         first = recs[0].inputs.get("")
         shape = tuple(getattr(first, "shape", ()))
-        if any(ins) or any(outs):
+        idle = [i for i, r in enumerate(recs) if "" not in r.inputs]
+        if idle and (any(ins) or any(outs)):
+            reasons.append(f"{len(idle)} of the {n} blocks of {name} do not run on text alone (layers "
+                           f"{ranges(idle)}: cross-attention to another input, say), so its hidden states are not "
+                           "one per block")
+        elif any(ins) or any(outs):
             reasons.append(f"{name} has {n} blocks for {len(hs)} hidden states, and its blocks read or return "
                            f"them at {sum(ins) + sum(outs)} of {2 * n} places (blocks run more than once, or states "
                            "that are not block outputs)")

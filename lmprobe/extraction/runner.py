@@ -222,8 +222,9 @@ def _examine_model(cfg: ExtractionConfig, spec: ModelSpec, tok: Any, dev: str) -
     if key in _EXAMINED:
         return _EXAMINED[key], None
     try:
-        mini = build_miniature(spec.config, causal_lm=spec.causal_lm, pad_token_id=tok.pad_token_id,
-                               trust_remote_code=spec.trust_remote_code)
+        mini = build_miniature(spec.config, causal_lm=spec.causal_lm, trust_remote_code=spec.trust_remote_code,
+                               token_ids=[i for i in (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+                                          if isinstance(i, int)])
     except ModelError as exc:
         why = str(exc)
     else:
