@@ -79,6 +79,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_extract(args: argparse.Namespace) -> int:
     if args.push:
         check_repo_id(args.push)  # before hours of extraction, not after
+        if "://" in str(args.out):
+            raise InvalidArgumentError(f"--push publishes the local folder --out names, and --out {args.out} is not "
+                                       f"one; write straight to the Hub with --out hf://datasets/{args.push} instead")
     settings = {name: getattr(args, name) for name in ExtractionConfig.field_names() if hasattr(args, name)}
     cfg = ExtractionConfig(**settings, statistics=not args.no_statistics)
     outcome = execute(cfg)
