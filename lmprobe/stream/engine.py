@@ -15,6 +15,7 @@ groups that each span the whole dataset, so that a window reads only what its bo
 from __future__ import annotations
 
 import sys
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -92,6 +93,12 @@ def rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 _MAX_BLOCKS = 1 << 22
 
 
+#: the largest pool buffer, unless mixing a very large dataset needs more (``Engine.__init__``)
+POOL_BYTES = 64 * 2**20
+#: pool buffers finished passes left, for the next pass of any reader of this process
+_SPARE_POOLS: list[np.ndarray] = []
+_SPARE_LOCK = threading.Lock()
+
 #: rows converted per step when a batch is formed from a bfloat16 pool: the raw rows stay in cache
 _CONVERT_ROWS = 256
 
@@ -134,6 +141,12 @@ class Engine:
                                        f"{need:,} bytes (memory='{-(-need // 2**20)}MiB') or a smaller batch_size")
         self._given_block_rows = block_rows
         self.row_base = np.concatenate([[0], np.cumsum(source.shard_rows)]).astype(np.int64)
+        # windows of at most POOL_BYTES: a pass then touches two small pools of fresh memory and recycles them
+        # window after window, where one pool the size of a small dataset was fresh memory every pass (on a VM
+        # whose idle memory the host takes back, fresh pages cost several times the read: docs/performance.md).
+        # Pools grow past it only when the plan's size forces blocks so large that mixing needs larger windows.
+        for_mixing = int(2.5 * self.batch_size * max(0.0, int(self.row_base[-1]) / _MAX_BLOCKS - 1))
+        self.pool_rows = min(self.pool_rows, max(self.batch_size, POOL_BYTES // row, for_mixing))
         #: shards resident at a time (a remote source: pieces): a pass deals the pieces to the ranks and reads
         #: each rank's share in groups of this many (``plan.GroupPlan``); None: the global shuffle of every block
         self.resident: int | None = None
@@ -293,15 +306,31 @@ class Engine:
             at += len(r)
 
     def _pool_buffer(self, rows: int) -> np.ndarray | None:
-        """A pool buffer the last windows of this pass have finished with, if one holds ``rows`` rows."""
+        """A pool buffer the last windows of this pass have finished with, or that a finished pass of any reader of
+        this process left (its pages are warm), if one holds ``rows`` rows."""
         while self._free_pools:
             try:
                 buf = self._free_pools.pop()
             except IndexError:  # taken by another pass of the same engine
-                return None
+                break
             if len(buf) >= rows:
                 return buf
+        shape = (self.source.n_sites, self.source.dim)
+        with _SPARE_LOCK:
+            for i, buf in enumerate(_SPARE_POOLS):
+                if buf.dtype == self.storage and buf.shape[1:] == shape and len(buf) >= rows:
+                    return _SPARE_POOLS.pop(i)
         return None
+
+    def _leave_pools(self) -> None:
+        """At the end of a pass: its two pool buffers go to the process's spares, for the next pass of this reader
+        or of another one (a few small ones only: at most two, of at most twice ``POOL_BYTES`` each)."""
+        with _SPARE_LOCK:
+            while self._free_pools:
+                buf = self._free_pools.pop()
+                if buf.nbytes <= 2 * POOL_BYTES:
+                    _SPARE_POOLS.insert(0, buf)
+            del _SPARE_POOLS[2:]
 
     @property
     def pool_capacity(self) -> int:
@@ -429,7 +458,7 @@ class Engine:
             reads.close()
             self.source.cancel()
             self.source.use(None)
-            self._free_pools.clear()  # the memory goes back between passes
+            self._leave_pools()  # warm pages for the next pass, where new buffers would fault in again
 
     def _finish(self, pool: np.ndarray, idx: np.ndarray) -> Any:
         """The batch of pool rows ``idx``: one gather, converted on the way; transformed; squeezed."""
