@@ -93,8 +93,10 @@ def rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 _MAX_BLOCKS = 1 << 22
 
 
-#: the largest pool buffer, unless mixing a very large dataset needs more (``Engine.__init__``)
-POOL_BYTES = 64 * 2**20
+#: the largest pool buffer, unless mixing a very large dataset needs more (``Engine.__init__``): small enough
+#: that a pass recycles its buffers, large enough that a window reads its shards' pages in long runs
+#: (64 MiB pools cost a small layer's pass 20-30% more CPU than 128 MiB ones: docs/performance.md)
+POOL_BYTES = 128 * 2**20
 #: pool buffers finished passes left, for the next pass of any reader of this process
 _SPARE_POOLS: list[np.ndarray] = []
 _SPARE_LOCK = threading.Lock()
