@@ -46,6 +46,17 @@ _LOCKS: dict[str, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
 
 
+def _after_fork() -> None:
+    """A forked child (a DataLoader worker) starts with no folder held: a lock another thread of the parent held
+    at the fork would otherwise stay held forever in the child."""
+    global _LOCKS, _LOCKS_GUARD
+    _LOCKS, _LOCKS_GUARD = {}, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 def cache_root() -> Path:
     """Where bounded caches live: ``$LMPROBE_CACHE/stream`` (default ``~/.cache/lmprobe/stream``)."""
     return Path(os.environ.get("LMPROBE_CACHE", Path.home() / ".cache" / "lmprobe")) / "stream"

@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 from ..errors import InvalidArgumentError
 from ..format.reader import Dataset
 from ..opening import load
-from ..storage.hub import READER_DEADLINE, reader_policy
+from ..storage.hub import READER_DEADLINE, HubFiles, reader_policy
 from ..storage.objectstore import object_store_policy
 from ..units import format_size, parse_size
 from .engine import OUT_DTYPES, Engine, RowSource, is_in_sorted, rank_world
@@ -142,8 +142,8 @@ class ShardStream:
         if budget is not None and budget <= 0:
             raise InvalidArgumentError(f"cache must be a positive size, got {cache!r}")
         readers = node_readers(self.world_size)
-        is_hub = hasattr(self.ds.files, "commit")
-        policy = reader_policy(float(deadline)) if is_hub else object_store_policy()
+        files = getattr(self.ds.files, "files", self.ds.files)  # through a load(..., cache=) folder: the source
+        policy = reader_policy(float(deadline)) if isinstance(files, HubFiles) else object_store_policy()
         source = RemoteRows(self.ds, self.sites, budget, piece_bytes=piece_bytes, policy=policy, readers=readers)
         budget = source.budget
         if cache is None:

@@ -262,6 +262,8 @@ class RemoteRows(DatasetRows):
             self._cache = BoundedCache(self._download, self.budget, key=self.key, label=str(self.ds.files),
                                        workers=self.workers, share=self.readers * max(1, share))
             self._pid = os.getpid()
+            self._feed_lock, self._header_lock = threading.RLock(), threading.Lock()  # a fork's copies may be held
+            self._feeder = None
             self._planned.clear()
             self._pending.clear()
             self._pending_bytes = 0
