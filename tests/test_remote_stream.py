@@ -390,11 +390,15 @@ def _run_in_thread(fn, seconds: float):
     return not t.is_alive(), out
 
 
-def test_a_retry_after_of_a_day_gives_up_with_one_line_at_the_deadline(hub, tmp_path, rng, fresh_hf_cache, caplog):
+def test_a_retry_after_of_a_day_gives_up_with_one_line_at_the_deadline(hub, tmp_path, rng, fresh_hf_cache, caplog,
+                                                                      monkeypatch):
     """Finding 10: `Retry-After: 100000` on every range request: the reader says what it waits for, caps the wait,
     and gives up with one line after its deadline instead of sleeping a day."""
+    import huggingface_hub.constants as c
+
     _, url = _push(hub, tmp_path, rng, n=60, shard_size="1KiB")
     stream = ShardStream(url, 0, 4, seed=0, cache="64KiB", memory="64KiB", deadline=6)
+    monkeypatch.setattr(c, "ENDPOINT", c.ENDPOINT.replace("http://", "http://someone:SECRETKEY@"))
     hub.fail("GET", r"/resolve/.*tensors", 429, times=10**6, headers={"Retry-After": "100000"})
     t = time.monotonic()
     try:
@@ -406,6 +410,7 @@ def test_a_retry_after_of_a_day_gives_up_with_one_line_at_the_deadline(hub, tmp_
     assert isinstance(out.get("error"), HubError), out
     message = str(out["error"])
     assert "\n" not in message and "429" in message and "tensors/" in message and "6 s" in message
+    assert "SECRETKEY" not in message  # an endpoint is printed without its credentials
     assert time.monotonic() - t < 30
     assert any("waiting" in r.getMessage() or "trying again in 6 s" in r.getMessage() for r in caplog.records)
     assert any("asked for 100000 s" in r.getMessage() for r in caplog.records)

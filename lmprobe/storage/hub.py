@@ -221,6 +221,18 @@ def check_repo_id(repo_id: str) -> str:
     return repo_id
 
 
+def endpoint_for_messages() -> str:
+    """HF_ENDPOINT as a message may print it: without a user name or password (issue 36 finding 9)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from huggingface_hub import constants
+
+    parts = urlsplit(constants.ENDPOINT)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def hub_api(token: str | bool | None = None):
     from huggingface_hub import HfApi
 
@@ -290,14 +302,13 @@ class HubFiles:
 
     def _gave_up(self, what: str, exc: BaseException, log: RetryLog, policy: RetryPolicy) -> HubError:
         """One line: the Hub kept failing a read, what was tried for how long, and what to do."""
-        from huggingface_hub import constants
-
+        endpoint = endpoint_for_messages()
         over = f" after {log.tries} tries over {log.seconds:.0f} s" if log.tries > 1 else ""
         limit = f" (lmprobe waits {policy.deadline:.0f} s)" if log.deadline_passed and policy.deadline else ""
         if status_code(exc) is not None:
-            return HubError(f"the Hub at {constants.ENDPOINT} kept refusing {what} ({describe(exc)}){over}{limit}; "
+            return HubError(f"the Hub at {endpoint} kept refusing {what} ({describe(exc)}){over}{limit}; "
                             "try again later (a training reader waits longer with deadline=)")
-        return HubError(f"cannot reach the Hub at {constants.ENDPOINT} for {what} ({describe(exc)}){over}{limit}; "
+        return HubError(f"cannot reach the Hub at {endpoint} for {what} ({describe(exc)}){over}{limit}; "
                         "check the network (or HF_ENDPOINT) and try again, or use a local copy (`lmprobe pull`)")
 
     def _call(self, fn: Any, rel: str, what: str, policy: RetryPolicy | None = None) -> Any:
