@@ -6,9 +6,12 @@ listing, paths-info, repo and revision info, resolve (HEAD, GET, Range) and vali
 rejects what the Hub rejects where it matters here: a commit naming an LFS object that was never
 uploaded, an upload whose bytes do not match its sha256.
 
-Faults for tests: ``server.fail(method, path_regex, status, times)`` answers matching requests with
-an error; ``server.cut_upload(times, after_bytes)`` drops the connection in the middle of LFS uploads.
-``server.log`` records every (method, path) served.
+Faults for tests: ``server.fail(method, path_regex, status, times, headers=...)`` answers matching
+requests with an error (a ``Retry-After`` header, say); ``server.storm(fraction, ...)`` answers a random
+fraction of matching requests with 429 or 503; ``server.stall(path_regex, seconds)`` holds matching
+answers back (a stalled connection); ``server.corrupt(path_regex)`` flips a byte of matching answers; ``server.cut_upload(times, after_bytes)`` drops the connection in
+the middle of LFS uploads. ``server.log`` records every (method, path) served, ``server.transfers``
+every file answer's (method, path, status, body bytes): what a reader cost the Hub.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import random
 import re
 import threading
 import time
@@ -58,6 +62,24 @@ class Fault:
     status: int
     times: int
     skip: int = 0  # let this many matching requests through first
+    headers: dict | None = None  # sent with the error (Retry-After, say)
+
+
+@dataclass
+class Storm:
+    pattern: re.Pattern
+    fraction: float
+    statuses: tuple[int, ...]
+    headers: dict
+    rng: random.Random
+    hits: int = 0
+
+
+@dataclass
+class Stall:
+    pattern: re.Pattern
+    seconds: float
+    times: int
 
 
 class HubState:
@@ -71,8 +93,13 @@ class HubState:
         self.cut_after = 0
         self.lost_commit_answers = 0  # commits applied whose answer is then dropped
         self.log: list[tuple[str, str]] = []
+        self.transfers: list[tuple[str, str, int, int]] = []  # (method, path, status, body bytes) of file answers
+        self.storms: list[Storm] = []
+        self.stalls: list[Stall] = []
+        self.corruptions: list[Stall] = []  # (pattern, -, times): answers whose last byte is flipped
         self.auth_headers: list[str] = []
         self.rate: float | None = None  # bytes/s of file downloads, shared by all connections (one link)
+        self.rate_pattern: re.Pattern | None = None  # only downloads whose path matches (None: all)
         self.link_free_at = 0.0
 
     def lfs_path(self, oid: str) -> Path:
@@ -116,6 +143,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _fault(self) -> bool:
         st = self.state
+        headers: dict = {}
         with st.lock:
             for f in st.faults:
                 if f.times > 0 and f.method in (self.command, "*") and f.pattern.search(self.path):
@@ -123,13 +151,30 @@ class Handler(BaseHTTPRequestHandler):
                         f.skip -= 1
                         continue
                     f.times -= 1
-                    status = f.status
+                    status, headers = f.status, dict(f.headers or {})
                     break
             else:
-                return False
+                for storm in st.storms:
+                    if storm.pattern.search(self.path) and storm.rng.random() < storm.fraction:
+                        storm.hits += 1
+                        status, headers = storm.rng.choice(storm.statuses), dict(storm.headers)
+                        break
+                else:
+                    return False
         self._body() if self.command in ("POST", "PUT") else None
-        self._error(status, f"injected {status}")
+        self._json(status, {"error": f"injected {status}"}, {"X-Error-Message": f"injected {status}", **headers})
+        with st.lock:
+            st.transfers.append((self.command, self.path, status, 0))
         return True
+
+    def _stall(self) -> None:
+        st = self.state
+        with st.lock:
+            found = next((x for x in st.stalls if x.times > 0 and x.pattern.search(self.path)), None)
+            if found is not None:
+                found.times -= 1
+        if found is not None:
+            time.sleep(found.seconds)
 
     def _repo(self, repo_type: str, repo_id: str) -> Repo | None:
         return self.state.repos.get((repo_type, repo_id))
@@ -172,6 +217,7 @@ class Handler(BaseHTTPRequestHandler):
         self.state.log.append((self.command, self.path))
         if self._fault():
             return
+        self._stall()
         url = urlsplit(self.path)
         path = url.path
         routes = [
@@ -442,18 +488,31 @@ class Handler(BaseHTTPRequestHandler):
             data, status = data[start : end + 1], 206
         else:
             status = 200
+        if self.command == "GET" and data:
+            with self.state.lock:
+                bad = next((c for c in self.state.corruptions if c.times > 0 and c.pattern.search(self.path)), None)
+                if bad is not None:
+                    bad.times -= 1
+            if bad is not None:  # a proxy's wrong bytes of the right length
+                data = data[:-1] + bytes([data[-1] ^ 0xFF])
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
         for k, v in headers.items():
             self.send_header(k, v)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
+        with self.state.lock:
+            self.state.transfers.append((self.command, self.path, status, len(data) if self.command == "GET" else 0))
         if self.command == "GET":
-            self._write_throttled(data)
+            try:
+                self._write_throttled(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (a read timeout): fine
+                pass
 
     def _write_throttled(self, data: bytes) -> None:
         """The body at the server's link rate: every connection shares one link, as on a real network."""
-        if self.state.rate is None:
+        pattern = self.state.rate_pattern
+        if self.state.rate is None or (pattern is not None and not pattern.search(self.path)):
             self.wfile.write(data)
             return
         view = memoryview(data)
@@ -488,14 +547,35 @@ class HubServer:
         self.httpd.server_close()
 
     # faults and inspection
-    def throttle(self, bytes_per_s: float | None) -> None:
-        """Serve file downloads at most this fast in all (None: as fast as the loopback goes)."""
+    def throttle(self, bytes_per_s: float | None, pattern: str | None = None) -> None:
+        """Serve file downloads (those whose path matches ``pattern``) at most this fast in all (None: as fast as
+        the loopback goes)."""
         with self.state.lock:
             self.state.rate, self.state.link_free_at = bytes_per_s, 0.0
+            self.state.rate_pattern = re.compile(pattern) if pattern else None
 
-    def fail(self, method: str, pattern: str, status: int, times: int = 1, skip: int = 0) -> None:
+    def fail(self, method: str, pattern: str, status: int, times: int = 1, skip: int = 0,
+             headers: dict | None = None) -> None:
         with self.state.lock:
-            self.state.faults.append(Fault(method, re.compile(pattern), status, times, skip))
+            self.state.faults.append(Fault(method, re.compile(pattern), status, times, skip, headers))
+
+    def storm(self, fraction: float, pattern: str = r"/resolve/", statuses: tuple[int, ...] = (429, 503),
+              headers: dict | None = None, seed: int = 0) -> Storm:
+        """Answer a random ``fraction`` of the requests matching ``pattern`` with one of ``statuses``."""
+        storm = Storm(re.compile(pattern), fraction, tuple(statuses), dict(headers or {}), random.Random(seed))
+        with self.state.lock:
+            self.state.storms.append(storm)
+        return storm
+
+    def corrupt(self, pattern: str, times: int = 1) -> None:
+        """Flip the last byte of the next ``times`` file answers to requests matching ``pattern``."""
+        with self.state.lock:
+            self.state.corruptions.append(Stall(re.compile(pattern), 0.0, times))
+
+    def stall(self, pattern: str, seconds: float, times: int = 1) -> None:
+        """Hold the next ``times`` answers to requests matching ``pattern`` back for ``seconds``."""
+        with self.state.lock:
+            self.state.stalls.append(Stall(re.compile(pattern), seconds, times))
 
     def cut_upload(self, times: int = 1, after_bytes: int = 100) -> None:
         with self.state.lock:
@@ -508,12 +588,19 @@ class HubServer:
     def clear_faults(self) -> None:
         with self.state.lock:
             self.state.faults.clear()
+            self.state.storms.clear()
+            self.state.stalls.clear()
+            self.state.corruptions.clear()
             self.state.cuts = 0
             self.state.lost_commit_answers = 0
 
     @property
     def log(self) -> list[tuple[str, str]]:
         return self.state.log
+
+    @property
+    def transfers(self) -> list[tuple[str, str, int, int]]:
+        return self.state.transfers
 
     def files(self, repo_id: str, repo_type: str = "dataset", rev: str = "main") -> dict[str, Entry]:
         repo = self.state.repos[(repo_type, repo_id)]
