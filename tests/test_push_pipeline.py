@@ -342,3 +342,15 @@ def test_the_server_refuses_a_copy_of_an_object_it_does_not_hold(hub):
     r = httpx2.post(f"{hub.url}/api/datasets/{repo}/commit/main", content=body.encode(),
                     headers={"Content-Type": "application/x-ndjson"})
     assert r.status_code == 422 and "does not exist" in r.text
+
+
+def test_push_command_takes_workers_and_a_commit_deadline(hub, dataset, capsys):
+    from lmprobe.cli import main as cli_main
+
+    path, src = dataset
+    repo = repo_name()
+    assert cli_main(["push", str(path), repo, "--commit-deadline", "-1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "commit_deadline must be >= 0 seconds" in err and len(err.splitlines()) == 1, err
+    assert cli_main(["push", str(path), repo, "--workers", "2", "--commit-deadline", "60", "--quiet"]) == 0
+    np.testing.assert_array_equal(lmprobe.load(repo).hidden(2), src["hidden"][2])
