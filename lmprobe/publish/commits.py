@@ -352,11 +352,12 @@ class HubCommitter:
         for f in last:
             self._check_local(f)
         try:
-            self.flush()
             final = [_Item(f) for f in last]
             pool = self._pool
             assert pool is not None
+            # uploaded while the other files finish; committed only once they all landed
             uploads: list[Future] = [pool.submit(self._upload_one, it) for it in final]
+            self.flush()
             final = [it for it, fut in zip(final, uploads, strict=True) if fut.result()]
             self._raise_error()
             if final:
