@@ -212,6 +212,54 @@ def test_a_writer_feeds_files_one_by_one_and_deletes_each_once_it_landed(hub, da
     np.testing.assert_array_equal(lmprobe.load(repo).hidden(2), src["hidden"][2])
 
 
+def test_a_lone_file_is_committed_after_commit_interval_without_a_flush(hub, tmp_path):
+    """A writer that closes a shard now and then: its staged copy is freed within commit_interval."""
+    repo = repo_name()
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 1000)
+    landed = []
+    committer = HubCommitter(repo, token=None, config=PushConfig(commit_interval=0.3), on_landed=landed.extend)
+    committer.prepare(private=False)
+    with committer:
+        committer.start()
+        committer.add(RepoFile("tensors/a.safetensors", tmp_path / "a.safetensors"))
+        deadline = time.monotonic() + 10
+        while not landed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [f.rel for f in landed] == ["tensors/a.safetensors"] and "tensors/a.safetensors" in hub.files(repo)
+
+
+def test_ranks_push_to_one_branch_at_once(hub, tmp_path):
+    """Several processes (torchrun ranks) each with a committer of their own, the same repo and branch."""
+    import threading
+
+    repo = repo_name()
+    HubCommitter(repo, token=None).prepare(private=False)
+    blobs = {f"tensors/r{r}_{i:03d}.safetensors": np.random.default_rng([r, i, 7]).bytes(3000) for r in range(3)
+             for i in range(7)}
+    for rel, data in blobs.items():
+        (tmp_path / rel.split("/")[1]).write_bytes(data)
+    errors = []
+
+    def rank(r):
+        try:
+            with HubCommitter(repo, token=None, config=PushConfig(commit_files=2, workers=2)) as c:
+                c.start()
+                for rel in blobs:
+                    if rel.startswith(f"tensors/r{r}_"):
+                        c.add(RepoFile(rel, tmp_path / rel.split("/")[1]))
+                c.finish()
+        except BaseException as exc:  # handed to the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert {rel: hub.read(repo, rel) for rel in blobs} == blobs
+
+
 def test_add_refuses_a_missing_file_before_sending_it(hub, tmp_path):
     repo = repo_name()
     committer = HubCommitter(repo, token=None)
