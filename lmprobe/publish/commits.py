@@ -218,6 +218,7 @@ class HubCommitter:
         self._committer: threading.Thread | None = None
         self._callback_lock = threading.Lock()
         self._bar: Any = None
+        self._hf_bars_were_on = False
         self._finished = False
 
     @property
@@ -293,9 +294,13 @@ class HubCommitter:
             return self
         self.remote = self.call(f"listing {self.repo_id}", self.remote_files)
         if not self.quiet:
+            from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=0, unit="B", unit_scale=True, desc=f"push {self.repo_id}")
+            # one bar for the push, not one per file from huggingface_hub's uploads (8 at once)
+            self._hf_bars_were_on = not are_progress_bars_disabled()
+            disable_progress_bars()
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="lmprobe-upload")
         self._committer = threading.Thread(target=self._commit_loop, name="lmprobe-commit", daemon=True)
         self._committer.start()
@@ -323,10 +328,13 @@ class HubCommitter:
             s.producer_waiting = False
             s.pending[file.rel] = item = _Item(file)
             s.uploading += 1
-        if self._bar is not None:
-            self._bar.total += file.size
-            self._bar.refresh()
+        self._grow_bar([file])
         self._pool.submit(self._upload, item)
+
+    def _grow_bar(self, files: Sequence[RepoFile]) -> None:
+        if self._bar is not None:
+            self._bar.total += sum(max(0, f.size) for f in files)
+            self._bar.refresh()
 
     def flush(self) -> None:
         """Return once every file added so far is in a landed commit (a partial commit is made now)."""
@@ -351,6 +359,7 @@ class HubCommitter:
             self.start()
         for f in last:
             self._check_local(f)
+        self._grow_bar(last)
         try:
             final = [_Item(f) for f in last]
             pool = self._pool
@@ -381,6 +390,11 @@ class HubCommitter:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        if self._hf_bars_were_on:
+            from huggingface_hub.utils import enable_progress_bars
+
+            enable_progress_bars()
+            self._hf_bars_were_on = False
 
     def __enter__(self) -> HubCommitter:
         return self
