@@ -1,13 +1,18 @@
 """The training reader against the floor of any shuffled reader, measured in the same run.
 
     python benchmarks/bench_stream.py [--quick]
+    python benchmarks/bench_stream.py --fresh 10     # a 230 MB layer in 10 fresh processes (issue 35 point 7)
 
 - speed: ShardStream with global shuffling vs the read-plus-gather floor of the same bytes (read
   every shard with np.fromfile, gather every row into a batch by a random permutation), local files
   in the page cache; 1 rank, and 2 ranks in two processes at once (against the floor's one core);
 - shuffle quality: on a dataset stored sorted by label, the spread of the label fraction across
   batches against uniform sampling's (binomial), and how many shards a batch draws from;
-- memory: peak RSS growth of a fresh process reading a dataset 4x its budget, against the budget.
+- memory: peak RSS growth of a fresh process reading a dataset 4x its budget, against the budget;
+- fresh processes: a 230 MB float32 layer, in each of N fresh processes the floor and a fresh reader
+  (as a user makes one) in turn, 3 times: the median ratio per process, the kernel CPU time of a
+  pass (fresh memory faulting in), and the same for the reader as it was (one pool the size of the
+  layer, allocated every pass), emulated in the same processes.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ def floor(path: Path, batch: int) -> float:
     return time.perf_counter() - t0
 
 
-def reader(path: Path, batch: int, memory: str, rank: int = 0, world: int = 1) -> tuple[float, int]:
+def reader(path: Path, batch: int, memory: str = "1GiB", rank: int = 0, world: int = 1) -> tuple[float, int]:
     t0 = time.perf_counter()
     n = 0
     for b in ShardStream(path, 0, batch, seed=0, memory=memory, rank=rank, world_size=world):
@@ -68,11 +73,74 @@ def reader(path: Path, batch: int, memory: str, rank: int = 0, world: int = 1) -
     return time.perf_counter() - t0, n
 
 
+def fresh_child(path: Path, batch: int) -> None:
+    """One fresh process of ``--fresh``: floor, reader and the reader as it was, in turn, 3 times; one JSON line."""
+    import resource
+
+    def old_reader():  # before issue 35: a pool as large as memory allows (the whole layer), new every pass
+        s = ShardStream(path, 0, batch, seed=0)
+        e = s.engine
+        e.pool_rows = (2**30 - 4 * batch * e.source.dim * 4) // (2 * e.source.dim * 4) - batch
+        e._set_block_rows()
+        for b in s:
+            b.sum()
+
+    def measure(fn):
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        fn()
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        return time.perf_counter() - t0, r1.ru_stime - r0.ru_stime, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+
+    floor(path, batch)  # the page cache, as in the other sections
+    runs: dict[str, list] = {"floor": [], "reader": [], "before": []}
+    for _ in range(3):
+        runs["floor"].append(measure(lambda: floor(path, batch)))
+        runs["reader"].append(measure(lambda: reader(path, batch, "1GiB")))
+        runs["before"].append(measure(old_reader))
+    med = {k: [float(np.median([r[i] for r in v])) for i in range(3)] for k, v in runs.items()}
+    print(json.dumps({"ratio": med["floor"][0] / med["reader"][0], "ratio_before": med["floor"][0] / med["before"][0],
+                      "cpu_ratio": med["floor"][2] / med["reader"][2], "sys": med["reader"][1],
+                      "sys_before": med["before"][1], "sys_floor": med["floor"][1], "floor_s": med["floor"][0]}))
+
+
+def fresh(n_proc: int) -> None:
+    import os
+
+    tmp = Path(tempfile.mkdtemp())
+    try:
+        write(tmp / "ds", 56_320, 1024, "64MB")  # 230.7 MB of float32
+        print(f"fresh processes: a 230.7 MB float32 layer (56,320 x 1024, 64 MB shards), batch 4096, default memory; "
+              f"in each of {n_proc} fresh processes the floor and a fresh reader in turn, 3 times (medians); load "
+              f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        print("  process   ratio (target >= 0.8)   CPU ratio   kernel s/pass   | the reader before: ratio   kernel s/pass")
+        rows = []
+        for i in range(n_proc):
+            out = subprocess.run([sys.executable, __file__, "--fresh-child", str(tmp / "ds")], capture_output=True,
+                                 text=True, check=True).stdout.strip().splitlines()[-1]
+            r = json.loads(out)
+            rows.append(r)
+            print(f"  {i:7d}   {r['ratio']:21.2f}   {r['cpu_ratio']:9.2f}   {r['sys']:13.3f}   | "
+                  f"{r['ratio_before']:24.2f}   {r['sys_before']:13.3f}", flush=True)
+        print(f"  min / median: now {min(r['ratio'] for r in rows):.2f} / {np.median([r['ratio'] for r in rows]):.2f}, "
+              f"before {min(r['ratio_before'] for r in rows):.2f} / {np.median([r['ratio_before'] for r in rows]):.2f}; "
+              f"load average at the end {os.getloadavg()[0]:.1f}")
+    finally:
+        shutil.rmtree(tmp)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--fresh", type=int, default=None, metavar="N", help="the 230 MB layer in N fresh processes")
+    ap.add_argument("--fresh-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=5, metavar=("PATH", "BATCH", "MEMORY", "RANK", "WORLD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.fresh_child:
+        fresh_child(Path(args.fresh_child), 4096)
+        return
+    if args.fresh:
+        fresh(args.fresh)
+        return
     if args.child:
         path, batch, memory, rank, world = args.child
         import threading

@@ -95,7 +95,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 
 def _cmd_push(args: argparse.Namespace) -> int:
     api.push_to_hub(args.path, args.repo, private=args.private, revision=args.revision, token=args.token, quiet=args.quiet,
-                saev=args.saev, sae=args.sae)
+                    saev=args.saev, sae=args.sae, workers=args.workers, commit_deadline=args.commit_deadline)
     return 0
 
 
@@ -390,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also publish this saev export (copied into DIR/saev/<HASH>/); repeatable")
     p.add_argument("--sae", action="append", default=[], metavar="FOLDER",
                    help="also publish this SAE dictionary folder (copied into DIR/sae/<name>/); repeatable")
+    p.add_argument("--workers", type=_positive_int, default=8, metavar="N",
+                   help="files uploading at the same time, while earlier ones are committed")
+    p.add_argument("--commit-deadline", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long a request refused by the Hub's rate limit (429) keeps being retried")
     _add_quiet_option(p)
     p.set_defaults(func=_cmd_push)
 

@@ -6,9 +6,19 @@ listing, paths-info, repo and revision info, resolve (HEAD, GET, Range) and vali
 rejects what the Hub rejects where it matters here: a commit naming an LFS object that was never
 uploaded, an upload whose bytes do not match its sha256.
 
-Faults for tests: ``server.fail(method, path_regex, status, times)`` answers matching requests with
-an error; ``server.cut_upload(times, after_bytes)`` drops the connection in the middle of LFS uploads.
-``server.log`` records every (method, path) served.
+Faults for tests: ``server.fail(method, path_regex, status, times, headers=...)`` answers matching
+requests with an error (a ``Retry-After`` header, say); ``server.storm(fraction, ...)`` answers a random
+fraction of matching requests with 429 or 503; ``server.stall(path_regex, seconds)`` holds matching
+answers back (a stalled connection); ``server.corrupt(path_regex)`` flips a byte of matching answers; ``server.cut_upload(times, after_bytes)`` drops the connection in
+the middle of LFS uploads. ``server.log`` records every (method, path) served, ``server.transfers``
+every file answer's (method, path, status, body bytes): what a reader cost the Hub.
+
+Xet (see the "Xet" section below): the server hands out a ``local://`` content store (CAS) from its
+Xet token endpoints, so a client with hf_xet enabled uploads and downloads through hf_xet itself;
+commits may name files uploaded that way, and resolve answers carry ``X-Xet-Hash``. Commits also
+take server-side copies (CommitOperationCopy: an ``lfsFile`` naming an object already stored) and
+deletions. ``server.throttle_uploads(rate)`` and ``server.delay_commits(s)`` model a slow uplink and
+the Hub's commit latency for benchmarks.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import random
 import re
 import threading
 import time
@@ -40,6 +51,7 @@ class Entry:
     oid: str  # git blob oid (of the content, or of the LFS pointer)
     sha256: str | None = None  # LFS files
     data: bytes | None = None  # regular files
+    xet_hash: str | None = None  # files uploaded through Xet (their bytes are in the local CAS)
 
 
 @dataclass
@@ -58,6 +70,24 @@ class Fault:
     status: int
     times: int
     skip: int = 0  # let this many matching requests through first
+    headers: dict | None = None  # sent with the error (Retry-After, say)
+
+
+@dataclass
+class Storm:
+    pattern: re.Pattern
+    fraction: float
+    statuses: tuple[int, ...]
+    headers: dict
+    rng: random.Random
+    hits: int = 0
+
+
+@dataclass
+class Stall:
+    pattern: re.Pattern
+    seconds: float
+    times: int
 
 
 class HubState:
@@ -71,15 +101,47 @@ class HubState:
         self.cut_after = 0
         self.lost_commit_answers = 0  # commits applied whose answer is then dropped
         self.log: list[tuple[str, str]] = []
+        self.transfers: list[tuple[str, str, int, int]] = []  # (method, path, status, body bytes) of file answers
+        self.storms: list[Storm] = []
+        self.stalls: list[Stall] = []
+        self.corruptions: list[Stall] = []  # (pattern, -, times): answers whose last byte is flipped
         self.auth_headers: list[str] = []
         self.rate: float | None = None  # bytes/s of file downloads, shared by all connections (one link)
+        self.rate_pattern: re.Pattern | None = None  # only downloads whose path matches (None: all)
         self.link_free_at = 0.0
+        # uploads and commits (benchmarks of the push, Xet): see the sections below
+        self.upload_rate: float | None = None  # bytes/s of LFS upload bodies, one shared uplink
+        self.uplink_free_at = 0.0
+        self.commit_delay = 0.0  # seconds each commit takes (the Hub's commit latency)
+        self.xet = XetCAS(root / "xet-cas")
+        self.spans: list[tuple[str, float, float]] = []  # ("upload" | "commit", start, end), monotonic
 
     def lfs_path(self, oid: str) -> Path:
         return self.root / "lfs" / oid
 
     def has_lfs(self, oid: str) -> bool:
         return self.lfs_path(oid).exists()
+
+    def lfs_bytes(self, e: Entry) -> bytes:
+        """The content of an LFS entry; a file uploaded through Xet is fetched from the CAS once, and kept."""
+        path = self.lfs_path(e.sha256)
+        if not path.exists() and e.xet_hash:
+            self.xet.materialize(e.xet_hash, e.size, e.sha256, path)
+        return path.read_bytes()
+
+
+def timed(kind: str):
+    """Record when a handler ran, in ``state.spans`` as (kind, start, end): overlaps show pipelining."""
+    def wrap(fn):
+        def run(self, *args, **kwargs):
+            start = time.monotonic()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                with self.state.lock:
+                    self.state.spans.append((kind, start, time.monotonic()))
+        return run
+    return wrap
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -104,8 +166,8 @@ class Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, obj, headers: dict | None = None):
         self._send(status, json.dumps(obj).encode(), headers)
 
-    def _error(self, status: int, message: str, code: str | None = None):
-        headers = {"X-Error-Message": message}
+    def _error(self, status: int, message: str, code: str | None = None, headers: dict | None = None):
+        headers = {"X-Error-Message": message, **(headers or {})}
         if code:
             headers["X-Error-Code"] = code
         self._json(status, {"error": message}, headers)
@@ -116,6 +178,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _fault(self) -> bool:
         st = self.state
+        headers: dict = {}
         with st.lock:
             for f in st.faults:
                 if f.times > 0 and f.method in (self.command, "*") and f.pattern.search(self.path):
@@ -123,13 +186,30 @@ class Handler(BaseHTTPRequestHandler):
                         f.skip -= 1
                         continue
                     f.times -= 1
-                    status = f.status
+                    status, headers = f.status, dict(f.headers or {})
                     break
             else:
-                return False
+                for storm in st.storms:
+                    if storm.pattern.search(self.path) and storm.rng.random() < storm.fraction:
+                        storm.hits += 1
+                        status, headers = storm.rng.choice(storm.statuses), dict(storm.headers)
+                        break
+                else:
+                    return False
         self._body() if self.command in ("POST", "PUT") else None
-        self._error(status, f"injected {status}")
+        self._json(status, {"error": f"injected {status}"}, {"X-Error-Message": f"injected {status}", **headers})
+        with st.lock:
+            st.transfers.append((self.command, self.path, status, 0))
         return True
+
+    def _stall(self) -> None:
+        st = self.state
+        with st.lock:
+            found = next((x for x in st.stalls if x.times > 0 and x.pattern.search(self.path)), None)
+            if found is not None:
+                found.times -= 1
+        if found is not None:
+            time.sleep(found.seconds)
 
     def _repo(self, repo_type: str, repo_id: str) -> Repo | None:
         return self.state.repos.get((repo_type, repo_id))
@@ -172,6 +252,7 @@ class Handler(BaseHTTPRequestHandler):
         self.state.log.append((self.command, self.path))
         if self._fault():
             return
+        self._stall()
         url = urlsplit(self.path)
         path = url.path
         routes = [
@@ -189,6 +270,7 @@ class Handler(BaseHTTPRequestHandler):
             ("POST", r"^/lfs-verify/(?P<oid>[0-9a-f]{64})$", self.lfs_verify),
             ("GET", r"^/(?:(?P<t>dataset|space)s/)?(?P<id>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", self.resolve),
             ("HEAD", r"^/(?:(?P<t>dataset|space)s/)?(?P<id>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", self.resolve),
+            *self.xet_routes(),
         ]
         for method, pattern, fn in routes:
             m = re.match(pattern, path)
@@ -284,6 +366,7 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, json.dumps({"transfer": "basic", "objects": objects}).encode(),
                    ctype="application/vnd.git-lfs+json")
 
+    @timed("upload")
     def lfs_upload(self, query, oid):
         n = int(self.headers.get("Content-Length") or 0)
         st = self.state
@@ -296,7 +379,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.shutdown(2)  # drop the connection mid-upload
             return
-        data = self.rfile.read(n)
+        data = self._read_throttled(n)
         if hashlib.sha256(data).hexdigest() != oid:
             return self._error(400, "sha256 of the uploaded bytes does not match the oid")
         tmp = st.lfs_path(oid).with_suffix(".tmp" + uuid.uuid4().hex)
@@ -311,8 +394,11 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(404, "object not found")
         self._json(200, {})
 
+    @timed("commit")
     def commit(self, query, t, id, rev):
         lines = [json.loads(x) for x in self._body().splitlines() if x.strip()]
+        if self.state.commit_delay:
+            time.sleep(self.state.commit_delay)  # the Hub's commit latency
         repo = self._repo(t, id)
         if repo is None:
             return self._error(404, "Repository not found", "RepoNotFound")
@@ -330,14 +416,18 @@ class Handler(BaseHTTPRequestHandler):
                 elif key == "file":
                     data = base64.b64decode(value["content"])
                     tree[value["path"]] = Entry(len(data), git_blob_oid(data), data=data)
-                elif key == "lfsFile":
+                elif key == "lfsFile":  # an upload (LFS or Xet), or a server-side copy (no size)
                     oid = value["oid"]
-                    if not self.state.has_lfs(oid):
+                    xet = None if self.state.has_lfs(oid) else self.state.xet.lookup(oid)
+                    if not self.state.has_lfs(oid) and xet is None:
                         return self._error(
                             422, f"Your push was rejected because an LFS pointer pointed to a file that does not exist ({value['path']})")
-                    size = self.state.lfs_path(oid).stat().st_size
+                    size = self.state.lfs_path(oid).stat().st_size if xet is None else xet[1]
+                    if value.get("size") is not None and value["size"] != size:
+                        return self._error(422, f"{value['path']}: size {value['size']} does not match the object's {size}")
                     pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {size}\n".encode()
-                    tree[value["path"]] = Entry(size, git_blob_oid(pointer), sha256=oid)
+                    tree[value["path"]] = Entry(size, git_blob_oid(pointer), sha256=oid,
+                                                xet_hash=None if xet is None else xet[0])
                 elif key == "deletedFile":
                     if value["path"] not in tree:
                         return self._error(404, "A file with this name doesn't exist", "EntryNotFound")
@@ -365,6 +455,8 @@ class Handler(BaseHTTPRequestHandler):
         d = {"type": "file", "oid": e.oid, "size": e.size, "path": path}
         if e.sha256:
             d["lfs"] = {"oid": e.sha256, "size": e.size, "pointerSize": 130}
+        if e.xet_hash:
+            d["xetHash"] = e.xet_hash
         return d
 
     def _listing(self, tree: dict[str, Entry], sub: str, recursive: bool) -> list[dict]:
@@ -429,7 +521,17 @@ class Handler(BaseHTTPRequestHandler):
         if e.sha256:
             headers["X-Linked-Etag"] = f'"{e.sha256}"'
             headers["X-Linked-Size"] = str(e.size)
-        data = e.data if e.data is not None else self.state.lfs_path(e.sha256).read_bytes()
+        if e.xet_hash:
+            headers.update(self.xet_headers(t, id, commit, e))
+            if self.command == "HEAD":  # a client with hf_xet reads the bytes from the CAS, not from here
+                self.send_response(200)
+                for k, v in {"Content-Type": "application/octet-stream", **headers, "Content-Length": str(e.size)}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                with self.state.lock:
+                    self.state.transfers.append((self.command, self.path, 200, 0))
+                return
+        data = e.data if e.data is not None else self.state.lfs_bytes(e)
         rng = self.headers.get("Range")
         if rng and self.command == "GET":
             m = re.match(r"bytes=(\d*)-(\d*)", rng)
@@ -442,18 +544,31 @@ class Handler(BaseHTTPRequestHandler):
             data, status = data[start : end + 1], 206
         else:
             status = 200
+        if self.command == "GET" and data:
+            with self.state.lock:
+                bad = next((c for c in self.state.corruptions if c.times > 0 and c.pattern.search(self.path)), None)
+                if bad is not None:
+                    bad.times -= 1
+            if bad is not None:  # a proxy's wrong bytes of the right length
+                data = data[:-1] + bytes([data[-1] ^ 0xFF])
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
         for k, v in headers.items():
             self.send_header(k, v)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
+        with self.state.lock:
+            self.state.transfers.append((self.command, self.path, status, len(data) if self.command == "GET" else 0))
         if self.command == "GET":
-            self._write_throttled(data)
+            try:
+                self._write_throttled(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (a read timeout): fine
+                pass
 
     def _write_throttled(self, data: bytes) -> None:
         """The body at the server's link rate: every connection shares one link, as on a real network."""
-        if self.state.rate is None:
+        pattern = self.state.rate_pattern
+        if self.state.rate is None or (pattern is not None and not pattern.search(self.path)):
             self.wfile.write(data)
             return
         view = memoryview(data)
@@ -465,6 +580,135 @@ class Handler(BaseHTTPRequestHandler):
                 done = self.state.link_free_at
             time.sleep(max(0.0, done - time.monotonic()))
             self.wfile.write(chunk)
+
+    # ------------------------------------------------------------------ uploads, commits and Xet
+    def _read_throttled(self, n: int) -> bytes:
+        """An upload body of ``n`` bytes, at the server's uplink rate (every connection shares one uplink)."""
+        if self.state.upload_rate is None:
+            return self.rfile.read(n)
+        out = bytearray()
+        while len(out) < n:
+            chunk = self.rfile.read(min(1 << 18, n - len(out)))
+            if not chunk:
+                break
+            with self.state.lock:
+                start = max(time.monotonic(), self.state.uplink_free_at)
+                self.state.uplink_free_at = start + len(chunk) / self.state.upload_rate
+                done = self.state.uplink_free_at
+            time.sleep(max(0.0, done - time.monotonic()))
+            out += chunk
+        return bytes(out)
+
+    def xet_routes(self) -> list:
+        repo = r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)"
+        return [("GET", repo + r"/xet-(?P<kind>read|write)-token/(?P<rev>[^/]+)$", self.xet_token)]
+
+    def xet_token(self, query, t, id, kind, rev):
+        """A Xet access token: where the CAS is (casUrl) and until when the token holds (exp).
+
+        huggingface_hub reads the X-Xet-* headers (downloads), hf_xet the JSON body (its token refresh).
+        """
+        repo = self._repo(t, id)
+        if repo is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        if kind == "read" and self._tree(repo, rev) is None:
+            return self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+        exp = int(time.time()) + 3600
+        token = f"xet-{kind}-{uuid.uuid4().hex}"  # any token: the local CAS checks none
+        url = self.state.xet.url
+        self._json(200, {"casUrl": url, "accessToken": token, "exp": exp},
+                   {"X-Xet-Cas-Url": url, "X-Xet-Access-Token": token, "X-Xet-Token-Expiration": str(exp)})
+
+    def xet_headers(self, t: str, id: str, commit: str, e: Entry) -> dict:
+        """What the Hub adds to a resolve answer for a Xet file: its hash, and where a read token comes from."""
+        prefix = f"{self.base_url}/api/{t}s/{id}"
+        return {"X-Xet-Hash": e.xet_hash, "X-Xet-Refresh-Route": f"{prefix}/xet-read-token/{commit}",
+                "Link": f'<{prefix}/xet-read-token/{commit}>; rel="xet-auth"'}
+
+
+class XetCAS:
+    """The local Xet content store (``local://`` CAS) the server hands out, and what the server reads from it.
+
+    hf_xet writes xorbs (chunk data) and shards (file -> xorb ranges) into this folder itself; the
+    server only reads the shards the client uploaded, as the Hub learns of Xet files from the shards
+    sent to its CAS: each file entry gives the Xet file hash and size, and the sha256 the client
+    recorded (the commit names a file by that sha256). Shard format (xet-core ``metadata_shard``):
+    a 48-byte header (32-byte tag, version, footer size: little-endian u64s), then per file a 48-byte
+    header (file hash, flags u32, number of entries u32, 8 unused bytes) followed by 48-byte entries:
+    the segments (xorb hash, flags, bytes u32, chunk range), verification entries when flag bit 31 is
+    set, one metadata entry (sha256) when bit 30 is set; a header of all 0xff ends the section. A
+    32-byte hash is four little-endian u64s, written in hex word by word.
+    """
+
+    TAG = b"HFRepoMetaData" + bytes([0, 85, 105, 103, 69, 106, 123, 129, 87, 131, 165, 189, 217, 92, 205, 209, 74, 169])
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.url = f"local://{root}"
+        self.files: dict[str, tuple[str, int]] = {}  # sha256 -> (xet file hash, size)
+        self.seen: set[Path] = set()
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def hash_hex(b: bytes) -> str:
+        return "".join(b[i : i + 8][::-1].hex() for i in range(0, 32, 8))
+
+    def shard_files(self) -> list[Path]:
+        """The shards uploaded to the CAS (not hf_xet's client-side ``shard-cache``)."""
+        if not self.root.exists():
+            return []
+        return sorted(p for p in self.root.rglob("*.mdb") if p.parent.name == "shards" and p.is_file())
+
+    def scan(self, path: Path) -> None:
+        import struct
+
+        data = path.read_bytes()
+        if len(data) < 48 or data[:32] != self.TAG:
+            raise ValueError(f"{path} is not a Xet shard")
+        off = 48
+        while off + 48 <= len(data):
+            file_hash = data[off : off + 32]
+            flags, n, _ = struct.unpack_from("<IIQ", data, off + 32)
+            if file_hash == b"\xff" * 32:
+                return
+            n_info = n * (2 if flags & (1 << 31) else 1) + (1 if flags & (1 << 30) else 0)
+            end = off + 48 + 48 * n_info
+            if end > len(data):
+                raise ValueError(f"{path}: a file entry runs past the end of the shard")
+            size = sum(struct.unpack_from("<I", data, off + 48 + 48 * i + 36)[0] for i in range(n))
+            if flags & (1 << 30):  # the sha256 the client recorded for the file
+                sha256 = self.hash_hex(data[end - 48 : end - 16])
+                self.files[sha256] = (self.hash_hex(file_hash), size)
+            off = end
+
+    def lookup(self, sha256: str) -> tuple[str, int] | None:
+        """(Xet file hash, size) of the file with this sha256, if a client uploaded it to the CAS."""
+        with self.lock:
+            if sha256 not in self.files:
+                for path in self.shard_files():
+                    if path not in self.seen:
+                        self.scan(path)
+                        self.seen.add(path)
+            return self.files.get(sha256)
+
+    def n_objects(self) -> int:
+        """How many xorbs and shards the CAS holds (a re-upload adds some; a server-side copy none)."""
+        if not self.root.exists():
+            return 0
+        return sum(1 for p in self.root.rglob("*") if p.is_file() and p.parent.name in ("xorbs", "shards")
+                   and p.suffix not in (".tagset", ".redb"))
+
+    def materialize(self, xet_hash: str, size: int, sha256: str, dest: Path) -> None:
+        """Fetch a file's bytes from the CAS with hf_xet (for a client that reads it over plain HTTP)."""
+        import hf_xet
+
+        tmp = dest.with_suffix(".tmp" + uuid.uuid4().hex)
+        with hf_xet.XetSession().new_file_download_group(endpoint=self.url) as group:
+            group.start_download_file(hf_xet.XetFileInfo(xet_hash, size), str(tmp))
+        if hashlib.sha256(tmp.read_bytes()).hexdigest() != sha256:
+            tmp.unlink()
+            raise ValueError(f"the CAS's bytes of Xet file {xet_hash} do not have the sha256 {sha256} its shard records")
+        tmp.replace(dest)
 
 
 class HubServer:
@@ -488,14 +732,53 @@ class HubServer:
         self.httpd.server_close()
 
     # faults and inspection
-    def throttle(self, bytes_per_s: float | None) -> None:
-        """Serve file downloads at most this fast in all (None: as fast as the loopback goes)."""
+    def throttle(self, bytes_per_s: float | None, pattern: str | None = None) -> None:
+        """Serve file downloads (those whose path matches ``pattern``) at most this fast in all (None: as fast as
+        the loopback goes)."""
         with self.state.lock:
             self.state.rate, self.state.link_free_at = bytes_per_s, 0.0
+            self.state.rate_pattern = re.compile(pattern) if pattern else None
 
-    def fail(self, method: str, pattern: str, status: int, times: int = 1, skip: int = 0) -> None:
+    def fail(self, method: str, pattern: str, status: int, times: int = 1, skip: int = 0,
+             headers: dict | None = None) -> None:
         with self.state.lock:
-            self.state.faults.append(Fault(method, re.compile(pattern), status, times, skip))
+            self.state.faults.append(Fault(method, re.compile(pattern), status, times, skip, headers))
+
+    def storm(self, fraction: float, pattern: str = r"/resolve/", statuses: tuple[int, ...] = (429, 503),
+              headers: dict | None = None, seed: int = 0) -> Storm:
+        """Answer a random ``fraction`` of the requests matching ``pattern`` with one of ``statuses``."""
+        storm = Storm(re.compile(pattern), fraction, tuple(statuses), dict(headers or {}), random.Random(seed))
+        with self.state.lock:
+            self.state.storms.append(storm)
+        return storm
+
+    def corrupt(self, pattern: str, times: int = 1) -> None:
+        """Flip the last byte of the next ``times`` file answers to requests matching ``pattern``."""
+        with self.state.lock:
+            self.state.corruptions.append(Stall(re.compile(pattern), 0.0, times))
+
+    def stall(self, pattern: str, seconds: float, times: int = 1) -> None:
+        """Hold the next ``times`` answers to requests matching ``pattern`` back for ``seconds``."""
+        with self.state.lock:
+            self.state.stalls.append(Stall(re.compile(pattern), seconds, times))
+
+    def throttle_uploads(self, bytes_per_s: float | None) -> None:
+        """Receive LFS uploads at most this fast in all, one shared uplink (None: as fast as the loopback goes).
+
+        Xet uploads go from hf_xet straight to the local CAS folder, not through the server: not throttled.
+        """
+        with self.state.lock:
+            self.state.upload_rate, self.state.uplink_free_at = bytes_per_s, 0.0
+
+    def delay_commits(self, seconds: float) -> None:
+        """Make every commit take this long before it is applied (the Hub's commit latency)."""
+        with self.state.lock:
+            self.state.commit_delay = seconds
+
+    @property
+    def xet_url(self) -> str:
+        """The ``local://`` CAS the Xet token endpoints hand out."""
+        return self.state.xet.url
 
     def cut_upload(self, times: int = 1, after_bytes: int = 100) -> None:
         with self.state.lock:
@@ -508,12 +791,19 @@ class HubServer:
     def clear_faults(self) -> None:
         with self.state.lock:
             self.state.faults.clear()
+            self.state.storms.clear()
+            self.state.stalls.clear()
+            self.state.corruptions.clear()
             self.state.cuts = 0
             self.state.lost_commit_answers = 0
 
     @property
     def log(self) -> list[tuple[str, str]]:
         return self.state.log
+
+    @property
+    def transfers(self) -> list[tuple[str, str, int, int]]:
+        return self.state.transfers
 
     def files(self, repo_id: str, repo_type: str = "dataset", rev: str = "main") -> dict[str, Entry]:
         repo = self.state.repos[(repo_type, repo_id)]
@@ -525,7 +815,7 @@ class HubServer:
     def read(self, repo_id: str, path: str, repo_type: str = "dataset", rev: str = "main") -> bytes:
         """The content of a file at the head of a branch."""
         e = self.files(repo_id, repo_type, rev)[path]
-        return e.data if e.data is not None else self.state.lfs_path(e.sha256).read_bytes()
+        return e.data if e.data is not None else self.state.lfs_bytes(e)
 
 
 def main(argv: list[str] | None = None) -> int:

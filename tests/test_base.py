@@ -99,6 +99,61 @@ def test_a_lost_answer_is_not_repeated():
         call_with_retry(failing(5, Flaky("x"))[0], policy=policy, landed=lambda: {}["missing"])
 
 
+def test_a_failed_check_is_asked_again_before_the_operation_is_repeated():
+    """A commit whose answer was lost, then a check that fails: trying the commit again could make it twice."""
+    policy = RetryPolicy(retry_on_exceptions=(Flaky,), base_wait=0)
+    fn, calls = failing(1, Flaky("answer lost"))
+    checks = iter([Flaky("check dropped"), Flaky("check dropped"), True])
+
+    def landed():
+        answer = next(checks)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    assert call_with_retry(fn, policy=policy, landed=landed, sleep=lambda s: None) is None
+    assert calls["n"] == 1  # asked three times, never made twice
+
+
+def test_rate_limits_are_waited_out_until_the_deadline_not_counted_as_failures():
+    clock = {"t": 0.0}
+    waits, told = [], []
+
+    def sleep(s):
+        waits.append(s)
+        clock["t"] += s
+
+    policy = RetryPolicy(retry_on_status_codes=frozenset({429, 503}), rate_limit_status_codes=frozenset({429}),
+                         max_retries=1, base_wait=0.1, max_wait=30.0, deadline=130.0)
+    fn, calls = failing(6, HTTPFailure(429, {"Retry-After": "20"}))
+    assert call_with_retry(fn, policy=policy, sleep=sleep, clock=lambda: clock["t"],
+                           on_wait=lambda exc, w, limited: told.append((w, limited))) == "ok"
+    assert calls["n"] == 7 and waits == [20.0] * 6  # six rate limits with max_retries=1: none counts
+    assert told == [(20.0, True)] * 6
+    # a Retry-After beyond max_wait waits max_wait; no try starts after the deadline
+    clock["t"], waits[:] = 0.0, []
+    fn, calls = failing(99, HTTPFailure(429, {"Retry-After": "3600"}))
+    with pytest.raises(HTTPFailure):
+        call_with_retry(fn, policy=policy, sleep=sleep, clock=lambda: clock["t"])
+    assert waits == [30.0] * 4 + [10.0] and calls["n"] == 6  # the last wait ends at the deadline
+    # other transient answers still count against max_retries
+    clock["t"] = 0.0
+    fn, calls = failing(5, HTTPFailure(503))
+    with pytest.raises(HTTPFailure):
+        call_with_retry(fn, policy=policy, sleep=sleep, clock=lambda: clock["t"])
+    assert calls["n"] == 2
+
+
+def test_retry_after_as_a_date_and_the_ratelimit_header():
+    from email.utils import formatdate
+
+    policy = RetryPolicy(retry_on_status_codes=frozenset({429}), base_wait=1.0, max_wait=600.0)
+    in_40s = formatdate(time.time() + 40, usegmt=True)
+    assert 38 <= policy.wait(0, HTTPFailure(429, {"Retry-After": in_40s})) <= 41
+    assert policy.wait(0, HTTPFailure(429, {"RateLimit": '"api";r=0;t=55'})) == 55.0
+    assert policy.wait(0, HTTPFailure(429, {"RateLimit": '"api";r=3;t=55'})) == 1.0  # requests left: no reset wait
+
+
 def test_worker_hands_its_first_error_to_the_caller():
     seen = []
 

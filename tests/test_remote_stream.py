@@ -1,22 +1,35 @@
-"""Training from a remote dataset in a bounded cache: the Hub and S3 (local servers), budget, coverage, resume."""
+"""Training from a remote dataset in a bounded, node-shared cache: the Hub and S3 (local servers), request economy,
+no read amplification across ranks, mixing, the shared cache under concurrent and killed readers, faults waited
+out, checksums, hangs, full disks (issue 35; issue 36 findings 6, 10, 11, 12, 15)."""
 
 from __future__ import annotations
 
+import errno
+import json
+import logging
 import os
+import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import write_dataset
 
 import lmprobe
-from lmprobe.errors import InvalidArgumentError, ObjectStoreError
-from lmprobe.storage.cache import BoundedCache
+from lmprobe.errors import FormatError, HubError, InvalidArgumentError, ObjectStoreError, OutOfSpaceError
+from lmprobe.storage.cache import BoundedCache, cache_budget
 from lmprobe.storage.cache import cache_root as stream_root
 from lmprobe.storage.hub import HubFiles
-from lmprobe.stream import Engine, RemoteRows, ShardStream
+from lmprobe.stream import RemoteRows, ShardStream
+
+TESTS = Path(__file__).parent
 
 # ----------------------------------------------------------------------------- the cache on its own
 
@@ -50,7 +63,7 @@ class _SlowFiles:
 def test_the_cache_never_holds_more_than_its_budget(tmp_path):
     sizes = {f"s{i}.bin": 1000 for i in range(40)}
     holder = {}
-    files = _SlowFiles(sizes, lambda: holder["cache"].dir)
+    files = _SlowFiles(sizes, lambda: holder["cache"].folder)
     cache = BoundedCache(files.download, budget=3500, sizes=sizes, workers=4, root=tmp_path)
     holder["cache"] = cache
     seq = [f"s{i}.bin" for i in range(40)]
@@ -66,7 +79,7 @@ def test_the_cache_never_holds_more_than_its_budget(tmp_path):
     assert files.on_disk_max <= 3500 and cache.peak <= 3500
     assert cache.peak == 3000  # it did run ahead: three files at once
     cache.close()
-    assert not cache.dir.exists()
+    assert not cache.folder.exists()  # a finished reader leaves nothing behind
 
 
 def test_the_cache_hands_a_download_error_to_the_consumer_and_rejects_oversized_files(tmp_path):
@@ -82,19 +95,79 @@ def test_the_cache_hands_a_download_error_to_the_consumer_and_rejects_oversized_
         BoundedCache(_SlowFiles({"big": 50}, lambda: tmp_path).download, budget=20, sizes={"big": 50}, root=tmp_path)
 
 
-def test_remote_shuffle_takes_shards_a_group_at_a_time():
-    class Rows:
-        shard_rows = [100] * 12
-        n_sites, dim, dtype = 1, 4, "float32"
+def test_readers_of_one_machine_share_a_folder_download_each_piece_once_and_keep_one_budget(tmp_path):
+    """Two readers (ranks of one node) of the same remote: a piece both need at once is downloaded once, the other
+    waits for it; the folder as a whole stays within the budget; a piece is visible only once complete."""
+    sizes = {f"p{i}": 1000 for i in range(30)}
+    calls: dict[str, int] = {}
+    lock = threading.Lock()
+    seen_incomplete = []
 
-    eng = Engine(Rows(), 10, seed=0, shuffle=True, rank=0, world=1, memory=10**6, drop_last=False, block_rows=5)
-    eng.resident = 3
-    shard, _ = eng.blocks(0)
-    groups = [set(shard[i : i + 60].tolist()) for i in range(0, 240, 60)]  # 3 shards x 20 blocks per group
-    assert all(len(g) == 3 for g in groups) and set().union(*groups) == set(range(12))
-    eng.resident = None
-    shard, _ = eng.blocks(0)
-    assert len(set(shard[:60].tolist())) > 6  # the global shuffle mixes every shard from the start
+    def download(name, dst):
+        with lock:
+            calls[name] = calls.get(name, 0) + 1
+        with open(dst, "wb") as f:
+            for _ in range(4):
+                f.write(b"\2" * 250)
+                f.flush()
+                for p in (tmp_path / "acts").glob("pieces/*"):  # what any reader may open: whole files only
+                    try:
+                        if p.stat().st_size != 1000:
+                            seen_incomplete.append(p.name)
+                    except FileNotFoundError:  # released and deleted meanwhile
+                        pass
+                time.sleep(0.003)
+
+    a = BoundedCache(download, 4000, key="acts", sizes=sizes, root=tmp_path, share=2)
+    b = BoundedCache(download, 4000, key="acts", sizes=sizes, root=tmp_path, share=2)
+    peak = [0]
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(0.001):
+            peak[0] = max(peak[0], a.folder_bytes())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    order = [f"p{i}" for i in range(30)]
+
+    together = threading.Barrier(2)
+
+    def consume(cache):  # ranks in step, as data-parallel training keeps them: both hold a piece at once
+        cache.schedule(order)
+        for name in order:
+            assert cache.get(name).read_bytes() == b"\2" * 1000
+            together.wait(30)
+            cache.release(name)
+
+    threads = [threading.Thread(target=consume, args=(c,)) for c in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    done.set()
+    sampler.join()
+    assert all(n == 1 for n in calls.values()) and len(calls) == 30  # each piece once for the machine
+    assert a.downloaded + b.downloaded == 30 and a.shared + b.shared == 30
+    assert peak[0] <= 4000 and not seen_incomplete
+    a.close()
+    assert b.folder.exists()  # b still reads from it
+    b.close()
+    assert not b.folder.exists()
+
+
+def test_default_budgets_count_the_other_readers_of_the_machine(tmp_path, monkeypatch):
+    """Two jobs starting on one node: the second's default budget leaves room for the first's (finding 12)."""
+    import shutil
+
+    free = 40 * 2**30
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=free))
+    first = cache_budget(None, "job 1", announce=False)
+    second = cache_budget(None, "job 2", announce=False)  # while the first job's budget still holds
+    assert first <= free // 2
+    assert first + second <= 0.75 * free, (first, second)  # not half of the same free space twice
+    assert second < first
 
 
 # ----------------------------------------------------------------------------- from the Hub
@@ -142,7 +215,8 @@ def test_hub_stream_in_a_bounded_cache(hub, tmp_path, rng, fresh_hf_cache, monke
         on_disk.append(_du(stream_root()))
 
     monkeypatch.setattr(RemoteRows, "_download", watched)
-    monkeypatch.setattr(HubFiles, "read_range", lambda self, rel, a, b: ranges.append(b - a) or real_range(self, rel, a, b))
+    monkeypatch.setattr(HubFiles, "read_range",
+                        lambda self, rel, a, b, **kw: ranges.append(b - a) or real_range(self, rel, a, b, **kw))
     stream = ShardStream(url, 0, 7, seed=1, cache=budget, memory="64KiB")
     assert stream.resident >= 2  # pieces: the shards' rows without their headers
     got = _rows(list(stream))
@@ -193,6 +267,341 @@ def test_the_default_cache_is_bounded_and_said(hub, tmp_path, rng, fresh_hf_cach
     assert local.cache_budget is None  # a local dataset is read in place
 
 
+def _tensor_gets(hub, since: int) -> list[tuple[str, str, int, int]]:
+    """The file answers for shard files since transfer ``since``: (method, path, status, bytes)."""
+    return [t for t in hub.transfers[since:] if t[0] == "GET" and "/resolve/" in t[1] and "tensors" in t[1]]
+
+
+def _layer_bytes(url: str) -> int:
+    return sum(f.bytes for f in lmprobe.load(url).meta.files() if f.rel.startswith("tensors/hidden"))
+
+
+def test_a_pass_reads_each_shard_with_one_request_and_headers_only_when_needed(hub, tmp_path, rng, fresh_hf_cache):
+    """Point 1: no header is read up front; a shard that fits in a piece is one request (header and rows); a rank
+    reads only its own shards; bytes per request, every request counted, is about a piece."""
+    _, url = _push(hub, tmp_path, rng, n=300, shard_size="1KiB")
+    n_files = len([f for f in lmprobe.load(url).meta.files() if f.rel.startswith("tensors/hidden")])
+    log0, t0 = len(hub.log), len(hub.transfers)
+    stream = ShardStream(url, 0, 8, seed=0, cache="64KiB", memory="64KiB")
+    assert not _tensor_gets(hub, t0)  # nothing of a shard until the pass needs it
+    rows = np.concatenate(list(stream))
+    requests = hub.log[log0:]  # repo description, index, shards: everything this reader asked for
+    served = sum(b for _, _, _, b in hub.transfers[t0:])
+    gets = _tensor_gets(hub, t0)
+    assert len(gets) == n_files and len({p for _, p, _, _ in gets}) == n_files  # one request per shard file
+    assert len(rows) == sum(lmprobe.load(url).hidden_desc().shard_rows(s) for s in range(n_files))
+    assert served / len(requests) >= 0.5 * _layer_bytes(url) / n_files
+    stream.close()
+    t1 = len(hub.transfers)
+    quarter = ShardStream(url, 0, 8, seed=0, cache="64KiB", memory="64KiB", rank=1, world_size=4)
+    list(quarter)
+    # its own shards only: about a quarter, and where a dealing cut splits a shard with the next rank, the
+    # shard's header and the rank's part of its rows (two cuts at most)
+    assert len(_tensor_gets(hub, t1)) <= -(-n_files // 4) + 4
+
+
+@pytest.mark.parametrize("piece", [None, "256B"])  # shards read whole; shards cut into pieces dealt apart
+def test_four_ranks_download_the_layer_once_between_them_and_see_every_vector_once(hub, tmp_path, rng,
+                                                                                   fresh_hf_cache, piece):
+    """Point 2: pieces, not rows, are dealt to the ranks: together they download at most 1.15x the layer's bytes."""
+    src, url = _push(hub, tmp_path, rng, n=400, shard_size="1KiB")
+    kw = {"piece": piece} if piece else {}
+    t0 = len(hub.transfers)
+    shares = [np.concatenate(list(ShardStream(url, 0, 8, seed=5, rank=r, world_size=4, cache="32KiB",
+                                              memory="64KiB", **kw))) for r in range(4)]
+    served = sum(b for _, _, _, b in _tensor_gets(hub, t0))
+    assert served <= 1.15 * _layer_bytes(url), (served, _layer_bytes(url))
+    np.testing.assert_array_equal(np.sort(np.concatenate(shares), axis=0), np.sort(src["hidden"][0], axis=0))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 2 * 16  # balanced within a block per cut
+
+
+def _sorted_labels(path: Path, n: int, dim: int, shard: str) -> None:
+    from lmprobe.format.writer import DatasetWriter
+
+    with DatasetWriter(path, layers=[0], dim=dim, model_name="m", shard_size=shard, label_type="int",
+                       statistics=False) as w:
+        for a in range(0, n, 8192):
+            b = min(8192, n - a)
+            x = np.random.default_rng(a).normal(size=(b, dim)).astype(np.float32)
+            labels = [int(i >= n // 2) for i in range(a, a + b)]
+            x[:, 0] = labels
+            x[:, 1] = np.arange(a, a + b)
+            w.add_batch(texts=["x"] * b, num_tokens=[1] * b, hidden={0: x}, labels=labels)
+
+
+def test_batches_of_a_label_sorted_dataset_mix_like_uniform_sampling_with_a_quarter_of_it_cached(hub, tmp_path):
+    """Point 3: a cache of a quarter of the data; each resident group of pieces spans the whole dataset."""
+    _sorted_labels(tmp_path / "ds", 65536, 16, "64KiB")  # 4 MiB, 256 pieces of 16 KiB
+    repo = f"tester/sorted-{uuid.uuid4().hex[:8]}"
+    lmprobe.push_to_hub(tmp_path / "ds", repo, quiet=True)
+    b = 256
+    stream = ShardStream(f"hf://datasets/{repo}", 0, b, seed=0, drop_last=True, cache="1MiB", piece="16KiB",
+                         memory="16MiB")
+    batches = list(stream)
+    spread = np.array([x[:, 0].mean() for x in batches]).std() / np.sqrt(0.25 / b)
+    assert stream.resident == 32 and spread <= 1.5, spread
+    rows = np.concatenate(batches)[:, 1]
+    assert len(np.unique(rows)) == len(rows) == 65536  # every vector once
+
+
+def test_a_storm_of_429_and_503_answers_is_waited_out(hub, tmp_path, rng, fresh_hf_cache, monkeypatch):
+    """Point 5: a fifth of the range requests answered 429 or 503: the epoch completes, every vector once."""
+    import lmprobe.storage.hub as hub_mod
+
+    monkeypatch.setattr(hub_mod, "BASE_WAIT", 0.01)
+    src, url = _push(hub, tmp_path, rng, n=300, shard_size="1KiB")
+    storm = hub.storm(0.2, pattern=r"/resolve/.*tensors", headers={"Retry-After": "0"}, seed=1)
+    try:
+        shares = [np.concatenate(list(ShardStream(url, 0, 8, seed=1, rank=r, world_size=2, cache="32KiB",
+                                                  memory="64KiB", piece="256B"))) for r in range(2)]
+    finally:
+        hub.clear_faults()
+    assert storm.hits >= 5
+    np.testing.assert_array_equal(np.sort(np.concatenate(shares), axis=0), np.sort(src["hidden"][0], axis=0))
+
+
+def test_wrong_bytes_of_the_right_length_are_an_error_naming_the_shard(hub, tmp_path, rng, fresh_hf_cache):
+    """Finding 6: a proxy flips a byte of a shard: its recorded sha256 catches it before any of its rows is used."""
+    _, url = _push(hub, tmp_path, rng, n=200, shard_size="1KiB")
+    hub.corrupt(r"/resolve/.*tensors/hidden_layer000_shard0*3\.safetensors")
+    served = []
+    try:
+        with pytest.raises(FormatError, match=r"hidden_layer000_shard0*3\.safetensors.*sha256") as err:
+            for batch in ShardStream(url, 0, 4, seed=0, cache="64KiB", memory="64KiB", shuffle=False):
+                served.append(batch)
+    finally:
+        hub.clear_faults()
+    assert "\n" not in str(err.value)
+
+
+def _run_in_thread(fn, seconds: float):
+    """``fn()`` on a thread, given ``seconds``: (finished, its result or exception)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive(), out
+
+
+def test_a_retry_after_of_a_day_gives_up_with_one_line_at_the_deadline(hub, tmp_path, rng, fresh_hf_cache, caplog,
+                                                                      monkeypatch):
+    """Finding 10: `Retry-After: 100000` on every range request: the reader says what it waits for, caps the wait,
+    and gives up with one line after its deadline instead of sleeping a day."""
+    import huggingface_hub.constants as c
+
+    _, url = _push(hub, tmp_path, rng, n=60, shard_size="1KiB")
+    stream = ShardStream(url, 0, 4, seed=0, cache="64KiB", memory="64KiB", deadline=6)
+    monkeypatch.setattr(c, "ENDPOINT", c.ENDPOINT.replace("http://", "http://someone:SECRETKEY@"))
+    hub.fail("GET", r"/resolve/.*tensors", 429, times=10**6, headers={"Retry-After": "100000"})
+    t = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING):
+            finished, out = _run_in_thread(lambda: list(stream), 60)
+    finally:
+        hub.clear_faults()
+    assert finished, "the reader hung on a Retry-After of 100000 s"
+    assert isinstance(out.get("error"), HubError), out
+    message = str(out["error"])
+    assert "\n" not in message and "429" in message and "tensors/" in message and "6 s" in message
+    assert "SECRETKEY" not in message  # an endpoint is printed without its credentials
+    assert time.monotonic() - t < 30
+    assert any("waiting" in r.getMessage() or "trying again in 6 s" in r.getMessage() for r in caplog.records)
+    assert any("asked for 100000 s" in r.getMessage() for r in caplog.records)
+
+
+def test_a_stalled_range_request_times_out_and_is_tried_again(hub, tmp_path, rng, fresh_hf_cache, monkeypatch):
+    """Finding 10: a range request whose answer never comes: timed out, tried again, the pass completes."""
+    import lmprobe.storage.hub as hub_mod
+
+    monkeypatch.setattr(hub_mod, "READ_TIMEOUT", 1.0, raising=False)
+    monkeypatch.setattr(hub_mod, "BASE_WAIT", 0.01, raising=False)
+    src, url = _push(hub, tmp_path, rng, n=60, shard_size="1KiB")
+    stream = ShardStream(url, 0, 4, seed=0, cache="64KiB", memory="64KiB")
+    hub.stall(r"/resolve/.*tensors", 40, times=1)
+    try:
+        finished, out = _run_in_thread(lambda: np.concatenate(list(stream)), 20)
+    finally:
+        hub.clear_faults()
+    assert finished, "a stalled range request hung the reader"
+    np.testing.assert_array_equal(np.sort(out["value"], axis=0), np.sort(src["hidden"][0], axis=0))
+
+
+@pytest.mark.parametrize("command", ["pull", "export-saev"])
+def test_commands_cap_a_servers_retry_after_and_do_not_multiply_tries(hub, tmp_path, rng, fresh_hf_cache,
+                                                                     monkeypatch, capsys, command):
+    """Finding 10: `pull` and `export-saev` against `Retry-After: 100000`: no wait longer than a minute is taken
+    (huggingface_hub's included), a passing storm is waited out, and a lasting one ends in one line after a few
+    tries (lmprobe's tries do not multiply huggingface_hub's)."""
+    from lmprobe.cli import main as cli_main
+
+    _, url = _push(hub, tmp_path, rng, n=40, shard_size="1KiB")
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", lambda s: waits.append(float(s)))
+    shard = r"/resolve/.*tensors/hidden_layer000_shard0*1\.safetensors"
+
+    def run(out):
+        args = ["pull", url, "--out", str(out)] if command == "pull" else \
+            ["export-saev", url, "--out", str(out), "--cache", "1MiB", "--context-len", "4"]
+        return cli_main([*args, "--quiet"] if command == "pull" else args)
+
+    hub.fail("*", shard, 429, times=2, headers={"Retry-After": "100000"})
+    try:
+        assert run(tmp_path / "a") == 0
+    finally:
+        hub.clear_faults()
+    assert waits and max(waits) <= 61, waits
+    capsys.readouterr()
+    waits.clear()
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hf-cache-2"))  # nothing cached from the first run
+    before = len(hub.log)
+    hub.fail("*", shard, 429, times=10**6, headers={"Retry-After": "100000"})
+    try:
+        assert run(tmp_path / "b") == 2
+    finally:
+        hub.clear_faults()
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "429" in errors[0] and "Traceback" not in errors[0], errors
+    tries = [p for m, p in hub.log[before:] if re.search(shard, p)]
+    assert len(tries) <= 12, len(tries)  # one tool's tries, not four times five
+    assert max(waits) <= 61
+
+
+def test_a_full_disk_under_the_cache_is_one_line(hub, tmp_path, rng, fresh_hf_cache, monkeypatch, capsys):
+    """Finding 12: the disk fills while a piece is written: one line naming the cache and what to do."""
+    from lmprobe.cli import main as cli_main
+
+    _, url = _push(hub, tmp_path, rng, n=40, shard_size="1KiB")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(HubFiles, "read_range", full)
+    monkeypatch.setattr(HubFiles, "download", full)
+    with pytest.raises(OutOfSpaceError, match="full") as err:
+        list(ShardStream(url, 0, 4, cache="64KiB", memory="64KiB"))
+    assert "\n" not in str(err.value) and "cache" in str(err.value)
+    for args in (["export-saev", url, "--out", str(tmp_path / "saev"), "--cache", "1MiB"],
+                 ["report", url, "--out", str(tmp_path / "report"), "--cache", "1MiB"]):
+        capsys.readouterr()
+        assert cli_main(args) == 2, args
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert len(errors) == 1 and "full" in errors[0] and "Traceback" not in err, err
+
+
+def _reader_script(url: str, **kw) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+    return (f"from lmprobe.stream import ShardStream\n"
+            f"s = ShardStream({url!r}, 0, 4, seed=0, {args})\n"
+            "print('reading', flush=True)\n"
+            "for b in s:\n    pass\n"
+            "print('done', flush=True)\n")
+
+
+def _files_under(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and p.name != ".lock"]
+
+
+def test_what_killed_and_finished_readers_leave_is_removed_by_the_next_reader(hub, tmp_path, rng, fresh_hf_cache):
+    """Findings 15 and point 4: a reader killed mid-download leaves a half-written part (never visible as a piece)
+    and its holds; one that ends without close() leaves its pieces' folder; the next reader removes both."""
+    src, url = _push(hub, tmp_path, rng, n=300, shard_size="1KiB")
+    env = {**os.environ}
+    hub.throttle(2000, r"/resolve/.*tensors")  # 2 KB/s: a shard takes a while to arrive
+    try:
+        p = subprocess.Popen([sys.executable, "-c", _reader_script(url, cache="8KiB", memory="64KiB")], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not [f for f in _files_under(stream_root()) if "hidden" in f.name]:
+            time.sleep(0.05)
+        assert [f for f in _files_under(stream_root()) if "hidden" in f.name], \
+            p.stderr.read() if p.poll() is not None else "no download"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    finally:
+        hub.throttle(None)
+    for piece in stream_root().rglob("pieces/*"):  # whatever is visible is whole
+        assert piece.stat().st_size == next(f.bytes for f in lmprobe.load(url).meta.files()
+                                            if piece.name.startswith(f.rel.replace("/", "%2F")))
+    r = subprocess.run([sys.executable, "-c", _reader_script(url, cache="8KiB", memory="64KiB")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-2000:]  # ended without close()
+    assert _files_under(stream_root())  # left behind: nobody removed them yet
+    stream = ShardStream(url, 0, 4, seed=0, cache="8KiB", memory="64KiB")  # the next reader
+    mine = stream.engine.source.cache()
+    left = [p for p in _files_under(stream_root()) if mine.folder not in p.parents or "readers" in p.parts
+            and mine._reg.rid not in p.parts]
+    assert not left, left
+    np.testing.assert_array_equal(np.sort(np.concatenate(list(stream)), axis=0), np.sort(src["hidden"][0], axis=0))
+    stream.close()
+    assert not _files_under(stream_root())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_four_ranks_on_two_nodes_share_a_cache_per_node_cover_every_vector_once_and_resume_exactly(
+        hub, tmp_path, rng, fresh_hf_cache):
+    """The proof of issue 35: torchrun, gloo, c10d rendezvous on 127.0.0.1; two simulated nodes of two ranks, each
+    node with its own working, temporary and cache folders. Together the ranks see every vector once and download
+    the layer about once; each node's cache stays within its budget while its ranks read at once; ranks stopped
+    mid-epoch and started again from their states serve exactly the batches of an uninterrupted run; nothing is
+    left in the caches afterwards."""
+    src, url = _push(hub, tmp_path, rng, n=1500, shard_size="8KiB")
+    budget = 32 * 1024
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def launch(mode: str) -> None:
+        port, run_id = _free_port(), uuid.uuid4().hex[:8]
+        procs = []
+        for node in (0, 1):
+            home = tmp_path / f"node{node}"
+            (home / "tmp").mkdir(parents=True, exist_ok=True)
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+            env.update(LMPROBE_CACHE=str(home / "cache"), TMPDIR=str(home / "tmp"), OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                 "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+                 "--rdzv_id", run_id, "--rdzv_conf", f"is_host={int(node == 0)}", str(TESTS / "_remote_rank.py"),
+                 url, str(out), mode, str(budget)], cwd=home, env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True))
+        for p in procs:
+            text = p.communicate(timeout=600)[0]
+            assert p.returncode == 0, text[-4000:]
+
+    t0 = len(hub.transfers)
+    launch("whole")
+    served = sum(b for _, _, _, b in _tensor_gets(hub, t0))
+    assert served <= 1.15 * _layer_bytes(url), (served, _layer_bytes(url))
+    whole = [np.load(out / f"whole{r}.npy") for r in range(4)]
+    np.testing.assert_array_equal(np.sort(np.concatenate(whole), axis=0), np.sort(src["hidden"][0], axis=0))
+    launch("first")
+    launch("resume")
+    for r in range(4):
+        np.testing.assert_array_equal(np.concatenate([np.load(out / f"first{r}.npy"), np.load(out / f"resume{r}.npy")]),
+                                      whole[r])
+    for mode in ("whole", "first", "resume"):
+        for r in range(4):
+            info = json.loads((out / f"{mode}{r}.json").read_text())
+            assert 0 < info["peak"] <= budget, (mode, r, info)
+    for node in (0, 1):
+        assert not _files_under(tmp_path / f"node{node}" / "cache" / "stream")
+
+
 # ----------------------------------------------------------------------------- from S3
 
 
@@ -214,6 +623,31 @@ def test_s3_stream_errors_when_a_shard_changes_mid_pass(tmp_path, rng, s3):
     stream.close()
 
 
+
+
+@pytest.mark.slow
+def test_processes_sharing_the_object_store_cache_do_not_trip_over_each_other(tmp_path, rng, s3):
+    """Finding 11: ten processes read one s3:// dataset at once through $LMPROBE_CACHE/remote: each file is
+    downloaded under a name of the process's own and renamed in, under a lock per file: all of them succeed."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    src = write_dataset(tmp_path / "ds", rng, n=200, layers=(0, 1), dim=8, shard_size="1KiB")
+    url = f"s3://acts/shared-{uuid.uuid4().hex[:6]}"
+    fs.put(str(tmp_path / "ds") + "/", url, recursive=True)
+    script = ("import sys, numpy as np, lmprobe\n"
+              "ds = lmprobe.load(sys.argv[1])\n"
+              "np.save(sys.argv[2], np.concatenate([ds.hidden(0), ds.hidden(1)]))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, url, str(tmp_path / f"out{i}.npy")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(10)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    failed = [err[-1500:] for code, err in results if code != 0]
+    assert not failed, failed[0]
+    want = np.concatenate([src["hidden"][0], src["hidden"][1]])
+    for i in range(10):
+        np.testing.assert_array_equal(np.load(tmp_path / f"out{i}.npy"), want)
+    assert not [p for p in (Path(os.environ["LMPROBE_CACHE"]) / "remote").rglob("*") if p.name.endswith(".part")]
 
 
 # ----------------------------------------------------------------------------- commands that read a remote dataset

@@ -323,3 +323,144 @@ def test_skip_special_tokens_finds_the_embedded_tokenizer_offline(tmp_path, monk
     stream = ShardStream(ds, -1, 4, shuffle=False, skip_special_tokens=True)
     assert len(stream) == sum(t not in special for t in ids) < len(ids)
     assert sum(len(b) for b in stream) == len(stream) and not calls
+
+
+# ------------------------------------------------------------------ the plan of a remote pass (issue 35), no I/O
+
+from hypothesis import example, given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from lmprobe.stream.plan import GroupPlan, Pieces, deal, groups, whole_share  # noqa: E402
+
+
+@given(rows=st.lists(st.integers(0, 300), min_size=1, max_size=30), row_bytes=st.integers(1, 64),
+       piece_bytes=st.integers(1, 4096))
+@example(rows=[9], row_bytes=1, piece_bytes=3)  # equal pieces: 3 + 3 + 3, not 3 + 3 + 3 + 0
+def test_pieces_are_equal_within_a_shard_and_never_larger_than_asked(rows, row_bytes, piece_bytes):
+    p = Pieces.cut(np.array(rows), row_bytes=row_bytes, piece_bytes=piece_bytes)
+    s, lo, hi = p.locate(np.arange(p.n))
+    assert (hi > lo).all() and (hi - lo).sum() == sum(rows)
+    for shard, n in enumerate(rows):  # consecutive, covering, at most piece_bytes unless one row is larger
+        mine = s == shard
+        assert lo[mine].tolist() == sorted(lo[mine].tolist()) and (lo[mine][1:] == hi[mine][:-1]).all()
+        assert not n or (lo[mine][0] == 0 and hi[mine][-1] == n)
+        assert ((hi - lo)[mine] * row_bytes <= max(piece_bytes, row_bytes)).all()
+        assert len(set((hi - lo)[mine][:-1].tolist())) <= 1
+    assert p.whole(np.arange(p.n)).tolist() == [rows[x] <= max(1, piece_bytes // row_bytes) for x in s.tolist()]
+
+
+@given(rows=st.lists(st.integers(1, 200), min_size=1, max_size=60), n=st.integers(1, 9),
+       block=st.integers(1, 16), seed=st.integers(0, 2**16))
+@example(rows=[5], n=4, block=1, seed=0)  # fewer pieces than ranks: the one piece is cut between them
+@example(rows=[1, 1, 1, 1, 11], n=3, block=1, seed=0)  # unequal pieces: a taker may get many small ones
+def test_dealing_gives_every_row_to_exactly_one_taker_in_balanced_runs(rows, n, block, seed):
+    share = whole_share(np.array(rows))
+    parts = [deal(share, n, q, block, np.random.default_rng(seed)) for q in range(n)]
+    seen = np.zeros(sum(rows), dtype=int)
+    base = np.concatenate([[0], np.cumsum(rows)])
+    for part in parts:
+        assert (np.diff(part.piece) > 0).all()  # in dataset order, one part per piece
+        assert ((part.lo % block == 0) | (part.lo == 0)).all()  # cuts fall on block boundaries
+        for p, a, b in zip(part.piece.tolist(), part.lo.tolist(), part.hi.tolist(), strict=True):
+            seen[base[p] + a : base[p] + b] += 1
+        whole = (part.lo == 0) & (part.hi == np.array(rows)[part.piece])
+        assert (~whole).sum() <= 2  # whole pieces, and at most two cut ones: one request each
+    assert (seen == 1).all()
+    sizes = [p.rows for p in parts]
+    assert max(sizes) - min(sizes) <= 2 * block  # each cut is rounded to a block boundary
+
+
+def test_dealing_spreads_each_takers_pieces_over_the_whole_dataset():
+    share = whole_share(np.full(400, 10))
+    for q in range(8):
+        part = deal(share, 8, q, 1, np.random.default_rng(0))
+        # one piece out of every 8 consecutive ones: the share spans the dataset evenly
+        assert np.array_equal(np.sort(part.piece) // 8, np.arange(50))
+
+
+@given(n=st.integers(1, 300), k=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_each_resident_group_takes_one_part_from_every_stratum(n, k, seed):
+    g = groups(n, k, np.random.default_rng(seed))
+    k = min(k, n)
+    bounds = np.linspace(0, n, k + 1).round().astype(int)
+    stratum = np.searchsorted(bounds, np.arange(n), side="right") - 1
+    assert np.bincount(g).max() <= k
+    for group in np.unique(g):
+        assert len(np.unique(stratum[g == group])) == (g == group).sum()  # no stratum twice in a group
+    assert np.bincount(g).max() - np.bincount(g).min() <= 1  # groups as large as one another
+
+
+@given(rows=st.lists(st.integers(1, 120), min_size=1, max_size=25), k=st.integers(1, 6), block=st.integers(1, 9),
+       pool=st.integers(1, 300), seed=st.integers(0, 999))
+def test_a_group_plan_reads_its_share_once_in_windows_of_one_group(rows, k, block, pool, seed):
+    share = deal(whole_share(np.array(rows)), 2, 1, block, np.random.default_rng(seed))
+    plan = GroupPlan(share, groups(len(share), k, np.random.default_rng(seed)), block, max(pool, block), seed=(seed,))
+    base = np.concatenate([[0], np.cumsum(rows)])
+    seen = []
+    for w in range(plan.n_windows):
+        shard, start = plan.window(w)
+        n = np.minimum(block, share.hi[np.searchsorted(share.piece, shard)] - start)
+        assert n.sum() <= max(pool, block)  # a window fits its pool
+        assert len({int(plan.group[np.searchsorted(share.piece, x)]) for x in shard.tolist()}) <= 1
+        ids = np.concatenate([base[s] + np.arange(a, a + m) for s, a, m in zip(shard, start, n, strict=True)] or [[]])
+        seen.append(ids.astype(np.int64))
+        # every row's window is found again from its address (what a resumed state's carry is checked with)
+        piece = np.searchsorted(base, ids, side="right") - 1
+        assert (plan.window_of(piece, ids - base[piece]) == w).all()
+    got = np.sort(np.concatenate(seen or [np.zeros(0, np.int64)]))
+    want = np.sort(np.concatenate([base[p] + np.arange(a, b) for p, a, b in zip(share.piece, share.lo, share.hi,
+                                                                                 strict=True)]))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_plan_of_a_pass_stays_small_at_ten_billion_stored_tokens():
+    """Reader bookkeeping is a few integers per piece, and one group's blocks: flat in the stored rows."""
+    import tracemalloc
+
+    from lmprobe.stream.engine import Engine
+
+    class Rows:  # 10^10 rows of 4096 bfloat16 (80 TB) in 64 MiB shard files: 1.2 M shards, one piece each
+        n_sites, dim, dtype = 1, 4096, "bfloat16"
+        shard_rows = np.full(1_220_704, 8192, dtype=np.int64)
+        shard_rows[-1] = 10**10 - 8192 * (len(shard_rows) - 1)
+
+    tracemalloc.start()
+    engine = Engine(Rows(), 4096, seed=0, shuffle=True, rank=3, world=64, memory=2**30, drop_last=False)
+    engine.set_resident(20, 20 * 8192)
+    plan = engine.pass_plan(0)
+    plan.window(0), plan.window(plan.n_windows - 1)
+    assert engine.count(0) == pytest.approx(10**10 / 64, rel=1e-4)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 256 * 2**20, peak
+
+
+def test_windows_stay_small_and_a_fresh_reader_reuses_warm_pool_buffers(tmp_path, rng, monkeypatch):
+    """Issue 35 point 7: a pass recycles two small pool buffers (not one the size of a small dataset), and a fresh
+    reader in the same process takes the buffers the last pass left, whose pages are warm (docs/performance.md)."""
+    import lmprobe.stream.engine as engine
+
+    monkeypatch.setattr(engine, "POOL_BYTES", 16 * 1024, raising=False)
+    monkeypatch.setattr(engine, "_SPARE_POOLS", [], raising=False)
+    src = write_dataset(tmp_path / "ds", rng, n=2000, layers=(0,), dim=16, shard_size="16KiB")  # 125 KiB
+    seen: list[list[int]] = [[], []]
+    gather = engine.Engine.gather
+
+    def recording(self, shard, rows, lead=0, buffer=None, threads=1):
+        pool = gather(self, shard, rows, lead, buffer, threads)
+        base = pool.base if pool.base is not None else pool
+        seen[which].append(id(base))
+        assert base.nbytes <= 16 * 1024 + 16 * 16 * 4 * 2  # a pool of at most POOL_BYTES, and a carried batch
+        keep.append(base)
+        return pool
+
+    keep: list[np.ndarray] = []
+    monkeypatch.setattr(engine.Engine, "gather", recording)
+    which = 0
+    first = np.concatenate(list(ShardStream(tmp_path / "ds", 0, 16, seed=1, memory="1MiB")))
+    which = 1
+    second = np.concatenate(list(ShardStream(tmp_path / "ds", 0, 16, seed=1, memory="1MiB")))
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(np.sort(first, axis=0), np.sort(src["hidden"][0], axis=0))
+    assert len(seen[0]) >= 8 and len(seen[1]) >= 8  # many windows each
+    assert len(set(seen[0]) | set(seen[1])) <= 2  # two buffers in all: the fresh reader took the warm ones

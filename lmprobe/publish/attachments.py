@@ -29,7 +29,7 @@ from ..opening import load
 from ..paths import resolve_inside
 from ..sae.loader import SAEConfig, load_dictionary, validate_dictionary
 from ..saev import read_saev_metadata, recorded_source_hash, source_index_hash, validate_saev
-from .commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, RepoFile, push_policy
+from .commits import HubCommitter, PushConfig, RepoFile
 
 KINDS = ATTACHMENT_KINDS
 SAEV_DIR, SAE_DIR = KINDS
@@ -240,7 +240,8 @@ def publish_attachment(repo_id: str, local: str | os.PathLike, kind: str, *, tok
     local = Path(local)
     ds: Dataset = load(repo_id, token=token)  # the dataset must be there: it is the entry point
     item = describe(local, kind, ds)  # a saev export must be an export of that dataset
-    committer = HubCommitter(repo_id, token=token, policy=push_policy(base_wait=base_wait), quiet=quiet)
+    committer = HubCommitter(repo_id, token=token, config=PushConfig(base_wait=base_wait), label=item["path"],
+                             quiet=quiet)
     files = [RepoFile(f"{item['path']}/{p.relative_to(local).as_posix()}", p) for p in part_files(local)]
     attachments = recorded_attachments(ds.info)
     attachments[kind] = [x for x in attachments[kind] if x.get("path") != item["path"]] + [item]
@@ -253,6 +254,5 @@ def publish_attachment(repo_id: str, local: str | os.PathLike, kind: str, *, tok
             shutil.copyfile(card_path, root / CARD_PATH)
         attach(root, attachments, repo_id)
         last = [RepoFile(CARD_PATH, root / CARD_PATH), RepoFile(INDEX_PATH, root / INDEX_PATH)]
-        committer.push_files(files, last, commit_files=DEFAULT_COMMIT_FILES, commit_bytes=DEFAULT_COMMIT_BYTES,
-                             label=item["path"])
+        committer.push_files(files, last)
     return item["path"]

@@ -1,36 +1,113 @@
-"""Commits to a Hub repo in bounded batches, with retries that never make the same commit twice.
+"""Commits to a Hub repo: parallel uploads pipelined with bounded commits, resumable, never made twice.
 
-Files go up in commits of bounded size (the Hub asks for under ~100 files per commit), the
-``last`` files (index and card, or a dictionary's meta.json) in a final commit, so the repo never
-shows an entry point before the files it describes. A re-run skips files already on the Hub with
-the same content (sha256 from the Hub's LFS metadata, compared with the sha256 lmprobe recorded
-when it wrote each file). 429/5xx answers and dropped connections are retried with backoff;
-before a commit is retried, the repo is checked for it, so a commit whose answer was lost is not
-made twice.
+A :class:`HubCommitter` takes files one by one (``add``) as they are finished, uploads them in
+parallel (LFS or Xet, whichever huggingface_hub uses), and commits them in batches of at most
+``commit_files`` files while the next files upload: the link never waits for a commit to land.
+``finish(last=[...])`` commits the entry point (index and card, or a dictionary's meta.json)
+alone, after every other file landed, so the repo never shows an index whose files are missing.
+
+- **Resume**: the repo's tree is listed once, when the committer starts. A file already there with
+  the same content (the sha256 lmprobe recorded when it wrote the file against the Hub's LFS
+  sha256; a small regular file by git blob id) is not sent again.
+- **No second hashing**: a file with a recorded sha256 is never read to hash it; the known sha256
+  goes to the LFS batch and to hf_xet. A file without one is hashed only when the repo already
+  has a file at its path (to compare), otherwise by the upload itself (one read pass).
+- **Retries**: 429/5xx answers and dropped connections are retried with backoff. A 429 (the Hub's
+  rate limits, commits included) is waited out as long as its Retry-After says (capped), for up to
+  ``commit_deadline`` seconds, and the wait is logged. Before a commit that may have landed is
+  tried again, the paths of that commit alone are asked for (paths-info): a commit whose answer was
+  lost is not made twice.
+- **Bounded**: at most ``max_in_flight`` files are added but not yet in a landed commit; ``add``
+  waits beyond that. ``on_landed`` is told of each file once the commit holding it has landed (or
+  when it was on the Hub already), so a writer can delete its local copy.
+
+>>> with HubCommitter("me/acts", token=None) as c:  # doctest: +SKIP
+...     c.start()
+...     for f in shards_as_they_close():
+...         c.add(f)
+...     c.finish(last=[RepoFile("README.md", card), RepoFile("index/train-00000-of-00001.parquet", index)])
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import PushError
+from ..errors import InvalidArgumentError, PushError
 from ..hashing import sha256_file
-from ..progress import Progress, on_terminal, third_party_bars
-from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
+from ..progress import Progress, third_party_bars
+from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe, status_code
 from ..storage.hub import hub_api, transport_errors
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_COMMIT_FILES = 50
 DEFAULT_COMMIT_BYTES = 20 * 1024**3
+PATHS_INFO_BATCH = 500  # the Hub answers paths-info for at most ~1,000 paths per request
+
+
+@dataclass(frozen=True)
+class PushConfig:
+    """How a push uploads and commits. Every field has a default that suits the Hub."""
+
+    commit_files: int = DEFAULT_COMMIT_FILES
+    """Files per commit, at most (the Hub asks for commits of under 100 files)."""
+    commit_bytes: int = DEFAULT_COMMIT_BYTES
+    """Bytes per commit, at most."""
+    workers: int = 8
+    """Files uploading at the same time."""
+    max_in_flight: int | None = None
+    """Files added but not yet in a landed commit, at most; ``add`` waits beyond it (default: 2 x commit_files)."""
+    commit_interval: float = 300.0
+    """Seconds an uploaded file waits at most for others to fill its commit (fewer, larger commits)."""
+    max_retries: int = 5
+    """Retries of a request that failed (a dropped connection, a 5xx answer)."""
+    base_wait: float = 2.0
+    """Seconds before the first retry, doubled for each further one (up to 60 s)."""
+    commit_deadline: float = 3600.0
+    """Seconds a request refused by the Hub's rate limits (429) keeps being retried."""
+    max_retry_after: float = 600.0
+    """Longest single wait, a Retry-After answer's included."""
+
+    def __post_init__(self) -> None:
+        for name in ("commit_files", "commit_bytes", "workers"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be an integer >= 1, not {getattr(self, name)!r}")
+        if self.max_in_flight is not None and (not isinstance(self.max_in_flight, int) or self.max_in_flight < 1):
+            raise InvalidArgumentError(f"max_in_flight must be an integer >= 1, not {self.max_in_flight!r}")
+        for name in ("commit_interval", "base_wait", "commit_deadline", "max_retry_after"):
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(f"{name} must be >= 0 seconds, not {getattr(self, name)!r}")
+        if self.max_retries < 0:
+            raise InvalidArgumentError(f"max_retries must be >= 0, not {self.max_retries!r}")
+
+    @property
+    def in_flight(self) -> int:
+        return self.max_in_flight if self.max_in_flight is not None else 2 * self.commit_files
+
+    @property
+    def batch_target(self) -> int:
+        """Files a commit waits for: a full commit, or half the files in flight so the other half uploads meanwhile."""
+        return min(self.commit_files, max(1, self.in_flight // 2))
+
+    def policy(self) -> RetryPolicy:
+        """Every push request retries dropped connections and 429/5xx answers; 429s until the deadline."""
+        return RetryPolicy(retry_on_exceptions=transport_errors(), retry_on_status_codes=TRANSIENT_HTTP_STATUS,
+                           rate_limit_status_codes=frozenset({429}), max_retries=self.max_retries,
+                           base_wait=self.base_wait, max_wait=self.max_retry_after,
+                           deadline=self.commit_deadline)
 
 
 def push_policy(*, max_retries: int = 5, base_wait: float = 2.0) -> RetryPolicy:
-    """Pushes retry dropped connections and 429/5xx answers; every other error stops the push."""
-    return RetryPolicy(retry_on_exceptions=transport_errors(), retry_on_status_codes=TRANSIENT_HTTP_STATUS,
-                       max_retries=max_retries, base_wait=base_wait)
+    """The retry policy of a push with these settings (see PushConfig.policy)."""
+    return PushConfig(max_retries=max_retries, base_wait=base_wait).policy()
 
 
 @dataclass
@@ -40,7 +117,19 @@ class RepoFile:
     rel: str
     local: Path
     size: int = -1
-    sha256: str | None = None  # as recorded in the metadata, when it was
+    sha256: str | None = None  # as recorded when the file was written, when it was
+
+
+@dataclass
+class PushResult:
+    """What a push did."""
+
+    sent: int = 0
+    """Files uploaded and committed."""
+    skipped: int = 0
+    """Files that were on the Hub already, with the same content."""
+    commits: int = 0
+    bytes_sent: int = 0
 
 
 def git_blob_id(path: Path) -> str:
@@ -59,44 +148,137 @@ def _same(f: RepoFile, remote: str | None) -> bool:
     return f.local.stat().st_size < 10 * 2**20 and oid == git_blob_id(f.local)  # small text files
 
 
+def _http_cause(exc: BaseException) -> BaseException:
+    """The HTTP answer behind ``exc``, if it was one ("Error while uploading" says less than "403 ...")."""
+    node: BaseException | None = exc
+    seen: set[int] = set()
+    while node is not None and id(node) not in seen:
+        if status_code(node) is not None:
+            return node
+        seen.add(id(node))
+        node = node.__cause__ or node.__context__
+    return exc
+
+
+def _remote_id(entry: Any) -> str:
+    return f"sha256:{entry.lfs.sha256}" if entry.lfs else f"git:{entry.blob_id}"
+
+
+@dataclass
+class _Item:
+    file: RepoFile
+    op: Any = None  # CommitOperationAdd, once uploaded
+    ready_at: float = 0.0
+
+
+@dataclass
+class _State:
+    """What the committer's threads share, under ``cv``."""
+
+    cv: threading.Condition = field(default_factory=threading.Condition)
+    pending: dict[str, _Item] = field(default_factory=dict)  # added, not landed
+    ready: list[_Item] = field(default_factory=list)  # uploaded, not yet committed
+    uploading: int = 0  # added, not yet uploaded
+    flushing: int = 0
+    producer_waiting: bool = False
+    stop: bool = False
+    error: BaseException | None = None
+
+
 class HubCommitter:
-    """Makes commits to one repo and revision, skipping files already there, retrying transient failures."""
+    """Uploads files to one repo and revision in parallel and commits them in bounded, pipelined commits.
+
+    Incremental use (a writer hands over files as it closes them):
+    ``prepare(private)`` creates the repo and branch if needed; ``start()`` lists the repo once and
+    starts the upload and commit threads; ``add(file)`` queues one file (it waits while
+    ``max_in_flight`` files are in flight); ``flush()`` returns once every file added so far is in
+    a landed commit; ``finish(last)`` flushes, commits ``last`` in one final commit and returns a
+    :class:`PushResult`. ``on_landed(files)`` is called (from a background thread, one call at a
+    time) with files as soon as they are on the Hub. Any failure is raised, as a PushError that says
+    how to resume, by the next ``add``, ``flush`` or ``finish``. Use it as a context manager: leaving
+    the block without ``finish`` stops the threads and commits nothing more.
+    """
 
     def __init__(self, repo_id: str, *, token: str | bool | None, revision: str | None = None,
-                 repo_type: str = "dataset", policy: RetryPolicy | None = None, quiet: bool = True):
+                 repo_type: str = "dataset", config: PushConfig | None = None, label: str = "dataset",
+                 quiet: bool = True, on_landed: Callable[[list[RepoFile]], Any] | None = None):
         self.api = hub_api(token)
         self.repo_id = repo_id
         self.repo_type = repo_type
         self.revision = revision or "main"
-        self.policy = policy or push_policy()
+        self.config = config or PushConfig()
+        self.policy = self.config.policy()
+        self.label = label
         self.quiet = quiet
-        self.commits = 0
+        self.on_landed = on_landed
+        self.result = PushResult()
+        self.remote: dict[str, str] = {}  # path -> "sha256:<hex>" or "git:<blob id>", as listed at start()
+        self.listings = 0
+        self._s = _State()
+        self._pool: ThreadPoolExecutor | None = None
+        self._committer: threading.Thread | None = None
+        self._callback_lock = threading.Lock()
+        self._bar: Progress | None = None
+        self._hf_bars: Any = None
+        self._finished = False
 
+    @property
+    def commits(self) -> int:
+        return self.result.commits
+
+    # ------------------------------------------------------------------ requests
     def call(self, what: str, fn: Callable[[], Any], landed: Callable[[], bool] | None = None) -> Any:
         """``fn()`` with retries; a failure becomes a PushError that says how to resume."""
         try:
-            return call_with_retry(fn, policy=self.policy, landed=landed)
+            return call_with_retry(fn, policy=self.policy, landed=landed, on_wait=self._waiting(what))
         except Exception as exc:
-            retried = self.policy.is_transient(exc)
-            raise PushError(
-                f"{what} failed ({describe(exc)})"
-                + (f" after {self.policy.max_retries + 1} attempts" if retried else "")
-                + f"; the repo {self.repo_id} holds every commit made so far (shards only until the index "
-                "is pushed, last). Run the same push again to resume: files already there are skipped."
-            ) from exc
+            raise self._push_error(what, exc) from exc
+
+    def _push_error(self, what: str, exc: BaseException) -> PushError:
+        if self.policy.is_rate_limit(exc):
+            how = f" (the Hub's rate limit held for longer than commit_deadline={self.config.commit_deadline:g}s)"
+        elif self.policy.is_transient(exc):
+            how = f" after {self.policy.max_retries + 1} attempts"
+        else:
+            how = ""
+        return PushError(
+            f"{what} failed ({describe(_http_cause(exc))}){how}; the repo {self.repo_id} holds every commit made so far (shards "
+            "only until the index is pushed, last). Run the same push again to resume: files already there are "
+            "skipped.")
+
+    def _waiting(self, what: str) -> Callable[[BaseException, float, bool], None]:
+        def tell(exc: BaseException, seconds: float, rate_limited: bool) -> None:
+            why = "the Hub's rate limit" if rate_limited else describe(exc)
+            until = time.strftime("%H:%M:%S", time.localtime(time.time() + seconds))
+            logger.warning("%s: waiting %.0fs (until %s) before trying again: %s%s", what, seconds, until, why,
+                           f"; giving up {self.config.commit_deadline:g}s after the first try" if rate_limited else "")
+            if self._bar is not None:
+                self._bar.update(0, note=f"waiting {seconds:.0f}s: {'rate limit' if rate_limited else 'retry'}")
+        return tell
 
     def remote_files(self) -> dict[str, str]:
         """path -> ``sha256:<hex>`` (LFS files) or ``git:<blob id>`` (regular files) at the target revision."""
         from huggingface_hub import RepoFile as HubRepoFile
         from huggingface_hub.errors import RevisionNotFoundError
 
+        self.listings += 1
         try:
             entries = self.api.list_repo_tree(self.repo_id, repo_type=self.repo_type, revision=self.revision,
                                               recursive=True)
-            return {e.path: (f"sha256:{e.lfs.sha256}" if e.lfs else f"git:{e.blob_id}") for e in entries
-                    if isinstance(e, HubRepoFile)}
+            return {e.path: _remote_id(e) for e in entries if isinstance(e, HubRepoFile)}
         except RevisionNotFoundError:
             return {}
+
+    def paths_now(self, paths: Sequence[str]) -> dict[str, str]:
+        """What the repo holds now at these paths only (paths-info, in batches), as ``remote_files`` says it."""
+        from huggingface_hub import RepoFile as HubRepoFile
+
+        out: dict[str, str] = {}
+        for i in range(0, len(paths), PATHS_INFO_BATCH):
+            got = self.api.get_paths_info(self.repo_id, list(paths[i : i + PATHS_INFO_BATCH]),
+                                          repo_type=self.repo_type, revision=self.revision)
+            out.update({e.path: _remote_id(e) for e in got if isinstance(e, HubRepoFile)})
+        return out
 
     def prepare(self, private: bool) -> None:
         """Create the repo (and the branch) if needed."""
@@ -106,57 +288,253 @@ class HubCommitter:
             self.call("creating the branch", lambda: self.api.create_branch(
                 self.repo_id, repo_type=self.repo_type, branch=self.revision, exist_ok=True))
 
-    def commit(self, files: list[RepoFile], message: str) -> None:
+    # ------------------------------------------------------------------ the incremental API
+    def start(self) -> HubCommitter:
+        """List the repo (once for the whole push) and start the upload and commit threads."""
+        if self._pool is not None:
+            return self
+        self.remote = self.call(f"listing {self.repo_id}", self.remote_files)
+        self._bar = Progress(0, desc=f"push {self.repo_id}", unit="B", quiet=self.quiet)
+        # one bar (or line) for the push, not one per file from huggingface_hub's uploads (8 at once)
+        self._hf_bars = third_party_bars(False)
+        self._hf_bars.__enter__()
+        self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="lmprobe-upload")
+        self._committer = threading.Thread(target=self._commit_loop, name="lmprobe-commit", daemon=True)
+        self._committer.start()
+        return self
+
+    def add(self, file: RepoFile) -> None:
+        """Queue ``file`` for upload and commit; waits while ``max_in_flight`` files are in flight.
+
+        Returns at once otherwise: the file is checked against the repo, uploaded and committed in the
+        background. Its local copy must stay until ``on_landed`` names it (or ``flush`` returns).
+        """
+        if self._pool is None or self._finished:
+            raise RuntimeError("HubCommitter.add() needs start() first, and no finish() yet")
+        self._check_local(file)
+        s = self._s
+        with s.cv:
+            self._raise_error()
+            if file.rel in s.pending:
+                raise InvalidArgumentError(f"{file.rel} was added twice to the push to {self.repo_id}")
+            while len(s.pending) >= self.config.in_flight:
+                s.producer_waiting = True
+                s.cv.notify_all()
+                s.cv.wait(0.5)
+                self._raise_error()
+            s.producer_waiting = False
+            s.pending[file.rel] = item = _Item(file)
+            s.uploading += 1
+        self._grow_bar([file])
+        self._pool.submit(self._upload, item)
+
+    def _grow_bar(self, files: Sequence[RepoFile]) -> None:
+        bar = self._bar
+        if bar is not None:
+            bar.total = (bar.total or 0) + sum(max(0, f.size) for f in files)
+            if bar.bar is not None:  # the tqdm bar on a terminal
+                bar.bar.total = bar.total
+                bar.bar.refresh()
+
+    def flush(self) -> None:
+        """Return once every file added so far is in a landed commit (a partial commit is made now)."""
+        s = self._s
+        with s.cv:
+            s.flushing += 1
+            s.cv.notify_all()
+            try:
+                while s.pending and s.error is None:
+                    s.cv.wait(0.5)
+                self._raise_error()
+            finally:
+                s.flushing -= 1
+
+    def finish(self, last: Sequence[RepoFile] = (), *, message: str | None = None) -> PushResult:
+        """Flush, then commit ``last`` (the entry point: index and card) in one final commit; stop the threads.
+
+        Files of ``last`` already on the Hub with the same content are skipped; nothing is committed
+        when all are. Returns what the push did.
+        """
+        if self._pool is None:
+            self.start()
+        for f in last:
+            self._check_local(f)
+        self._grow_bar(last)
+        try:
+            final = [_Item(f) for f in last]
+            pool = self._pool
+            assert pool is not None
+            # uploaded while the other files finish; committed only once they all landed
+            uploads: list[Future] = [pool.submit(self._upload_one, it) for it in final]
+            self.flush()
+            final = [it for it, fut in zip(final, uploads, strict=True) if fut.result()]
+            self._raise_error()
+            if final:
+                msg = message or f"lmprobe: add {self.label} {' and '.join(it.file.rel for it in final)}"
+                self._commit(final, msg)
+        finally:
+            self.close()
+        return self.result
+
+    def close(self) -> None:
+        """Stop the threads; files not yet committed are not (their uploaded objects stay, for a re-run)."""
+        s = self._s
+        self._finished = True
+        with s.cv:
+            s.stop = True
+            s.cv.notify_all()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._committer is not None and self._committer is not threading.current_thread():
+            self._committer.join(timeout=60)
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._hf_bars is not None:
+            self._hf_bars.__exit__(None, None, None)
+            self._hf_bars = None
+
+    def __enter__(self) -> HubCommitter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def push_files(self, files: Iterable[RepoFile], last: Sequence[RepoFile]) -> int:
+        """Upload and commit ``files``, then ``last`` in a final commit. Returns how many files were sent."""
+        for f in [*files, *last]:  # a missing file is refused before anything is sent
+            self._check_local(f)
+        self.start()
+        for f in files:
+            self.add(f)
+        return self.finish(last).sent
+
+    # ------------------------------------------------------------------ the threads
+    def _check_local(self, f: RepoFile) -> None:
+        if not f.local.is_file():
+            raise PushError(f"{f.local} is missing; the local copy is incomplete, nothing more was pushed")
+        f.size = f.local.stat().st_size
+
+    def _raise_error(self) -> None:
+        if self._s.error is not None:
+            raise self._s.error
+
+    def _fail(self, exc: BaseException) -> None:
+        s = self._s
+        with s.cv:
+            if s.error is None:
+                s.error = exc
+            s.cv.notify_all()
+
+    def _upload_one(self, item: _Item) -> bool:
+        """Upload ``item`` unless the repo has it; False when it was there (it counts as landed)."""
         from huggingface_hub import CommitOperationAdd
 
-        def ops():
-            out = []
-            for f in files:
-                op = CommitOperationAdd(path_in_repo=f.rel, path_or_fileobj=str(f.local))
-                if f.sha256:
-                    op.upload_info.sha256 = bytes.fromhex(f.sha256)  # recorded at write time: no second hashing
-                out.append(op)
-            return out
+        f = item.file
+        remote = self.remote.get(f.rel)
+        if remote is not None:
+            if f.sha256 is None and remote.startswith("sha256:"):
+                f.sha256 = sha256_file(f.local)  # only to compare: the repo has a file at this path
+            if _same(f, remote):
+                self._landed([f], sent=False)
+                return False
+        op = CommitOperationAdd(path_in_repo=f.rel, path_or_fileobj=str(f.local))
+        if f.sha256:
+            op.upload_info.sha256 = bytes.fromhex(f.sha256)  # recorded at write time: LFS and hf_xet take it as is
+        self.call(f"uploading {f.rel} to {self.repo_id}", lambda: self.api.preupload_lfs_files(
+            self.repo_id, additions=[op], repo_type=self.repo_type, revision=self.revision, num_threads=1,
+            free_memory=False))
+        if f.sha256 is None and op.upload_info.is_hashed:  # computed by the upload itself (LFS, or hf_xet)
+            f.sha256 = op.upload_info.sha256.hex()
+        item.op = op
+        return True
+
+    def _upload(self, item: _Item) -> None:
+        s = self._s
+        try:
+            if s.error is not None or s.stop:
+                return
+            sent = self._upload_one(item)
+        except BaseException as exc:  # handed to the caller by its next add/flush/finish
+            self._fail(exc)
+            return
+        with s.cv:
+            s.uploading -= 1
+            if sent:
+                item.ready_at = time.monotonic()
+                s.ready.append(item)
+            else:
+                s.pending.pop(item.file.rel, None)
+            s.cv.notify_all()
+
+    def _due(self) -> float | None:
+        """0 when a commit should start now, else seconds until one is due (None: not before more news)."""
+        s, cfg = self._s, self.config
+        if not s.ready:
+            return None
+        n_bytes = sum(it.file.size for it in s.ready)
+        if len(s.ready) >= cfg.batch_target or n_bytes >= cfg.commit_bytes:
+            return 0.0
+        if s.uploading == 0 and (s.flushing or s.producer_waiting):
+            return 0.0  # nothing more is coming for now: do not keep the caller waiting
+        return max(0.0, s.ready[0].ready_at + cfg.commit_interval - time.monotonic())
+
+    def _commit_loop(self) -> None:
+        s, cfg = self._s, self.config
+        n = 0
+        while True:
+            with s.cv:
+                while s.error is None and not s.stop:
+                    due = self._due()
+                    if due == 0.0:
+                        break
+                    s.cv.wait(0.5 if due is None else min(due, 0.5))
+                if s.error is not None or s.stop:  # stopped: what is not committed stays for a re-run
+                    return
+                batch, n_bytes = [], 0
+                while s.ready and len(batch) < cfg.commit_files and (
+                        not batch or n_bytes + s.ready[0].file.size <= cfg.commit_bytes):
+                    batch.append(s.ready.pop(0))
+                    n_bytes += batch[-1].file.size
+            n += 1
+            try:
+                self._commit(batch, f"lmprobe: add {len(batch)} {self.label} file(s) (commit {n} of this push)")
+            except BaseException as exc:
+                self._fail(exc)
+                return
+
+    def _commit(self, batch: list[_Item], message: str) -> None:
+        """Commit ``batch`` (uploaded); before a retry, its own paths are checked so it is never made twice."""
+        files = [it.file for it in batch]
 
         def landed() -> bool:
-            remote = self.remote_files()
-            return all(_same(f, remote.get(f.rel)) for f in files if f.sha256)
+            now = self.paths_now([f.rel for f in files])
+            return all(_same(f, now.get(f.rel)) for f in files)
 
-        self.call(
-            f"committing {len(files)} file(s) to {self.repo_id}",
-            lambda: self.api.create_commit(self.repo_id, ops(), commit_message=message, repo_type=self.repo_type,
-                                           revision=self.revision),
-            landed=landed if all(f.sha256 for f in files) else None,
-        )
-        self.commits += 1
+        self.call(f"committing {len(files)} file(s) to {self.repo_id}",
+                  lambda: self.api.create_commit(self.repo_id, [it.op for it in batch], commit_message=message,
+                                                 repo_type=self.repo_type, revision=self.revision),
+                  landed=landed)
+        with self._s.cv:
+            self.result.commits += 1
+        for f in files:  # what the repo holds now, for a file added again later in this push
+            self.remote[f.rel] = f"sha256:{f.sha256}" if f.sha256 else f"git:{git_blob_id(f.local)}"
+        self._landed(files, sent=True)
 
-    def push_files(self, files: list[RepoFile], last: list[RepoFile], *, commit_files: int = DEFAULT_COMMIT_FILES,
-                   commit_bytes: int = DEFAULT_COMMIT_BYTES, label: str) -> int:
-        """Upload ``files`` in bounded commits (skipping those already there), then ``last`` in one commit.
-
-        Returns how many files were sent.
-        """
-        for f in [*files, *last]:
-            if not f.local.is_file():
-                raise PushError(f"{f.local} is missing; the local copy is incomplete, nothing was pushed")
-            if f.sha256 is None:
-                f.sha256 = sha256_file(f.local)
-            f.size = f.local.stat().st_size
-        remote = self.call(f"listing {self.repo_id}", self.remote_files)
-        todo = [f for f in files if not _same(f, remote.get(f.rel))]
-        final = [f for f in last if not _same(f, remote.get(f.rel))]
-        batches: list[list[RepoFile]] = []
-        for f in todo:
-            if not batches or len(batches[-1]) >= commit_files or sum(x.size for x in batches[-1]) + f.size > commit_bytes:
-                batches.append([])
-            batches[-1].append(f)
-        # huggingface_hub's own bars (one per file) only on a terminal: in a log they are dozens of escape codes
-        with Progress(sum(f.size for f in todo + final), desc=f"push {self.repo_id}", unit="B", quiet=self.quiet) as bar, \
-                third_party_bars(not self.quiet and on_terminal()):
-            for i, batch in enumerate(batches):
-                self.commit(batch, f"lmprobe: add {label} files ({i + 1}/{len(batches)})")
-                bar.update(sum(f.size for f in batch))
-            if final:
-                self.commit(final, f"lmprobe: add {label} index and card")
-                bar.update(sum(f.size for f in final))
-        return len(todo) + len(final)
+    def _landed(self, files: list[RepoFile], *, sent: bool) -> None:
+        """``files`` are on the Hub: tell ``on_landed``, then let ``flush`` and ``add`` go on."""
+        if self._bar is not None:
+            self._bar.update(sum(max(0, f.size) for f in files), note="")
+        if self.on_landed is not None:
+            with self._callback_lock:
+                self.on_landed(files)
+        s = self._s
+        with s.cv:
+            if sent:
+                self.result.sent += len(files)
+                self.result.bytes_sent += sum(f.size for f in files)
+            else:
+                self.result.skipped += len(files)
+            for f in files:
+                s.pending.pop(f.rel, None)
+            s.cv.notify_all()

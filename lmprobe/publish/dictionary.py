@@ -9,7 +9,7 @@ from ..display import hide_credentials
 from ..errors import DictionaryError
 from ..sae.loader import validate_dictionary
 from ..storage.hub import check_repo_id
-from .commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, RepoFile, push_policy
+from .commits import DEFAULT_COMMIT_FILES, HubCommitter, PushConfig, RepoFile
 
 
 def dictionary_files(root: str | os.PathLike, name: str, prefix: str | None = None) -> tuple[list[RepoFile], list[RepoFile]]:
@@ -38,10 +38,10 @@ def push_dictionary(root: str | os.PathLike, name: str, repo_id: str, *, private
     if problems:
         raise DictionaryError(f"dictionary {name!r} does not validate, nothing pushed: " + "; ".join(problems))
     files, last = dictionary_files(root, name, prefix)
-    committer = HubCommitter(repo_id, token=token, revision=revision, repo_type=repo_type,
-                             policy=push_policy(max_retries=max_retries, base_wait=base_wait), quiet=quiet)
+    config = PushConfig(commit_files=commit_files, max_retries=max_retries, base_wait=base_wait)
+    committer = HubCommitter(repo_id, token=token, revision=revision, repo_type=repo_type, config=config,
+                             label=f"SAE {name}", quiet=quiet)
     committer.prepare(private)
-    committer.push_files(files, last, commit_files=commit_files, commit_bytes=DEFAULT_COMMIT_BYTES,
-                         label=f"SAE {name}")
+    committer.push_files(files, last)
     kind = "" if repo_type == "model" else f"{repo_type}s/"
     return f"{hide_credentials(committer.api.endpoint.rstrip('/'))}/{kind}{repo_id}"

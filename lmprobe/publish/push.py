@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..display import hide_credentials
-from ..errors import DatasetNotFoundError, InvalidArgumentError
+from ..errors import DatasetNotFoundError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..storage.hub import check_repo_id
@@ -20,7 +20,7 @@ from .attachments import (
     describe,
     scan_attachments,
 )
-from .commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, RepoFile, push_policy
+from .commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, PushConfig, RepoFile
 
 
 def dataset_files(ds: Dataset) -> list[RepoFile]:
@@ -40,6 +40,8 @@ def push_to_hub(
     commit_bytes: int = DEFAULT_COMMIT_BYTES,
     max_retries: int = 5,
     base_wait: float = 2.0,
+    workers: int = 8,
+    commit_deadline: float = 3600.0,
     quiet: bool = False,
     saev: Iterable[str | os.PathLike] = (),
     sae: Iterable[str | os.PathLike] = (),
@@ -52,12 +54,15 @@ def push_to_hub(
 
     >>> lmprobe.push_to_hub("out/tiny-demo", "me/tiny-demo-acts")  # doctest: +SKIP
 
-    Safe to re-run: an interrupted push resumes, and files already on the Hub are skipped.
+    Files upload ``workers`` at a time while earlier ones are committed, in commits of at most
+    ``commit_files`` files; answers of the Hub's rate limits (429) are waited out for up to
+    ``commit_deadline`` seconds. Safe to re-run: an interrupted push resumes, and files already on
+    the Hub are skipped.
     The token (``token=``, else HF_TOKEN or the saved login) is never printed or stored.
     """
     check_repo_id(repo_id)
-    if commit_files < 1:
-        raise InvalidArgumentError("commit_files must be >= 1")
+    config = PushConfig(commit_files=commit_files, commit_bytes=commit_bytes, workers=workers,
+                        max_retries=max_retries, base_wait=base_wait, commit_deadline=commit_deadline)
     root = Path(path)
     if not root.exists():  # not a Hub name: push sends a local folder
         raise DatasetNotFoundError(f"{root} does not exist; push publishes a local dataset folder "
@@ -77,10 +82,9 @@ def push_to_hub(
     last = [RepoFile(CARD_PATH, root / CARD_PATH), RepoFile(INDEX_PATH, root / INDEX_PATH)]
     if not (root / CARD_PATH).exists():
         last = last[1:]
-    committer = HubCommitter(repo_id, token=token, revision=revision,
-                             policy=push_policy(max_retries=max_retries, base_wait=base_wait), quiet=quiet)
+    committer = HubCommitter(repo_id, token=token, revision=revision, config=config, label="dataset", quiet=quiet)
     committer.prepare(private)
-    n = committer.push_files(shards, last, commit_files=commit_files, commit_bytes=commit_bytes, label="dataset")
+    n = committer.push_files(shards, last)
     endpoint = hide_credentials(committer.api.endpoint.rstrip("/"))  # HF_ENDPOINT may carry user:key@
     url = f"{endpoint}/datasets/{repo_id}" + (f"/tree/{revision}" if revision else "")
     if not quiet:

@@ -8,11 +8,18 @@ As in huggingface_hub's HfFileSystem, a URL without a type prefix names a model 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import errno
+import io
+import logging
 import os
 import re
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..display import hide_credentials
 from ..errors import (
@@ -20,10 +27,35 @@ from ..errors import (
     HubError,
     HubUnreachableError,
     InvalidArgumentError,
+    LmprobeError,
+    OutOfSpaceError,
     ShardMissingError,
 )
 from ..paths import check_relpath
-from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
+from ..retry import (
+    TRANSIENT_HTTP_STATUS,
+    RetryLog,
+    RetryPolicy,
+    call_with_retry,
+    describe,
+    retry_after,
+    status_code,
+)
+
+logger = logging.getLogger(__name__)
+
+#: seconds without a byte after which a read from the Hub is abandoned and tried again (a stalled connection)
+READ_TIMEOUT = 60.0
+#: the longest wait between two tries, whatever a server's Retry-After asks
+MAX_WAIT = 60.0
+#: how long a command (info, pull, export-saev, ...) keeps trying through 429/5xx answers and dropped
+#: connections before it gives up with one line; the training reader's default (``ShardStream(deadline=)``)
+COMMAND_DEADLINE = 300.0
+READER_DEADLINE = 1800.0
+#: seconds before the first retry of a read (doubled for each further one, up to ``MAX_WAIT``)
+BASE_WAIT = 1.0
+#: statuses huggingface_hub's own downloads wait out themselves: lmprobe does not try those again on top
+_HF_RETRIES = frozenset({408, 429})
 
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _TYPE_PREFIXES = {"datasets/": "dataset", "models/": "model"}
@@ -45,10 +77,77 @@ def transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(classes)
 
 
-def hub_read_policy() -> RetryPolicy:
-    """Reads from the Hub retry dropped connections and 429/5xx answers."""
+def hub_read_policy(*, deadline: float | None = COMMAND_DEADLINE, max_retries: int = 3,
+                    base_wait: float | None = None) -> RetryPolicy:
+    """Reads from the Hub retry dropped connections, timeouts and 429/5xx answers: waits of at most ``MAX_WAIT``
+    (a longer Retry-After is cut), no try after ``deadline`` seconds. Commands give up after ``max_retries``;
+    the training reader (``reader_policy``) waits a storm out until its deadline."""
     return RetryPolicy(retry_on_exceptions=transport_errors(), retry_on_status_codes=TRANSIENT_HTTP_STATUS,
-                       max_retries=3, base_wait=1.0)
+                       max_retries=max_retries, base_wait=BASE_WAIT if base_wait is None else base_wait,
+                       max_wait=MAX_WAIT, deadline=deadline)
+
+
+def reader_policy(deadline: float = READER_DEADLINE, *, base_wait: float | None = None) -> RetryPolicy:
+    """The training reader's: 429/5xx answers and dropped or stalled connections are waited out, however many,
+    for ``deadline`` seconds from the first failed try of a piece."""
+    return hub_read_policy(deadline=deadline, max_retries=1 << 30, base_wait=base_wait)
+
+
+@dataclass(frozen=True)
+class _Guard:
+    what: str
+    policy: RetryPolicy
+    start: float
+
+
+_GUARD: contextvars.ContextVar[_Guard | None] = contextvars.ContextVar("lmprobe_hub_guard", default=None)
+
+
+def _cap_waits(response: Any) -> None:
+    """A response hook on huggingface_hub's HTTP client, active inside ``guarded``: a 429/5xx answer's
+    Retry-After (and rate-limit reset) is cut to the policy's ``max_wait``, said in the log, and past the
+    deadline the call ends with one line (huggingface_hub would otherwise sleep what the server asks, 27
+    hours for ``Retry-After: 100000``)."""
+    guard = _GUARD.get()
+    if guard is None or response.status_code not in TRANSIENT_HTTP_STATUS:
+        return
+    cap = int(guard.policy.max_wait)
+    headers = response.headers
+    asked = retry_after(response_error(response))
+    if asked is not None and asked > cap:
+        headers["Retry-After"] = str(cap)
+    for key in [k for k in headers if k.lower() == "ratelimit"]:
+        headers[key] = re.sub(r"t=(\d+)", lambda m: f"t={min(int(m.group(1)), cap)}", headers[key])
+    elapsed = time.monotonic() - guard.start
+    if guard.policy.deadline is not None and elapsed > guard.policy.deadline:
+        raise HubError(f"{guard.what}: the Hub still answers HTTP {response.status_code} after {elapsed:.0f} s "
+                       f"(lmprobe waits {guard.policy.deadline:.0f} s); try again later")
+    logger.warning("lmprobe: %s: HTTP %d from the Hub; trying again in at most %d s%s", guard.what,
+                   response.status_code, cap, f" (it asked for {asked:.0f} s)" if asked and asked > cap else "")
+
+
+def response_error(response: Any) -> BaseException:
+    """An exception carrying ``response`` (what ``retry_after`` and ``describe`` read)."""
+    exc = HubError(f"HTTP {response.status_code}")
+    exc.response = response  # type: ignore[attr-defined]
+    return exc
+
+
+@contextlib.contextmanager
+def guarded(what: str, policy: RetryPolicy) -> Iterator[None]:
+    """huggingface_hub calls made inside have their waits capped and the policy's deadline (``_cap_waits``)."""
+    from huggingface_hub.utils import get_session
+
+    session = get_session()
+    hooks = session.event_hooks
+    if _cap_waits not in hooks.get("response", []):
+        hooks.setdefault("response", []).append(_cap_waits)
+        session.event_hooks = hooks
+    token = _GUARD.set(_Guard(what, policy, time.monotonic()))
+    try:
+        yield
+    finally:
+        _GUARD.reset(token)
 
 
 @dataclass(frozen=True)
@@ -124,6 +223,13 @@ def check_repo_id(repo_id: str) -> str:
     return repo_id
 
 
+def endpoint_for_messages() -> str:
+    """HF_ENDPOINT as a message may print it: its user name and password hidden (issue 36 finding 9)."""
+    from huggingface_hub import constants
+
+    return hide_credentials(constants.ENDPOINT)
+
+
 def hub_api(token: str | bool | None = None):
     from huggingface_hub import HfApi
 
@@ -144,9 +250,11 @@ def resolve_commit(ref: HubRef, *, token: str | bool | None = None) -> tuple[str
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     api = hub_api(token)
+    what = f"reading the description of {ref.repo_id} from the Hub"
     try:
         info = call_with_retry(lambda: api.repo_info(ref.repo_id, repo_type=ref.repo_type, revision=ref.revision,
-                                                     files_metadata=False), policy=hub_read_policy())
+                                                     files_metadata=False, timeout=READ_TIMEOUT),
+                               policy=hub_read_policy(), what=what)
     except RevisionNotFoundError:
         raise DatasetNotFoundError(f"{ref.repo_id} has no revision {ref.revision!r}") from None
     except (RepositoryNotFoundError, GatedRepoError):
@@ -167,11 +275,14 @@ class HubFiles:
     """Files of a Hub repo (under ``ref.path``), downloaded on first use into the Hugging Face cache.
 
     Every file comes from the commit the revision pointed at when this object was made, even if
-    the branch moves on.
+    the branch moves on. ``policy`` is how reads wait through 429/5xx answers and dropped
+    connections (default: ``hub_read_policy()``, a command's); every request times out after
+    ``READ_TIMEOUT`` seconds without a byte.
     """
 
-    def __init__(self, ref: HubRef, *, token: str | bool | None = None):
+    def __init__(self, ref: HubRef, *, token: str | bool | None = None, policy: RetryPolicy | None = None):
         self.token = token
+        self.policy = policy
         commit, files = resolve_commit(ref, token=token)
         self.ref = replace(ref, revision=commit)
         self.commit = commit
@@ -185,19 +296,49 @@ class HubFiles:
     def repo_path(self, rel: str) -> str:
         return f"{self.ref.path}/{rel}" if self.ref.path else rel
 
-    def _call(self, fn: Any, rel: str) -> Any:
-        """``fn()`` with the Hub's retries; a missing file or an unreachable Hub as lmprobe's errors."""
+    def _policy(self, policy: RetryPolicy | None) -> RetryPolicy:
+        return policy or self.policy or hub_read_policy()
+
+    def _gave_up(self, what: str, exc: BaseException, log: RetryLog, policy: RetryPolicy) -> HubError:
+        """One line: the Hub kept failing a read, what was tried for how long, and what to do."""
+        endpoint = endpoint_for_messages()
+        over = f" after {log.tries} tries over {log.seconds:.0f} s" if log.tries > 1 else ""
+        limit = f" (lmprobe waits {policy.deadline:.0f} s)" if log.deadline_passed and policy.deadline else ""
+        if status_code(exc) is not None:
+            return HubError(f"the Hub at {endpoint} kept refusing {what} ({describe(exc)}){over}{limit}; "
+                            "try again later (a training reader waits longer with deadline=)")
+        return HubError(f"cannot reach the Hub at {endpoint} for {what} ({describe(exc)}){over}{limit}; "
+                        "check the network (or HF_ENDPOINT) and try again, or use a local copy (`lmprobe pull`)")
+
+    def _call(self, fn: Any, rel: str, what: str, policy: RetryPolicy | None = None) -> Any:
+        """``fn()`` (a huggingface_hub download) with waits capped and a deadline; a missing file or an unreachable
+        Hub as lmprobe's errors. huggingface_hub waits out 408/429 itself: lmprobe does not repeat its tries."""
         from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
+        policy = self._policy(policy)
+        ours = replace(policy, retry_on_status_codes=policy.retry_on_status_codes - _HF_RETRIES)
+        log = RetryLog()
         try:
-            return call_with_retry(fn, policy=hub_read_policy())
-        except LocalEntryNotFoundError as exc:  # not in the cache, and the Hub could not be asked
-            raise _unreachable(self.ref, exc) from exc
+            with guarded(what, policy):
+                return call_with_retry(fn, policy=ours, what=what, log=log)
+        except LmprobeError:
+            raise
+        except LocalEntryNotFoundError as exc:  # not in the cache, and the Hub could not be asked (or refused)
+            raise self._gave_up(what, exc.__cause__ or exc, log, policy) from exc
         except EntryNotFoundError:
             raise ShardMissingError(self.missing_hint(rel)) from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                from huggingface_hub import constants
+
+                raise OutOfSpaceError(f"the disk holding the Hugging Face cache {constants.HF_HUB_CACHE} is full "
+                                      f"while {what}: free some space, or set HF_HOME to a larger disk") from exc
+            if policy.is_transient(exc):
+                raise self._gave_up(what, exc, log, policy) from exc
+            raise
         except Exception as exc:
-            if hub_read_policy().is_transient(exc):
-                raise _unreachable(self.ref, exc) from exc
+            if policy.is_transient(exc):
+                raise self._gave_up(what, exc, log, policy) from exc
             raise
 
     def fetch(self, rel: str, *, what: str = "file") -> Path:
@@ -205,46 +346,76 @@ class HubFiles:
 
         check_relpath(rel, what)
         return Path(self._call(lambda: hf_hub_download(self.ref.repo_id, self.repo_path(rel), repo_type=self.ref.repo_type,
-                                                       revision=self.commit, token=self.token), rel))
+                                                       revision=self.commit, token=self.token), rel,
+                               f"downloading {rel} from {self}"))
 
-    def download(self, rel: str, dst: Path) -> None:
-        """Download ``rel`` (at the pinned commit) to ``dst``, outside the Hugging Face cache (bounded caches)."""
-        import shutil
-        import tempfile
-
-        from huggingface_hub import hf_hub_download
-
+    def download(self, rel: str, dst: Path, *, policy: RetryPolicy | None = None) -> None:
+        """Download ``rel`` (at the pinned commit) to ``dst``, outside the Hugging Face cache (bounded caches): one
+        streamed request, resumed where it stopped if the connection drops."""
         check_relpath(rel, "file")
-        scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=dst.parent))
-        try:
-            got = self._call(lambda: hf_hub_download(self.ref.repo_id, self.repo_path(rel), repo_type=self.ref.repo_type,
-                                                     revision=self.commit, token=self.token, local_dir=scratch), rel)
-            os.replace(got, dst)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)  # hf_hub_download's own metadata for local_dir
+        with open(dst, "wb") as f:
+            self._get(rel, None, None, f, policy)
 
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes ``start:end`` of ``rel`` at the pinned commit, with one HTTP range request."""
+    def read_range(self, rel: str, start: int, end: int, *, out: BinaryIO | None = None,
+                   policy: RetryPolicy | None = None) -> bytes | None:
+        """Bytes ``start:end`` of ``rel`` at the pinned commit, with one HTTP range request: returned, or written
+        to the binary file ``out`` (streamed: memory stays small; a dropped connection resumes where it stopped).
+
+        A 429/5xx answer, a dropped connection or a read that stalls for ``READ_TIMEOUT`` is tried again as
+        ``policy`` says (waits cut to ``MAX_WAIT``, nothing after its deadline), each long wait logged.
+        """
+        check_relpath(rel, "file")
+        if end <= start:
+            return b"" if out is None else None
+        return self._get(rel, start, end, out, policy)
+
+    def _get(self, rel: str, start: int | None, end: int | None, out: BinaryIO | None,
+             policy: RetryPolicy | None) -> bytes | None:
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-        check_relpath(rel, "file")
-        if end <= start:
-            return b""
         url = hf_hub_url(self.ref.repo_id, self.repo_path(rel), repo_type=self.ref.repo_type, revision=self.commit)
-        headers = {**build_hf_headers(token=self.token), "Range": f"bytes={start}-{end - 1}"}
+        base = build_hf_headers(token=self.token)
+        sink = out if out is not None else io.BytesIO()
+        first = start or 0
+        done = 0
+        span = "" if start is None else f" bytes {start}-{end}"
+        what = f"reading {rel}{span} from {self}"
 
-        def get() -> bytes:
-            r = get_session().get(url, headers=headers, follow_redirects=True)
-            if r.status_code == 404:
-                raise ShardMissingError(self.missing_hint(rel))
-            hf_raise_for_status(r)
-            if r.status_code != 206 or len(r.content) != end - start:
-                raise HubError(f"{self}: a range request for bytes {start}-{end} of {rel} got {len(r.content)} bytes "
-                               f"(status {r.status_code})")
-            return r.content
+        def attempt() -> None:
+            nonlocal done
+            headers = dict(base)
+            ranged = start is not None or done > 0
+            if ranged:
+                headers["Range"] = f"bytes={first + done}-{'' if end is None else end - 1}"
+            with get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                                      timeout=READ_TIMEOUT) as r:
+                if r.status_code == 404:
+                    raise ShardMissingError(self.missing_hint(rel))
+                if r.status_code >= 400:
+                    r.read()
+                    hf_raise_for_status(r)
+                if ranged and r.status_code != 206:
+                    raise HubError(f"{self}: a range request for{span or ' the rest'} of {rel} was answered with "
+                                   f"status {r.status_code}, not 206: the server ignores ranges")
+                for chunk in r.iter_bytes(1 << 20):
+                    sink.write(chunk)
+                    done += len(chunk)
+            if end is not None and first + done != end:
+                raise HubError(f"{self}: a range request for{span} of {rel} got {done} bytes; the file is shorter "
+                               "than the dataset's metadata says (was the repo changed?)")
 
-        return self._call(get, rel)
+        policy = self._policy(policy)
+        log = RetryLog()
+        try:
+            call_with_retry(attempt, policy=policy, what=what, log=log)
+        except LmprobeError:
+            raise
+        except Exception as exc:
+            if policy.is_transient(exc):
+                raise self._gave_up(what, exc, log, policy) from exc
+            raise
+        return sink.getvalue() if out is None else None
 
     def fetch_optional(self, rel: str, *, what: str = "file") -> Path | None:
         """``fetch``, or None when the repo has no such file."""

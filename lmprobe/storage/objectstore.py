@@ -8,19 +8,25 @@ Standard AWS settings (AWS_ENDPOINT_URL, AWS_PROFILE, credentials) apply through
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from ..atomic import atomic_output, atomic_write
-from ..errors import ObjectStoreError, ShardMissingError
+from ..errors import ObjectStoreError, OutOfSpaceError, ShardMissingError
 from ..paths import check_relpath
 from ..retry import RetryPolicy, call_with_retry, describe
 from ..safeio import read_json
 from ..worker import BackgroundWorker
+from .cachedir import flocked
+
+#: bytes per request when a range of an object is streamed to a file (memory stays this small)
+STREAM_CHUNK = 8 * 2**20
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def is_object_store_url(path: Any) -> bool:
@@ -34,6 +40,7 @@ def object_store_policy(*, base_wait: float = 0.5, max_retries: int = 5) -> Retr
     return RetryPolicy(retry_on_exceptions=(OSError, TimeoutError, ConnectionError),
                        never_retry=(FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
                                     FileExistsError),
+                       never_retry_errnos=_DISK_FULL,  # a full local disk is not the store's fault
                        max_retries=max_retries, base_wait=base_wait)
 
 
@@ -64,10 +71,13 @@ def cache_dir(url: str, kind: str) -> Path:
 
 def _call(what: str, fn: Callable[[], Any], policy: RetryPolicy) -> Any:
     try:
-        return call_with_retry(fn, policy=policy)
+        return call_with_retry(fn, policy=policy, what=what)
     except FileNotFoundError:
         raise
     except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            raise OutOfSpaceError(f"the local disk is full while {what}: free some space, or point LMPROBE_CACHE "
+                                  "at a larger disk") from exc
         if policy.is_transient(exc):
             raise ObjectStoreError(f"{what} failed after {policy.max_retries + 1} attempt(s): {describe(exc)}") from exc
         raise
@@ -150,6 +160,8 @@ class ObjectStoreFiles:
 
         An object is identified by what the store says of it (ETag, size, modification time), not
         by its size alone: a dataset replaced at the same URL by one of the same shapes is noticed.
+        Processes sharing the cache download a file once: the others wait for it (a lock per file),
+        and each writes under a name of its own before the rename, so none trips over another.
         """
         check_relpath(rel, what)
         dst = self.cache / rel
@@ -160,18 +172,36 @@ class ObjectStoreFiles:
             raise ShardMissingError(self.missing_hint(rel)) from None
         ident = object_identity(info)
         stamp = dst.with_name(dst.name + ".identity.json")
-        if dst.is_file() and stamp.is_file() and dst.stat().st_size == info.get("size"):
-            try:
-                if read_json(stamp, error=ObjectStoreError, max_bytes=2**16) == ident:
-                    return dst
-            except ObjectStoreError:
-                pass  # a damaged stamp: download again
+        if self._cached(dst, stamp, info, ident):
+            return dst
         dst.parent.mkdir(parents=True, exist_ok=True)
-        stamp.unlink(missing_ok=True)
-        with atomic_output(dst) as tmp:
-            _call(f"downloading {self.url}/{rel}", lambda: self.fs.get_file(src, str(tmp)), self.policy)
-        atomic_write(stamp, json.dumps(ident))
+        with flocked(dst.with_name(f".{dst.name}.lock")):
+            if self._cached(dst, stamp, info, ident):  # another process fetched it meanwhile
+                return dst
+            stamp.unlink(missing_ok=True)
+            tmp = dst.with_name(f".{dst.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
+            try:
+                _call(f"downloading {self.url}/{rel}", lambda: self.fs.get_file(src, str(tmp)), self.policy)
+                os.replace(tmp, dst)
+                tmp.write_text(json.dumps(ident))
+                os.replace(tmp, stamp)
+            except BaseException as exc:
+                tmp.unlink(missing_ok=True)
+                if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+                    raise OutOfSpaceError(f"the disk holding the cache {self.cache} is full while downloading "
+                                          f"{self.url}/{rel}: free some space, or point LMPROBE_CACHE at a larger "
+                                          "disk") from exc
+                raise
         return dst
+
+    @staticmethod
+    def _cached(dst: Path, stamp: Path, info: dict, ident: dict) -> bool:
+        if not (dst.is_file() and stamp.is_file() and dst.stat().st_size == info.get("size")):
+            return False
+        try:
+            return read_json(stamp, error=ObjectStoreError, max_bytes=2**16) == ident
+        except ObjectStoreError:
+            return False  # a damaged stamp: download again
 
     def pin(self) -> None:
         """Record every object's identity now: a later ``download`` of a changed object is an error."""
@@ -196,28 +226,38 @@ class ObjectStoreFiles:
             raise ObjectStoreError(f"{self.url}/{rel} changed on the remote while it was being read ({seen} -> "
                                    f"{ident}); the dataset was replaced mid-pass: open it again to read the new one")
 
-    def download(self, rel: str, dst: Path) -> None:
-        """Download ``rel`` to ``dst`` (bounded caches); the object must be the pinned version (``_check_pinned``)."""
+    def download(self, rel: str, dst: Path, *, policy: RetryPolicy | None = None) -> None:
+        """Download ``rel`` to ``dst`` (a name of the caller's own: bounded caches); the object must be the pinned
+        version (``_check_pinned``)."""
         check_relpath(rel, "file")
         src = f"{self.root}/{rel}"
         self._check_pinned(rel, src)
-        with atomic_output(dst) as tmp:
-            _call(f"downloading {self.url}/{rel}", lambda: self.fs.get_file(src, str(tmp)), self.policy)
+        _call(f"downloading {self.url}/{rel}", lambda: self.fs.get_file(src, str(dst)), policy or self.policy)
 
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes ``start:end`` of ``rel``, after checking the object is still the pinned version.
+    def read_range(self, rel: str, start: int, end: int, *, out: BinaryIO | None = None,
+                   policy: RetryPolicy | None = None) -> bytes | None:
+        """Bytes ``start:end`` of ``rel``, after checking the object is still the pinned version: returned, or
+        written to the binary file ``out`` in requests of ``STREAM_CHUNK`` bytes (memory stays small).
 
         One metadata request per range (fsspec reads ranges without a version condition): the price
         of never mixing two versions of a dataset.
         """
         check_relpath(rel, "file")
         src = f"{self.root}/{rel}"
+        policy = policy or self.policy
         self._check_pinned(rel, src)
-        data = _call(f"reading {self.url}/{rel}", lambda: self.fs.cat_file(src, start=start, end=end), self.policy)
-        if len(data) != end - start:
-            raise ObjectStoreError(f"{self.url}/{rel}: asked for bytes {start}-{end}, got {len(data)}; the object is "
-                                   "shorter than the dataset's metadata says (replaced mid-pass?)")
-        return data
+        steps = [(start, end)] if out is None else [(a, min(end, a + STREAM_CHUNK)) for a in range(start, end, STREAM_CHUNK)]
+        parts = []
+        for a, b in steps:
+            data = _call(f"reading {self.url}/{rel}", lambda a=a, b=b: self.fs.cat_file(src, start=a, end=b), policy)
+            if len(data) != b - a:
+                raise ObjectStoreError(f"{self.url}/{rel}: asked for bytes {a}-{b}, got {len(data)}; the object is "
+                                       "shorter than the dataset's metadata says (replaced mid-pass?)")
+            if out is None:
+                parts.append(data)
+            else:
+                out.write(data)
+        return b"".join(parts) if out is None else None
 
     def missing_hint(self, rel: str) -> str:
         return f"{rel} is missing from {self.url}; the upload may be incomplete (re-run the extraction to resume)"

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,14 +26,16 @@ import pyarrow.compute as pc
 from ..errors import InvalidArgumentError
 from ..format.reader import Dataset
 from ..opening import load
-from ..storage.cache import cache_budget
+from ..storage.hub import READER_DEADLINE, HubFiles, reader_policy
+from ..storage.objectstore import object_store_policy
 from ..tokenizer import resolve_tokenizer
 from ..units import format_size, parse_size
-from .engine import OUT_DTYPES, Engine, RowSource, rank_world
-from .sources import DatasetRows, RemoteRows
+from .engine import OUT_DTYPES, Engine, RowSource, is_in_sorted, rank_world
+from .plan import groups
+from .sources import PIECE_BYTES, DatasetRows, RemoteRows
 
 __all__ = ["ShardStream", "Engine", "RowSource", "rank_world", "DatasetRows", "RemoteRows", "NORMALIZE",
-           "DEFAULT_MEMORY", "OUT_DTYPES"]
+           "DEFAULT_MEMORY", "OUT_DTYPES", "PIECE_BYTES"]
 
 NORMALIZE = (None, "mean_norm", "standardize")
 DEFAULT_MEMORY = "1GiB"
@@ -42,7 +46,8 @@ class ShardStream:
 
     ``ShardStream(dataset, layer, batch_size, seed=0, shuffle=True, rank=None, world_size=None,
     normalize=None, skip_first_tokens=0, skip_special_tokens=False, max_norm_ratio=None,
-    memory="1GiB", layers=None, hookpoints=None, drop_last=False, dtype="float32", pin_memory=False)``
+    memory="1GiB", layers=None, hookpoints=None, drop_last=False, dtype="float32", pin_memory=False,
+    cache=None, piece="64MiB", deadline=1800)``
 
     - iterating yields ``(batch_size, dim)`` arrays, or ``(batch_size, n_sites, dim)`` with
       ``layers=[...]`` and/or ``hookpoints=[...]`` (every layer x hookpoint, same tokens);
@@ -63,7 +68,11 @@ class ShardStream:
       r x the site's median norm (``stream.dropped_by_norm`` counts them);
     - ``len(stream)`` is this rank's vectors per pass after the filters (with ``max_norm_ratio``,
       computing it reads the data once); ``state_dict()``/``load_state_dict()`` resume mid-epoch
-      exactly; ``torch_dataset()`` is an IterableDataset for DataLoader workers.
+      exactly; ``torch_dataset()`` is an IterableDataset for DataLoader workers;
+    - a remote dataset (Hub, object storage) is read in pieces of at most ``piece`` bytes (one request
+      each) through a cache of at most ``cache`` bytes that the ranks and workers of one machine share
+      (``LOCAL_WORLD_SIZE`` of them, as torchrun sets it, each holding its share); 429/5xx answers and
+      dropped or stalled connections are waited out for ``deadline`` seconds (docs/training.md).
     """
 
     def __init__(self, dataset: Any, layer: int | None = None, batch_size: int = 4096, *, seed: int = 0,
@@ -72,7 +81,8 @@ class ShardStream:
                  skip_special_tokens: bool | Sequence[int] = False, max_norm_ratio: float | None = None,
                  memory: int | str = DEFAULT_MEMORY, layers: Sequence[int] | None = None,
                  hookpoints: Sequence[str] | None = None, drop_last: bool = False, block_rows: int | None = None,
-                 dtype: str = "float32", pin_memory: bool = False, cache: int | str | None = None):
+                 dtype: str = "float32", pin_memory: bool = False, cache: int | str | None = None,
+                 piece: int | str = PIECE_BYTES, deadline: float = READER_DEADLINE):
         if normalize not in NORMALIZE:
             raise InvalidArgumentError(f"normalize must be None, 'mean_norm' or 'standardize', got {normalize!r}")
         if isinstance(skip_first_tokens, bool) or not isinstance(skip_first_tokens, int) or skip_first_tokens < 0:
@@ -93,26 +103,22 @@ class ShardStream:
         self.multi = layers is not None or hookpoints is not None and len(hps) > 1
         self.layer = self.sites[0][1]
         self.rank, self.world_size = rank_world(rank, world_size)
-        source = self._source(cache)
-        self._engine_rows = list(source.shard_rows)  # the engine's shards (a remote source's are byte-range pieces)
+        source = self._source(cache, piece, deadline)
         self.dim = source.dim
         self.normalize = normalize
         self.skip_first_tokens, self.max_norm_ratio = skip_first_tokens, max_norm_ratio
         self._special = self._special_ids(skip_special_tokens)
         self.shift, self.scale = self._normalization(normalize)
-        keep = self._keep_masks() if (skip_first_tokens or self._special is not None) else None
+        dropped = self._dropped_rows() if (skip_first_tokens or self._special is not None) else None
         self.engine = Engine(source, batch_size, seed=seed, shuffle=shuffle, rank=self.rank, world=self.world_size,
-                             memory=parse_size(memory), drop_last=drop_last,
-                             keep=(lambda s: keep[s]) if keep is not None else None,
+                             memory=parse_size(memory), drop_last=drop_last, dropped=dropped,
                              transform=self._transform if normalize else None, block_rows=block_rows,
                              out_dtype=dtype, pin_memory=pinned, as_torch=bool(pin_memory), squeeze=not self.multi)
         if isinstance(source, RemoteRows):
-            # a window draws its blocks from the shards resident together: this rank's share of K shards' rows
-            self.engine.resident = self.resident
-            per_shard = min(source.shard_rows) if source.shard_rows else 0
-            self.engine.limit_window(self.resident * per_shard // self.world_size)
+            # a window draws its blocks from one group of K pieces of this rank's share (plan.GroupPlan)
+            self.engine.set_resident(self.resident, self.resident * int(np.max(source.shard_rows, initial=1)))
         if max_norm_ratio:
-            self.engine.max_norm = self._median_norms(keep) * np.float32(max_norm_ratio)
+            self.engine.max_norm = self._median_norms() * np.float32(max_norm_ratio)
         self.epoch = 0
         self._state: dict | None = None  # where the current pass stands
         self._resume: dict | None = None
@@ -120,20 +126,39 @@ class ShardStream:
 
     # ---------------------------------------------------------------- setup
 
-    def _source(self, cache: int | str | None) -> DatasetRows:
-        """Local rows, or (a remote dataset) rows through a bounded cache holding ``resident`` shards' worth twice."""
+    def _source(self, cache: int | str | None, piece: int | str, deadline: float) -> DatasetRows:
+        """Local rows, or (a remote dataset) rows through a node-shared cache holding two groups of ``resident``
+        pieces for each of the machine's readers."""
         self.resident: int | None = None
         self.cache_budget: int | None = None
+        self.piece_bytes: int | None = None
         if not hasattr(self.ds.files, "download"):  # a local folder: read in place, no cache
             return DatasetRows(self.ds, self.sites)
-        budget = cache_budget(cache, self.ds.files, announce=cache is None)
-        source = RemoteRows(self.ds, self.sites, budget)
-        biggest = max(source.shard_bytes)
-        if budget < 2 * biggest:
+        piece_bytes = parse_size(piece)
+        if piece_bytes <= 0:
+            raise InvalidArgumentError(f"piece must be a positive size, got {piece!r}")
+        if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or deadline < 0:
+            raise InvalidArgumentError(f"deadline must be a number of seconds >= 0, got {deadline!r}")
+        budget = parse_size(cache) if cache is not None else None
+        if budget is not None and budget <= 0:
+            raise InvalidArgumentError(f"cache must be a positive size, got {cache!r}")
+        readers = node_readers(self.world_size)
+        files = getattr(self.ds.files, "files", self.ds.files)  # through a load(..., cache=) folder: the source
+        policy = reader_policy(float(deadline)) if isinstance(files, HubFiles) else object_store_policy()
+        source = RemoteRows(self.ds, self.sites, budget, piece_bytes=piece_bytes, policy=policy, readers=readers)
+        budget = source.budget
+        if cache is None:
+            print(f"lmprobe: reading {self.ds.files} through a local cache of at most {format_size(budget)} "
+                  "(cache= / --cache to change it)", file=sys.stderr)
+        biggest = source.largest_piece()
+        if budget < 2 * biggest * readers:
+            source.close()
+            per = f" for each of the {readers} ranks of this machine" if readers > 1 else ""
             raise InvalidArgumentError(
-                f"cache={format_size(budget)} holds fewer than two pieces of {self.ds.files} ({format_size(biggest)} "
-                f"each, all sites); give at least cache='{format_size(2 * biggest)}'")
-        self.resident, self.cache_budget = budget // (2 * biggest), budget
+                f"cache={format_size(budget)} holds fewer than two pieces{per} of {self.ds.files} "
+                f"({format_size(biggest)} each, all sites); give at least cache='{format_size(2 * biggest * readers)}' "
+                "or a smaller piece=")
+        self.resident, self.cache_budget, self.piece_bytes = budget // (2 * biggest * readers), budget, piece_bytes
         return source
 
     def close(self) -> None:
@@ -156,22 +181,20 @@ class ShardStream:
                                        "(extract with --token-ids)")
         return np.asarray(ids, dtype=np.int64)
 
-    def _keep_masks(self) -> list[np.ndarray]:
-        """Per shard, which rows pass the position and special-token filters (one byte per stored row).
-
-        The masks are views of one flat array indexed by global row (shard base + row offset).
-        """
+    def _dropped_rows(self) -> np.ndarray:
+        """Global ids (shard base + row offset) of the stored rows the position and special-token filters drop,
+        sorted: memory grows with the rows dropped (a few per prompt), not with the rows stored."""
         ds = self.ds
         h = ds.hidden_desc(self.sites[0][0])
         rows = np.array([h.shard_rows(s) for s in range(len(h.shards))], dtype=np.int64)
         base = np.concatenate([[0], np.cumsum(rows)])
-        keep = np.ones(int(base[-1]), dtype=bool)
         k = self.skip_first_tokens
+        found: list[np.ndarray] = []
         if ds.storage != "full_sequence":
             drop = ds.token_lengths() - 1 < k  # the one stored token is at position num_tokens-1
             if self._special is not None:
                 drop |= np.isin(_last_values(ds.token_columns(["token_ids"])["token_ids"]), self._special)
-            keep[base[ds.column("shard_index")[drop]] + ds.column("row_offset")[drop]] = False
+            found.append(base[ds.column("shard_index")[drop]] + ds.column("row_offset")[drop])
         else:
             for t in ds.iter_index():  # row group by row group: memory stays small
                 n = _flat(pc.list_value_length(t.column("token_shard_ids")))
@@ -180,17 +203,27 @@ class ShardStream:
                 drop = np.arange(len(sid)) - np.repeat(np.cumsum(n) - n, n) < k  # position in the prompt
                 if self._special is not None:
                     drop |= np.isin(_flat(pc.list_flatten(t.column("token_ids"))), self._special)
-                keep[base[sid[drop]] + off[drop]] = False
-        return np.split(keep, np.cumsum(self._engine_rows)[:-1])
+                found.append(base[sid[drop]] + off[drop])
+        return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
 
-    def _median_norms(self, keep: list[np.ndarray] | None) -> np.ndarray:
-        """Each site's median norm, (1, n_sites), from up to 65,536 kept rows drawn at random."""
-        total = sum(self.engine.source.shard_rows)
-        ids = np.sort(np.random.default_rng(self.seed).choice(total, size=min(total, 65536), replace=False))
-        if keep is not None:
-            ids = ids[np.concatenate(keep)[ids]]  # the masks are views of one flat array: this copies it once
+    def _median_norms(self) -> np.ndarray:
+        """Each site's median norm, (1, n_sites), from up to 65,536 kept rows drawn at random (from a remote
+        dataset: from a few of its pieces, spread over the whole dataset, so that this costs a few downloads)."""
+        src = self.engine.source
+        total = int(self.engine.row_base[-1])
+        rng = np.random.default_rng(self.seed)
+        if isinstance(src, RemoteRows):
+            n_pieces = len(src.shard_rows)
+            k = max(1, min(n_pieces, self.resident or 1, 16))
+            picked = np.flatnonzero(groups(n_pieces, k, rng) == 0)  # one piece from each of k strata
+            pool = np.concatenate([np.arange(self.engine.row_base[p], self.engine.row_base[p + 1]) for p in picked])
+            ids = np.sort(rng.choice(pool, size=min(len(pool), 65536), replace=False))
+        else:
+            ids = np.sort(rng.choice(total, size=min(total, 65536), replace=False))
+        if self.engine.dropped is not None:
+            ids = ids[~is_in_sorted(self.engine.dropped, ids)]
         if not len(ids):
-            return np.full((1, self.engine.source.n_sites), np.inf, dtype=np.float32)
+            return np.full((1, src.n_sites), np.inf, dtype=np.float32)
         return np.median(self.engine.norms(self.engine.read_ids(ids)), axis=0).astype(np.float32)[None, :]
 
     def _normalization(self, normalize: str | None) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -229,11 +262,7 @@ class ShardStream:
             if self.max_norm_ratio is None:
                 self._len = self.engine.count(self.epoch)
             else:  # the norm filter needs the data: count it once
-                before = self.engine.dropped_by_norm
-                shard, start = self.engine.blocks(self.epoch)
-                self._len = sum(len(self.engine._read_window((shard[w], start[w]))[0]) - self.engine.batch_size
-                                for w in self.engine.windows(shard, start))
-                self.engine.dropped_by_norm = before
+                self._len = self.engine.count_by_reading(self.epoch)
         return self._len
 
     def set_epoch(self, epoch: int) -> None:
@@ -249,7 +278,7 @@ class ShardStream:
             "batch_size": self.batch_size, "drop_last": self.drop_last, "skip_first_tokens": self.skip_first_tokens,
             "skip_special_tokens": None if self._special is None else sorted(set(self._special.tolist())),
             "max_norm_ratio": self.max_norm_ratio, "normalize": self.normalize,
-            "memory": e.pool_rows, "block_rows": e.block_rows, "cache": self.resident,
+            "memory": e.pool_rows, "block_rows": e.block_rows, "cache": self.resident, "piece": self.piece_bytes,
         }
 
     def state_dict(self) -> dict:
@@ -283,26 +312,26 @@ class ShardStream:
                     f"this reader state was saved by a reader with {key}={shown}{_UNITS.get(key, '')}; this reader "
                     f"has {value!r}{_UNITS.get(key, '')}: resume with the same settings, or start the pass over")
         epoch = _count(state, "epoch", 2**62)
-        shard, start = self.engine.blocks(epoch)
-        windows = self.engine.windows(shard, start)
-        window = _count(state, "window", len(windows))
+        plan = self.engine.pass_plan(epoch)
+        window = _count(state, "window", plan.n_windows)
         carry = state["carry"]
         if not isinstance(carry, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in carry):
             raise InvalidArgumentError("the reader state's carry must be a list of row ids")
         carry_ids = np.asarray(carry, dtype=object)
-        self._check_carry(carry_ids, shard, start, windows[:window])
+        self._check_carry(carry_ids, plan, window)
         carry_ids = carry_ids.astype(np.int64)
-        rows = self.engine.window_rows(shard, start, windows[window]) if window < len(windows) else 0
+        rows = self.engine.window_rows(plan, window) if window < plan.n_windows else 0
         most = (rows + len(carry_ids)) // self.batch_size
-        if window == len(windows):
+        if window == plan.n_windows:
             most = int(bool(len(carry_ids)) and not self.drop_last)
         batches = _count(state, "batches", most)
         self.epoch = epoch
         self._resume = {"window": window, "batches": batches, "carry": carry_ids}
         self._state = dict(self._resume)
 
-    def _check_carry(self, carry: np.ndarray, shard: np.ndarray, start: np.ndarray, before: list[slice]) -> None:
-        """Carried rows: fewer than a batch, distinct, and rows of this rank's earlier windows that pass the filters."""
+    def _check_carry(self, carry: np.ndarray, plan: Any, window: int) -> None:
+        """Carried rows: fewer than a batch, distinct, and rows of this rank's windows before ``window`` that pass
+        the filters."""
         if len(carry) >= self.batch_size:
             raise InvalidArgumentError(f"the reader state's carry holds {len(carry)} rows; a carry is shorter than "
                                        f"a batch ({self.batch_size})")
@@ -314,16 +343,11 @@ class ShardStream:
             raise InvalidArgumentError("the reader state's carry names a row twice")
         if not len(ids):
             return
-        served = slice(0, before[-1].stop if before else 0)
         s = np.searchsorted(self.engine.row_base, ids, side="right") - 1
-        row = ids - self.engine.row_base[s]
-        r = self.engine.block_rows
-        key = s * (self.engine.row_base[-1] + r) + row // r * r
-        earlier = shard[served] * (self.engine.row_base[-1] + r) + start[served]
-        kept = np.isin(key, earlier)
-        if self.engine.keep is not None:
-            kept &= np.array([m is None or bool(m[x]) for m, x in zip(map(self.engine.keep, s.tolist()), row.tolist(),
-                                                                      strict=True)], dtype=bool)
+        w = plan.window_of(s, ids - self.engine.row_base[s])
+        kept = (w >= 0) & (w < window)
+        if self.engine.dropped is not None:
+            kept &= ~is_in_sorted(self.engine.dropped, ids)
         if not kept.all():
             raise InvalidArgumentError("the reader state's carry names rows this reader has not served before its "
                                        "window: it was saved by another reader or edited")
@@ -371,7 +395,17 @@ class ShardStream:
 
 
 #: how a setting's value reads in a message
-_UNITS = {"memory": " rows per window", "cache": " shards resident"}
+_UNITS = {"memory": " rows per window", "cache": " pieces resident", "piece": " bytes per piece"}
+
+
+def node_readers(world_size: int) -> int:
+    """How many ranks of this launch run on this machine and share its cache folder: ``LOCAL_WORLD_SIZE`` (torchrun
+    sets it), 1 for a single process."""
+    if world_size <= 1:
+        return 1
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return max(1, min(world_size, int(value))) if value.isdigit() else 1
+
 
 
 def fingerprint(settings: dict) -> str:

@@ -7,13 +7,15 @@ blocks as fit in the memory budget, read from all over the dataset into one pool
 shuffled and served as batches while the next window is read on a background thread. Blocks are
 small enough that each window holds at least four blocks per batch row, so a batch is as mixed as
 a uniform sample of the whole layer, and the bytes are read once, in runs of whole blocks.
-A remote source (``sources.RemoteRows``) takes its shards in a random order a group at a time
-(``Engine.resident``), so that a window reads only the shards resident in its bounded cache.
+A remote source (``sources.RemoteRows``) is read by another plan (``plan.GroupPlan``): its pieces are
+dealt to the ranks (no two ranks download the same bytes) and read ``Engine.resident`` at a time, in
+groups that each span the whole dataset, so that a window reads only what its bounded cache holds.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +27,7 @@ from ..errors import InvalidArgumentError
 from ..format.spec import DTYPES
 from ..format.values import bfloat16_bits_to_float32, cast_bfloat16_here, on_converter
 from ..worker import prefetched, settle
+from .plan import MAX_GROUP_BLOCKS, GroupPlan, Share, deal, groups, whole_share
 
 OUT_DTYPES = ("float32", "bfloat16")
 
@@ -63,6 +66,10 @@ class RowSource(ABC):
         """A window (or a ``read_ids``) has gathered its rows from these shards."""
         return None
 
+    def use(self, share: Share | None) -> None:
+        """The parts of shards this pass reads (a remote source downloads only those rows); None: whole shards."""
+        return None
+
     def cancel(self) -> None:
         """A pass ended early: forget the windows planned and not read."""
         return None
@@ -86,6 +93,14 @@ def rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 _MAX_BLOCKS = 1 << 22
 
 
+#: the largest pool buffer, unless mixing a very large dataset needs more (``Engine.__init__``): small enough
+#: that a pass recycles its buffers, large enough that a window reads its shards' pages in long runs
+#: (64 MiB pools cost a small layer's pass 20-30% more CPU than 128 MiB ones: docs/performance.md)
+POOL_BYTES = 128 * 2**20
+#: pool buffers finished passes left, for the next pass of any reader of this process
+_SPARE_POOLS: list[np.ndarray] = []
+_SPARE_LOCK = threading.Lock()
+
 #: rows converted per step when a batch is formed from a bfloat16 pool: the raw rows stay in cache
 _CONVERT_ROWS = 256
 
@@ -101,7 +116,7 @@ class Engine:
     """
 
     def __init__(self, source: RowSource, batch_size: int, *, seed: int, shuffle: bool, rank: int, world: int,
-                 memory: int, drop_last: bool, keep: Callable[[int], np.ndarray | None] | None = None,
+                 memory: int, drop_last: bool, dropped: np.ndarray | None = None,
                  transform: Callable[[np.ndarray], np.ndarray] | None = None, max_norm: np.ndarray | None = None,
                  block_rows: int | None = None, out_dtype: str = "float32", pin_memory: bool = False,
                  as_torch: bool = False, squeeze: bool = False):
@@ -111,7 +126,9 @@ class Engine:
             raise InvalidArgumentError(f"dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
         self.source, self.batch_size = source, int(batch_size)
         self.seed, self.shuffle, self.rank, self.world = seed, shuffle, rank, world
-        self.drop_last, self.keep, self.transform, self.max_norm = drop_last, keep, transform, max_norm
+        self.drop_last, self.transform, self.max_norm = drop_last, transform, max_norm
+        #: global ids of the rows the filters drop (sorted), or None: every row is kept
+        self.dropped = None if dropped is None else np.asarray(dropped, dtype=np.int64)
         self.out_dtype, self.pin_memory, self.squeeze = out_dtype, bool(pin_memory), squeeze
         self.as_torch = as_torch or self.pin_memory or out_dtype != "float32"  # batches as torch tensors
         self.storage = DTYPES[source.dtype].np_storage
@@ -125,23 +142,36 @@ class Engine:
             raise InvalidArgumentError(f"memory={memory:,} bytes holds less than one batch per pool; give at least "
                                        f"{need:,} bytes (memory='{-(-need // 2**20)}MiB') or a smaller batch_size")
         self._given_block_rows = block_rows
+        self.row_base = np.concatenate([[0], np.cumsum(source.shard_rows)]).astype(np.int64)
+        # windows of at most POOL_BYTES: a pass then touches two small pools of fresh memory and recycles them
+        # window after window, where one pool the size of a small dataset was fresh memory every pass (on a VM
+        # whose idle memory the host takes back, fresh pages cost several times the read: docs/performance.md).
+        # Pools grow past it only when the plan's size forces blocks so large that mixing needs larger windows.
+        for_mixing = int(2.5 * self.batch_size * max(0.0, int(self.row_base[-1]) / _MAX_BLOCKS - 1))
+        self.pool_rows = min(self.pool_rows, max(self.batch_size, POOL_BYTES // row, for_mixing))
+        #: shards resident at a time (a remote source: pieces): a pass deals the pieces to the ranks and reads
+        #: each rank's share in groups of this many (``plan.GroupPlan``); None: the global shuffle of every block
+        self.resident: int | None = None
         self._set_block_rows()
         self.dropped_by_norm = 0
-        self.row_base = np.concatenate([[0], np.cumsum(source.shard_rows)]).astype(np.int64)
         self._free_pools: list[np.ndarray] = []  # pool buffers done with, for the next windows of a pass
-        #: shards resident at a time (a remote source): a pass takes the shards in a random order, this many
-        #: at a time, and shuffles the blocks of each group together; None: every block of the dataset together
-        self.resident: int | None = None
 
     def _set_block_rows(self) -> None:
-        total = sum(self.source.shard_rows)
+        if self.resident is not None:
+            # a remote pass makes one group's blocks at a time, and its pieces are on local disk: blocks of
+            # single rows (as many as a group's plan allows), so that a window is a uniform sample of its group
+            self.block_rows = int(self._given_block_rows or max(1, -(-self._group_rows // MAX_GROUP_BLOCKS)))
+            return
         # blocks of r rows, W = pool_rows / r of them per window: a batch's label fraction then varies
         # like a uniform sample's times sqrt(1 + B (r - 1) / pool_rows) <= sqrt(1.4)
         mixing = 1 + int(0.4 * self.pool_rows / self.batch_size)
-        self.block_rows = int(self._given_block_rows or max(mixing, -(-total // _MAX_BLOCKS)))
+        self.block_rows = int(self._given_block_rows or max(mixing, -(-int(self.row_base[-1]) // _MAX_BLOCKS)))
 
-    def limit_window(self, rows: int) -> None:
-        """At most ``rows`` rows a window (a remote source: a window reads only the shards resident together)."""
+    def set_resident(self, k: int, rows: int) -> None:
+        """A remote source: ``k`` pieces resident at a time per rank, a group of them ``rows`` rows at most; a
+        window reads within one group, so it holds at most that."""
+        self.resident = max(1, int(k))
+        self._group_rows = max(1, int(rows))
         self.pool_rows = max(self.batch_size, min(self.pool_rows, int(rows)))
         self._set_block_rows()
 
@@ -154,13 +184,7 @@ class Engine:
         shard = np.repeat(np.arange(len(per)), per).astype(np.int64)
         start = (np.arange(len(shard)) - np.repeat(np.cumsum(per) - per, per)) * r
         if self.shuffle:
-            rng = np.random.default_rng((self.seed, epoch))
-            order = rng.permutation(len(shard))
-            n_shards = len(per)
-            if self.resident and self.resident < n_shards:  # groups of shards in a random order, blocks shuffled within
-                group = np.empty(n_shards, dtype=np.int64)
-                group[rng.permutation(n_shards)] = np.arange(n_shards) // self.resident
-                order = order[np.argsort(group[shard[order]], kind="stable")]
+            order = np.random.default_rng((self.seed, epoch)).permutation(len(shard))
             shard, start = shard[order], start[order]
         sel = slice(self.rank, None, self.world)
         shard, start = shard[sel], start[sel]
@@ -181,22 +205,63 @@ class Engine:
             cuts.append(max(nxt, cuts[-1] + 1))
         return [slice(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
-    def window_rows(self, shard: np.ndarray, start: np.ndarray, window: slice) -> int:
-        """Rows a window reads that pass the filters needing no data (its batches are at most this over batch_size)."""
-        s, a = shard[window], start[window]
-        n = self._lengths(s, a)
-        if self.keep is None:
-            return int(n.sum())
-        total = 0
-        for sh, first, k in zip(s.tolist(), a.tolist(), n.tolist(), strict=True):
-            m = self.keep(sh)
-            total += k if m is None else int(m[first : first + k].sum())
-        return total
+    def block_rows_kept(self, shard: np.ndarray, start: np.ndarray) -> int:
+        """Rows of some blocks that pass the filters needing no data."""
+        n = self._lengths(shard, start)
+        return int(n.sum()) - self._dropped_in(self.row_base[shard] + start, n)
+
+    def _dropped_in(self, first: np.ndarray, n: np.ndarray) -> int:
+        """How many dropped rows lie in the global row ranges [first, first + n)."""
+        if self.dropped is None or not len(first):
+            return 0
+        d = self.dropped
+        return int((np.searchsorted(d, first + n) - np.searchsorted(d, first)).sum())
+
+    def window_rows(self, plan: Any, w: int) -> int:
+        """Rows window ``w`` of a pass reads that pass the filters needing no data (its batches are at most this
+        over batch_size)."""
+        return self.block_rows_kept(*plan.window(w))
+
+    def pass_plan(self, epoch: int, worker: tuple[int, int] = (0, 1)) -> Any:
+        """The windows of this rank's (and worker's) pass of ``epoch``: an ``ArrayPlan`` (the global shuffle) or,
+        for a remote source, a ``plan.GroupPlan`` (pieces dealt to ranks and workers, read in groups)."""
+        if self.resident is None:
+            shard, start = self.blocks(epoch, worker)
+            return ArrayPlan(shard, start, self.windows(shard, start), self.block_rows, int(self.row_base[-1]))
+        r = self.block_rows
+        rows = np.asarray(self.source.shard_rows, dtype=np.int64)
+        share = deal(whole_share(rows), self.world, self.rank, r, np.random.default_rng((self.seed, epoch, 1)),
+                     shuffle=self.shuffle)
+        share = deal(share, worker[1], worker[0], r, np.random.default_rng((self.seed, epoch, 2, self.rank)),
+                     shuffle=self.shuffle)
+        k = max(1, self.resident // worker[1])
+        if self.shuffle:
+            group = groups(len(share), k, np.random.default_rng((self.seed, epoch, 3, self.rank, worker[0])))
+        else:
+            group = np.arange(len(share), dtype=np.int64) // k
+        return GroupPlan(share, group, r, self.pool_rows, seed=(self.seed, epoch, 4, self.rank, worker[0]),
+                         shuffle=self.shuffle)
 
     def count(self, epoch: int = 0) -> int:
         """Vectors this rank gets per pass after the filters that need no data (positions, special tokens)."""
-        shard, start = self.blocks(epoch)
-        return self.window_rows(shard, start, slice(None))
+        plan = self.pass_plan(epoch)
+        if isinstance(plan, ArrayPlan):
+            return self.block_rows_kept(plan.shard, plan.start)
+        sh = plan.share
+        return sh.rows - self._dropped_in(self.row_base[sh.piece] + sh.lo, sh.hi - sh.lo)
+
+    def count_by_reading(self, epoch: int = 0) -> int:
+        """Vectors this rank gets per pass after every filter, the norm filter included: reads the pass once."""
+        before = self.dropped_by_norm
+        plan = self.pass_plan(epoch)
+        self.source.use(getattr(plan, "share", None))
+        self.source.plan(plan.window_pieces(w) for w in range(plan.n_windows))
+        try:
+            return sum(len(self._read_window(plan.window(w))[0]) - self.batch_size for w in range(plan.n_windows))
+        finally:
+            self.source.cancel()
+            self.source.use(None)
+            self.dropped_by_norm = before
 
     # ---------------------------------------------------------------- reading
 
@@ -243,15 +308,31 @@ class Engine:
             at += len(r)
 
     def _pool_buffer(self, rows: int) -> np.ndarray | None:
-        """A pool buffer the last windows of this pass have finished with, if one holds ``rows`` rows."""
+        """A pool buffer the last windows of this pass have finished with, or that a finished pass of any reader of
+        this process left (its pages are warm), if one holds ``rows`` rows."""
         while self._free_pools:
             try:
                 buf = self._free_pools.pop()
             except IndexError:  # taken by another pass of the same engine
-                return None
+                break
             if len(buf) >= rows:
                 return buf
+        shape = (self.source.n_sites, self.source.dim)
+        with _SPARE_LOCK:
+            for i, buf in enumerate(_SPARE_POOLS):
+                if buf.dtype == self.storage and buf.shape[1:] == shape and len(buf) >= rows:
+                    return _SPARE_POOLS.pop(i)
         return None
+
+    def _leave_pools(self) -> None:
+        """At the end of a pass: its two pool buffers go to the process's spares, for the next pass of this reader
+        or of another one (a few small ones only: at most two, of at most twice ``POOL_BYTES`` each)."""
+        with _SPARE_LOCK:
+            while self._free_pools:
+                buf = self._free_pools.pop()
+                if buf.nbytes <= 2 * POOL_BYTES:
+                    _SPARE_POOLS.insert(0, buf)
+            del _SPARE_POOLS[2:]
 
     @property
     def pool_capacity(self) -> int:
@@ -270,12 +351,8 @@ class Engine:
         shard, rows = self._rows(*blocks)
         used = np.unique(shard).tolist()
         self.source.prepare(used)
-        if self.keep is not None:
-            ok = np.ones(len(rows), dtype=bool)
-            for s, seg in segments(shard):
-                m = self.keep(s)
-                if m is not None:
-                    ok[seg] = m[rows[seg]]
+        if self.dropped is not None and len(self.dropped):
+            ok = ~is_in_sorted(self.dropped, self.row_base[shard] + rows)
             shard, rows = shard[ok], rows[ok]
         lead = self.batch_size
         n = lead + len(rows)
@@ -321,6 +398,8 @@ class Engine:
         order = np.argsort(ids, kind="stable")
         shard = np.searchsorted(self.row_base, ids[order], side="right") - 1
         used = np.unique(shard)
+        if not len(used):
+            return np.empty((0, self.source.n_sites, self.source.dim), dtype=self.storage)
         self.source.plan([used])
         self.source.prepare(used.tolist())
         pool = self.gather(shard, ids[order] - self.row_base[shard])
@@ -337,17 +416,17 @@ class Engine:
         the carried rows ``ids``, skipping its first ``j`` batches. ``on_window(w, carry_ids)`` is
         called as each window's pool is formed (what a state_dict records).
         """
-        shard, start = self.blocks(epoch, worker)
-        windows = self.windows(shard, start)
+        plan = self.pass_plan(epoch, worker)
+        n_windows = plan.n_windows
         w0 = int(state["window"]) if state else 0
         skip = int(state["batches"]) if state else 0
         carry_ids = np.asarray(state["carry"], dtype=np.int64) if state else np.zeros(0, np.int64)
+        self.source.use(getattr(plan, "share", None))
         carry = self.read_ids(carry_ids)
-        plans = [(shard[w], start[w]) for w in windows[w0:]]
-        self.source.plan([np.unique(s) for s, _ in plans], share=worker[1])
+        self.source.plan((plan.window_pieces(w) for w in range(w0, n_windows)), share=worker[1])
         # the first window is read on two threads: the pass waits for it, and nothing else runs yet
-        reads = prefetched(lambda p: self._read_window(p[:2], threads=p[2]),
-                           [(*p, 2 if i == 0 else 1) for i, p in enumerate(plans)], depth=1, name="lmprobe-reader")
+        reads = prefetched(lambda w: self._read_window(plan.window(w), threads=2 if w == w0 else 1),
+                           range(w0, n_windows), depth=1, name="lmprobe-reader")
         bs = lead = self.batch_size
         try:
             for w, (pool, pool_ids, buffer) in enumerate(reads, start=w0):
@@ -374,13 +453,14 @@ class Engine:
                 del buffer
             if len(carry) and not self.drop_last:
                 if on_window is not None:
-                    on_window(len(windows), carry_ids)
+                    on_window(n_windows, carry_ids)
                 if skip == 0:
                     yield self._finish(carry, np.arange(len(carry)))
         finally:
             reads.close()
             self.source.cancel()
-            self._free_pools.clear()  # the memory goes back between passes
+            self.source.use(None)
+            self._leave_pools()  # warm pages for the next pass, where new buffers would fault in again
 
     def _finish(self, pool: np.ndarray, idx: np.ndarray) -> Any:
         """The batch of pool rows ``idx``: one gather, converted on the way; transformed; squeezed."""
@@ -449,3 +529,40 @@ def segments(shard: np.ndarray) -> Iterator[tuple[int, slice]]:
     edges = np.concatenate([[0], np.flatnonzero(np.diff(shard)) + 1, [len(shard)]]).tolist()
     for a, b in zip(edges[:-1], edges[1:], strict=True):
         yield int(shard[a]), slice(a, b)
+
+
+def is_in_sorted(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Whether each of ``ids`` is in the sorted array ``sorted_ids``."""
+    at = np.searchsorted(sorted_ids, ids)
+    return (at < len(sorted_ids)) & (sorted_ids[np.minimum(at, len(sorted_ids) - 1)] == ids)
+
+
+class ArrayPlan:
+    """The windows of a pass as slices of its (shard, first row) block arrays: the global shuffle."""
+
+    def __init__(self, shard: np.ndarray, start: np.ndarray, windows: list[slice], block_rows: int, n_rows: int):
+        self.shard, self.start, self.windows = shard, start, windows
+        self.block_rows, self._span = block_rows, n_rows + block_rows
+
+    @property
+    def n_windows(self) -> int:
+        return len(self.windows)
+
+    def window(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        sl = self.windows[w]
+        return self.shard[sl], self.start[sl]
+
+    def window_pieces(self, w: int) -> np.ndarray:
+        return np.unique(self.shard[self.windows[w]])
+
+    def window_of(self, shard: np.ndarray, row: np.ndarray) -> np.ndarray:
+        """The window each (shard, row) is read in, or -1 where no block of this pass holds it."""
+        span, r = self._span, self.block_rows
+        keys = self.shard * span + self.start
+        order = np.argsort(keys)
+        want = np.asarray(shard, np.int64) * span + np.asarray(row, np.int64) // r * r
+        at = np.minimum(np.searchsorted(keys[order], want), max(0, len(keys) - 1))
+        found = (len(keys) > 0) & (keys[order][at] == want) if len(keys) else np.zeros(len(want), bool)
+        ends = np.array([w.stop for w in self.windows], dtype=np.int64)
+        window = np.searchsorted(ends, order[at], side="right")
+        return np.where(found, window, -1)

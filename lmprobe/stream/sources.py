@@ -1,22 +1,26 @@
-"""Where the training reader's rows come from: a dataset's shards, local or through a bounded cache."""
+"""Where the training reader's rows come from: a dataset's shards, local or through a node-shared bounded cache."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
 from typing import Any
+from urllib.parse import quote, unquote
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import FormatError, InvalidArgumentError
 from ..format.reader import Dataset
 from ..format.safetensors_io import header_length, parse_header
 from ..format.spec import DTYPES
+from ..hashing import sha256_file
 from ..storage.cache import BoundedCache
 from ..units import format_size
 from .engine import RowSource
+from .plan import Pieces, Share
 
 
 class DatasetRows(RowSource):
@@ -62,140 +66,305 @@ class DatasetRows(RowSource):
         np.take(self._map(shard, site), rows, axis=0, out=out, mode="clip")
 
 
-#: bytes of one site's rows per piece: one range request each (a few ms of overhead against ~40 ms of
-#: transfer at 100 MB/s), and small enough that a cache holds hundreds of them
-PIECE_BYTES = 4 * 2**20
+#: bytes of one site's rows per piece, the default of ``ShardStream(piece=)``: one HTTP range request each
+#: (15 requests a second at 1 GB/s: within the Hub's free tier for one rank), and small enough that a cache
+#: holds a few hundred. A shard file that fits in one piece is read whole, header and all, in one request.
+PIECE_BYTES = 64 * 2**20
 
 
 class RemoteRows(DatasetRows):
-    """The rows of a remote dataset (Hub, object storage), read in byte-range pieces through a bounded cache.
+    """The rows of a remote dataset (Hub, object storage), read in pieces through a node-shared bounded cache.
 
-    Each shard's rows are cut into *pieces* of about ``PIECE_BYTES`` per site, fetched with one HTTP
-    range request each; to the engine a piece is a shard (``shard_rows`` lists the pieces), so a
-    pass takes pieces in a random order, ``Engine.resident`` at a time, from all over the dataset.
-    The engine plans a pass's windows up front; their pieces are downloaded ahead, in order, on
-    background workers, within the cache budget, and each is deleted once the last window that
-    reads it has gathered its rows. The Hugging Face cache is not used. Each process (a DataLoader
-    worker) makes its own cache, with an equal share of the budget.
+    Each shard's rows are cut into *pieces* of at most ``piece_bytes`` per site (``plan.Pieces``); to
+    the engine a piece is a shard (``shard_rows`` lists the pieces), and a pass deals the pieces to
+    the ranks and reads them in groups (``plan.GroupPlan``). A shard that fits in one piece is
+    downloaded whole (one request, header included) and checked against the sha256 the dataset
+    records before any of its rows is used; any other piece is one range request of its rows, after
+    the shard's header (read once per machine: the readers share it) gave where they start. Pieces
+    are downloaded ahead, in the order the pass needs them, within the cache's budget, and deleted
+    once the last window that reads them is done. The Hugging Face cache is not used.
+
+    The cache folder (``storage.cache.BoundedCache``) is shared by the readers of this dataset on the
+    machine; ``readers`` is how many of them a launch starts (ranks on the node): each holds at most
+    its share of the budget.
     """
 
-    def __init__(self, ds: Dataset, sites: list[tuple[str | None, int]], budget: int, workers: int = 4,
-                 piece_bytes: int | None = None):
+    def __init__(self, ds: Dataset, sites: list[tuple[str | None, int]], budget: int | None, *,
+                 piece_bytes: int | None = None, workers: int = 4, policy: Any = None, readers: int = 1):
         super().__init__(ds, sites)
-        self.budget, self.workers = budget, workers
+        self.workers, self.policy, self.readers = workers, policy, max(1, int(readers))
         if hasattr(ds.files, "pin"):  # object storage: the version of every object is fixed now (Hub: the commit)
             ds.files.pin()
-        descs = [ds.hidden_desc(hp) for hp, _ in sites]
-        real_rows = list(self.shard_rows)
-        recorded = {f.rel: f.bytes for f in ds.meta.files()}
-        rels = [[h.file(layer, s) for (_, layer), h in zip(sites, descs, strict=True)] for s in range(len(real_rows))]
-        for rel in (r for per in rels for r in per):
-            if recorded.get(rel) is None:
-                raise InvalidArgumentError(f"{ds.files}: the metadata records no size for {rel}, which a bounded cache "
-                                           "needs; download the dataset (`lmprobe pull`) and read the local copy")
-        starts = self._data_starts(rels, recorded)
-        row_bytes = self.dim * DTYPES[self.dtype].itemsize
-        per_piece = max(1, (piece_bytes or PIECE_BYTES) // row_bytes)
-        self.pieces: list[tuple[int, int, int]] = [(s, lo, min(n, lo + per_piece))
-                                                   for s, n in enumerate(real_rows) for lo in range(0, n, per_piece)]
-        self.shard_rows = [hi - lo for _, lo, hi in self.pieces]  # the engine's shards are the pieces
-        self.keys: list[list[str]] = []
-        self.ranges: dict[str, tuple[str, int, int]] = {}
-        for s, lo, hi in self.pieces:
-            keys = []
+        self._descs = [ds.hidden_desc(hp) for hp, _ in sites]
+        n_shards = len(self.shard_rows)
+        self.file_bytes = np.zeros((n_shards, self.n_sites), dtype=np.int64)
+        for s in range(n_shards):
             for site in range(self.n_sites):
-                key = f"{rels[s][site]}.rows-{lo}-{hi}"
-                self.ranges[key] = (rels[s][site], starts[(s, site)] + lo * row_bytes, starts[(s, site)] + hi * row_bytes)
-                keys.append(key)
-            self.keys.append(keys)
-        self.sizes = {k: b - a for k, (_, a, b) in self.ranges.items()}
-        self.shard_bytes = [sum(self.sizes[k] for k in keys) for keys in self.keys]
+                rel, size, _ = self._record(s, site)
+                if not isinstance(size, int) or size < 8:
+                    raise InvalidArgumentError(f"{ds.files}: the metadata records no size for {rel}, which a bounded "
+                                               "cache needs; download the dataset (`lmprobe pull`) and read the "
+                                               "local copy")
+                self.file_bytes[s, site] = size
+        self.row_bytes = self.dim * DTYPES[self.dtype].itemsize
+        self.piece_bytes = int(piece_bytes or PIECE_BYTES)
+        self.pieces = Pieces.cut(np.asarray(self.shard_rows, dtype=np.int64), row_bytes=self.row_bytes,
+                                 piece_bytes=self.piece_bytes)
+        self.shard_rows = self.pieces.rows()  # the engine's shards are the pieces
+        self._whole = self.pieces.whole(np.arange(self.pieces.n))
+        self._shard_of = self.pieces.shard_of(np.arange(self.pieces.n))
+        self._lo = self.pieces.locate(np.arange(self.pieces.n))[1]  # each piece's first row in its shard
+        self.data_start = np.full((n_shards, self.n_sites), -1, dtype=np.int64)  # learned from the headers
+        self.key = hashlib.sha256(f"{ds.files}\n{ds.identity}".encode()).hexdigest()[:24]
+        self._share: Share | None = None
+        self._planned: deque[list[str]] = deque()  # the names each window fed to the cache will read
+        self._pending: dict[str, int] = {}  # name -> windows fed and not read yet that read it
+        self._pending_bytes = 0
+        self._feeder: Iterator[np.ndarray] | None = None
+        self._paths: dict[tuple[int, int], tuple[Any, int]] = {}  # (piece, site) -> (local path, first row)
+        self._feed_lock = threading.RLock()
+        self._header_lock = threading.Lock()
         self._cache: BoundedCache | None = None
         self._pid = -1
-        self._planned: deque[list[int]] = deque()
-        self._paths: dict[tuple[int, int], Any] = {}
+        self.budget = budget  # None: the folder's (what its readers use), else the default
+        self.budget = self.cache().budget
 
-    def _data_starts(self, rels: list[list[str]], sizes: dict[str, int | None]) -> dict[tuple[int, int], int]:
-        """Where each file's tensor starts, from its header read with range requests (checked like a local one)."""
+    # ---------------------------------------------------------------- what a piece is
+
+    def _record(self, shard: int, site: int) -> tuple[str, Any, Any]:
+        """(file, recorded size, recorded sha256) of one site's file of a shard."""
+        h, (_, layer) = self._descs[site], self.sites[site]
+        rec = (h.shards[shard].get("files") or {}).get(str(layer)) or {}
+        return h.file(layer, shard), rec.get("bytes"), rec.get("sha256")
+
+    def piece_size(self, piece: int) -> int:
+        """Bytes a whole piece downloads, all sites together."""
+        if self._whole[piece]:
+            return int(self.file_bytes[self._shard_of[piece]].sum())
+        return int(self.shard_rows[piece]) * self.row_bytes * self.n_sites
+
+    def largest_piece(self) -> int:
+        """Bytes of the largest piece, all sites: a whole shard file, or a piece's rows."""
+        rows = np.asarray(self.shard_rows, dtype=np.int64) * self.row_bytes * self.n_sites
+        whole = self.file_bytes.sum(axis=1)[self._shard_of]
+        return int(np.where(self._whole, whole, rows).max(initial=1))
+
+    def _part(self, piece: int) -> tuple[int, int]:
+        """Rows [lo, hi) of ``piece`` this pass reads (a dealing cut may leave a piece's other rows to another rank)."""
+        sh = self._share
+        if sh is not None:
+            at = int(np.searchsorted(sh.piece, piece))
+            if at < len(sh.piece) and sh.piece[at] == piece:
+                return int(sh.lo[at]), int(sh.hi[at])
+        return 0, int(self.shard_rows[piece])
+
+    def _name(self, piece: int, site: int, lo: int, hi: int) -> tuple[str, int]:
+        """The cache name of rows [lo, hi) of a piece's file for ``site`` (the same for every reader of the
+        dataset), and its size. A piece that is its shard's only one, read whole, is the shard file itself."""
+        s = int(self._shard_of[piece])
+        rel, _, _ = self._record(s, site)
+        flat = f"{quote(rel, safe='')}#{s}"
+        if self._whole[piece] and lo == 0 and hi == int(self.shard_rows[piece]):
+            return flat, int(self.file_bytes[s, site])
+        first, end = int(self._lo[piece]) + lo, int(self._lo[piece]) + hi
+        return f"{flat}.{first}-{end}", (end - first) * self.row_bytes
+
+    def _spec(self, name: str) -> tuple[int, int, int, int, bool]:
+        """(shard, site, first row, end row, whole file) of a cache name made by ``_name``."""
+        quoted, _, rest = name.partition("#")
+        rel = unquote(quoted)
+        shard, _, rows = rest.partition(".")
+        s = int(shard)
+        site = next(i for i in range(self.n_sites) if self._record(s, i)[0] == rel)
+        if not rows:
+            return s, site, 0, int(self.pieces.shard_rows[s]), True
+        first, end = (int(x) for x in rows.split("-"))
+        return s, site, first, end, False
+
+    def use(self, share: Share | None) -> None:
+        self._share = share
+
+    # ---------------------------------------------------------------- downloads (on the cache's workers)
+
+    def _download(self, name: str, dst: Any) -> None:
+        s, site, first, end, whole = self._spec(name)
+        rel, size, sha = self._record(s, site)
         files = self.ds.files
-
-        def start_of(job: tuple[int, int]) -> tuple[tuple[int, int], int]:
-            s, site = job
-            rel, size = rels[s][site], int(sizes[rels[s][site]] or 0)
-            head = files.read_range(rel, 0, min(size, 1 << 16))
-            n = header_length(head[:8], size, rel)
-            raw = head[8 : 8 + n] if 8 + n <= len(head) else files.read_range(rel, 8, 8 + n)
-            hp, layer = self.sites[site]
-            return job, self.ds.hidden_header_entry(parse_header(raw, size, rel), layer, s, hp).start
-
-        jobs = [(s, site) for s in range(len(rels)) for site in range(self.n_sites)]
-        with ThreadPoolExecutor(8, thread_name_prefix="lmprobe-headers") as pool:
-            return dict(pool.map(start_of, jobs))
-
-    def _download(self, key: str, dst: Any) -> None:
-        rel, a, b = self.ranges[key]
-        data = self.ds.files.read_range(rel, a, b)
         with open(dst, "wb") as f:
-            f.write(data)
+            if whole:
+                files.read_range(rel, 0, int(size), out=f, policy=self.policy)
+            else:
+                start = self._data_start(s, site)
+                files.read_range(rel, start + first * self.row_bytes, start + end * self.row_bytes, out=f,
+                                 policy=self.policy)
+        if whole:
+            if isinstance(sha, str) and sha256_file(dst) != sha:
+                raise FormatError(f"{rel} from {files} does not have the sha256 the dataset records ({sha[:12]}...): "
+                                  "the server (or a proxy) sent other bytes of the right length; nothing of it was "
+                                  "used. Try again; if it persists, the remote copy is damaged (`lmprobe validate`)")
+            self._header_from_file(dst, s, site)
+
+    def _check_start(self, start: int, s: int, site: int) -> int:
+        end = start + int(self.pieces.shard_rows[s]) * self.row_bytes
+        if not 8 <= start <= end <= self.file_bytes[s, site]:
+            rel = self._record(s, site)[0]
+            raise FormatError(f"{rel}: its rows would start at byte {start}, outside the file's "
+                              f"{int(self.file_bytes[s, site])} bytes")
+        return start
+
+    def _header_from_file(self, path: Any, s: int, site: int) -> int:
+        """Where the rows start in a whole shard file on disk, from its header (checked against the metadata)."""
+        if self.data_start[s, site] >= 0:
+            return int(self.data_start[s, site])
+        rel = self._record(s, site)[0]
+        size = int(self.file_bytes[s, site])
+        with open(path, "rb") as f:
+            n = header_length(f.read(8), size, rel)
+            raw = f.read(n)
+        hp, layer = self.sites[site]
+        start = self._check_start(self.ds.hidden_header_entry(parse_header(raw, size, rel), layer, s, hp).start, s, site)
+        self.data_start[s, site] = start
+        return start
+
+    def _data_start(self, s: int, site: int) -> int:
+        """Where a shard's rows start in its file: known, or noted by another reader of this machine, or read from
+        its header with a range request (then noted for the others)."""
+        if self.data_start[s, site] >= 0:
+            return int(self.data_start[s, site])
+        rel, size, _ = self._record(s, site)
+        note = f"{rel.replace('/', '%')}.start"
+        with self._header_lock:
+            if self.data_start[s, site] >= 0:
+                return int(self.data_start[s, site])
+            known = self.cache().note(note)
+            if known is not None and known.strip().isdigit():
+                start = self._check_start(int(known), s, site)
+            else:
+                files = self.ds.files
+                # lmprobe's writer puts the tensor last: the header is what the rows leave of the file (a
+                # second request reads the rest of a longer one)
+                guess = int(size) - int(self.pieces.shard_rows[s]) * self.row_bytes
+                head = files.read_range(rel, 0, max(64, min(int(size), guess, 1 << 16)), policy=self.policy)
+                n = header_length(head[:8], int(size), rel)
+                raw = head[8 : 8 + n] if 8 + n <= len(head) else files.read_range(rel, 8, 8 + n, policy=self.policy)
+                hp, layer = self.sites[site]
+                entry = self.ds.hidden_header_entry(parse_header(raw, int(size), rel), layer, s, hp)
+                start = self._check_start(entry.start, s, site)
+                self.cache().note(note, str(start))
+            self.data_start[s, site] = start
+        return start
+
+    # ---------------------------------------------------------------- the cache and the plan of a pass
 
     def cache(self, share: int = 1) -> BoundedCache:
         """This process's cache (made on first use: threads do not survive a DataLoader worker's fork)."""
         if self._cache is None or self._pid != os.getpid():
-            self._cache = BoundedCache(self._download, max(1, self.budget // max(1, share)), self.sizes,
-                                       label=str(self.ds.files), workers=self.workers)
+            self._cache = BoundedCache(self._download, self.budget, key=self.key, label=str(self.ds.files),
+                                       workers=self.workers, share=self.readers * max(1, share))
             self._pid = os.getpid()
+            self._feed_lock, self._header_lock = threading.RLock(), threading.Lock()  # a fork's copies may be held
+            self._feeder = None
             self._planned.clear()
+            self._pending.clear()
+            self._pending_bytes = 0
             self._paths.clear()
             self._maps.clear()
         return self._cache
 
-    def plan(self, windows: list[np.ndarray], share: int = 1) -> None:
+    def _names(self, pieces: Iterable[int]) -> list[tuple[str, int]]:
+        out = []
+        for p in pieces:
+            lo, hi = self._part(int(p))
+            out += [self._name(int(p), site, lo, hi) for site in range(self.n_sites)]
+        return out
+
+    def plan(self, windows: Iterable[np.ndarray], share: int = 1) -> None:
         cache = self.cache(share)
-        too_big = [w for w in windows if sum(self.shard_bytes[int(s)] for s in w) > cache.budget]
-        if too_big:
-            need = max(sum(self.shard_bytes[int(s)] for s in w) for w in too_big)
-            raise InvalidArgumentError(
-                f"a window of this reader reads {format_size(need)} of shards at once, more than the cache's "
-                f"{format_size(cache.budget)}; give a larger cache= (--cache) or a smaller memory=")
-        for w in windows:
-            shards = [int(s) for s in w]
-            self._planned.append(shards)
-            cache.schedule(r for s in shards for r in self.keys[s])
+        with self._feed_lock:
+            self._feeder = iter(windows)
+        self._feed(cache)
+
+    def _feed(self, cache: BoundedCache) -> None:
+        """Hand the cache the next windows' pieces, in order, until it knows what to download for a budget ahead."""
+        with self._feed_lock:
+            while self._feeder is not None and (len(self._planned) < 2 or self._pending_bytes < 2 * cache.cap):
+                w = next(self._feeder, None)
+                if w is None:
+                    self._feeder = None
+                    break
+                names = self._names(w)
+                need = sum(size for _, size in names)
+                if need > cache.cap:
+                    raise InvalidArgumentError(
+                        f"a window of this reader reads {format_size(need)} of pieces at once, more than its share "
+                        f"of the cache ({format_size(cache.cap)}); give a larger cache= or a smaller memory=")
+                cache.schedule(names)
+                self._planned.append([n for n, _ in names])
+                for n, size in names:
+                    self._pending[n] = self._pending.get(n, 0) + 1
+                    self._pending_bytes += size if self._pending[n] == 1 else 0
 
     def prepare(self, shards: Iterable[int]) -> None:
         shards = [int(s) for s in shards]
         cache = self.cache()
-        if self._planned and self._planned[0] == shards:
-            self._planned.popleft()
-        else:  # a read no pass planned (len(), the median norms): scheduled now
-            cache.schedule(r for s in shards for r in self.keys[s])
+        names = self._names(shards)
+        with self._feed_lock:
+            if self._planned and self._planned[0] == [n for n, _ in names]:
+                for n in self._planned.popleft():
+                    self._pending[n] -= 1
+                    if self._pending[n] == 0:
+                        del self._pending[n]
+                        self._pending_bytes -= cache.sizes.get(n, 0)
+            else:  # a read no pass planned (len(), the median norms, a resumed pass's carry): scheduled now
+                cache.schedule(names)
+        self._feed(cache)
         for s in shards:
+            lo, _ = self._part(s)
             for site in range(self.n_sites):
-                self._paths[(s, site)] = cache.get(self.keys[s][site])
+                name, _ = self._name(s, site, *self._part(s))
+                self._paths[(s, site)] = (cache.get(name), lo)
 
     def _map(self, shard: int, site: int) -> np.ndarray:
         key = (shard, site)
         m = self._maps.get(key)
-        if m is None:  # a piece file holds its rows and nothing else
-            m = self._maps[key] = np.memmap(self._paths[key], dtype=DTYPES[self.dtype].np_storage, mode="r",
-                                            shape=(self.shard_rows[shard], self.dim))
+        if m is None:
+            path, lo = self._paths[key]
+            _, hi = self._part(shard)
+            s = int(self._shard_of[shard])
+            storage = DTYPES[self.dtype].np_storage
+            if self._whole[shard] and (lo, hi) == (0, int(self.shard_rows[shard])):  # the shard file itself
+                offset = self._header_from_file(path, s, site)
+            else:  # a piece file holds its rows and nothing else
+                offset = 0
+            m = self._maps[key] = np.memmap(path, dtype=storage, mode="r", offset=offset, shape=(hi - lo, self.dim))
         return m
+
+    def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
+        m = self._map(shard, site)
+        lo = self._paths[(shard, site)][1]
+        np.take(m, rows - lo if lo else rows, axis=0, out=out, mode="clip")
 
     def done(self, shards: Iterable[int]) -> None:
         cache = self.cache()
         for s in shards:
+            s = int(s)
+            lo, hi = self._part(s)
             for site in range(self.n_sites):
-                self._maps.pop((int(s), site), None)  # unmapped before the file goes: its disk space is freed
-                self._paths.pop((int(s), site), None)
-                cache.release(self.keys[int(s)][site])
+                self._maps.pop((s, site), None)  # unmapped before the file goes: its disk space is freed
+                self._paths.pop((s, site), None)
+                name, _ = self._name(s, site, lo, hi)
+                cache.release(name)
 
     def cancel(self) -> None:
         if self._cache is None or self._pid != os.getpid():
             return
-        while self._planned:
-            for s in self._planned.popleft():
-                for site in range(self.n_sites):
-                    self._cache.release(self.keys[s][site])
+        with self._feed_lock:
+            self._feeder = None
+            while self._planned:
+                for n in self._planned.popleft():
+                    self._cache.release(n)
+            self._pending.clear()
+            self._pending_bytes = 0
 
     def close(self) -> None:
         if self._cache is not None and self._pid == os.getpid():

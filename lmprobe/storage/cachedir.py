@@ -1,0 +1,301 @@
+"""Cache folders that the processes of one machine share: locks, the readers using them, what each holds.
+
+Ranks (and DataLoader workers) on one node that read the same remote dataset share one folder, so
+a piece is downloaded once per node and one byte budget holds for the folder as a whole::
+
+    $LMPROBE_CACHE/stream/
+        .lock                  flock: budgets are decided and readers registered one process at a time
+        <key>/                 one remote dataset (source and identity) on this machine
+            .lock              flock: this folder's bookkeeping, one process at a time
+            pieces/<name>      complete pieces only: a download is renamed in once it is whole and checked
+            parts/<name>.<rid>.<bytes>.part   downloads under way; <bytes> is reserved against the budget
+            readers/<rid>/     a reader: `alive` (flock held while its process lives), info.json (pid,
+                               budget), holds/<name> (the pieces it still needs: never deleted under it)
+            notes/<name>       small facts the readers share (where a shard's rows start)
+        files-<rid>/           a private folder (``LruFiles``), registered the same way
+
+A reader's liveness is its flock: the kernel drops it when the process dies (kill -9 included), so
+the next reader of the machine removes what a killed one left: its holds, its half-downloads, the
+pieces nobody holds, and folders no live reader uses (finished readers remove their own).
+
+>>> with FolderLock(folder):            # doctest: +SKIP
+...     used = usage(folder)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on POSIX: folders are not shared between processes
+    fcntl = None
+
+#: the default budget: the smaller of this and half of what the disk can still give this machine's caches
+DEFAULT_CACHE_CAP = 20 * 2**30
+
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _after_fork() -> None:
+    """A forked child (a DataLoader worker) starts with no folder held: a lock another thread of the parent held
+    at the fork would otherwise stay held forever in the child."""
+    global _LOCKS, _LOCKS_GUARD
+    _LOCKS, _LOCKS_GUARD = {}, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def cache_root() -> Path:
+    """Where bounded caches live: ``$LMPROBE_CACHE/stream`` (default ``~/.cache/lmprobe/stream``)."""
+    return Path(os.environ.get("LMPROBE_CACHE", Path.home() / ".cache" / "lmprobe")) / "stream"
+
+
+def new_reader_id() -> str:
+    return f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+class FolderLock:
+    """An exclusive lock on a folder's bookkeeping, between processes (flock) and threads (a lock per path).
+
+    The lock file is re-opened if another process removed the folder while this one waited for it.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.path = self.folder / ".lock"
+        with _LOCKS_GUARD:
+            self._thread_lock = _LOCKS.setdefault(str(self.path), threading.Lock())
+        self._fd: int | None = None
+
+    def __enter__(self) -> FolderLock:
+        self._thread_lock.acquire()
+        try:
+            while True:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                if fcntl is None:  # pragma: no cover - not on POSIX
+                    self._fd = fd
+                    return self
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    self._fd = fd
+                    return self
+                os.close(fd)  # the folder was removed (and maybe made again) meanwhile: lock the one there now
+        except BaseException:
+            self._thread_lock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        fd, self._fd = self._fd, None
+        try:
+            if fd is not None:
+                os.close(fd)  # closing drops the flock
+        finally:
+            self._thread_lock.release()
+
+
+@contextlib.contextmanager
+def flocked(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path`` (made if missing), between processes and between threads alike (each open is
+    its own lock holder). Where flock is missing, no lock."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def is_alive(reader_dir: Path) -> bool:
+    """Whether the process that registered ``reader_dir`` still runs (it holds the flock on its ``alive`` file)."""
+    if fcntl is None:  # pragma: no cover - not on POSIX
+        return True
+    try:
+        fd = os.open(reader_dir / "alive", os.O_RDWR)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+class Registration:
+    """A reader of a cache folder, registered under ``folder/readers/<rid>`` for as long as it is open."""
+
+    def __init__(self, folder: Path, budget: int, *, rid: str | None = None):
+        self.folder, self.budget = Path(folder), int(budget)
+        self.rid = rid or new_reader_id()
+        self.dir = self.folder / "readers" / self.rid
+        self.holds = self.dir / "holds"
+        self.holds.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.dir / "alive", os.O_RDWR | os.O_CREAT, 0o644)
+        if fcntl is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        (self.dir / "info.json").write_text(json.dumps({"pid": os.getpid(), "budget": self.budget,
+                                                       "since": time.time()}))
+        self._pid = os.getpid()
+
+    @property
+    def open(self) -> bool:
+        return self._fd is not None and self._pid == os.getpid()
+
+    def close(self) -> None:
+        """Unregister (the caller holds the folder's lock): the reader's holds go with it."""
+        if not self.open:
+            return
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.close(self._fd)
+        self._fd = None
+
+
+def live_readers(folder: Path) -> list[Path]:
+    """The reader folders of ``folder`` whose process still runs."""
+    readers = folder / "readers"
+    if not readers.is_dir():
+        return []
+    return [d for d in sorted(readers.iterdir()) if is_alive(d)]
+
+
+def reader_budgets(folder: Path) -> list[int]:
+    out = []
+    for d in live_readers(folder):
+        try:
+            out.append(int(json.loads((d / "info.json").read_text())["budget"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def part_name(name: str, rid: str, size: int) -> str:
+    return f"{name}.{rid}.{size}.part"
+
+
+def parse_part(file: str) -> tuple[str, str, int] | None:
+    """(piece name, reader id, reserved bytes) of a part file's name, or None."""
+    bits = file.rsplit(".", 3)
+    if len(bits) != 4 or bits[3] != "part" or not bits[2].isdigit():
+        return None
+    return bits[0], bits[1], int(bits[2])
+
+
+def _files(d: Path) -> Iterator[os.DirEntry]:
+    try:
+        with os.scandir(d) as it:
+            yield from list(it)
+    except FileNotFoundError:
+        return
+
+
+def usage(folder: Path) -> int:
+    """Bytes of a folder's complete pieces and of the downloads under way (counted in full)."""
+    total = 0
+    for e in _files(folder / "pieces"):
+        with contextlib.suppress(FileNotFoundError):
+            total += e.stat().st_size
+    for e in _files(folder / "parts"):
+        parsed = parse_part(e.name)
+        total += parsed[2] if parsed else 0
+    return total
+
+
+def held_elsewhere(folder: Path, name: str, rid: str) -> bool:
+    """Whether a reader other than ``rid`` holds piece ``name``."""
+    readers = folder / "readers"
+    return any(d.name != rid and (d / "holds" / name).exists() for d in _dirs(readers))
+
+
+def _dirs(d: Path) -> list[Path]:
+    return [Path(e.path) for e in _files(d) if e.is_dir()]
+
+
+def collect(folder: Path, *, keep: str | None = None) -> None:
+    """Remove what dead readers left in ``folder`` (the caller holds its lock): their registrations and
+    half-downloads, and every piece no live reader holds. ``keep``: a reader id to treat as alive."""
+    live = set()
+    for d in _dirs(folder / "readers"):
+        if d.name == keep or is_alive(d):
+            live.add(d.name)
+        else:
+            shutil.rmtree(d, ignore_errors=True)
+    for e in _files(folder / "parts"):
+        parsed = parse_part(e.name)
+        if parsed is None or parsed[1] not in live:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(e.path)
+    held = set()
+    for rid in live:
+        held.update(e.name for e in _files(folder / "readers" / rid / "holds"))
+    for e in _files(folder / "pieces"):
+        if e.name not in held:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(e.path)
+
+
+def collect_root(root: Path, *, skip: Path | None = None) -> None:
+    """Remove every cache folder under ``root`` that no live reader uses (killed readers' leftovers, and the
+    folders of readers that ended without closing), and what dead readers left in the others."""
+    for d in _dirs(root):
+        if skip is not None and d == skip:
+            continue
+        with FolderLock(d):
+            collect(d)
+            if d.name != "claims" and not live_readers(d):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def default_budget(root: Path, *, cap: int = DEFAULT_CACHE_CAP) -> int:
+    """min(``cap``, half of what the disk can still give): free space, less what the live readers of this
+    machine may still claim (their budgets less what they hold), so that two jobs started together do not
+    both plan on half of the same free space. The caller holds ``root``'s lock and registers right after."""
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    claimed = 0
+    for d in _dirs(root):
+        budgets = reader_budgets(d)
+        if d.name == "claims":  # budgets decided for processes that have not started reading
+            claimed += sum(budgets)
+        elif budgets:
+            claimed += max(0, max(budgets) - usage(d))
+    return int(max(0, min(cap, (free - claimed) // 2)))
+
+
+def claim_default_budget(root: Path, *, cap: int = DEFAULT_CACHE_CAP) -> int:
+    """A default budget, decided and claimed at once (under the root's lock): the claim holds until this process
+    registers a reader (``drop_claims``) or ends, so that another job deciding its budget meanwhile counts it."""
+    with FolderLock(root):
+        budget = default_budget(root, cap=cap)
+        _CLAIMS.append(Registration(root / "claims", budget))
+    return budget
+
+
+_CLAIMS: list[Registration] = []
+
+
+def drop_claims() -> None:
+    """This process registered its reader: its pending budget claims are counted there now."""
+    while _CLAIMS:
+        claim = _CLAIMS.pop()
+        with contextlib.suppress(OSError):
+            claim.close()
