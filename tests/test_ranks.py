@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import doctest
 import json
+import threading
+import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -15,10 +18,23 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import event, example, given, settings
+from hypothesis import strategies as st
 
-from lmprobe.errors import PromptError
+from lmprobe.errors import ExtractionError, PromptError
 from lmprobe.extraction import sources
-from lmprobe.extraction.sources import open_source
+from lmprobe.extraction.corpus import CorpusPlan, plan_budget, progress_after, stream_windows
+from lmprobe.extraction.ranks import Position, ahead, merge_counts, progress_record, start_plan
+from lmprobe.extraction.sources import MemorySource, open_source
+from lmprobe.extraction.windows import (
+    Affixes,
+    Budget,
+    Cutoff,
+    affixes_of,
+    find_cutoff,
+    stored_tokens,
+    windows,
+)
 
 
 def write_folder(root: Path) -> Path:
@@ -148,8 +164,330 @@ def test_hub_dataset_ranks_skip_the_others_examples_in_the_stream(hub, tmp_path)
 
 
 def test_the_modules_examples_run():
-    from lmprobe.extraction import windows
+    from lmprobe.extraction import ranks
+    from lmprobe.extraction import windows as windows_module
 
-    for module in (sources, windows):
+    for module in (sources, windows_module, ranks):
         assert doctest.testmod(module).failed == 0
 
+
+
+# ---------------------------------------------------------------- the budget over many ranks
+
+
+class WordTokenizer:
+    """A tokenizer for tests: "w3 w17" -> [3, 17], with character offsets when ``is_fast``."""
+
+    def __init__(self, fast: bool = True):
+        self.is_fast = fast
+
+    def __call__(self, texts, *, add_special_tokens=False, return_offsets_mapping=False, truncation=False,
+                 verbose=False):
+        assert not add_special_tokens and not truncation
+        out = {"input_ids": [[int(w[1:]) for w in t.split()] for t in texts]}
+        if return_offsets_mapping:
+            assert self.is_fast
+            out["offset_mapping"] = [_offsets(t) for t in texts]
+        return out
+
+    def decode(self, ids):
+        return " ".join(f"w{i}" for i in ids)
+
+
+def _offsets(text):
+    spans, at = [], 0
+    for w in text.split():
+        at = text.index(w, at)
+        spans.append((at, at + len(w)))
+        at += len(w)
+    return spans
+
+
+class Ranks:
+    """``world`` ranks simulated by threads; ``all_gather`` is a barrier over a shared list, and every object
+    crosses it as JSON (what a rank sends must survive any transport)."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots: list = [None] * world
+        self.gathers = [0] * world
+
+    def gather(self, rank: int):
+        def all_gather(obj):
+            self.slots[rank] = json.loads(json.dumps(obj))
+            self.barrier.wait()
+            got = list(self.slots)
+            self.barrier.wait()
+            self.gathers[rank] += 1
+            return got
+
+        return all_gather
+
+    def run(self, fn):
+        """fn(rank, all_gather) on every rank at once: (results, exceptions), by rank."""
+        results: list = [None] * self.world
+        errors: list = [None] * self.world
+
+        def target(rank):
+            try:
+                results[rank] = fn(rank, self.gather(rank))
+            except BaseException as exc:  # noqa: BLE001 - compared by the test
+                errors[rank] = exc
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a rank hangs"
+        for _ in range(200):  # every planner thread ends with its rank's stream
+            if not any(t.name == "lmprobe-planner" and t.is_alive() for t in threading.enumerate()):
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("a planner thread outlived its stream")
+        return results, errors
+
+
+def key(w):
+    return (w.document, w.index, w.start, tuple(w.input_ids), w.text)
+
+
+def make_plan(docs, prefix, suffix, per_window, limit):
+    return CorpusPlan(MemorySource(docs, text_column="text"), Affixes(tuple(prefix), tuple(suffix)),
+                      per_window + len(prefix) + len(suffix), limit, None)
+
+
+def rank_windows(plan, tok, world, *, mode="ahead", round_size=None, resume=None, stop_after=None):
+    """Every rank's windows (stored ones only, with ``stop_after[rank]``), and its progress after them."""
+    ranks = Ranks(world)
+
+    def one(rank, gather):
+        progress = resume[rank] if resume else None
+        end = None
+        if mode == "two-pass" and plan.max_tokens is not None:
+            end = plan_budget(plan, tok, "text", rank=rank, world=world, all_gather=gather, resume=progress,
+                              round_size=round_size)
+        stream = stream_windows(plan, tok, "text", resume=progress, rank=rank, world=world,
+                                all_gather=gather if mode == "ahead" else None, end=end, round_size=round_size)
+        stored = []
+        limit = None if stop_after is None else stop_after[rank]
+        try:
+            for w in stream:
+                if limit is not None and len(stored) == limit:
+                    break  # pulled, never stored: the rank dies before its next checkpoint
+                stored.append(w)
+        except ExtractionError as exc:  # another rank stopped
+            if stop_after is None:
+                raise
+            assert "stopped before the extraction ended" in str(exc)
+        finally:
+            stream.close()
+        return stored, (progress_after(stored) if stored else progress)
+
+    return ranks.run(one)
+
+
+docs_strategy = st.lists(st.tuples(st.integers(0, 30), st.booleans()), max_size=25)
+
+
+def build_docs(spec, seed=0):
+    """Documents of the given lengths: text ("w5 w9 ...", possibly empty) or pretokenized ids."""
+    docs = []
+    for i, (n, pretokenized) in enumerate(spec):
+        ids = [(seed + 7 * i + 3 * j) % 50 + 10 for j in range(n)]
+        docs.append({"input_ids": ids} if pretokenized and n else {"text": " ".join(f"w{t}" for t in ids)})
+    return docs
+
+
+@settings(max_examples=60)
+@given(spec=docs_strategy, prefix=st.lists(st.integers(1, 3), max_size=2), suffix=st.lists(st.integers(1, 3), max_size=1),
+       per_window=st.integers(1, 8), limit=st.one_of(st.none(), st.integers(1, 400)), world=st.integers(1, 8),
+       round_factor=st.integers(0, 3), mode=st.sampled_from(["ahead", "two-pass"]), fast=st.booleans())
+@example(spec=[(5, False), (0, False), (7, True)], prefix=[1], suffix=[], per_window=2, limit=9, world=3,
+         round_factor=1, mode="ahead", fast=True)
+def test_the_ranks_windows_are_the_single_process_windows(spec, prefix, suffix, per_window, limit, world, round_factor,
+                                                           mode, fast):
+    docs = build_docs(spec)
+    plan = make_plan(docs, prefix, suffix, per_window, limit)
+    tok = WordTokenizer(fast)
+    single = [key(w) for w in stream_windows(plan, tok, "text", resume=None)]
+    if limit is not None:
+        assert sum(len(k[3]) for k in single) == min(limit, sum(
+            stored_tokens(len(tok([d["text"]])["input_ids"][0]) if "text" in d else len(d["input_ids"]),
+                          per_window, len(prefix) + len(suffix)) for d in docs))
+    results, errors = rank_windows(plan, tok, world, mode=mode, round_size=round_factor * world or None)
+    assert errors == [None] * world
+    for rank, (stored, _) in enumerate(results):
+        assert all(w.document % world == rank for w in stored)
+        assert [(w.document, w.index) for w in stored] == sorted((w.document, w.index) for w in stored)
+    assert sorted(key(w) for stored, _ in results for w in stored) == sorted(single)
+
+
+@settings(max_examples=60)
+@given(spec=docs_strategy, prefix=st.lists(st.integers(1, 3), max_size=2), per_window=st.integers(1, 6),
+       limits=st.tuples(st.integers(1, 300), st.integers(1, 300)), change=st.booleans(), world=st.integers(2, 5),
+       stops=st.lists(st.integers(0, 12), min_size=5, max_size=5), round_factor=st.integers(0, 2),
+       mode=st.sampled_from(["ahead", "two-pass"]))
+@example(spec=[(9, False)] * 6, prefix=[1], per_window=3, limits=(20, 20), change=False, world=2, stops=[1, 2, 0, 0, 0],
+         round_factor=1, mode="ahead")
+def test_ranks_killed_anywhere_resume_to_the_single_process_windows(spec, prefix, per_window, limits, change, world,
+                                                                     stops, round_factor, mode):
+    """Every rank stops at a random window (what it stored is what its writer checkpointed), then every rank
+    resumes from its progress, with the same budget or another: the result is the single process's windows
+    with the budget of the second run, or, when a part already holds what that budget does not (past its end,
+    or a last window cut otherwise), the same error on every rank."""
+    docs = build_docs(spec, seed=3)
+    first, second = limits[0], limits[1] if change else limits[0]
+    tok = WordTokenizer()
+    round_size = round_factor * world or None
+    results, errors = rank_windows(make_plan(docs, prefix, [], per_window, first), tok, world, mode=mode,
+                                   round_size=round_size, stop_after=stops[:world])
+    assert errors == [None] * world
+    stored = [key(w) for part, _ in results for w in part]
+    want = sorted(key(w) for w in stream_windows(make_plan(docs, prefix, [], per_window, second), tok, "text",
+                                                 resume=None))
+    again, errors = rank_windows(make_plan(docs, prefix, [], per_window, second), tok, world, mode=mode,
+                                 round_size=round_size, resume=[progress for _, progress in results])
+    event("stored nothing" if not stored else "stored all" if sorted(stored) == want else "stored some")
+    if not set(stored) <= set(want):
+        event("refused")
+        assert all(isinstance(e, ExtractionError) for e in errors), errors
+        assert len({str(e) for e in errors}) == 1
+        assert "--max-tokens" in str(errors[0]) and "--overwrite" in str(errors[0])
+        return
+    assert errors == [None] * world
+    assert sorted(stored + [key(w) for part, _ in again for w in part]) == want
+
+
+def test_a_finished_job_run_again_exchanges_once_and_stores_nothing():
+    docs = build_docs([(12, False)] * 30)
+    plan = make_plan(docs, [1], [], 4, 150)
+    tok = WordTokenizer()
+    results, errors = rank_windows(plan, tok, 3)
+    assert errors == [None] * 3
+    cut = [p for _, p in results if "cut_document" in p]
+    assert cut and all(p["cut_limit"] == 150 for p in cut)  # the rank that stored the cut window knows the end
+    ranks = Ranks(3)
+
+    def again(rank, gather):
+        return list(stream_windows(plan, tok, "text", resume=results[rank][1], rank=rank, world=3, all_gather=gather))
+
+    got, errors = ranks.run(again)
+    assert errors == [None] * 3 and got == [[], [], []]
+    assert ranks.gathers == [1, 1, 1]
+
+
+def test_a_bad_record_stops_every_rank_with_its_message(tmp_path):
+    f = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": " ".join(f"w{j}" for j in range(i % 7 + 1))}) for i in range(300)]
+    lines[133] = '{"text": "w1 w2"'  # rank 1's (133 % 3), in the third round
+    f.write_text("\n".join(lines) + "\n")
+    plan = CorpusPlan(open_source(f), Affixes((1,)), 4, 10_000, None)
+    results, errors = Ranks(3).run(lambda rank, gather: list(stream_windows(
+        plan, WordTokenizer(), "text", resume=None, rank=rank, world=3, all_gather=gather)))
+    assert all(isinstance(e, PromptError) for e in errors), errors
+    assert len({str(e) for e in errors}) == 1 and "docs.jsonl, line 134 is not valid JSON" in str(errors[0])
+
+
+def test_real_tokenizer_ranks_store_the_single_process_windows(llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    text = ("The cat sat on the mat and looked at the bird. A quick brown fox jumps over the lazy dog. "
+            "Numbers like 12, 345 and 6789 appear in text as well. ")
+    f = tmp_path / "docs.jsonl"
+    f.write_text("".join(json.dumps({"text": text * (i % 4) + f"doc {i}"}) + "\n" for i in range(40)))
+    plan = CorpusPlan(open_source(f), affixes_of(tok, special_tokens=True), 16, 777, None)
+    single = sorted(key(w) for w in stream_windows(plan, tok, "text", resume=None))
+    assert sum(len(k[3]) for k in single) == 777
+    for mode in ("ahead", "two-pass"):
+        results, errors = rank_windows(plan, tok, 3, mode=mode)
+        assert errors == [None] * 3
+        assert sorted(key(w) for stored, _ in results for w in stored) == single
+
+
+# ---------------------------------------------------------------- the pure parts of the plan
+
+
+@given(counts=st.lists(st.integers(0, 40), max_size=30), per_window=st.integers(1, 9), n_affixes=st.integers(0, 3),
+       limit=st.integers(1, 500), used=st.integers(0, 100))
+def test_find_cutoff_agrees_with_a_budget_taking_window_after_window(counts, per_window, n_affixes, limit, used):
+    """The cutoff from counts alone is where a single process's Budget stops, window after window."""
+    context_len = per_window + n_affixes
+    if used >= limit:
+        return
+    budget, want = Budget(limit, used), None
+    for d, c in enumerate(counts):
+        for w, (a, b) in enumerate(windows(c, per_window)):
+            n = budget.take(b - a + n_affixes)
+            if n and budget.spent and want is None:
+                want = (d, w, n)
+    stored = [(d, stored_tokens(c, per_window, n_affixes)) for d, c in enumerate(counts)]
+    cutoff, before = find_cutoff(stored, used=used, limit=limit, context_len=context_len)
+    assert (None if cutoff is None else (cutoff.document, cutoff.window, cutoff.tokens)) == want
+    if cutoff is None:
+        assert before == used + sum(n for _, n in stored)
+    else:
+        assert before == used + sum(n for d, n in stored if d < cutoff.document)
+        assert cutoff.limit == limit
+
+
+def test_merge_counts_finds_the_source_end_and_refuses_ranks_that_disagree():
+    assert merge_counts([{"counts": [5, 7]}, {"counts": [6, 0]}], 10, 14, 2) == [(10, 5), (11, 6), (12, 7), (13, 0)]
+    assert merge_counts([{"counts": []}, {"counts": []}, {"counts": []}], 3, 9, 3) == []
+    with pytest.raises(ExtractionError, match="document 10 is missing on rank 0 but rank 1 has document 11"):
+        merge_counts([{"counts": []}, {"counts": [6]}], 10, 14, 2)
+
+
+def test_positions_survive_the_writer_and_a_plan_restarts_at_the_lowest():
+    cut = Cutoff(9, 2, 3, 500)
+    for p in (Position(), Position(7, 2, 300, 12), Position(9, 3, None, 3, cut)):
+        progress = progress_record(p.document, p.window, tokens_before=p.tokens_before, last_tokens=p.last_tokens,
+                                   cutoff=p.cutoff) if p.window else None
+        assert Position.from_progress(progress) == p
+        assert Position.from_json(json.loads(json.dumps(p.to_json()))) == p
+    assert Position.from_progress({"document": 4, "window": 1}).tokens_before is None  # a single process's
+    start = start_plan([Position(40, 1, 900, 12), Position(35, 2, 870, 8), Position()], 5000)
+    assert (start.cutoff, start.document, start.tokens_before) == (None, 0, 0)
+    start = start_plan([Position(40, 1, 900, 12), Position(35, 2, 870, 8)], 5000)
+    assert (start.cutoff, start.document, start.tokens_before) == (None, 35, 870)
+    start = start_plan([Position(40, 1, None, 12), Position(35, 2, 870, 8)], 5000)
+    assert (start.document, start.tokens_before) == (0, 0)  # a rank that cannot say: from the start
+    assert start_plan([Position(9, 3, None, 3, cut), Position(8, 1, 400, 9)], 500).cutoff == cut
+    assert start_plan([Position(9, 3, None, 3, cut), Position(8, 1, 400, 9)], 600).cutoff is None  # another budget
+    with pytest.raises(ExtractionError, match="source changed"):
+        start_plan([Position(8, 1, 400, 9), Position(8, 2, 401, 9)], 600)
+    with pytest.raises(ExtractionError, match="different ends"):
+        start_plan([Position(9, 3, None, 3, cut), Position(9, 3, None, 3, Cutoff(9, 2, 4, 500))], 500)
+    with pytest.raises(ExtractionError, match="impossible end"):
+        Position.from_progress({"document": 1, "window": 1, "cut_document": 1, "cut_window": 0, "cut_tokens": 0,
+                                "cut_limit": 5})
+
+
+def test_ahead_raises_the_threads_error_with_its_traceback_and_stops_when_closed():
+    def failing():
+        yield 1
+        raise KeyError("boom")
+
+    it = ahead(failing)
+    assert next(it) == 1
+    with pytest.raises(KeyError, match="boom") as err:
+        next(it)
+    assert any(f.name == "failing" for f in traceback.extract_tb(err.value.__traceback__))
+    closed = threading.Event()
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                yield i
+                i += 1
+        finally:
+            closed.set()
+
+    it = ahead(endless)
+    assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
+    it.close()
+    assert closed.wait(5)
