@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from lmprobe.errors import ExtractionError, PromptError
 from lmprobe.extraction import sources
 from lmprobe.extraction.corpus import CorpusPlan, plan_budget, progress_after, stream_windows
+from lmprobe.extraction.prompts import read_prompts
 from lmprobe.extraction.ranks import Position, ahead, merge_counts, progress_record, start_plan
 from lmprobe.extraction.sources import MemorySource, open_source
 from lmprobe.extraction.windows import (
@@ -491,3 +492,82 @@ def test_ahead_raises_the_threads_error_with_its_traceback_and_stops_when_closed
     assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
     it.close()
     assert closed.wait(5)
+
+
+# ---------------------------------------------------------------- prompts, one share a rank
+
+value = st.one_of(st.none(), st.integers(-5, 5), st.sampled_from([1.5, -0.25]), st.sampled_from(["a", "b"]),
+                  st.booleans())
+prompt_record = st.fixed_dictionaries(
+    {"text": st.sampled_from(["The cat sat.", "A dog ran.", "Hi"])},
+    optional={"label": st.one_of(st.none(), st.integers(0, 3), st.sampled_from(["pos", "neg"]), st.just(2.0)),
+              "x": st.one_of(st.none(), st.integers(0, 9)), "y": value})
+#: what makes one record bad (or, with "label", another kind of label than the others')
+POISON = {"empty": {"text": "  "}, "reserved": {"num_tokens": 1}, "list": {"z": [1, 2]}, "big": {"label": 2**40},
+          "kind": {"label": "other"}, "float": {"label": 1.5}, "mixed": {"x": "nine"}}
+
+
+def read_shares(items, world, **kw):
+    return Ranks(world).run(lambda rank, gather: read_prompts(items, rank=rank, world=world, all_gather=gather,
+                                                              **kw))
+
+
+@settings(max_examples=80)
+@given(items=st.lists(prompt_record, max_size=14), world=st.integers(2, 6), label=st.sampled_from(["label"] * 3 + ["y"]),
+       poison=st.one_of(st.none(), st.tuples(st.sampled_from(sorted(POISON)), st.integers(0, 13))))
+@example(items=[{"text": "Hi", "label": 1}, {"text": "Hi", "label": "pos"}], world=2, label="label", poison=None)
+@example(items=[{"text": "Hi", "y": 1}, {"text": "Hi", "y": 1.5}, {"text": "Hi"}], world=3, label="label", poison=None)
+def test_the_ranks_prompts_are_the_whole_sets_with_its_columns_types_and_errors(items, world, label, poison):
+    """Read in shares, the prompts are the whole set's, with its column order, column types and label type,
+    and a set that one process refuses is refused by every rank, with one message."""
+    if poison and items:
+        name, at = poison
+        items[at % len(items)] = {**items[at % len(items)], **POISON[name]}
+    kw = {"label_column": label}
+    try:
+        whole = read_prompts(items, **kw)
+    except PromptError:
+        whole = None
+    shares, errors = read_shares(items, world, **kw)
+    event("refused" if whole is None else "read")
+    if whole is None:
+        assert all(isinstance(e, PromptError) for e in errors), errors
+        assert len({str(e) for e in errors}) == 1  # the same message on every rank
+        return
+    assert errors == [None] * world
+    identity = whole.set_identity()
+    for rank, p in enumerate(shares):
+        idx = list(range(rank, len(items), world))
+        assert p.indices == idx and p.share == (rank, world) and p.total == len(items)
+        assert p.texts == [whole.texts[i] for i in idx]
+        assert p.labels == (None if whole.labels is None else [whole.labels[i] for i in idx])
+        assert (p.label_type, p.column_types) == (whole.label_type, whole.column_types)
+        assert list(p.columns) == list(whole.columns)
+        assert p.columns == {c: [v[i] for i in idx] for c, v in whole.columns.items()}
+        assert p.locations == [whole.locations[i] for i in idx]
+        assert p.set_identity() == identity
+    assert len({p.fingerprint() for p in shares}) == world  # each share its own
+
+
+def test_a_share_parses_only_its_own_lines_and_the_identity_ignores_the_number_of_ranks(tmp_path, monkeypatch):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"text": f"prompt {i}", "label": i % 2}) + "\n" for i in range(10)))
+    parsed = []
+    real = sources.loads
+    monkeypatch.setattr(sources, "loads", lambda raw, **kw: parsed.append(raw) or real(raw, **kw))
+    shares, errors = read_shares(f, 3)
+    assert errors == [None] * 3 and len(parsed) == 10  # each line parsed once, by its rank
+    assert [p.indices for p in shares] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    whole = read_prompts(f)
+    assert {p.set_identity() for p in shares} == {whole.set_identity()}
+    assert {p.set_identity() for p in read_shares(f, 4)[0]} == {whole.set_identity()}
+    assert whole.fingerprint() == read_prompts(f).fingerprint() != whole.set_identity()  # a whole set's is as before
+    other = tmp_path / "other.jsonl"
+    other.write_text(f.read_text().replace("prompt 7", "prompt 77"))
+    assert {p.set_identity() for p in read_shares(other, 3)[0]} != {whole.set_identity()}
+    # more ranks than prompts: a rank may hold none
+    shares, errors = read_shares(["a", "b"], 3)
+    assert errors == [None] * 3 and [len(p) for p in shares] == [1, 1, 0]
+    assert shares[2].column_types == {} and shares[2].set_identity() == read_prompts(["a", "b"]).set_identity()
+    _, errors = read_shares([], 2)
+    assert all(isinstance(e, PromptError) and "no prompts found" in str(e) for e in errors)
