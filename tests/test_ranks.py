@@ -571,3 +571,11 @@ def test_a_share_parses_only_its_own_lines_and_the_identity_ignores_the_number_o
     assert shares[2].column_types == {} and shares[2].set_identity() == read_prompts(["a", "b"]).set_identity()
     _, errors = read_shares([], 2)
     assert all(isinstance(e, PromptError) and "no prompts found" in str(e) for e in errors)
+
+
+def test_ahead_raises_an_error_of_the_maker_itself():
+    def broken():
+        raise OSError("no source")
+
+    with pytest.raises(OSError, match="no source"):
+        list(ahead(broken))

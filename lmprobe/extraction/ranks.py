@@ -373,8 +373,9 @@ def ahead(make: Callable[[], Iterator[T]], *, depth: int = AHEAD, name: str = "l
         return False
 
     def work() -> None:
-        it = make()
+        it = None
         try:
+            it = make()
             for x in it:
                 if not put((_ITEM, x)):
                     return
@@ -382,7 +383,7 @@ def ahead(make: Callable[[], Iterator[T]], *, depth: int = AHEAD, name: str = "l
         except BaseException as exc:  # handed to the caller, who raises it
             put((_ERROR, exc))
         finally:
-            close = getattr(it, "close", None)
+            close = getattr(it, "close", None)  # at the item it stopped at, if it stopped early
             if close is not None:
                 try:
                     close()
