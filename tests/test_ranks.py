@@ -326,30 +326,34 @@ def test_the_ranks_windows_are_the_single_process_windows(spec, prefix, suffix, 
     assert sorted(key(w) for stored, _ in results for w in stored) == sorted(single)
 
 
-@settings(max_examples=60)
+@settings(max_examples=80)
 @given(spec=docs_strategy, prefix=st.lists(st.integers(1, 3), max_size=2), per_window=st.integers(1, 6),
-       limits=st.tuples(st.integers(1, 300), st.integers(1, 300)), change=st.booleans(), world=st.integers(2, 5),
-       stops=st.lists(st.integers(0, 12), min_size=5, max_size=5), round_factor=st.integers(0, 2),
-       mode=st.sampled_from(["ahead", "two-pass"]))
+       limits=st.tuples(st.one_of(st.none(), st.integers(1, 300)), st.integers(1, 300)), change=st.booleans(),
+       world=st.integers(2, 5), stops=st.lists(st.integers(0, 12), min_size=5, max_size=5),
+       round_factor=st.integers(0, 2), modes=st.tuples(*[st.sampled_from(["ahead", "two-pass"])] * 2))
 @example(spec=[(9, False)] * 6, prefix=[1], per_window=3, limits=(20, 20), change=False, world=2, stops=[1, 2, 0, 0, 0],
-         round_factor=1, mode="ahead")
+         round_factor=1, modes=("ahead", "ahead"))
+@example(spec=[(9, False)] * 4, prefix=[1], per_window=3, limits=(None, 14), change=True, world=2,
+         stops=[0, 1, 0, 0, 0], round_factor=1, modes=("ahead", "ahead"))  # the last stored window is 14's cut one
+@example(spec=[(9, False)] * 4, prefix=[1], per_window=3, limits=(100, 14), change=True, world=2,
+         stops=[0, 1, 0, 0, 0], round_factor=1, modes=("two-pass", "ahead"))  # the same after a plan with no cut
 def test_ranks_killed_anywhere_resume_to_the_single_process_windows(spec, prefix, per_window, limits, change, world,
-                                                                     stops, round_factor, mode):
+                                                                     stops, round_factor, modes):
     """Every rank stops at a random window (what it stored is what its writer checkpointed), then every rank
-    resumes from its progress, with the same budget or another: the result is the single process's windows
-    with the budget of the second run, or, when a part already holds what that budget does not (past its end,
-    or a last window cut otherwise), the same error on every rank."""
+    resumes from its progress, with the same budget or another (or one where there was none): the result is
+    the single process's windows with the budget of the second run, or, when a part already holds what that
+    budget does not (past its end, or a last window cut otherwise), the same error on every rank."""
     docs = build_docs(spec, seed=3)
     first, second = limits[0], limits[1] if change else limits[0]
     tok = WordTokenizer()
     round_size = round_factor * world or None
-    results, errors = rank_windows(make_plan(docs, prefix, [], per_window, first), tok, world, mode=mode,
+    results, errors = rank_windows(make_plan(docs, prefix, [], per_window, first), tok, world, mode=modes[0],
                                    round_size=round_size, stop_after=stops[:world])
     assert errors == [None] * world
     stored = [key(w) for part, _ in results for w in part]
     want = sorted(key(w) for w in stream_windows(make_plan(docs, prefix, [], per_window, second), tok, "text",
                                                  resume=None))
-    again, errors = rank_windows(make_plan(docs, prefix, [], per_window, second), tok, world, mode=mode,
+    again, errors = rank_windows(make_plan(docs, prefix, [], per_window, second), tok, world, mode=modes[1],
                                  round_size=round_size, resume=[progress for _, progress in results])
     event("stored nothing" if not stored else "stored all" if sorted(stored) == want else "stored some")
     if not set(stored) <= set(want):

@@ -55,8 +55,9 @@ class Window:
     start: int  # window_start: offset of the first content token in the document's ids
     input_ids: list[int]  # what the model runs: affixes + content (cut by the budget)
     text: str
-    # many ranks with a budget (recorded in the progress, for resuming): the tokens the whole job stores
-    # before this document (None when no plan was made), and the budget's end once the rank knows it
+    # one rank of many (recorded in its progress, for resuming): ranked is set; under a budget, the tokens the
+    # whole job stores before this document (None when no plan was made) and the budget's end once known
+    ranked: bool = False
     tokens_before: int | None = None
     cutoff: Cutoff | None = None
 
@@ -177,7 +178,7 @@ def stream_windows(plan: CorpusPlan, tok: Any, text_column: str, *, resume: dict
                         return
                     input_ids, b = _cut(plan.affixes, input_ids, a, b, n)
                     yield Window(d, w, a, input_ids, doc_tok.window_text(ids, offsets, text, a, b) if b > a else "",
-                                 tokens_before=before, cutoff=rnd.cutoff)
+                                 ranked=True, tokens_before=before, cutoff=rnd.cutoff)
     finally:
         rounds.close()  # a planner thread stops with its stream
 
@@ -330,10 +331,10 @@ def pad(batch: list[Window], pad_id: int, left: bool):
 
 
 def progress_after(batch: list[Window]) -> dict[str, int]:
-    """Where the stream stands after ``batch``: the next window to run; for a rank of many with a budget, also
-    what its plan needs to resume (:func:`.ranks.progress_record`)."""
+    """Where the stream stands after ``batch``: the next window to run; for one rank of many, also what a plan
+    needs to resume it (:func:`.ranks.progress_record`), with or without a budget (a resumed run may set one)."""
     last = batch[-1]
-    if last.tokens_before is None and last.cutoff is None:
+    if not last.ranked:
         return {"document": last.document, "window": last.index + 1}
     return progress_record(last.document, last.index + 1, tokens_before=last.tokens_before,
                            last_tokens=len(last.input_ids), cutoff=last.cutoff)

@@ -15,9 +15,10 @@ extraction, which runs while the planner works ahead (:func:`ahead`), so a docum
 once. Without a budget no round is exchanged.
 
 Resuming. A rank's writer records, with every checkpoint, where the rank stands
-(:func:`progress_record`): the next window to run (``document``, ``window``), the tokens the
-whole job stores before that document (``tokens_before``), the stored tokens of the rank's last
-window (``last_tokens``) and, once known, the cutoff (``cut_document``, ``cut_window``,
+(:func:`progress_record`): the next window to run (``document``, ``window``), the stored tokens
+of the rank's last window (``last_tokens``, with or without a budget: a resumed run may set
+one), and under a budget the tokens the whole job stores before that document
+(``tokens_before``) and, once known, the cutoff (``cut_document``, ``cut_window``,
 ``cut_tokens``, ``cut_limit``). A resumed job first exchanges every rank's position
 (:func:`start_plan`): a cutoff recorded for the same budget is taken as it is and nothing more
 is exchanged; otherwise planning restarts at the lowest document any rank stands at, from the
