@@ -145,6 +145,23 @@ def test_a_rank_materialises_only_its_own_parquet_and_csv_rows(tmp_path, monkeyp
     assert rows == [4, 8]
 
 
+def test_a_rank_of_a_folder_turns_only_its_own_records_into_values(tmp_path, monkeypatch):
+    """Every kind of file in one folder: the records a rank turns into Python values are its own, one each."""
+    folder = write_folder(tmp_path / "src")
+    made: list[str] = []
+    for name in ("_line_values", "_materialise", "_csv_rows"):
+        real = getattr(sources, name)
+
+        def counted(*a, _real=real, **kw):
+            out = _real(*a, **kw)
+            made.extend(str(r["text"]) for r in (out if isinstance(out, list) else [out]))
+            return out
+
+        monkeypatch.setattr(sources, name, counted)
+    got = [r.values["text"] for r in open_source(folder).records(rank=1, world=3)]
+    assert len(got) == 19 and sorted(made) == sorted(got)
+
+
 def test_hub_dataset_ranks_skip_the_others_examples_in_the_stream(hub, tmp_path):
     from huggingface_hub import HfApi
 
