@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +29,8 @@ from ..errors import ExtractionError, PromptError
 from ..format.spec import RESERVED_COLUMNS
 from ..format.values import infer_column_type, is_null
 from ..progress import logger
+from .ranks import Gather
 from .sources import PRETOKENIZED_COLUMN, Record, Source, check_share, open_source
-
-#: ``all_gather(obj) -> [rank 0's obj, rank 1's obj, ...]``, called by every rank in the same order (objects
-#: are small JSON values); with torchrun, ``torch.distributed.all_gather_object`` over a gloo group.
-Gather = Callable[[Any], list]
 
 _MOD = 1 << 256
 
