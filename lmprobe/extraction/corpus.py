@@ -10,19 +10,39 @@ A token budget stops at exactly ``max_tokens`` stored tokens: the last window is
 source is not read further. The writer's checkpoints record where the stream stands
 (``{"document": d, "window": w}``: the next window to run), so a resumed run starts reading at
 document ``d`` without parsing the records before it, and stores nothing twice.
+
+Many ranks (``rank``/``world``): each rank reads and tokenizes only its own documents (document
+``i`` is rank ``i % world``'s) and stores their windows, in source order. Without a budget no
+rank needs the others. With one, the ranks agree where it ends (:mod:`.ranks`): either while
+they extract (``all_gather``: a planner thread tokenizes a round of documents ahead and
+exchanges their token counts; each document is tokenized once), or before, with
+:func:`plan_budget` (a counting pass, so every document before the cutoff is tokenized twice)
+and then ``cutoff=``. Either way the ranks' windows together are exactly the windows a single
+process stores, with the same ids and the same cut of the last window.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ExtractionError, PromptError
 from .prompts import check_token_ids, record_text
-from .sources import PRETOKENIZED_COLUMN, Record, Source
+from .ranks import (
+    BudgetEnd,
+    Gather,
+    Position,
+    ahead,
+    exchange_positions,
+    plan_rounds,
+    progress_record,
+    unplanned_rounds,
+)
+from .sources import PRETOKENIZED_COLUMN, Record, Source, check_share
 from .tokens import pad_sequences
-from .windows import Affixes, Budget, windows
+from .windows import Affixes, Budget, Cutoff, stored_tokens, windows
 
 #: Documents tokenized together (fast tokenizers run a batch in parallel).
 TOKENIZE_CHUNK = 64
@@ -35,6 +55,11 @@ class Window:
     start: int  # window_start: offset of the first content token in the document's ids
     input_ids: list[int]  # what the model runs: affixes + content (cut by the budget)
     text: str
+    # one rank of many (recorded in its progress, for resuming): ranked is set; under a budget, the tokens the
+    # whole job stores before this document (None when no plan was made) and the budget's end once known
+    ranked: bool = False
+    tokens_before: int | None = None
+    cutoff: Cutoff | None = None
 
 
 @dataclass
@@ -57,8 +82,11 @@ class _DocumentTokenizer:
         self.vocab_size = vocab_size
         self.offsets = bool(getattr(tok, "is_fast", False))
 
-    def encode(self, records: list[Record]) -> list[tuple[list[int], list[tuple[int, int]] | None, str]]:
-        """(content ids, offsets or None, text) of each record; empty documents give no ids."""
+    def encode(self, records: list[Record], *, offsets: bool | None = None
+               ) -> list[tuple[list[int], list[tuple[int, int]] | None, str]]:
+        """(content ids, offsets or None, text) of each record; empty documents give no ids. ``offsets``
+        False: no character offsets (counting tokens needs none)."""
+        want_offsets = self.offsets if offsets is None else offsets and self.offsets
         out: list[Any] = [None] * len(records)
         texts, where = [], []
         for j, r in enumerate(records):
@@ -73,10 +101,10 @@ class _DocumentTokenizer:
                 texts.append(t)
                 where.append(j)
         if texts:
-            enc = self.tok(texts, add_special_tokens=False, return_offsets_mapping=self.offsets, truncation=False,
+            enc = self.tok(texts, add_special_tokens=False, return_offsets_mapping=want_offsets, truncation=False,
                            verbose=False)
             for k, j in enumerate(where):
-                offs = enc["offset_mapping"][k] if self.offsets else None
+                offs = enc["offset_mapping"][k] if want_offsets else None
                 out[j] = (enc["input_ids"][k], offs, texts[k])
         return out
 
@@ -87,8 +115,107 @@ class _DocumentTokenizer:
 
 
 def stream_windows(plan: CorpusPlan, tok: Any, text_column: str, *, resume: dict[str, int] | None,
-                   budget: Budget) -> Iterator[Window]:
-    """Windows of the source's documents in order, from where ``resume`` says, until the budget is spent."""
+                   budget: Budget | None = None, rank: int = 0, world: int = 1, all_gather: Gather | None = None,
+                   end: BudgetEnd | None = None, round_size: int | None = None) -> Iterator[Window]:
+    """Windows of the source's documents in order, from where ``resume`` says, until the budget is spent.
+
+    One process (``world`` 1): every window, until ``budget`` (default: ``plan.max_tokens``) is spent.
+
+    Rank ``rank`` of ``world``: the windows of the rank's own documents (``document % world == rank``), in
+    source order, from the rank's writer progress ``resume``. Without ``plan.max_tokens`` they run to the
+    source's end and nothing is exchanged. With it, the windows end where a single process's would, cut the
+    same way: give ``end`` (from :func:`plan_budget`) or ``all_gather`` to plan while extracting (a
+    collective: every rank iterates its stream to the end, a rank with nothing left to store included, and
+    the gather's group is used by nothing else meanwhile). ``round_size`` (default ``64 * world``, the same
+    on every rank): consecutive documents planned together. ``budget`` is for one process only: the budget
+    of many ranks is the whole job's, and each rank's progress records what it needs to resume
+    (:func:`progress_after`).
+
+    >>> ws = stream_windows(plan, tok, "text", resume=None, rank=1, world=4, all_gather=gather)  # doctest: +SKIP
+    """
+    if world == 1 and end is None:
+        yield from _single_windows(plan, tok, text_column, resume=resume,
+                                   budget=Budget(plan.max_tokens) if budget is None else budget)
+        return
+    check_share(rank, world)
+    if budget is not None:
+        raise ValueError("budget is for one process; a multi-rank extraction plans plan.max_tokens over all ranks")
+    round_size = round_size or TOKENIZE_CHUNK * world
+    position = Position.from_progress(resume)
+    doc_tok = _DocumentTokenizer(tok, text_column, plan.vocab_size)
+    if end is not None and end.limit != plan.max_tokens:
+        raise ValueError(f"end was planned for {end.limit} tokens, plan.max_tokens is {plan.max_tokens}")
+    if plan.max_tokens is None or end is not None:
+        rounds = unplanned_rounds(_OwnDocuments(plan, doc_tok, position.document, rank, world), position.document,
+                                  round_size, None if end is None else end.cutoff)
+    else:
+        if all_gather is None:
+            raise ValueError("many ranks with a budget need all_gather (to plan while extracting) or end "
+                             "(from plan_budget)")
+        start = exchange_positions(all_gather, position, world=world, limit=plan.max_tokens)
+        if start.cutoff is not None:  # recorded by an earlier run for this budget: nothing to plan
+            rounds = unplanned_rounds(_OwnDocuments(plan, doc_tok, position.document, rank, world),
+                                      position.document, round_size, start.cutoff)
+        else:
+            # the planner tokenizes on its own thread, with its own copy of the tokenizer (a fast tokenizer is
+            # not to be used from two threads at once)
+            planner_tok = _DocumentTokenizer(copy.deepcopy(tok), text_column, plan.vocab_size)
+            rounds = ahead(lambda: plan_rounds(
+                lambda first: _OwnDocuments(plan, planner_tok, first, rank, world), rank=rank, world=world,
+                limit=plan.max_tokens, context_len=plan.context_len, all_gather=all_gather, start=start,
+                round_size=round_size))
+    per_window = plan.affixes.content_per_window(plan.context_len)
+    here = (position.document, position.window)
+    try:
+        for rnd in rounds:
+            for d, before, (_r, ids, offsets, text) in rnd.documents:
+                for w, (a, b) in enumerate(windows(len(ids), per_window)):
+                    if (d, w) < here:  # stored by an earlier run
+                        continue
+                    input_ids = plan.affixes.wrap(ids[a:b])
+                    n = len(input_ids) if rnd.cutoff is None else rnd.cutoff.keep(d, w, len(input_ids))
+                    if n == 0:
+                        return
+                    input_ids, b = _cut(plan.affixes, input_ids, a, b, n)
+                    yield Window(d, w, a, input_ids, doc_tok.window_text(ids, offsets, text, a, b) if b > a else "",
+                                 ranked=True, tokens_before=before, cutoff=rnd.cutoff)
+    finally:
+        rounds.close()  # a planner thread stops with its stream
+
+
+def plan_budget(plan: CorpusPlan, tok: Any, text_column: str, *, rank: int, world: int, all_gather: Gather,
+                resume: dict[str, int] | None = None, round_size: int | None = None) -> BudgetEnd:
+    """Where ``plan.max_tokens`` (which must be set) ends over all ranks, counted before extracting: a
+    collective (every rank calls it, with the same arguments but ``rank`` and ``resume``, its writer's
+    progress).
+
+    Each rank reads and tokenizes its own documents only, a round at a time, keeping their token counts
+    alone. Returns the end, the same on every rank: pass it to :func:`stream_windows` as ``end``. A cutoff
+    that a rank's progress records for this budget is returned after one exchange, without reading
+    anything. Planning while extracting (``stream_windows(..., all_gather=...)``) tokenizes each document
+    once instead of twice.
+
+    >>> end = plan_budget(plan, tok, "text", rank=rank, world=world, all_gather=gather)  # doctest: +SKIP
+    >>> windows = stream_windows(plan, tok, "text", resume=None, rank=rank, world=world, end=end)  # doctest: +SKIP
+    """
+    check_share(rank, world)
+    if plan.max_tokens is None:
+        raise ValueError("plan_budget needs plan.max_tokens; without a budget every rank streams to the source's end")
+    start = exchange_positions(all_gather, Position.from_progress(resume), world=world, limit=plan.max_tokens)
+    if start.cutoff is not None:
+        return BudgetEnd(plan.max_tokens, start.cutoff)
+    doc_tok = _DocumentTokenizer(tok, text_column, plan.vocab_size)
+    cutoff = None
+    for rnd in plan_rounds(lambda first: _OwnDocuments(plan, doc_tok, first, rank, world, keep=False), rank=rank,
+                           world=world, limit=plan.max_tokens, context_len=plan.context_len, all_gather=all_gather,
+                           start=start, round_size=round_size or TOKENIZE_CHUNK * world):
+        cutoff = rnd.cutoff
+    return BudgetEnd(plan.max_tokens, cutoff)
+
+
+def _single_windows(plan: CorpusPlan, tok: Any, text_column: str, *, resume: dict[str, int] | None,
+                    budget: Budget) -> Iterator[Window]:
+    """One process: every document in order, until the budget is spent."""
     if budget.spent:
         return
     doc_tok = _DocumentTokenizer(tok, text_column, plan.vocab_size)
@@ -106,14 +233,53 @@ def stream_windows(plan: CorpusPlan, tok: Any, text_column: str, *, resume: dict
                     continue
                 input_ids = plan.affixes.wrap(ids[a:b])
                 n = budget.take(len(input_ids))
-                if n < len(input_ids):  # the budget cuts this window: its content ends earlier
-                    input_ids = input_ids[:n]
-                    b = min(b, a + max(0, n - len(plan.affixes.prefix)))
                 if n == 0:
                     return
+                input_ids, b = _cut(plan.affixes, input_ids, a, b, n)
                 yield Window(r.index, w, a, input_ids, doc_tok.window_text(ids, offsets, text, a, b) if b > a else "")
                 if budget.spent:
                     return
+
+
+def _cut(affixes: Affixes, input_ids: list[int], a: int, b: int, n: int) -> tuple[list[int], int]:
+    """A window's ids kept to their first ``n``, and where its content then ends (a budget cuts the last one)."""
+    if n < len(input_ids):
+        return input_ids[:n], min(b, a + max(0, n - len(affixes.prefix)))
+    return input_ids, b
+
+
+class _OwnDocuments:
+    """A rank's own documents from document ``first`` on, read and tokenized a round at a time
+    (:class:`.ranks.Documents`); ``keep`` False: token counts only."""
+
+    def __init__(self, plan: CorpusPlan, doc_tok: _DocumentTokenizer, first: int, rank: int, world: int, *,
+                 keep: bool = True):
+        self._records = plan.source.records(first, rank=rank, world=world)
+        self._next: Record | None = None
+        self._doc_tok = doc_tok
+        self._keep = keep
+        self._per_window = plan.affixes.content_per_window(plan.context_len)
+        self._n_affixes = len(plan.affixes)
+        self.done = False
+
+    def take(self, end: int) -> list[tuple[int, int, Any]]:
+        chunk: list[Record] = []
+        while not self.done:
+            if self._next is None:
+                self._next = next(self._records, None)
+                if self._next is None:
+                    self.done = True
+                    break
+            if self._next.index >= end:
+                break
+            chunk.append(self._next)
+            self._next = None
+        if not chunk:
+            return []
+        encoded = self._doc_tok.encode(chunk, offsets=self._keep)
+        return [(r.index, stored_tokens(len(ids), self._per_window, self._n_affixes),
+                 (r, ids, offsets, text) if self._keep else None)
+                for r, (ids, offsets, text) in zip(chunk, encoded, strict=True)]
 
 
 def check_first_record(source: Source, text_column: str, vocab_size: int | None, *, label_column: str | None = None,
@@ -165,9 +331,13 @@ def pad(batch: list[Window], pad_id: int, left: bool):
 
 
 def progress_after(batch: list[Window]) -> dict[str, int]:
-    """Where the stream stands after ``batch``: the next window to run."""
+    """Where the stream stands after ``batch``: the next window to run; for one rank of many, also what a plan
+    needs to resume it (:func:`.ranks.progress_record`), with or without a budget (a resumed run may set one)."""
     last = batch[-1]
-    return {"document": last.document, "window": last.index + 1}
+    if not last.ranked:
+        return {"document": last.document, "window": last.index + 1}
+    return progress_record(last.document, last.index + 1, tokens_before=last.tokens_before,
+                           last_tokens=len(last.input_ids), cutoff=last.cutoff)
 
 
 def describe_context(context_len: int, limit: int | None) -> None:

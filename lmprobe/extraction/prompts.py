@@ -6,6 +6,14 @@ and checked before a model loads: an empty or non-string text, a missing column 
 column that mixes types is an error naming the line. A source with an ``input_ids`` column of
 integer lists is pretokenized: its ids are the model's input as they are.
 
+Many ranks (``read_prompts(..., rank=r, world=n, all_gather=...)``): each rank reads and checks only
+its own prompts (prompt ``i`` is rank ``i % world``'s, :mod:`.sources`), each with its position in
+the whole source (``Prompts.indices``). Two small exchanges make the ranks agree on what depends
+on every prompt: the columns and their order, each column's type, the labels' type, and any
+error (every rank raises it). A share's :meth:`Prompts.fingerprint` identifies the share (a rank's
+part resumes against it); :meth:`Prompts.set_identity` identifies the whole prompt set, the same
+for one process and for any number of ranks (:class:`PromptDigest`).
+
 Corpus extraction (``--context-len``/``--max-tokens``) streams its source instead (:mod:`.corpus`).
 """
 
@@ -13,14 +21,54 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import PromptError
+from ..errors import ExtractionError, PromptError
 from ..format.spec import RESERVED_COLUMNS
 from ..format.values import infer_column_type, is_null
 from ..progress import logger
-from .sources import PRETOKENIZED_COLUMN, Record, Source, open_source
+from .ranks import Gather
+from .sources import PRETOKENIZED_COLUMN, Record, Source, check_share, open_source
+
+_MOD = 1 << 256
+
+
+@dataclass(frozen=True)
+class PromptDigest:
+    """A summary of prompts that adds up over shares: how many, and the sum modulo 2**256 of every prompt's
+    SHA-256 (over its position in the whole source, text, label, user columns and token ids). The digests
+    of the ranks' shares add up to the whole set's, whatever the number of ranks, so every rank can form
+    the whole set's :meth:`identity` from the ranks' digests alone. It identifies (a resume, a finished
+    dataset); it does not authenticate (a sum of hashes can be forged on purpose)."""
+
+    count: int = 0
+    sum: int = 0
+
+    def __add__(self, other: PromptDigest) -> PromptDigest:
+        return PromptDigest(self.count + other.count, (self.sum + other.sum) % _MOD)
+
+    def identity(self) -> str:
+        """The prompt set's identity: SHA-256 (hex) over the count and the sum."""
+        return hashlib.sha256(f"lmprobe prompt set v1\n{self.count}\n{self.sum:064x}".encode()).hexdigest()
+
+    def to_json(self) -> list:
+        return [self.count, f"{self.sum:064x}"]
+
+    @classmethod
+    def from_json(cls, x: list) -> PromptDigest:
+        return cls(int(x[0]), int(x[1], 16))
+
+
+def prompt_set_identity(digests: Iterable[PromptDigest]) -> str:
+    """The identity of a prompt set read in shares, from the shares' digests (in any order).
+
+    >>> whole = read_prompts(["a", "b", "c"])
+    >>> prompt_set_identity([whole.subset(0, 1).digest(), whole.subset(1, 3).digest()]) == whole.set_identity()
+    True
+    """
+    return sum(digests, PromptDigest()).identity()
 
 
 @dataclass
@@ -33,25 +81,56 @@ class Prompts:
     source: str = "<memory>"
     input_ids: list[list[int]] | None = None  # pretokenized prompts: the model's input ids, as given
     locations: list[str] | None = None  # where each prompt is in its source ("line 3"), for messages
+    # a rank's share of the source: each prompt's 0-based position in the whole source (None: 0, 1, ...)
+    indices: list[int] | None = None
+    share: tuple[int, int] | None = None  # (rank, world) of a share read with read_prompts; None: the whole set
+    total: int | None = None  # a share: how many prompts the whole source holds
+    _set_identity: str | None = field(default=None, repr=False)  # a share: the whole set's, from every rank
 
     def __len__(self) -> int:
         return len(self.texts)
 
     def fingerprint(self) -> str:
-        """SHA-256 over texts, labels and user columns: identifies the prompt set for resuming."""
+        """Identifies these prompts for resuming. The whole set: SHA-256 over texts, labels and user columns
+        (and token ids). A rank's share (``share`` set): SHA-256 over the rank, the number of ranks and the
+        share's :meth:`digest`, which covers every prompt's position in the source."""
         h = hashlib.sha256()
+        if self.share is not None:
+            d = self.digest()
+            h.update(json.dumps({"share": list(self.share), "count": d.count, "sum": f"{d.sum:064x}"}).encode())
+            return h.hexdigest()
         payload = {"texts": self.texts, "labels": self.labels, "columns": self.columns}
         if self.input_ids is not None:
             payload["input_ids"] = self.input_ids
         h.update(json.dumps(payload, sort_keys=True, default=str).encode())
         return h.hexdigest()
 
+    def digest(self) -> PromptDigest:
+        """These prompts' :class:`PromptDigest` (each with its position in the whole source)."""
+        total = 0
+        for i, position in enumerate(self.indices if self.indices is not None else range(len(self))):
+            leaf = [position, self.texts[i], self.labels[i] if self.labels is not None else None,
+                    {c: v[i] for c, v in self.columns.items()},
+                    self.input_ids[i] if self.input_ids is not None else None]
+            total += int.from_bytes(hashlib.sha256(json.dumps(leaf, sort_keys=True, default=str).encode()).digest(),
+                                    "big")
+        return PromptDigest(len(self), total % _MOD)
+
+    def set_identity(self) -> str:
+        """The whole prompt set's identity: the same for one process and for a share of any number of ranks
+        (:func:`prompt_set_identity` of every rank's digest, exchanged when the share was read)."""
+        if self.share is not None:
+            assert self._set_identity is not None, "a share read with read_prompts knows the whole set's identity"
+            return self._set_identity
+        return self.digest().identity()
+
     def subset(self, lo: int, hi: int) -> Prompts:
         """Prompts ``lo`` to ``hi`` (one process's share of a multi-process extraction)."""
         return Prompts(self.texts[lo:hi], self.labels[lo:hi] if self.labels is not None else None, self.label_type,
                        {c: v[lo:hi] for c, v in self.columns.items()}, self.column_types, self.source,
                        self.input_ids[lo:hi] if self.input_ids is not None else None,
-                       self.locations[lo:hi] if self.locations is not None else None)
+                       self.locations[lo:hi] if self.locations is not None else None,
+                       self.indices[lo:hi] if self.indices is not None else list(range(lo, min(hi, len(self)))))
 
     def take(self, indices: Any) -> Prompts:
         """The prompts at ``indices``, in that order (one process's share of a multi-process extraction)."""
@@ -68,14 +147,13 @@ class Prompts:
 
 
 def _from_records(records: list[Record], source: str, text_column: str, label_column: str | None,
-                  label_required: bool) -> Prompts:
-    if not records:
-        raise PromptError(f"{source}: no prompts found")
-    names: list[str] = []
-    for r in records:
-        for k in r.values:
-            if k not in names:
-                names.append(k)
+                  label_required: bool, *, names: list[str] | None = None, warn: bool = True) -> Prompts:
+    """Prompts of ``records``, checked. ``names``: the columns of the whole source, in order (a rank's share
+    may lack some); ``warn`` False: say nothing (another rank says it)."""
+    if names is None:
+        if not records:
+            raise PromptError(f"{source}: no prompts found")
+        names = [name for name, _, _ in _first_seen(records)]
     pretokenized = PRETOKENIZED_COLUMN in names
     if text_column not in names and not pretokenized:
         close = _other_case(text_column, names)
@@ -87,7 +165,7 @@ def _from_records(records: list[Record], source: str, text_column: str, label_co
         if label_required:
             raise PromptError(f"{source}: no label column {label_column!r} (columns: {names})"
                               + (f"; did you mean --label-column {close}?" if close else ""))
-        if close is not None:  # said even with --quiet: it is about what the dataset will hold
+        if close is not None and warn:  # said even with --quiet: it is about what the dataset will hold
             logger.warning(f"note: {source} has a column {close!r} but no {label_column!r}: it is stored as an "
                            f"ordinary column, not as the labels; pass --label-column {close} to use it as the labels")
         label_column = None
@@ -116,6 +194,17 @@ def _from_records(records: list[Record], source: str, text_column: str, label_co
             raise PromptError(f"{source}: {exc}") from None
         columns[name] = [None if is_null(v) else v for v in values]
     return Prompts(texts, labels, label_type, columns, types, source, input_ids, [r.at for r in records])
+
+
+def _first_seen(records: list[Record]) -> list[tuple[str, int, int]]:
+    """Every column name, in the order the records first show them: (name, the first record's index, the
+    name's place in that record)."""
+    seen: dict[str, tuple[str, int, int]] = {}
+    for r in records:
+        for pos, k in enumerate(r.values):
+            if k not in seen:
+                seen[k] = (k, r.index, pos)
+    return list(seen.values())
 
 
 def _other_case(name: str, names: list[str]) -> str | None:
@@ -197,16 +286,136 @@ def _labels(records: list[Record], column: str) -> tuple[list[Any], str | None]:
 
 
 def read_prompts(source: Any, *, text_column: str = "text", label_column: str | None = "label",
-                 dataset_config: str | None = None, split: str = "train") -> Prompts:
+                 dataset_config: str | None = None, split: str = "train", rank: int = 0, world: int = 1,
+                 all_gather: Gather | None = None) -> Prompts:
     """Read every prompt of ``source``: a file or folder path, a Hub dataset, a list of strings/dicts, or a DataFrame.
 
     A label column named explicitly (anything but the default "label") must exist; the default
     one is used when present.
 
+    With ``world`` > 1: rank ``rank``'s share only (prompt ``i`` is rank ``i % world``'s), read,
+    checked and returned with each prompt's position in the whole source (``indices``), for the
+    same ``world`` ranks calling it at once with an ``all_gather`` (two exchanges, after reading
+    and after checking). Every rank gets the whole source's columns, column types and label type,
+    raises the same error when any rank finds one, and knows the whole set's identity
+    (:meth:`Prompts.set_identity`). A rank may get no prompt (more ranks than prompts).
+
     >>> read_prompts(["The cat sat.", "A dog ran."]).texts
     ['The cat sat.', 'A dog ran.']
     """
+    check_share(rank, world)
     src = source if isinstance(source, Source) else open_source(source, text_column=text_column, config=dataset_config,
                                                                 split=split)
     label_required = label_column not in (None, "label")
-    return _from_records(list(src.records()), src.description, text_column, label_column, label_required)
+    if world == 1:
+        return _from_records(list(src.records()), src.description, text_column, label_column, label_required)
+    if all_gather is None:
+        raise ValueError("reading one rank's prompts needs all_gather: the ranks agree on columns, types and errors")
+    name = src.description
+    # 1. read the share; exchange the columns each rank saw (and where it first saw them)
+    records: list[Record] = []
+    try:
+        records = list(src.records(rank=rank, world=world))
+        mine: dict[str, Any] = {"n": len(records), "names": [list(x) for x in _first_seen(records)]}
+        failed = None
+    except Exception as exc:
+        mine, failed = {"error": _describe(exc)}, exc
+    gathered = _exchange(all_gather, mine, world, failed)
+    total = sum(g["n"] for g in gathered)
+    if total == 0:
+        raise PromptError(f"{name}: no prompts found")
+    first: dict[str, tuple[int, int]] = {}
+    for g in gathered:
+        for col, index, pos in g["names"]:
+            first[col] = min(first.get(col, (index, pos)), (index, pos))
+    names = sorted(first, key=first.__getitem__)  # the order one process sees them in
+    # 2. check the share against the whole source's columns; exchange the label and value kinds, and digests
+    p = None
+    try:
+        p = _from_records(records, name, text_column, label_column, label_required, names=names, warn=rank == 0)
+        p.indices = [r.index for r in records]
+        mine = {"labels": _label_kinds(p, records), "kinds": _value_kinds(p), "digest": p.digest().to_json()}
+        failed = None
+    except Exception as exc:
+        mine, failed = {"error": _describe(exc)}, exc
+    gathered = _exchange(all_gather, mine, world, failed)
+    assert p is not None
+    # 3. what depends on every prompt, the same on every rank
+    p.label_type = _merge_label_kinds([g["labels"] for g in gathered])
+    for col in p.column_types:
+        kinds = sorted({k for g in gathered for k in g["kinds"].get(col, [])})
+        try:
+            p.column_types[col] = infer_column_type([_CANONICAL[k] for k in kinds], col)
+        except (TypeError, ValueError) as exc:
+            raise PromptError(f"{name}: {exc}") from None
+    p.share, p.total = (rank, world), total
+    p._set_identity = prompt_set_identity(PromptDigest.from_json(g["digest"]) for g in gathered)
+    return p
+
+
+#: a stand-in value of each Python type a user column holds: the column's type depends on its values' types alone
+_CANONICAL: dict[str, Any] = {"bool": False, "int": 0, "float": 0.0, "str": ""}
+
+
+def _value_kinds(p: Prompts) -> dict[str, list[str]]:
+    """The kinds of each user column's values in a share (every value passed infer_column_type already)."""
+    import numpy as np
+
+    out = {}
+    for col, values in p.columns.items():
+        kinds = set()
+        for v in values:
+            if v is None:
+                continue
+            v = v.item() if isinstance(v, np.generic) else v
+            kinds.add("bool" if isinstance(v, bool) else "int" if isinstance(v, int) else
+                      "float" if isinstance(v, float) else "str")
+        out[col] = sorted(kinds)
+    return out
+
+
+def _label_kinds(p: Prompts, records: list[Record]) -> dict[str, list]:
+    """The first label of each kind in a share: kind -> [index, where, at, repr(label)]."""
+    out: dict[str, list] = {}
+    for r, v in zip(records, p.labels or [], strict=False):
+        if v is not None:
+            out.setdefault("int" if isinstance(v, int) else "string", [r.index, r.where, r.at, repr(v)])
+    return out
+
+
+def _merge_label_kinds(shares: list[dict[str, list]]) -> str | None:
+    """The whole set's label type from every share's first labels; a set mixing kinds is the error one process
+    gives."""
+    first: dict[str, list] = {}
+    for share in shares:
+        for kind, x in share.items():
+            if kind not in first or x[0] < first[kind][0]:
+                first[kind] = x
+    if len(first) > 1:
+        (kind_a, a), (kind_b, b) = sorted(first.items(), key=lambda kv: kv[1][0])
+        raise PromptError(f"{b[1]}: label {b[3]} is a {kind_b} but {a[2]} has a {kind_a} label; a label column "
+                          "holds integers or strings, not both")
+    return next(iter(first), None)
+
+
+def _describe(exc: BaseException) -> dict[str, str]:
+    if isinstance(exc, PromptError):
+        return {"kind": "prompt", "message": str(exc)}
+    return {"kind": "other", "message": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
+def _exchange(all_gather: Gather, mine: dict, world: int, failed: BaseException | None) -> list[dict]:
+    """Every rank's ``mine``. When a rank failed, every rank raises: the first failed rank's prompt error
+    (the same message everywhere), or this rank's own failure when it is not one (with its traceback)."""
+    gathered = list(all_gather(mine))
+    if len(gathered) != world:
+        raise AssertionError(f"all_gather returned {len(gathered)} objects for {world} ranks")
+    if failed is not None and not isinstance(failed, PromptError):
+        raise failed
+    for rank, g in enumerate(gathered):
+        if "error" in g:
+            if g["error"]["kind"] == "prompt":
+                raise PromptError(g["error"]["message"])
+            raise ExtractionError(f"rank {rank} could not read its prompts ({g['error']['message']}); its log has "
+                                  "the traceback")
+    return gathered

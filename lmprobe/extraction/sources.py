@@ -10,15 +10,30 @@ Nothing is read whole: files go line by line (parquet, CSV: batch by batch), Hub
 stream. Every record comes with where it came from (file and line, or the record's number), so
 an error can name it. ``records(start)`` continues at the ``start``-th record without parsing
 the ones before it, which is how a resumed extraction skips what it has stored.
+
+Many processes share a source by dealing its records: record ``i`` belongs to rank
+``i % world`` (:func:`owner`). ``records(start, rank=r, world=n)`` yields rank ``r``'s records
+only, each with its index in the whole source, and does not parse the others': a line-based
+file still finds every line boundary, but decodes and parses only the rank's lines; a parquet
+file turns only the rank's rows into Python values and skips row groups (and whole files,
+counted from the footer) that hold none of them; a CSV file's parser finds every row, but only
+the rank's rows become records; a Hugging Face stream drops the other ranks' examples as Arrow
+rows, before they are decoded.
+
+>>> src = MemorySource(["a", "b", "c", "d", "e"], text_column="text")
+>>> [(r.index, r.values["text"]) for r in src.records(1, rank=1, world=2)]
+[(1, 'b'), (3, 'd')]
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
+import itertools
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +47,33 @@ from ..storage.hub import REPO_ID_RE
 SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".txt", ".text")
 #: A column of integer lists: the record is pretokenized, these are its token ids.
 PRETOKENIZED_COLUMN = "input_ids"
+
+
+def owner(index: int, world: int) -> int:
+    """The rank that reads record ``index`` when ``world`` processes share a source: records are dealt
+    round-robin, so every rank's share is spread over the whole source.
+
+    >>> [owner(i, 3) for i in range(7)]
+    [0, 1, 2, 0, 1, 2, 0]
+    """
+    return index % world
+
+
+def first_owned(start: int, rank: int, world: int) -> int:
+    """The first record index at or after ``start`` that rank ``rank`` of ``world`` reads.
+
+    >>> first_owned(5, 1, 4), first_owned(5, 2, 4)
+    (5, 6)
+    """
+    return start + (rank - start) % world
+
+
+def check_share(rank: int, world: int) -> None:
+    """``rank`` of ``world`` names a share: 0 <= rank < world (a caller's bug otherwise)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive integer, got {world!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank must be an integer in 0..{world - 1}, got {rank!r}")
 
 
 @dataclass
@@ -57,8 +99,9 @@ class Source(ABC):
         """What makes this source this source, for the resume fingerprint (sizes, mtimes, revisions)."""
 
     @abstractmethod
-    def records(self, start: int = 0) -> Iterator[Record]:
-        """The records from the ``start``-th on, in source order."""
+    def records(self, start: int = 0, *, rank: int = 0, world: int = 1) -> Iterator[Record]:
+        """The records from the ``start``-th on, in source order; with ``world`` > 1 only those of rank
+        ``rank`` (``index % world == rank``), each with its index in the whole source."""
 
     def head(self, n: int) -> list[Record]:
         out = []
@@ -96,8 +139,9 @@ class MemorySource(Source):
         h = hashlib.sha256(json.dumps(self.rows, sort_keys=True, default=str).encode())
         return {"kind": "memory", "sha256": h.hexdigest()}
 
-    def records(self, start: int = 0) -> Iterator[Record]:
-        for i in range(start, len(self.rows)):
+    def records(self, start: int = 0, *, rank: int = 0, world: int = 1) -> Iterator[Record]:
+        check_share(rank, world)
+        for i in range(first_owned(start, rank, world), len(self.rows), world):
             yield Record(i, self.description, f"prompt {i}", self.rows[i])
 
 
@@ -131,83 +175,129 @@ class FilesSource(Source):
     def _name(self, f: Path) -> str:
         return str(f) if not self.path.is_dir() else str(self.path / f.relative_to(self.path))
 
-    def records(self, start: int = 0) -> Iterator[Record]:
-        i = 0
+    def records(self, start: int = 0, *, rank: int = 0, world: int = 1) -> Iterator[Record]:
+        check_share(rank, world)
+        offset = 0  # index of the file's first record in the whole source
         for f in self.files:
             reader = {".parquet": _parquet_records, ".csv": _csv_records, ".tsv": _csv_records}.get(
                 f.suffix.lower(), _line_records)
-            name = self._name(f)
-            for at, values in reader(f, name, self.text_column, skip=max(0, start - i)):
-                if i >= start:
-                    yield Record(i, name, at, values)
-                i += 1
+            first = first_owned(max(start, offset), rank, world) - offset  # the file's first record to read
+            offset += yield from _indexed(reader(f, self._name(f), self.text_column, first=first, step=world), offset,
+                                          self._name(f))
 
 
-def _line_records(path: Path, name: str, text_column: str, *, skip: int) -> Iterator[tuple[str, dict | None]]:
-    """Records of a .jsonl or .txt file, one a non-blank line (blank lines are skipped, not counted)."""
+#: A reader of one file: yields (record number in the file, where, values) for the records ``first``,
+#: ``first + step``, ... only, and returns how many records the file holds.
+FileRecords = Generator[tuple[int, str, dict], None, int]
+
+
+def _indexed(rows: FileRecords, offset: int, name: str) -> Generator[Record, None, int]:
+    """A file reader's records numbered in the whole source (the file's first record is ``offset``)."""
+    while True:
+        try:
+            k, at, values = next(rows)
+        except StopIteration as stop:
+            return stop.value
+        yield Record(offset + k, name, at, values)
+
+
+def _line_records(path: Path, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
+    """Records of a .jsonl or .txt file, one a non-blank line (blank lines are skipped, not counted).
+
+    Every line is found, but only the records asked for are decoded and parsed."""
     jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
-    seen = 0
+    n, want = 0, first
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
+            if raw.isspace():
                 continue
-            seen += 1
-            if seen <= skip:  # a resumed run: counted, not parsed
-                yield "", None
+            n += 1
+            if n - 1 != want:  # another rank's record, or one before where a resumed run starts
                 continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise PromptError(f"{name}, line {lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
-                                  f"{exc.start + 1}); save the file as UTF-8") from None
-            at = f"line {lineno}"
-            if not jsonl:
-                yield at, {text_column: line.rstrip("\r\n")}
-                continue
-            obj = loads(line, what=f"{name}, {at}", error=PromptError)
-            if isinstance(obj, str):
-                obj = {text_column: obj}
-            if not isinstance(obj, dict):
-                raise PromptError(f"{name}, {at}: expected a JSON object, got {type(obj).__name__}")
-            yield at, obj
+            want += step
+            yield n - 1, f"line {lineno}", _line_values(raw, name, lineno, text_column, jsonl)
+    return n
 
 
-def _parquet_records(path: Path, name: str, text_column: str, *, skip: int) -> Iterator[tuple[str, dict | None]]:
+def _line_values(raw: bytes, name: str, lineno: int, text_column: str, jsonl: bool) -> dict:
+    """One line's record: the text of a .txt line, the object of a .jsonl line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"{name}, line {lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                          f"{exc.start + 1}); save the file as UTF-8") from None
+    if not jsonl:
+        return {text_column: line.rstrip("\r\n")}
+    at = f"line {lineno}"
+    obj = loads(line, what=f"{name}, {at}", error=PromptError)
+    if isinstance(obj, str):
+        obj = {text_column: obj}
+    if not isinstance(obj, dict):
+        raise PromptError(f"{name}, {at}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _parquet_records(path: Path, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
+    """Rows of a parquet file: row groups that hold no row asked for are not read (the footer counts them),
+    and only the rows asked for become Python values."""
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path)
-    row = 0
-    for g in range(pf.metadata.num_row_groups):
-        n = pf.metadata.row_group(g).num_rows
-        if row + n <= skip:  # whole row groups skipped without reading them
-            for _ in range(n):
-                yield "", None
+    meta = pf.metadata
+    row, want = 0, first  # the row group's first row; the next row asked for
+    for g in range(meta.num_row_groups):
+        n = meta.row_group(g).num_rows
+        if want >= row + n:
             row += n
             continue
+        pos = row
         for batch in pf.iter_batches(batch_size=1024, row_groups=[g]):  # a row group may be large: read in pieces
-            for rec in batch.to_pylist():
-                yield (f"row {row}", rec) if row >= skip else ("", None)
-                row += 1
+            if want < pos + batch.num_rows:
+                rows = _materialise(batch, want - pos, step)
+                for k, rec in enumerate(rows):
+                    yield want + k * step, f"row {want + k * step}", rec
+                want += len(rows) * step
+            pos += batch.num_rows
+        row += n
+    return meta.num_rows
 
 
-def _csv_records(path: Path, name: str, text_column: str, *, skip: int) -> Iterator[tuple[str, dict | None]]:
+def _materialise(batch: Any, first: int, step: int) -> list[dict]:
+    """Rows ``first``, ``first + step``, ... of an Arrow record batch as Python dicts (the others stay Arrow)."""
+    import pyarrow as pa
+
+    if step == 1:
+        return batch.slice(first).to_pylist()
+    return batch.take(pa.array(range(first, batch.num_rows, step), type=pa.int64())).to_pylist()
+
+
+def _csv_records(path: Path, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
+    """Rows of a CSV/TSV file: pandas' parser finds every row (quoted fields may span lines), and only the rows
+    asked for become records."""
     import pandas as pd
 
-    row = 0
+    row, want = 0, first
     # the text column is text even when it looks like a number ("007")
     chunks = pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",", keep_default_na=True,
                          dtype_backend="numpy_nullable", dtype={text_column: str}, encoding="utf-8", chunksize=4096)
     try:
         for df in chunks:
-            for r in df.to_dict(orient="records"):
-                if row < skip:
-                    yield "", None
-                else:
-                    values = {k: (None if is_null(v) else (v.item() if hasattr(v, "item") else v)) for k, v in r.items()}
-                    yield f"line {row + 2}", values
-                row += 1
+            if want < row + len(df):
+                ks = range(want - row, len(df), step)
+                for k, r in zip(ks, _csv_rows(df, ks), strict=True):
+                    yield row + k, f"line {row + k + 2}", r
+                want = row + ks[-1] + step
+            row += len(df)
     except UnicodeDecodeError as exc:
         raise PromptError(f"{name}: not valid UTF-8 ({exc.reason}); save the file as UTF-8") from None
+    return row
+
+
+def _csv_rows(df: Any, rows: range) -> list[dict]:
+    """Rows ``rows`` of a parsed CSV chunk as records of Python values (missing cells are None)."""
+    part = df if len(rows) == len(df) else df.iloc[rows.start : rows.stop : rows.step]
+    return [{k: (None if is_null(v) else (v.item() if hasattr(v, "item") else v)) for k, v in r.items()}
+            for r in part.to_dict(orient="records")]
 
 
 class HubDatasetSource(Source):
@@ -239,11 +329,15 @@ class HubDatasetSource(Source):
         return {"kind": "hub", "repo": self.repo, "config": self.config, "split": self.split,
                 "revision": self._revision}
 
-    def records(self, start: int = 0) -> Iterator[Record]:
+    def records(self, start: int = 0, *, rank: int = 0, world: int = 1) -> Iterator[Record]:
+        check_share(rank, world)
         stream = self._stream()
         if start:
             stream = stream.skip(start)
-        rows, i = iter(stream), start
+        i = first_owned(start, rank, world)
+        if world > 1:
+            stream = _every(stream, i - start, world)
+        rows = iter(stream)
         while True:
             try:
                 values = next(rows)
@@ -254,7 +348,19 @@ class HubDatasetSource(Source):
                 raise PromptError(f"{self.description}: record {i} cannot be read ({type(exc).__name__}: {text}); a "
                                   "later data file's columns may differ in type from the first one's") from None
             yield Record(i, self.description, f"record {i}", dict(values))
-            i += 1
+            i += world
+
+
+def _every(stream: Any, offset: int, step: int) -> Any:
+    """Examples ``offset``, ``offset + step``, ... of a streaming dataset. ``datasets`` drops the others as
+    Arrow rows, before they are decoded into Python values (``split_dataset_by_node`` with the "examples"
+    strategy); a version whose ``split_dataset_by_node`` cannot be told that strategy (it would deal whole
+    files instead, which breaks the round-robin numbering) has them decoded and dropped here."""
+    from datasets.distributed import split_dataset_by_node
+
+    if "strategy" in inspect.signature(split_dataset_by_node).parameters:
+        return split_dataset_by_node(stream, rank=offset, world_size=step, strategy="examples")
+    return itertools.islice(stream, offset, None, step)
 
 
 def open_source(spec: Any, *, text_column: str = "text", config: str | None = None, split: str = "train",
