@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import numpy as np
 
 from ..allocator import HeapTrimmer, bound_allocator_cache
 from ..display import one_line
-from ..errors import ExtractionError, ModelError, OutOfSpaceError, OutputExistsError
+from ..errors import ExtractionError, LmprobeError, ModelError, OutOfSpaceError, OutputExistsError
 from ..format.reader import Dataset
 from ..format.spec import NESTED_FROM_SHARDS
 from ..format.staging import describe_mismatch
@@ -51,9 +52,34 @@ from .model import (
 )
 from .outputs import Output, open_output
 from .prompts import Prompts, check_token_ids, read_prompts
+from .ranks import Gather
 from .sources import Record, open_source
 from .tokens import Encoder
 from .windows import Budget, affixes_of
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a multi-process job: rank, world size, and how the ranks exchange small values."""
+
+    rank: int
+    world: int
+    all_gather: Gather | None  # one value per rank, by rank (a gloo group of its own); None for one process
+
+    def agree(self, check: Callable[[], None]) -> None:
+        """Run ``check`` on every rank; when it fails on any, every rank raises the first rank's error (one
+        rank cannot stop alone: the others would wait for it)."""
+        if self.world == 1:
+            check()
+            return
+        try:
+            check()
+            mine = None
+        except LmprobeError as exc:
+            mine = str(exc)
+        found = [m for m in self.all_gather(mine) if m is not None]
+        if found:
+            raise ExtractionError(found[0])
 
 
 @dataclass
@@ -73,6 +99,7 @@ class _Job:
     cut: np.ndarray | None = None  # prompt mode with --truncate: tokens cut from each prompt (0: none)
     arch: Architecture | None = None  # the model's blocks, hookpoints and inputs (examine.py)
     layout: str = "flat"  # the shard file layout: nested for 1,000 shards a layer or more (format/spec.py)
+    ranks: Ranks = field(default_factory=lambda: Ranks(0, 1, None))  # this process's place in a torchrun job
 
     @property
     def hookpoint_dims(self) -> tuple[int, ...]:
@@ -102,19 +129,22 @@ def _where(prompts: Prompts, i: int) -> str:
     return f"prompt {i}" if prompts.source in ("prompts", "DataFrame", "<memory>") else prompts.where(i)
 
 
-def _prepare(cfg: ExtractionConfig) -> _Job:
+def _prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> _Job:
     """Read and check everything but the weights."""
     if cfg.backend == "nnsight":
         require_nnsight()
         if cfg.remote is True:
             check_api_key()
+    ranks = ranks or Ranks(0, 1, None)
     if cfg.corpus:
         p = None
         source = open_source(cfg.prompts, text_column=cfg.text_column, config=cfg.dataset_config, split=cfg.split)
-    else:
-        p = cfg.prompts if isinstance(cfg.prompts, Prompts) else read_prompts(
-            cfg.prompts, text_column=cfg.text_column, label_column=cfg.label_column, dataset_config=cfg.dataset_config,
-            split=cfg.split)
+    elif isinstance(cfg.prompts, Prompts):
+        p = cfg.prompts
+    else:  # a rank reads and checks its own share only (prompt i goes to rank i % world)
+        p = read_prompts(cfg.prompts, text_column=cfg.text_column, label_column=cfg.label_column,
+                         dataset_config=cfg.dataset_config, split=cfg.split, rank=ranks.rank, world=ranks.world,
+                         all_gather=ranks.all_gather)
     spec = read_model_spec(cfg.model, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     layer_list = parse_layers(cfg.layers, spec.num_layers)
     if (cfg.logits_topk or cfg.perplexity) and not spec.causal_lm:
@@ -138,21 +168,22 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
     captures, model = _plan_captures(cfg, spec, arch, layer_list, model, dev)
     limit = cfg.max_length or _default_max_length(tok, spec.config)
     if p is None:
-        job = _prepare_corpus(cfg, source, spec, tok, limit, vocab, layer_list, dev)
+        job = _prepare_corpus(cfg, source, spec, tok, limit, vocab, layer_list, dev, ranks)
         job.captures, job.model, job.arch = captures, model, arch
         job.layout = _layout(job)
         return job
     if p.input_ids is not None:
-        _check_pretokenized(cfg, p, tok, vocab)
+        ranks.agree(lambda: _check_pretokenized(cfg, p, tok, vocab))
     encoder = Encoder(tok, chat_template=cfg.chat_template, drop_special_tokens=cfg.drop_special_tokens,
                       max_length=limit, truncate=cfg.truncate)
     lengths, stored = encoder.lengths(p.texts, ids=p.input_ids)
-    if lengths.min(initial=1) < 1 or stored.min(initial=1) < 1:
-        i = int(np.argmin(np.minimum(lengths, stored)))
-        raise ExtractionError(f"{_where(p, i)} leaves no token to store: {p.texts[i]!r}")
-    if limit is not None and lengths.max(initial=0) > limit:
-        too_long = np.flatnonzero(lengths > limit)
-        if cfg.truncate is None:
+
+    def check_lengths() -> None:
+        if lengths.min(initial=1) < 1 or stored.min(initial=1) < 1:
+            i = int(np.argmin(np.minimum(lengths, stored)))
+            raise ExtractionError(f"{_where(p, i)} leaves no token to store: {p.texts[i]!r}")
+        if limit is not None and lengths.max(initial=0) > limit and cfg.truncate is None:
+            too_long = np.flatnonzero(lengths > limit)
             i = int(too_long[0])
             raise ExtractionError(
                 f"{_where(p, i)} has {lengths[i]} tokens, more than --max-length {limit} "
@@ -160,14 +191,20 @@ def _prepare(cfg: ExtractionConfig) -> _Job:
                 "--truncate right (keep the start), or a larger --max-length, or --context-len to cut long "
                 "documents into windows"
             )
+
+    ranks.agree(check_lengths)
     cut = None  # with --truncate: how many tokens each prompt loses (recorded per prompt)
     if cfg.truncate:
         cut = np.maximum(lengths - limit, 0) if limit is not None else np.zeros(len(lengths), np.int64)
     if limit is not None:
         lengths = np.minimum(lengths, limit)
-    settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=p.fingerprint(),
-                            num_prompts=len(p), layers=layer_list, max_length=limit)
-    job = _Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model, cut=cut, arch=arch)
+    # the whole job's prompts: a multi-process job records the prompt set's identity (the same for any number of
+    # ranks, from every share's digest); each part records its share's fingerprint (_extract_parallel)
+    whole, n_prompts = (p.fingerprint(), len(p)) if ranks.world == 1 else (p.set_identity(), p.total)
+    settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=whole,
+                            num_prompts=n_prompts, layers=layer_list, max_length=limit)
+    job = _Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model, cut=cut, arch=arch,
+               ranks=ranks)
     job.layout = _layout(job)
     return job
 
@@ -288,10 +325,7 @@ def _check_pretokenized(cfg: ExtractionConfig, p: Prompts, tok: Any, vocab: int 
 
 
 def _prepare_corpus(cfg: ExtractionConfig, source: Any, spec: ModelSpec, tok: Any, limit: int | None,
-                    vocab: int | None, layer_list: list[int], dev: str) -> _Job:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ExtractionError("corpus extraction (--context-len/--max-tokens) runs in one process per output; "
-                              "split the corpus and run one extraction per part, then `lmprobe merge` them")
+                    vocab: int | None, layer_list: list[int], dev: str, ranks: Ranks) -> _Job:
     context_len = cfg.context_len or limit
     if context_len is None:
         raise ExtractionError(f"{spec.name} states no length limit; pass --context-len to choose the window length")
@@ -306,10 +340,13 @@ def _prepare_corpus(cfg: ExtractionConfig, source: Any, spec: ModelSpec, tok: An
         logger.warning(f"note: corpus extraction stores windows of documents; the source's other columns "
                        f"({', '.join(repr(c) for c in dropped)}) are not stored: join them on each row's `document` "
                        "column")
+    identity = source.identity()
+    if ranks.world > 1:  # each node has its own copy (paths, times): the job records rank 0's
+        identity = ranks.all_gather(identity)[0]
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, layers=layer_list,
-                            max_length=context_len, source=source.identity())
+                            max_length=context_len, source=identity)
     plan = CorpusPlan(source, affixes, context_len, cfg.max_tokens, vocab)
-    return _Job(cfg, None, spec, tok, None, settings, dev, corpus=plan)
+    return _Job(cfg, None, spec, tok, None, settings, dev, corpus=plan, ranks=ranks)
 
 
 @dataclass(frozen=True)
@@ -332,8 +369,9 @@ def run(cfg: ExtractionConfig) -> Dataset:
 def execute(cfg: ExtractionConfig) -> Outcome:
     """``run``, also saying whether anything was written (the command line's last line depends on it)."""
     output = open_output(cfg.out)  # a bad --out is an error before the tokenizer and the weights load
-    rank, world = _ranks()
-    job = _prepare(cfg)
+    ranks = _start_ranks()
+    rank, world = ranks.rank, ranks.world
+    job = _prepare(cfg, ranks)
     done = _finished(job, output)
     if done is not None:
         if not cfg.quiet and rank == 0:
@@ -364,6 +402,32 @@ def rows_text(ds: Dataset, *, corpus: bool) -> str:
 def _ranks() -> tuple[int, int]:
     """(rank, world size) of this process: torchrun's, else (0, 1)."""
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _start_ranks() -> Ranks:
+    """One process, or a rank of ``torchrun``: then the process group is joined (gloo, on the CPU, whatever the
+    model runs on) with a timeout sized for long extractions (``LMPROBE_DIST_TIMEOUT`` seconds, default 14 days:
+    a rank that finishes early waits for the others instead of being killed by the default ten minutes), and a
+    second gloo group carries the small exchanges of reading and planning."""
+    from datetime import timedelta
+
+    rank, world = _ranks()
+    if world == 1:
+        return Ranks(0, 1, None)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        timeout = float(os.environ.get("LMPROBE_DIST_TIMEOUT", 14 * 24 * 3600))
+        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(backend="gloo")
+
+    def all_gather(value: Any) -> list:
+        out: list = [None] * world
+        dist.all_gather_object(out, value, group=group)
+        return out
+
+    return Ranks(rank, world, all_gather)
 
 
 def _finished(job: _Job, output: Output) -> Dataset | None:
@@ -450,39 +514,37 @@ def _extract(job: _Job, output: Output) -> Dataset:
 
 
 def _extract_parallel(job: _Job, output: Output, rank: int, world: int) -> Dataset:
-    """One rank of ``torchrun``: extract this rank's share into its own part of the output, then rank 0 merges the
-    parts into one dataset (renames: local moves, server-side copies), and every rank returns it.
-
-    The ranks meet through a process group of their own (gloo, on the CPU) whose timeout is sized for long
-    extractions (``LMPROBE_DIST_TIMEOUT`` seconds, default 14 days): a rank that finishes early waits for the
-    others instead of being killed by the default ten minutes.
-    """
+    """One rank of ``torchrun``: extract this rank's share (prompts or documents i with i % world == rank, read
+    and tokenized by this rank only) into its own part of the output, then rank 0 merges the parts into one
+    dataset (local moves, server-side copies: no shard passes through one machine), in prompt or source order,
+    and every rank returns it."""
     import dataclasses
-    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    cfg, p = job.config, job.prompts
-    if not dist.is_initialized():
-        timeout = float(os.environ.get("LMPROBE_DIST_TIMEOUT", 14 * 24 * 3600))
-        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    cfg = job.config
     if job.device.startswith("cuda") and torch.cuda.device_count() > 1:
         job.device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % torch.cuda.device_count()}"
     part = output.part(rank)
-    mine = np.arange(rank, len(p), world)  # prompt i goes to rank i % world
-    share = p.take(mine)
-    part_settings = {**job.settings, "prompts_sha256": share.fingerprint(), "num_prompts": len(share),
-                     "part": [rank, world]}
-    part_cfg = dataclasses.replace(cfg, quiet=cfg.quiet or rank != 0)
-    part_job = dataclasses.replace(job, config=part_cfg, prompts=share, lengths=job.lengths[mine],
-                                   settings=part_settings, cut=job.cut[mine] if job.cut is not None else None)
-    if _finished(part_job, part) is None:
+    if job.prompts is not None:
+        what = {"prompts_sha256": job.prompts.fingerprint(), "num_prompts": len(job.prompts)}
+    else:
+        what = {}
+    part_job = dataclasses.replace(job, config=dataclasses.replace(cfg, quiet=cfg.quiet or rank != 0),
+                                   settings={**job.settings, **what, "part": [rank, world]})
+    done = _finished(part_job, part)
+    if done is None:
         _extract(part_job, part)
+    elif job.corpus is not None and job.corpus.max_tokens is not None:
+        # a finished part still takes part in planning the budget, or the other ranks would wait for it
+        for _ in stream_windows(job.corpus, job.tokenizer, cfg.text_column, resume=done.info.get("progress"),
+                                rank=rank, world=world, all_gather=job.ranks.all_gather):
+            pass
     dist.barrier()
     if rank == 0:
-        output.merge([output.part(r) for r in range(world)], settings=job.settings, order="positions",
-                     quiet=cfg.quiet)
+        output.merge([output.part(r) for r in range(world)], settings=job.settings,
+                     order="documents" if job.corpus is not None else "positions", quiet=cfg.quiet)
     dist.barrier()
     ds = output.finished()
     if ds is None:  # pragma: no cover - rank 0 merged before the barrier
@@ -614,23 +676,28 @@ def _run_corpus(writer: DatasetWriter, job: _Job) -> None:
     """Stream the source's documents as windows, in source order, until it ends or the budget is spent."""
     import torch
 
-    cfg, plan, tok = job.config, job.corpus, job.tokenizer
+    cfg, plan, tok, ranks = job.config, job.corpus, job.tokenizer, job.ranks
     assert plan is not None
-    if plan.max_tokens is not None and writer.num_tokens > plan.max_tokens:
-        raise ExtractionError(f"the partial output already holds {writer.num_tokens:,} tokens, more than --max-tokens "
-                              f"{plan.max_tokens:,}; pass --max-tokens {writer.num_tokens} or more to finish it, or "
-                              "--overwrite to start over")
-    budget = Budget(plan.max_tokens, writer.num_tokens)
-    if budget.spent:
-        return
+    if ranks.world > 1:  # a share of the job's budget, planned with the other ranks (ranks.py)
+        stream = stream_windows(plan, tok, cfg.text_column, resume=writer.progress, rank=ranks.rank,
+                                world=ranks.world, all_gather=ranks.all_gather)
+    else:
+        if plan.max_tokens is not None and writer.num_tokens > plan.max_tokens:
+            raise ExtractionError(f"the partial output already holds {writer.num_tokens:,} tokens, more than "
+                                  f"--max-tokens {plan.max_tokens:,}; pass --max-tokens {writer.num_tokens} or more to "
+                                  "finish it, or --overwrite to start over")
+        budget = Budget(plan.max_tokens, writer.num_tokens)
+        if budget.spent:
+            return
+        stream = stream_windows(plan, tok, cfg.text_column, resume=writer.progress, budget=budget)
     bound_allocator_cache()
     backend = _build_backend(job)
-    stream = stream_windows(plan, tok, cfg.text_column, resume=writer.progress, budget=budget)
     out_dtype = torch_dtype(cfg.dtype)
     layers = job.settings["layers"]
     left = tok.padding_side == "left"
     bg = BackgroundWorker(lambda item: writer.add_batch(**item), max_pending=1, name="lmprobe-writer")
-    bar = Progress(plan.max_tokens, initial=writer.num_tokens, desc="extract", unit="tok", quiet=cfg.quiet)
+    total = plan.max_tokens if plan.max_tokens is None or ranks.world == 1 else plan.max_tokens // ranks.world
+    bar = Progress(total, initial=writer.num_tokens, desc="extract", unit="tok", quiet=cfg.quiet)
     trim = HeapTrimmer()
     try:
         with torch.inference_mode():

@@ -277,6 +277,7 @@ def plan_merge(dss: list[Dataset], *, sources: list[str] | None = None, settings
         info.get("tensors", {}).pop("statistics", None)  # where datasets written before 2026-11 kept it
     info.pop("extras", None)
     info.pop("attachments", None)
+    info.pop("progress", None)  # a part's place in its share of the source, not the merged dataset's
     return MergePlan(moves, info, {"last": lt_off, "seq": seq_off, "logits": lg_off}, n_lts, order)
 
 

@@ -662,6 +662,8 @@ class DatasetWriter:
         extra = dict(self.metadata)
         if self.runs:
             extra["runs"] = self.runs
+        if self.progress is not None:  # where the source stood at the end (a part of a multi-process job replays
+            extra["progress"] = self.progress  # its share's planning from it when the same job runs again)
         if self._stats:
             by_hp: dict[str, dict[int, RunningStats]] = {}
             for slot, st in self._stats.items():
