@@ -122,3 +122,32 @@ def test_a_killed_two_node_run_resumes_and_equals_an_uninterrupted_one(s3, llama
     s3fs.S3FileSystem.clear_instance_cache()
     _same_rows(single, lmprobe.load(url), (1,), full=True)
     assert not [k for k in s3fs.S3FileSystem().find(url) if ".lmprobe-parts" in k]
+
+
+def _corpus(tmp_path):
+    f = tmp_path / "corpus.jsonl"
+    docs = [" ".join(f"w{(d * 7 + j) % 50}" for j in range(5 + (d * 13) % 40)) for d in range(30)]
+    f.write_text("\n".join(json.dumps({"text": t}) for t in docs) + "\n")
+    return f
+
+
+def test_two_nodes_extract_a_corpus_budget_exactly_as_one_process(s3, llama_dir, tmp_path):
+    """Corpus mode: documents dealt by rank, --max-tokens exact over both nodes: the same windows (document,
+    window_start, tokens, the last one cut the same way) with the same vectors, in source order."""
+    f = _corpus(tmp_path)
+    kw = dict(layers="2", storage="full_sequence", context_len=16, max_tokens=333, batch_size=1, shard_size="2KB",
+              token_ids=True)
+    single = _single(str(llama_dir), f, out=tmp_path / "one", **kw)
+    url = f"s3://acts/corpus-{uuid.uuid4().hex[:6]}"
+    run(tmp_path, ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", url, "--layers", "2",
+                   "--storage", "full_sequence", "--context-len", "16", "--max-tokens", "333", "--batch-size", "1",
+                   "--shard-size", "2KB", "--token-ids", "--checkpoint-interval", "0", "--quiet"])
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    two = lmprobe.load(url)
+    assert int(two.index["num_tokens"].sum()) == 333
+    for col in ("document", "window_start", "num_tokens", "token_ids"):
+        assert [list(x) if hasattr(x, "__len__") else x for x in two.index[col]] == \
+            [list(x) if hasattr(x, "__len__") else x for x in single.index[col]], col
+    _same_rows(single, two, (2,), full=True)
