@@ -19,8 +19,8 @@ from lmprobe import push_to_hub
 from lmprobe.errors import InvalidArgumentError, PushError
 from lmprobe.format.reader import open_local
 from lmprobe.format.spec import CARD_PATH, INDEX_PATH
-from lmprobe.publish.commits import HubCommitter, PushConfig, RepoFile
 from lmprobe.publish.push import dataset_files
+from lmprobe.storage.commits import HubCommitter, PushConfig, RepoFile
 
 
 def repo_name():
@@ -88,7 +88,7 @@ def test_recorded_hashes_are_never_computed_again(hub, dataset, monkeypatch):
     """The writer hashed every shard as it wrote it: neither lmprobe nor huggingface_hub reads one to hash it."""
     import huggingface_hub.lfs as hf_lfs
 
-    from lmprobe.publish import commits
+    from lmprobe.storage import commits
 
     path, _ = dataset
     hashed = []
@@ -130,7 +130,7 @@ def test_commit_rate_limits_are_waited_out_as_asked_and_said(hub, dataset, caplo
     repo = repo_name()
     hub.fail("POST", r"/commit/", 429, times=2, headers={"Retry-After": "1"})
     start, t0 = len(hub.log), time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="lmprobe.publish.commits"):
+    with caplog.at_level(logging.WARNING, logger="lmprobe.storage.commits"):
         push_to_hub(path, repo, commit_files=100, quiet=True, base_wait=0.01)
     hub.clear_faults()
     assert time.monotonic() - t0 >= 2.0  # Retry-After: 1, twice (base_wait alone would be 0.03 s)

@@ -29,7 +29,7 @@ from ..opening import load
 from ..paths import resolve_inside
 from ..sae.loader import SAEConfig, load_dictionary, validate_dictionary
 from ..saev import read_saev_metadata, recorded_source_hash, source_index_hash, validate_saev
-from .commits import HubCommitter, PushConfig, RepoFile
+from ..storage.commits import HubCommitter, PushConfig, RepoFile
 
 KINDS = ATTACHMENT_KINDS
 SAEV_DIR, SAE_DIR = KINDS

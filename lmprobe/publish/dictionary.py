@@ -8,8 +8,8 @@ from pathlib import Path
 from ..display import hide_credentials
 from ..errors import DictionaryError
 from ..sae.loader import validate_dictionary
+from ..storage.commits import DEFAULT_COMMIT_FILES, HubCommitter, PushConfig, RepoFile
 from ..storage.hub import check_repo_id
-from .commits import DEFAULT_COMMIT_FILES, HubCommitter, PushConfig, RepoFile
 
 
 def dictionary_files(root: str | os.PathLike, name: str, prefix: str | None = None) -> tuple[list[RepoFile], list[RepoFile]]:

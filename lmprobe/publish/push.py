@@ -10,6 +10,7 @@ from ..display import hide_credentials
 from ..errors import DatasetNotFoundError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
+from ..storage.commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, PushConfig, RepoFile
 from ..storage.hub import check_repo_id
 from .attachments import (
     SAE_DIR,
@@ -20,7 +21,6 @@ from .attachments import (
     describe,
     scan_attachments,
 )
-from .commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, PushConfig, RepoFile
 
 
 def dataset_files(ds: Dataset) -> list[RepoFile]:
