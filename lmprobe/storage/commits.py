@@ -44,12 +44,14 @@ from ..errors import InvalidArgumentError, PushError
 from ..hashing import sha256_file
 from ..progress import Progress, third_party_bars
 from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe, status_code
-from ..storage.hub import hub_api, transport_errors
+from .hub import hub_api, transport_errors
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMMIT_FILES = 50
 DEFAULT_COMMIT_BYTES = 20 * 1024**3
+#: moves per rename commit (a copy and a delete each, nothing uploaded): 100,000 files rename in 200 commits
+RENAMES_PER_COMMIT = 500
 PATHS_INFO_BATCH = 500  # the Hub answers paths-info for at most ~1,000 paths per request
 
 
@@ -67,6 +69,9 @@ class PushConfig:
     """Files added but not yet in a landed commit, at most; ``add`` waits beyond it (default: 2 x commit_files)."""
     commit_interval: float = 300.0
     """Seconds an uploaded file waits at most for others to fill its commit (fewer, larger commits)."""
+    min_commit_spacing: float = 0.0
+    """Seconds between the starts of two commits of this committer, at least (several writers sharing a repo's
+    commit rate limit each take their share; uploads go on meanwhile)."""
     max_retries: int = 5
     """Retries of a request that failed (a dropped connection, a 5xx answer)."""
     base_wait: float = 2.0
@@ -82,7 +87,7 @@ class PushConfig:
                 raise InvalidArgumentError(f"{name} must be an integer >= 1, not {getattr(self, name)!r}")
         if self.max_in_flight is not None and (not isinstance(self.max_in_flight, int) or self.max_in_flight < 1):
             raise InvalidArgumentError(f"max_in_flight must be an integer >= 1, not {self.max_in_flight!r}")
-        for name in ("commit_interval", "base_wait", "commit_deadline", "max_retry_after"):
+        for name in ("commit_interval", "min_commit_spacing", "base_wait", "commit_deadline", "max_retry_after"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0 seconds, not {getattr(self, name)!r}")
         if self.max_retries < 0:
@@ -169,6 +174,7 @@ class _Item:
     file: RepoFile
     op: Any = None  # CommitOperationAdd, once uploaded
     ready_at: float = 0.0
+    released: bool = False  # its content is on the Hub (LFS or Xet): the commit needs no local copy
 
 
 @dataclass
@@ -181,6 +187,7 @@ class _State:
     uploading: int = 0  # added, not yet uploaded
     flushing: int = 0
     producer_waiting: bool = False
+    last_commit: float = -1e18  # time.monotonic() when the last commit started
     stop: bool = False
     error: BaseException | None = None
 
@@ -201,7 +208,8 @@ class HubCommitter:
 
     def __init__(self, repo_id: str, *, token: str | bool | None, revision: str | None = None,
                  repo_type: str = "dataset", config: PushConfig | None = None, label: str = "dataset",
-                 quiet: bool = True, on_landed: Callable[[list[RepoFile]], Any] | None = None):
+                 quiet: bool = True, on_landed: Callable[[list[RepoFile]], Any] | None = None,
+                 on_uploaded: Callable[[RepoFile], Any] | None = None, under: str = ""):
         self.api = hub_api(token)
         self.repo_id = repo_id
         self.repo_type = repo_type
@@ -211,6 +219,10 @@ class HubCommitter:
         self.label = label
         self.quiet = quiet
         self.on_landed = on_landed
+        # told of a file whose content is on the Hub already (an LFS or Xet upload) before its commit lands: its
+        # local copy may go (the commit names it by sha256), and it stops counting against max_in_flight
+        self.on_uploaded = on_uploaded
+        self.under = under  # the folder of the repo the push writes in: the one listing covers it only
         self.result = PushResult()
         self.remote: dict[str, str] = {}  # path -> "sha256:<hex>" or "git:<blob id>", as listed at start()
         self.listings = 0
@@ -259,14 +271,14 @@ class HubCommitter:
     def remote_files(self) -> dict[str, str]:
         """path -> ``sha256:<hex>`` (LFS files) or ``git:<blob id>`` (regular files) at the target revision."""
         from huggingface_hub import RepoFile as HubRepoFile
-        from huggingface_hub.errors import RevisionNotFoundError
+        from huggingface_hub.errors import EntryNotFoundError, RevisionNotFoundError
 
         self.listings += 1
         try:
-            entries = self.api.list_repo_tree(self.repo_id, repo_type=self.repo_type, revision=self.revision,
-                                              recursive=True)
+            entries = self.api.list_repo_tree(self.repo_id, path_in_repo=self.under or None,
+                                              repo_type=self.repo_type, revision=self.revision, recursive=True)
             return {e.path: _remote_id(e) for e in entries if isinstance(e, HubRepoFile)}
-        except RevisionNotFoundError:
+        except (RevisionNotFoundError, EntryNotFoundError):
             return {}
 
     def paths_now(self, paths: Sequence[str]) -> dict[str, str]:
@@ -317,7 +329,7 @@ class HubCommitter:
             self._raise_error()
             if file.rel in s.pending:
                 raise InvalidArgumentError(f"{file.rel} was added twice to the push to {self.repo_id}")
-            while len(s.pending) >= self.config.in_flight:
+            while sum(not it.released for it in s.pending.values()) >= self.config.in_flight:
                 s.producer_waiting = True
                 s.cv.notify_all()
                 s.cv.wait(0.5)
@@ -327,6 +339,76 @@ class HubCommitter:
             s.uploading += 1
         self._grow_bar([file])
         self._pool.submit(self._upload, item)
+
+    def add_uploaded(self, file: RepoFile) -> None:
+        """Commit ``file`` (its ``sha256`` and ``size`` known) whose content an earlier run uploaded already
+        (LFS or Xet): it is named by its sha256, with no local copy and nothing sent again. A file the repo
+        has with that content counts as landed at once."""
+        from huggingface_hub import CommitOperationAdd
+        from huggingface_hub.lfs import UploadInfo
+
+        if self._pool is None or self._finished:
+            raise RuntimeError("HubCommitter.add_uploaded() needs start() first, and no finish() yet")
+        if not file.sha256 or file.size < 0:
+            raise InvalidArgumentError(f"{file.rel}: add_uploaded needs the file's sha256 and size")
+        if _same(file, self.remote.get(file.rel)):
+            self._landed([file], sent=False)
+            return
+        # a placeholder for the content, then what the commit needs: the object is on the Hub (private fields of
+        # huggingface_hub's operation; tests/test_push_pipeline.py pins them against the installed version)
+        op = CommitOperationAdd(path_in_repo=file.rel, path_or_fileobj=b"")
+        op.upload_info = UploadInfo(sha256=bytes.fromhex(file.sha256), size=file.size, sample=b"")
+        op._upload_mode = "lfs"
+        op._is_uploaded = True
+        s = self._s
+        with s.cv:
+            self._raise_error()
+            s.pending[file.rel] = item = _Item(file, op, time.monotonic(), released=True)
+            s.ready.append(item)
+            s.cv.notify_all()
+
+    def rename(self, moves: Sequence[tuple[str, str]], *, batch: int = RENAMES_PER_COMMIT) -> None:
+        """Rename files of this revision server-side (a copy, then a delete of the original: nothing is sent), in
+        commits of at most ``batch`` moves (a copy names an object the Hub holds, so these commits may be larger
+        than upload commits). Resumable: a move an interrupted run made (its source gone, its target there) is
+        not made again; a move whose source and target are both missing is a PushError."""
+        from huggingface_hub import CommitOperationCopy, CommitOperationDelete
+
+        if not moves:
+            return
+        now = self.call(f"listing {len(moves)} file(s) to rename in {self.repo_id}",
+                        lambda: self.paths_now([p for m in moves for p in m]))
+        lost = [a for a, b in moves if a not in now and b not in now]
+        if lost:
+            raise PushError(f"{self.repo_id}: {len(lost)} file(s) to rename are missing ({lost[0]}); the repo "
+                            "changed while the job ran: run it again with --overwrite")
+        todo = [(a, b) for a, b in moves if a in now]
+        for i in range(0, len(todo), batch):
+            part = todo[i : i + batch]
+            ops: list[Any] = [CommitOperationCopy(src_path_in_repo=a, path_in_repo=b) for a, b in part]
+            ops += [CommitOperationDelete(path_in_repo=a) for a, _ in part]
+
+            def landed(part=part) -> bool:
+                there = self.paths_now([p for m in part for p in m])
+                return all(b in there and a not in there for a, b in part)
+
+            message = f"lmprobe: rename {len(part)} file(s)"
+            self._take_turn()
+            self.call(f"renaming {len(part)} file(s) in {self.repo_id}",
+                      lambda ops=ops, message=message: self.api.create_commit(
+                          self.repo_id, ops, repo_type=self.repo_type, revision=self.revision,
+                          commit_message=message),
+                      landed=landed)
+            with self._s.cv:
+                self.result.commits += 1
+
+    def _take_turn(self) -> None:
+        """Wait until a commit may start (``min_commit_spacing`` after the last one), and count it as started."""
+        s = self._s
+        with s.cv:
+            while (wait := s.last_commit + self.config.min_commit_spacing - time.monotonic()) > 0:
+                s.cv.wait(min(wait, 0.5))
+            s.last_commit = time.monotonic()
 
     def _grow_bar(self, files: Sequence[RepoFile]) -> None:
         bar = self._bar
@@ -370,6 +452,7 @@ class HubCommitter:
             final = [it for it, fut in zip(final, uploads, strict=True) if fut.result()]
             self._raise_error()
             if final:
+                self._take_turn()
                 msg = message or f"lmprobe: add {self.label} {' and '.join(it.file.rel for it in final)}"
                 self._commit(final, msg)
         finally:
@@ -458,6 +541,14 @@ class HubCommitter:
         except BaseException as exc:  # handed to the caller by its next add/flush/finish
             self._fail(exc)
             return
+        if sent and self.on_uploaded is not None and getattr(item.op, "_upload_mode", None) == "lfs":
+            try:
+                with self._callback_lock:
+                    self.on_uploaded(item.file)
+            except BaseException as exc:
+                self._fail(exc)
+                return
+            item.released = True
         with s.cv:
             s.uploading -= 1
             if sent:
@@ -472,6 +563,9 @@ class HubCommitter:
         s, cfg = self._s, self.config
         if not s.ready:
             return None
+        spacing = s.last_commit + cfg.min_commit_spacing - time.monotonic()
+        if spacing > 0:
+            return spacing
         n_bytes = sum(it.file.size for it in s.ready)
         if len(s.ready) >= cfg.batch_target or n_bytes >= cfg.commit_bytes:
             return 0.0
@@ -492,6 +586,7 @@ class HubCommitter:
                 if s.error is not None or s.stop:  # stopped: what is not committed stays for a re-run
                     return
                 batch, n_bytes = [], 0
+                s.last_commit = time.monotonic()
                 while s.ready and len(batch) < cfg.commit_files and (
                         not batch or n_bytes + s.ready[0].file.size <= cfg.commit_bytes):
                     batch.append(s.ready.pop(0))
