@@ -17,6 +17,7 @@ checkpoints), ``index`` (the parquet index), ``metadata`` (the ``lmprobe:`` keys
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -77,6 +78,15 @@ _MAX_PENDING_ROWS = 65536
 _MAX_PENDING_TOKENS = 1 << 20
 
 
+def _takes_keyword(fn: Callable | None, name: str) -> bool:
+    if fn is None:
+        return False
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
 class DatasetWriter:
     """Write an lmprobe format 2.0 dataset, batch by batch.
 
@@ -127,12 +137,13 @@ class DatasetWriter:
         truncation: bool = False,
         hookpoints: Sequence[str] = (DEFAULT_HOOKPOINT,),
         hookpoint_dims: Sequence[int] = (),
-        on_file_complete: Callable[[str], None] | None = None,
+        on_file_complete: Callable[..., None] | None = None,
         on_file_renamed: Callable[[str, str], None] | None = None,
         resume: bool = True,
         overwrite: bool = False,
         checkpoint_interval: float = 30.0,
         run: Mapping[str, Any] | None = None,
+        name: str | None = None,
     ):
         # --- check the configuration before touching the disk
         try:
@@ -153,12 +164,17 @@ class DatasetWriter:
         )
         spec = self.spec
         self.out_dir = Path(out_dir)
+        # what messages call the output: the folder, or the remote output it is staged for
+        self.name = name or str(self.out_dir)
         self.prompt_ordering = prompt_ordering
         self.provenance = {**default_provenance(), **dict(provenance or {})}
         self.metadata = dict(metadata or {})
         self.checksums = checksums
         self.fsync = fsync
-        self.on_file_complete = on_file_complete  # called with each shard's path once it is final
+        # called with each shard's path once it is final, and its sha256 (None: not hashed yet) when it takes a
+        # ``sha256`` keyword: an upload then need not read the file to hash it again
+        self.on_file_complete = on_file_complete
+        self._complete_takes_sha256 = _takes_keyword(on_file_complete, "sha256")
         # with on_file_renamed too, sequence shards leave as they close, under provisional names (their numbers
         # follow the last-token shards', known only at the end), and are renamed where they went when it comes
         if on_file_renamed is not None and on_file_complete is None:
@@ -302,7 +318,7 @@ class DatasetWriter:
         if old != new:
             details = describe_mismatch(old, new)
             raise ResumeMismatchError(
-                f"{self.out_dir} holds a partial dataset written with other settings ({details}); re-run with the "
+                f"{self.name} holds a partial dataset written with other settings ({details}); re-run with the "
                 "original settings to resume, or pass --overwrite (overwrite=True in Python) to start over"
             )
         try:
@@ -572,14 +588,22 @@ class DatasetWriter:
                     raise FormatError(f"shard {path} is missing; the partial output is damaged, pass overwrite=True")
                 s.hash_later(shard, slot, open(path, "rb", buffering=0))
 
-    def _publish(self, series: str, slot: str, shard: int, staged: str, *, required: bool = False) -> None:
-        """Move a closed shard from staging to its final name (idempotent: done once, skipped after)."""
-        src = self.staging.path / staged
+    def _hand_over(self, rel: str, sha256: str | None) -> None:
+        """Tell ``on_file_complete`` of a final file (with its sha256 when the callback takes one)."""
+        if self.on_file_complete is None:
+            return
+        if self._complete_takes_sha256:
+            self.on_file_complete(rel, sha256=sha256)
+        else:
+            self.on_file_complete(rel)
+
+    def _publish(self, series: str, slot: str, shard: int, f: dict, *, required: bool = False) -> None:
+        """Move a closed shard (``f``, its record) from staging to its final name (idempotent: done once)."""
+        src = self.staging.path / f["staging"]
         rel = self._final_name(series, slot, shard)
         if src.exists():
             move_into_place(src, self.out_dir / rel)
-            if self.on_file_complete is not None:
-                self.on_file_complete(rel)
+            self._hand_over(rel, f.get("sha256"))
         elif required and not (self.out_dir / rel).exists() and self.on_file_complete is None:
             # (with on_file_complete, a shard that is nowhere here was handed over and has left the machine: an
             # upload deletes it once it is up, and the uploader checks the bucket before the index goes up)
@@ -592,7 +616,7 @@ class DatasetWriter:
             if s is not None:
                 for shard, d in enumerate(s.closed):
                     for slot, f in d["files"].items():
-                        self._publish(s.name, slot, shard, f["staging"])
+                        self._publish(s.name, slot, shard, f)
         if self.on_file_renamed is not None and self._seq is not None and self._phase == "writing":
             for d in self._seq.closed:  # (when finalizing, the last ones go under their final names at once)
                 for f in d["files"].values():
@@ -600,7 +624,7 @@ class DatasetWriter:
                     if "provisional" not in f and ("sha256" in f or not self.checksums) and src.exists():
                         f["provisional"] = provisional_name(f["staging"])
                         move_into_place(src, self.out_dir / f["provisional"])
-                        self.on_file_complete(f["provisional"])
+                        self._hand_over(f["provisional"], f.get("sha256"))
 
     def close(self) -> Path:
         """Finish every shard, write the card and, last, the index. Returns the dataset folder."""
@@ -651,7 +675,7 @@ class DatasetWriter:
                     # provisional name follows from the staging name): renamed where it went
                     self.on_file_renamed(provisional_name(f["staging"]), self._final_name("seq", slot, n_last + j))
                 else:
-                    self._publish("seq", slot, n_last + j, f["staging"], required=True)
+                    self._publish("seq", slot, n_last + j, f, required=True)
         spec = self.spec
         tensors: dict[str, Any] = {"hidden_layers": build_hidden_descriptor(spec, self._last.closed, seq_closed)}
         for hp in spec.hookpoints:  # each other hookpoint: one more descriptor with the same shards
@@ -672,8 +696,7 @@ class DatasetWriter:
             primary = by_hp.pop(spec.primary_hookpoint)
             desc = write_statistics(self.out_dir, primary, storage=spec.storage, checksums=self.checksums,
                                     others=by_hp)
-            if self.on_file_complete is not None:
-                self.on_file_complete(desc["file"])
+            self._hand_over(desc["file"], desc.get("sha256"))
             extra["statistics"] = desc  # its own key: every entry of `tensors` holds shards
         info = build_info(self.spec, num_prompts=self.num_prompts, tensors=tensors, provenance=self.provenance,
                           prompt_ordering=self.prompt_ordering, extra=extra)
