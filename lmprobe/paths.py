@@ -13,7 +13,7 @@ import re
 import string
 from pathlib import Path, PurePosixPath
 
-from .errors import OutputExistsError, UnsafePathError
+from .errors import InvalidArgumentError, OutputExistsError, UnsafePathError
 
 _SPEC_RE = re.compile(r"^(0?[1-9]\d?)?d?$")  # integer widths such as "03d"
 
@@ -72,7 +72,10 @@ def format_relpath(pattern: str, what: str, **fields: int) -> str:
 
 
 def check_output_path(out: str | os.PathLike, what: str = "output") -> Path:
-    """``out`` can be created or written: no existing part of its path is a file."""
+    """``out`` can be created or written: a local path (not a URL), no existing part of which is a file."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", os.fspath(out)):
+        raise InvalidArgumentError(f"the {what} {out} is a URL, but this writes a local folder; write it locally and "
+                                   "publish it with `lmprobe push` (extract alone writes to hf:// and s3:// directly)")
     p = Path(os.path.abspath(out))
     for parent in [p, *p.parents]:
         if parent.exists():

@@ -151,3 +151,62 @@ def test_two_nodes_extract_a_corpus_budget_exactly_as_one_process(s3, llama_dir,
         assert [list(x) if hasattr(x, "__len__") else x for x in two.index[col]] == \
             [list(x) if hasattr(x, "__len__") else x for x in single.index[col]], col
     _same_rows(single, two, (2,), full=True)
+
+
+# ---------------------------------------------------------------------------------------------- straight to the Hub
+
+
+@pytest.fixture
+def fast_commits(monkeypatch):
+    # the Hub's ~100 commits an hour would make each rank wait 72 s between commits: the local server takes more
+    monkeypatch.setenv("LMPROBE_HUB_COMMITS_PER_HOUR", "3600000")
+
+
+def _hub_tree(hub, name):
+    repo = hub.state.repos[("dataset", f"user/{name}")]
+    return repo.commits[repo.branches["main"]]
+
+
+def test_two_nodes_write_one_dataset_to_the_hub(hub, fast_commits, llama_dir, tmp_path):
+    """Prompt mode to hf://: one dataset equal to one process's, the parts' folders gone, each node's shard data on
+    disk a few shards at a time."""
+    f = _prompts(tmp_path)
+    single = _single(str(llama_dir), f, out=tmp_path / "one", layers="0,3", storage="full_sequence", batch_size=1,
+                     shard_size="2KB")
+    name = f"nodes-{uuid.uuid4().hex[:6]}"
+    argv = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", f"hf://datasets/user/{name}",
+            "--layers", "0,3", "--storage", "full_sequence", "--batch-size", "1", "--shard-size", "2KB",
+            "--checkpoint-interval", "0", "--quiet"]
+    homes = [tmp_path / "node0" / "cache", tmp_path / "node1" / "cache"]
+    with Peak(homes) as peak:
+        run(tmp_path, argv)
+    two = lmprobe.load(f"hf://datasets/user/{name}")
+    _same_rows(single, two, (0, 3), full=True)
+    tree = _hub_tree(hub, name)
+    assert not [p for p in tree if ".lmprobe-parts" in p or ".provisional" in p]
+    shards = list((tmp_path / "one" / "tensors").glob("*.safetensors"))
+    shard = max(p.stat().st_size for p in shards)
+    assert peak.peak <= 2 * 8 * shard, (peak.peak, shard, len(shards))
+    assert disk_use(tmp_path / "one" / "tensors") > 4 * peak.peak
+
+
+def test_a_killed_two_node_corpus_run_to_the_hub_resumes(hub, fast_commits, llama_dir, tmp_path):
+    """Corpus mode to hf://, both nodes killed once each had checkpointed: the same command again finishes with the
+    windows and vectors of an uninterrupted single process."""
+    f = _corpus(tmp_path)
+    kw = dict(layers="2", storage="full_sequence", context_len=16, max_tokens=333, batch_size=1, shard_size="2KB")
+    single = _single(str(llama_dir), f, out=tmp_path / "one", **kw)
+    name = f"corpus-{uuid.uuid4().hex[:6]}"
+    argv = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", f"hf://datasets/user/{name}",
+            "--layers", "2", "--storage", "full_sequence", "--context-len", "16", "--max-tokens", "333",
+            "--batch-size", "1", "--shard-size", "2KB", "--checkpoint-interval", "0", "--quiet"]
+    procs = launch(tmp_path, argv)
+    staging = [tmp_path / f"node{n}" / "cache" / "outputs" for n in (0, 1)]
+    kill_when(procs, lambda: all(list(s.rglob("state.json")) for s in staging))
+    run(tmp_path, argv)
+    two = lmprobe.load(f"hf://datasets/user/{name}")
+    assert int(two.index["num_tokens"].sum()) == 333
+    for col in ("document", "window_start", "num_tokens"):
+        assert list(two.index[col]) == list(single.index[col]), col
+    _same_rows(single, two, (2,), full=True)
+    assert not [p for p in _hub_tree(hub, name) if ".lmprobe-parts" in p]

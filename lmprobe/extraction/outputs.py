@@ -19,6 +19,7 @@ Every output does the same few things, so that the extraction itself is written 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import os
 import shutil
@@ -27,13 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import move_into_place
-from ..errors import DatasetNotFoundError, ExtractionError, InvalidArgumentError
+from ..errors import DatasetNotFoundError, ExtractionError, InvalidArgumentError, LmprobeError
 from ..format.merge import MergePlan, plan_merge
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..lock import OutputLock
-from ..opening import open_object_store
+from ..opening import open_hub, open_object_store
 from ..paths import check_output_path, check_relpath
+from ..safeio import loads
+from ..storage.commits import HubCommitter, PushConfig, RepoFile
+from ..storage.hub import HubRef, parse_hf_url
 from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
 
 logger = logging.getLogger("lmprobe")
@@ -94,13 +98,15 @@ class Output(ABC):
     def local(self) -> bool:
         return False
 
+    def for_world(self, world: int) -> Output:
+        """This output for a job of ``world`` processes (the Hub's: commits paced for the repo's rate together)."""
+        return self
+
 
 def open_output(out: str | os.PathLike) -> Output:
     """The output ``out`` names, checked before anything expensive runs."""
     s = os.fspath(out)
     if isinstance(s, str) and s.startswith("hf://"):
-        from .hub_output import HubOutput
-
         return HubOutput.parse(s)
     if is_object_store_url(s):
         return ObjectStoreOutput(s.rstrip("/"))
@@ -262,3 +268,226 @@ class ObjectStoreOutput(Output):
         shutil.rmtree(sink.local, ignore_errors=True)
         self.fs.rm(f"{self.root}/{PARTS_DIR}", recursive=True)
         return open_object_store(self.url)
+
+
+# ---------------------------------------------------------------------------------------------- a Hub dataset repo
+
+#: what a Hub output's session records of the files whose content is on the Hub but whose commit may not have
+#: landed yet: a run killed meanwhile commits them by reference (their sha256) instead of extracting them again
+LEDGER = ".lmprobe-uploaded.jsonl"
+
+
+def hub_commits_per_hour() -> float:
+    """The commits an hour all the writers of one repo make together, at most (``LMPROBE_HUB_COMMITS_PER_HOUR``,
+    default 100: under the Hub's limit of about 128 an hour per repo)."""
+    raw = os.environ.get("LMPROBE_HUB_COMMITS_PER_HOUR", "100")
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = -1.0
+    if not rate > 0:
+        raise InvalidArgumentError(f"LMPROBE_HUB_COMMITS_PER_HOUR={raw!r}: give a number of commits an hour > 0")
+    return rate
+
+
+class _HubSession(Session):
+    """Uploads the writer's files as they are finished (LFS or Xet, several at once), deletes each local copy once
+    its content is on the Hub, commits them in batches paced for the repo's commit rate (shared by the job's
+    ranks), renames provisional files server-side, and commits the statistics, card and index last."""
+
+    def __init__(self, output: HubOutput, *, overwrite: bool):
+        self.output = output
+        self.local = output.staging()
+        if (self.local / INDEX_PATH).exists():
+            shutil.rmtree(self.local)  # a finished staging copy left by an earlier run: the repo decides
+        self.local.mkdir(parents=True, exist_ok=True)
+        self.ledger = self.local / LEDGER
+        config = PushConfig(max_in_flight=8, workers=4,
+                            min_commit_spacing=3600.0 * output.world / hub_commits_per_hour())
+        self.committer = HubCommitter(output.ref.repo_id, token=output.token, revision=output.ref.revision,
+                                      config=config, label="extraction", on_uploaded=self._uploaded,
+                                      on_landed=self._landed, under=output.ref.path)
+        output.prepare(self.committer)
+        if overwrite:
+            if output.holds(INDEX_PATH):  # the old index goes before any new shard: never old texts over new vectors
+                output.delete([INDEX_PATH], self.committer, "remove the index before an overwrite")
+            self.ledger.unlink(missing_ok=True)
+        self.committer.start()
+        self.renames: list[tuple[str, str]] = []
+        if not overwrite:
+            for e in _read_ledger(self.ledger):  # uploaded by a killed run, maybe not committed: by reference
+                if not (self.local / e["rel"]).exists():
+                    self.committer.add_uploaded(RepoFile(output.repo_path(e["rel"]), self.local / e["rel"],
+                                                         e["size"], e["sha256"]))
+            for f in sorted(self.local.glob("tensors/**/*.safetensors")):  # handed over by a killed run, not sent
+                self._submit(f.relative_to(self.local).as_posix())
+
+    def writer_callbacks(self) -> dict[str, Any]:
+        return {"on_file_complete": self._submit, "on_file_renamed": self._renamed}
+
+    def _submit(self, rel: str, sha256: str | None = None) -> None:
+        # the sha256 the writer recorded goes with the file (LFS and hf_xet take it as is); without one, the upload
+        # computes it as it reads the file, once
+        self.committer.add(RepoFile(self.output.repo_path(rel), self.local / rel, sha256=sha256))
+
+    def _uploaded(self, f: RepoFile) -> None:
+        """``f``'s content is on the Hub: recorded (for a re-run), then its local copy goes."""
+        if f.sha256 is None:  # (the upload did not say: hashed here, once)
+            from ..hashing import sha256_file
+
+            f.sha256 = sha256_file(f.local)
+        rel = f.local.relative_to(self.local).as_posix()
+        with open(self.ledger, "a") as ledger:
+            ledger.write(json.dumps({"rel": rel, "sha256": f.sha256, "size": f.size}) + "\n")
+            ledger.flush()
+            os.fsync(ledger.fileno())
+        f.local.unlink(missing_ok=True)
+
+    def _landed(self, files: list[RepoFile]) -> None:
+        for f in files:  # committed (or on the Hub already): nothing local is needed any more
+            if f.local.name != INDEX_PATH and f.local.parent != self.local:
+                f.local.unlink(missing_ok=True)
+
+    def _renamed(self, old: str, new: str) -> None:
+        self.renames.append((self.output.repo_path(old), self.output.repo_path(new)))
+
+    def finish(self) -> Dataset:
+        self.committer.flush()
+        self.committer.rename(self.renames)
+        last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in _final_files(self.local)]
+        self.committer.finish(last, message="lmprobe: add the statistics, card and index")
+        shutil.rmtree(self.local)
+        return self.output.finished_or_raise()
+
+    def abort(self) -> None:
+        self.committer.close()
+
+
+def _read_ledger(path: Path) -> list[dict]:
+    """The ledger's entries (a line cut short by a kill, or anything malformed, is skipped: that file is sent again)."""
+    out = []
+    if not path.is_file():
+        return out
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            e = loads(line, what="an upload ledger line")
+            if isinstance(e, dict):
+                check_relpath(e.get("rel"), "a ledger entry's file")
+        except LmprobeError:
+            continue
+        if isinstance(e, dict) and isinstance(e.get("sha256"), str) and len(e["sha256"]) == 64 \
+                and isinstance(e.get("size"), int) and e["size"] >= 0:
+            out.append(e)
+    return out
+
+
+def _final_files(local: Path) -> list[str]:
+    """The files a finished writer leaves for last: the statistics, then the card, then the index."""
+    stats = sorted(p.relative_to(local).as_posix() for p in (local / "tensors").glob("statistics*.safetensors")) \
+        if (local / "tensors").is_dir() else []
+    return [*stats, *[rel for rel in (CARD_PATH, INDEX_PATH) if (local / rel).exists()]]
+
+
+class HubOutput(Output):
+    """A dataset repo on the Hub (``hf://datasets/OWNER/NAME[@branch][/folder]``): shards upload while the model
+    computes; the parts of a multi-process job are folders ``.lmprobe-parts/part-NNNNN`` of the same branch,
+    merged by server-side copies (no byte is sent again) and removed."""
+
+    def __init__(self, ref: HubRef, *, token: str | bool | None = None, world: int = 1):
+        self.ref = ref
+        self.url = str(ref)
+        self.token = token
+        self.world = world
+
+    @classmethod
+    def parse(cls, url: str) -> HubOutput:
+        ref = parse_hf_url(url)
+        if ref.repo_type != "dataset":
+            raise InvalidArgumentError(f"--out {url}: an extraction writes to a dataset repo, "
+                                       "hf://datasets/OWNER/NAME[@branch]")
+        return cls(HubRef(ref.repo_id, "dataset", ref.revision or "main", ref.path.strip("/")))
+
+    def repo_path(self, rel: str) -> str:
+        return f"{self.ref.path}/{rel}" if self.ref.path else rel
+
+    def finished(self) -> Dataset | None:
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+        try:
+            return open_hub(self.ref, token=self.token)
+        except (DatasetNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
+            return None
+
+    def finished_or_raise(self) -> Dataset:
+        ds = self.finished()
+        if ds is None:
+            raise ExtractionError(f"{self} holds no dataset after its index was committed")
+        return ds
+
+    def holds(self, rel: str) -> bool:
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+        from ..storage.hub import hub_api
+
+        try:
+            return bool(hub_api(self.token).get_paths_info(self.ref.repo_id, [self.repo_path(rel)],
+                                                           repo_type="dataset", revision=self.ref.revision))
+        except (RepositoryNotFoundError, RevisionNotFoundError):
+            return False
+
+    def delete(self, rels: list[str], committer: HubCommitter, why: str, *, folder: bool = False) -> None:
+        """Delete files (or folders) of this output in one commit."""
+        from huggingface_hub import CommitOperationDelete
+
+        ops = [CommitOperationDelete(path_in_repo=self.repo_path(r) + ("/" if folder else ""), is_folder=folder)
+               for r in rels]
+        committer.call(f"{why} in {self}", lambda: committer.api.create_commit(
+            self.ref.repo_id, ops, repo_type="dataset", revision=self.ref.revision, commit_message=f"lmprobe: {why}"))
+
+    def staging(self) -> Path:
+        return cache_dir(self.url, "outputs")
+
+    def prepare(self, committer: HubCommitter) -> None:
+        """The repo and the branch, created when missing."""
+        committer.call(f"creating {self.ref.repo_id}", lambda: committer.api.create_repo(
+            self.ref.repo_id, repo_type="dataset", exist_ok=True))
+        if self.ref.revision != "main":
+            committer.call(f"creating the branch {self.ref.revision}", lambda: committer.api.create_branch(
+                self.ref.repo_id, repo_type="dataset", branch=self.ref.revision, exist_ok=True))
+
+    def session(self, *, overwrite: bool) -> Session:
+        return _HubSession(self, overwrite=overwrite)
+
+    def part(self, rank: int) -> Output:
+        return HubOutput(HubRef(self.ref.repo_id, "dataset", self.ref.revision,
+                                self.repo_path(f"{PARTS_DIR}/{part_name(rank)}")), token=self.token, world=self.world)
+
+    def for_world(self, world: int) -> Output:
+        return HubOutput(self.ref, token=self.token, world=world)
+
+    def merge(self, parts: list[Output], *, settings: dict, order: str, quiet: bool) -> Dataset:
+        import tempfile
+
+        hubs = [p for p in parts if isinstance(p, HubOutput) and p.ref.repo_id == self.ref.repo_id
+                and p.ref.revision == self.ref.revision]
+        if len(hubs) != len(parts):
+            raise InvalidArgumentError("Hub parts merge into the branch of their own repo only")
+        dss = [p.finished_or_raise() for p in hubs]
+        config = PushConfig(min_commit_spacing=3600.0 / hub_commits_per_hour())
+        committer = HubCommitter(self.ref.repo_id, token=self.token, revision=self.ref.revision, config=config,
+                                 label="merge", under=self.ref.path)
+        self.prepare(committer)
+        if self.holds(INDEX_PATH):  # the index goes first: a half-merged repo never looks complete
+            self.delete([INDEX_PATH], committer, "remove the index before a merge")
+        committer.start()
+        merge = plan_merge(dss, settings=settings, order=order)
+        # server-side copies from the parts' folders: nothing is sent, nothing comes back
+        committer.rename([(hubs[k].repo_path(src), self.repo_path(dst)) for k, src, dst in merge.moves])
+        local = Path(tempfile.mkdtemp(prefix="lmprobe-merge-"))
+        try:
+            last = [RepoFile(self.repo_path(rel), local / rel) for rel in merge.finish(dss, local)]
+            committer.finish(last, message="lmprobe: merge the parts (statistics, card and index)")
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        self.delete([PARTS_DIR], committer, "remove the merged parts", folder=True)
+        return self.finished_or_raise()

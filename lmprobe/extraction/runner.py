@@ -18,9 +18,16 @@ import numpy as np
 
 from ..allocator import HeapTrimmer, bound_allocator_cache
 from ..display import one_line
-from ..errors import ExtractionError, LmprobeError, ModelError, OutOfSpaceError, OutputExistsError
+from ..errors import (
+    ExtractionError,
+    InvalidArgumentError,
+    LmprobeError,
+    ModelError,
+    OutOfSpaceError,
+    OutputExistsError,
+)
 from ..format.reader import Dataset
-from ..format.spec import NESTED_FROM_SHARDS
+from ..format.spec import HUB_FOLDER_ENTRIES, HUB_REPO_FILES, MAX_SHARD_SIZE, NESTED_FROM_SHARDS
 from ..format.staging import describe_mismatch
 from ..format.values import torch_dtype
 from ..format.writer import DatasetWriter
@@ -226,6 +233,23 @@ def planned_shards(job: _Job, *, world: int = 1) -> int | None:
     return -(-rows // per_shard) + (-(-last // per_shard) if last else 0)
 
 
+def _check_fits(job: _Job, output: Output, world: int) -> None:
+    """A Hub output takes < 10,000 entries a folder and < 100,000 files a repo: an extraction planned past either
+    is an error before the weights load (a corpus without --max-tokens is not known in advance)."""
+    if output.local or not str(output).startswith("hf://"):
+        return
+    n = planned_shards(job, world=world)
+    if n is None:
+        return
+    sites = len(job.settings["layers"]) * len(job.captures) + bool(job.config.logits_topk)
+    if n < HUB_FOLDER_ENTRIES and n * sites + 10 < HUB_REPO_FILES:
+        return
+    raise InvalidArgumentError(
+        f"--out {output}: this extraction makes about {n:,} shards per layer and hookpoint ({n * sites:,} files), "
+        f"past the Hub's {HUB_FOLDER_ENTRIES:,} entries per folder or {HUB_REPO_FILES:,} files per repo; pass a "
+        f"larger --shard-size (at most {MAX_SHARD_SIZE // 2**30}G) or extract fewer layers or tokens per repo")
+
+
 def _layout(job: _Job) -> str:
     """``nested`` (a folder per site, 5-digit numbers) for 1,000 shards a site or more, or an unknown number."""
     n = planned_shards(job, world=_ranks()[1])
@@ -371,7 +395,9 @@ def execute(cfg: ExtractionConfig) -> Outcome:
     output = open_output(cfg.out)  # a bad --out is an error before the tokenizer and the weights load
     ranks = _start_ranks()
     rank, world = ranks.rank, ranks.world
+    output = output.for_world(world)
     job = _prepare(cfg, ranks)
+    _check_fits(job, output, world)
     done = _finished(job, output)
     if done is not None:
         if not cfg.quiet and rank == 0:
@@ -491,6 +517,7 @@ def _extract(job: _Job, output: Output) -> Dataset:
             overwrite=cfg.overwrite,
             checkpoint_interval=cfg.checkpoint_interval,
             run={"batch_size": cfg.batch_size, "device": job.device, "checkpoint_interval": cfg.checkpoint_interval},
+            name=str(output) if output.local else f"{output} (staged in {out})",
             **session.writer_callbacks(),
         )
     except BaseException:

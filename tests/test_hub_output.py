@@ -1,0 +1,222 @@
+"""``--out hf://datasets/OWNER/NAME`` (issue 34, point 1): an extraction written straight to a Hub dataset repo (the
+local test server), shards uploaded while the model computes from bounded local staging, the index in the last
+commit, a killed run resumed without sending again what is on the Hub."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import PROMPTS
+from nodes import disk_use
+
+import lmprobe
+from lmprobe.errors import InvalidArgumentError, OutputExistsError, ResumeMismatchError
+from lmprobe.format.spec import INDEX_PATH
+
+HERE = Path(__file__).parent
+MANY = [dict(p, text=p["text"] + f" #{i}") for i in range(12) for p in PROMPTS]  # 84 prompts
+
+
+@pytest.fixture(autouse=True)
+def _fast_commits(monkeypatch, tmp_path):
+    # the Hub's ~100 commits an hour would make a test wait 36 s between commits: the local server takes more
+    monkeypatch.setenv("LMPROBE_HUB_COMMITS_PER_HOUR", "3600000")
+    monkeypatch.setenv("LMPROBE_CACHE", str(tmp_path / "cache"))
+
+
+def _repo(hub, name):
+    return hub.state.repos[("dataset", f"user/{name}")]
+
+
+def _history(repo):
+    """The trees of the repo's commits, oldest first."""
+    return list(repo.commits.values())
+
+
+def _uploads(hub) -> list[str]:
+    return [path for method, path in hub.state.log if method == "PUT" and "/lfs-upload/" in path]
+
+
+def _same(a, b, layers):
+    assert a.texts == b.texts
+    for layer in layers:
+        np.testing.assert_array_equal(a.hidden(layer), b.hidden(layer))
+        for i in range(a.num_prompts):
+            np.testing.assert_array_equal(a.token_hidden(i, layer), b.token_hidden(i, layer))
+
+
+KW = dict(layers="0,3", storage="full_sequence", shard_size="2KB", batch_size=4, quiet=True)
+
+
+def test_an_extraction_goes_straight_to_the_hub(hub, llama_dir, tmp_path):
+    """The repo ends with the dataset a local extraction writes, the index in the very last commit and in no commit
+    whose data files are missing; the local staging held a few shards at a time and is gone at the end."""
+    local = lmprobe.extract(str(llama_dir), MANY, out=tmp_path / "local", **{**KW, "batch_size": 1})
+    name = f"direct-{uuid.uuid4().hex[:6]}"
+    staging = tmp_path / "cache" / "outputs"
+    peak = [0]
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            peak[0] = max(peak[0], disk_use(staging, "*.safetensors*"))
+            stop.wait(0.01)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        ds = lmprobe.extract(str(llama_dir), MANY, out=f"hf://datasets/user/{name}", checkpoint_interval=0,
+                             **{**KW, "batch_size": 1})
+    finally:
+        stop.set()
+        t.join()
+    _same(local, ds, (0, 3))
+    _same(local, lmprobe.load(f"hf://datasets/user/{name}"), (0, 3))
+    history = _history(_repo(hub, name))
+    assert INDEX_PATH in history[-1] and all(INDEX_PATH not in tree for tree in history[:-1])
+    assert len(history) > 3  # shards went up in several commits while the model computed, not in one at the end
+    shards = sorted(p for p in (tmp_path / "local" / "tensors").rglob("*.safetensors"))
+    assert {p.relative_to(tmp_path / "local").as_posix() for p in shards} <= set(history[-1])
+    assert not [p for p in history[-1] if ".provisional" in p or ".lmprobe" in p]
+    shard = max(p.stat().st_size for p in shards)
+    # a few shards per stored site (2 layers): 8 uploading, those the writer closed since its checkpoint, open ones
+    total = sum(p.stat().st_size for p in shards)
+    assert peak[0] <= 2 * 8 * shard and 3 * peak[0] < total, (peak[0], shard, total)
+    assert not list(staging.rglob("*.safetensors"))
+
+
+def test_a_killed_extraction_to_the_hub_resumes_without_sending_again(hub, llama_dir, tmp_path):
+    """kill -9 halfway; a run with other settings is the one-line error a local folder gives; the same run again
+    finishes, equal to an uninterrupted extraction, and uploads only what had not gone up."""
+    local = lmprobe.extract(str(llama_dir), MANY, out=tmp_path / "local", **KW)
+    name = f"killed-{uuid.uuid4().hex[:6]}"
+    url = f"hf://datasets/user/{name}"
+    kw = {k: v for k, v in KW.items() if k != "quiet"}
+    crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"),
+                              json.dumps([MANY, str(llama_dir), url, 6, kw])], capture_output=True, text=True)
+    assert crashed.returncode == 9, crashed.stderr[-3000:]
+    before = len(_uploads(hub))
+    assert before > 0 and INDEX_PATH not in _history(_repo(hub, name))[-1]
+    with pytest.raises(ResumeMismatchError) as err:  # as for a local folder
+        lmprobe.extract(str(llama_dir), MANY, out=url, **{**KW, "layers": "1"})
+    assert "\n" not in str(err.value) and str(err.value).startswith(url) and "layers: [0, 3] -> [1]" in str(err.value)
+    ds = lmprobe.extract(str(llama_dir), MANY, out=url, **KW)
+    _same(local, ds, (0, 3))
+    sent_again = len(_uploads(hub)) - before
+    n_files = len([p for p in (tmp_path / "local" / "tensors").rglob("*.safetensors")])
+    assert sent_again < n_files - 1, (sent_again, n_files)  # what went up before the kill was not sent again
+
+
+def test_a_second_run_against_a_finished_repo_does_nothing(hub, llama_dir, tmp_path):
+    name = f"twice-{uuid.uuid4().hex[:6]}"
+    url = f"hf://datasets/user/{name}"
+    lmprobe.extract(str(llama_dir), PROMPTS, out=url, **KW)
+    commits = len(_history(_repo(hub, name)))
+    lmprobe.extract(str(llama_dir), PROMPTS, out=url, **KW)
+    assert len(_history(_repo(hub, name))) == commits
+    with pytest.raises(OutputExistsError):
+        lmprobe.extract(str(llama_dir), PROMPTS, out=url, **{**KW, "layers": "1"})
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out=url, overwrite=True, **{**KW, "layers": "1"})
+    assert ds.layers == [1]
+
+
+def test_a_branch_and_a_folder_of_the_repo(hub, llama_dir, tmp_path):
+    name = f"branch-{uuid.uuid4().hex[:6]}"
+    lmprobe.extract(str(llama_dir), PROMPTS, out=f"hf://datasets/user/{name}@v2/acts", **KW)
+    repo = _repo(hub, name)
+    tree = repo.commits[repo.branches["v2"]]
+    assert f"acts/{INDEX_PATH}" in tree and INDEX_PATH not in repo.commits[repo.branches["main"]]
+    ds = lmprobe.load(f"hf://datasets/user/{name}@v2/acts")
+    assert ds.num_prompts == len(PROMPTS)
+
+
+def test_the_cli_writes_to_the_hub(hub, llama_dir, tmp_path, capsys):
+    from lmprobe.cli import main
+
+    name = f"cli-{uuid.uuid4().hex[:6]}"
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    assert main(["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", f"hf://datasets/user/{name}",
+                 "--layers", "1", "--quiet"]) == 0
+    assert lmprobe.load(f"hf://datasets/user/{name}").num_prompts == len(PROMPTS)
+    assert not Path("hf:").exists()  # not a local folder named "hf:"
+
+
+def test_a_model_repo_or_a_bad_rate_is_refused_before_the_model_loads(hub, llama_dir, monkeypatch):
+    with pytest.raises(InvalidArgumentError, match="dataset repo"):
+        lmprobe.extract(str(llama_dir), PROMPTS, out="hf://user/a-model", **KW)
+    monkeypatch.setenv("LMPROBE_HUB_COMMITS_PER_HOUR", "lots")
+    with pytest.raises(InvalidArgumentError, match="LMPROBE_HUB_COMMITS_PER_HOUR"):
+        lmprobe.extract(str(llama_dir), PROMPTS, out="hf://datasets/user/rate", **KW)
+
+
+def test_an_extraction_past_the_hubs_folder_limit_is_refused_before_the_model_loads(hub, llama_dir, monkeypatch):
+    from lmprobe.extraction import runner
+
+    loads = []
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: loads.append(1))
+    with pytest.raises(InvalidArgumentError, match="10,000 entries per folder") as err:
+        lmprobe.extract(str(llama_dir), [f"word {i}" for i in range(30_000)], out="hf://datasets/user/huge",
+                        layers="1", storage="full_sequence", shard_size="1KB", quiet=True)
+    assert "--shard-size" in str(err.value) and not loads
+
+
+def test_commits_of_several_writers_are_paced(hub, tmp_path):
+    """A committer keeps ``min_commit_spacing`` between its commits (a job's ranks share the repo's commit rate);
+    uploads go on meanwhile."""
+    from lmprobe.storage.commits import HubCommitter, PushConfig, RepoFile
+
+    name = f"paced-{uuid.uuid4().hex[:6]}"
+    c = HubCommitter(f"user/{name}", token=None, config=PushConfig(max_in_flight=2, min_commit_spacing=0.4))
+    c.prepare(private=False)
+    times = []
+    real = c.api.create_commit
+
+    def timed(*a, **k):
+        times.append(time.monotonic())
+        return real(*a, **k)
+
+    c.api.create_commit = timed
+    c.start()
+    for i in range(6):
+        p = tmp_path / f"f{i}.safetensors"
+        p.write_bytes(bytes([i]) * 1000)
+        c.add(RepoFile(f"f{i}.safetensors", p))
+    c.finish()
+    assert len(times) >= 3
+    assert min(b - a for a, b in zip(times, times[1:], strict=False)) >= 0.39
+
+
+def test_shards_the_writer_hashed_are_not_read_again_to_hash_them(hub, llama_dir, monkeypatch):
+    """The writer hashes every shard as it writes it; the upload takes that hash (huggingface_hub would otherwise
+    read each file once more to compute it)."""
+    import huggingface_hub.lfs as hf_lfs
+
+    from lmprobe.storage import commits
+
+    hashed = []
+    real_sha256_file, real_sha_fileobj = commits.sha256_file, hf_lfs.sha_fileobj
+    monkeypatch.setattr(commits, "sha256_file", lambda p: hashed.append(str(p)) or real_sha256_file(p))
+    monkeypatch.setattr(hf_lfs, "sha_fileobj", lambda f: hashed.append(f.name) or real_sha_fileobj(f))
+    name = f"hashed-{uuid.uuid4().hex[:6]}"
+    lmprobe.extract(str(llama_dir), MANY, out=f"hf://datasets/user/{name}", checkpoint_interval=0, **KW)
+    shards = [h for h in hashed if h.endswith(".safetensors")]
+    n = len([p for p in _repo(hub, name).commits[_repo(hub, name).branches["main"]] if p.endswith(".safetensors")])
+    # sequence shards still being hashed when they are handed over are hashed by their upload: a few at most
+    assert len(shards) <= n // 4, (len(shards), n)
+
+
+def test_a_merge_into_a_url_is_refused_not_written_to_a_local_folder_named_like_it(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out=tmp_path / "a", layers="0", quiet=True)
+    with pytest.raises(InvalidArgumentError, match="local folder.*lmprobe push"):
+        lmprobe.merge([ds], "hf://datasets/user/merged")
+    assert not Path("hf:").exists()
