@@ -185,10 +185,12 @@ def third_party_bars(show: bool) -> Iterator[None]:
     Callers pass ``show=not quiet and on_terminal()``: in a log file those bars are escape codes.
     """
     restore = []
+    hub_off = None
     try:
         from huggingface_hub import utils as hub_utils
 
-        if not show and not hub_utils.are_progress_bars_disabled():
+        hub_off = hub_utils.are_progress_bars_disabled()
+        if not show and not hub_off:
             hub_utils.disable_progress_bars()
             restore.append(hub_utils.enable_progress_bars)
     except ImportError:
@@ -204,3 +206,7 @@ def third_party_bars(show: bool) -> Iterator[None]:
     finally:
         for fn in restore:
             fn()
+        if hub_off and not hub_utils.are_progress_bars_disabled():
+            # transformers' enable_progress_bar() turns huggingface_hub's on too: off they stay, as someone (a
+            # running upload) had them
+            hub_utils.disable_progress_bars()

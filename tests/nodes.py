@@ -80,9 +80,20 @@ def kill_when(procs: list[subprocess.Popen], ready, timeout: float = 300) -> Non
 def disk_use(folder: Path, pattern: str = "*") -> int:
     """Bytes of the files under ``folder`` whose names match ``pattern`` (files that vanish meanwhile: none)."""
     total = 0
-    for p in folder.rglob(pattern) if folder.exists() else []:
-        try:
-            total += p.stat().st_size if p.is_file() else 0
-        except FileNotFoundError:
-            pass
+    try:
+        for p in folder.rglob(pattern):
+            try:
+                total += p.stat().st_size if p.is_file() else 0
+            except FileNotFoundError:
+                pass
+    except FileNotFoundError:  # a folder removed while it was walked
+        pass
     return total
+
+
+def found(folder: Path, pattern: str) -> bool:
+    """Whether a file named like ``pattern`` is under ``folder`` now (folders that vanish meanwhile: no)."""
+    try:
+        return any(True for _ in folder.rglob(pattern))
+    except FileNotFoundError:
+        return False

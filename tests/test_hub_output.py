@@ -138,14 +138,16 @@ def test_a_branch_and_a_folder_of_the_repo(hub, llama_dir, tmp_path):
     assert ds.num_prompts == len(PROMPTS)
 
 
-def test_the_cli_writes_to_the_hub(hub, llama_dir, tmp_path, capsys):
+def test_the_cli_writes_to_the_hub_quietly(hub, llama_dir, tmp_path, capfd):
     from lmprobe.cli import main
 
     name = f"cli-{uuid.uuid4().hex[:6]}"
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
     assert main(["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", f"hf://datasets/user/{name}",
-                 "--layers", "1", "--quiet"]) == 0
+                 "--layers", "1", "--storage", "full_sequence", "--shard-size", "2KB", "--quiet"]) == 0
+    out, err = capfd.readouterr()
+    assert not out and not err  # --quiet: no bar of ours, nor huggingface_hub's one per uploaded file
     assert lmprobe.load(f"hf://datasets/user/{name}").num_prompts == len(PROMPTS)
     assert not Path("hf:").exists()  # not a local folder named "hf:"
 

@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 from conftest import PROMPTS
-from nodes import disk_use, kill_when, launch, run
+from nodes import disk_use, found, kill_when, launch, run
 
 import lmprobe
 
@@ -124,9 +124,9 @@ def test_a_killed_two_node_run_resumes_and_equals_an_uninterrupted_one(s3, llama
     assert not [k for k in s3fs.S3FileSystem().find(url) if ".lmprobe-parts" in k]
 
 
-def _corpus(tmp_path):
+def _corpus(tmp_path, n_docs=30):
     f = tmp_path / "corpus.jsonl"
-    docs = [" ".join(f"w{(d * 7 + j) % 50}" for j in range(5 + (d * 13) % 40)) for d in range(30)]
+    docs = [" ".join(f"w{(d * 7 + j) % 50}" for j in range(5 + (d * 13) % 40)) for d in range(n_docs)]
     f.write_text("\n".join(json.dumps({"text": t}) for t in docs) + "\n")
     return f
 
@@ -193,19 +193,19 @@ def test_two_nodes_write_one_dataset_to_the_hub(hub, fast_commits, llama_dir, tm
 def test_a_killed_two_node_corpus_run_to_the_hub_resumes(hub, fast_commits, llama_dir, tmp_path):
     """Corpus mode to hf://, both nodes killed once each had checkpointed: the same command again finishes with the
     windows and vectors of an uninterrupted single process."""
-    f = _corpus(tmp_path)
-    kw = dict(layers="2", storage="full_sequence", context_len=16, max_tokens=333, batch_size=1, shard_size="2KB")
+    f = _corpus(tmp_path, n_docs=120)  # long enough a run that both nodes are caught mid-way
+    kw = dict(layers="2", storage="full_sequence", context_len=16, max_tokens=1333, batch_size=1, shard_size="2KB")
     single = _single(str(llama_dir), f, out=tmp_path / "one", **kw)
     name = f"corpus-{uuid.uuid4().hex[:6]}"
     argv = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", f"hf://datasets/user/{name}",
-            "--layers", "2", "--storage", "full_sequence", "--context-len", "16", "--max-tokens", "333",
+            "--layers", "2", "--storage", "full_sequence", "--context-len", "16", "--max-tokens", "1333",
             "--batch-size", "1", "--shard-size", "2KB", "--checkpoint-interval", "0", "--quiet"]
     procs = launch(tmp_path, argv)
     staging = [tmp_path / f"node{n}" / "cache" / "outputs" for n in (0, 1)]
-    kill_when(procs, lambda: all(list(s.rglob("state.json")) for s in staging))
+    kill_when(procs, lambda: all(found(s, "state.json") for s in staging))
     run(tmp_path, argv)
     two = lmprobe.load(f"hf://datasets/user/{name}")
-    assert int(two.index["num_tokens"].sum()) == 333
+    assert int(two.index["num_tokens"].sum()) == 1333
     for col in ("document", "window_start", "num_tokens"):
         assert list(two.index[col]) == list(single.index[col]), col
     _same_rows(single, two, (2,), full=True)

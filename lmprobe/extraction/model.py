@@ -12,6 +12,7 @@ from ..errors import LmprobeError, ModelError
 from ..format.values import torch_dtype
 from ..hashing import sha256_file
 from ..layers import parse_layers as parse_layer_spec
+from ..progress import third_party_bars
 from ..tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access
 
 
@@ -142,22 +143,15 @@ def load_model(spec: ModelSpec, *, device: str, compute_dtype: str = "auto", qui
     """Load the weights onto ``device``. Returns (model, commit hash or None)."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    if quiet:
-        hf_logging.disable_progress_bar()
 
     if compute_dtype == "auto":
         dtype = torch.float32 if device == "cpu" else "auto"
     else:
         dtype = torch_dtype(compute_dtype)
     cls = AutoModelForCausalLM if spec.causal_lm else AutoModel
-    try:
+    with third_party_bars(not quiet):  # restores the bars as they were (an upload to the Hub may run meanwhile)
         model = cls.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code,
                                     dtype=dtype, local_files_only=spec.cached_only)
-    finally:
-        if quiet:
-            hf_logging.enable_progress_bar()
     model.to(device).eval()
     commit = None if spec.local else getattr(model.config, "_commit_hash", None)
     return model, commit
