@@ -17,29 +17,27 @@ import lmprobe
 
 PKG = Path(lmprobe.__file__).parent
 
-#: bottom to top; a module may import its own layer (without cycles) and the layers below
-LAYERS = ["base", "format", "storage", "open", "features", "publish", "api"]
+#: bottom to top; a module may import its own layer (without cycles) and the layers below. A module's layer is the
+#: first part of its path under lmprobe/: the folders named here, "features" for any other folder (extraction/,
+#: saev/, probe/, ...), and the root modules named here (the package's public entry points and the two modules every
+#: layer needs, errors.py and version.py)
+LAYERS = ["base", "format", "storage", "opening", "features", "publish", "api"]
+FOLDERS = {"base": "base", "format": "format", "storage": "storage", "opening": "opening", "publish": "publish",
+           "cli": "api"}
+ROOT_MODULES = {"errors": "base", "version": "base", "__init__": "api", "__main__": "api", "api": "api"}
 
 
 def layer_of(module: str) -> str:
-    parts = module.split(".")
-    top = parts[1] if len(parts) > 1 else ""
-    if module in ("lmprobe", "lmprobe.api", "lmprobe.cli", "lmprobe.__main__"):
-        return "api"
-    if top in ("errors", "version", "paths", "atomic", "retry", "worker", "allocator", "hashing", "units", "tensors",
-               "safeio", "lock", "display", "html", "tokenizer", "layers", "progress"):
-        return "base"
-    if top == "format":
-        return "format"
-    if top == "storage":
-        return "storage"
-    if top == "opening":
-        return "open"
-    if top in ("extraction", "saev", "saelens", "sae", "probe", "stream", "demo", "pages", "summary"):
-        return "features"
-    if top == "publish":
-        return "publish"
-    raise AssertionError(f"{module} belongs to no layer: add it to docs/architecture.md and to this test")
+    parts = module.split(".")[1:]
+    if not parts:
+        return "api"  # lmprobe/__init__.py
+    top = parts[0]
+    if (PKG / top).is_dir():
+        return FOLDERS.get(top, "features")
+    if top in ROOT_MODULES:
+        return ROOT_MODULES[top]
+    raise AssertionError(f"lmprobe/{top}.py sits at the root, which holds only {sorted(ROOT_MODULES)}: move it into "
+                         "the folder of its layer (docs/architecture.md, where a change goes)")
 
 
 #: lmprobe imports inside functions that are there on purpose (never to dodge a cycle)
@@ -108,6 +106,14 @@ EDGES = _edges()
 def test_every_module_has_a_layer():
     for mod in MODULES:
         layer_of(mod)
+
+
+def test_the_layers_folders_exist_and_the_docs_draw_them():
+    text = (PKG.parent / "docs" / "architecture.md").read_text()
+    for folder in FOLDERS:
+        assert (PKG / folder / "__init__.py").is_file(), folder
+    for folder in sorted(p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()):
+        assert f"`{folder}/`" in text, f"docs/architecture.md does not name the {folder}/ folder"
 
 
 def test_imports_go_downward_only():

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from lmprobe.atomic import atomic_output, atomic_write
-from lmprobe.retry import RetryPolicy, call_with_retry
-from lmprobe.worker import BackgroundWorker, prefetched, settle
+from lmprobe.base.atomic import atomic_output, atomic_write
+from lmprobe.base.retry import RetryPolicy, call_with_retry
+from lmprobe.base.worker import BackgroundWorker, prefetched, settle
 
 
 class Flaky(ConnectionError):
@@ -287,7 +287,7 @@ def test_cli_prints_one_line_for_user_errors_and_a_traceback_for_bugs(tmp_path):
 
 
 def test_heap_trimmer_trims_piled_up_memory_but_not_a_grown_working_set(monkeypatch):
-    from lmprobe import allocator
+    from lmprobe.base import allocator
 
     class FakeLibc:
         trims = 0
@@ -323,7 +323,7 @@ def test_heap_trimmer_trims_piled_up_memory_but_not_a_grown_working_set(monkeypa
 
 
 def test_progress_off_a_terminal_is_a_line_every_interval_and_one_at_the_end(capsys, monkeypatch):
-    from lmprobe import progress
+    from lmprobe.base import progress
 
     clock = [100.0]
     monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
@@ -341,7 +341,7 @@ def test_progress_off_a_terminal_is_a_line_every_interval_and_one_at_the_end(cap
 
 
 def test_progress_of_bytes_shows_sizes_and_quiet_shows_nothing(capsys, monkeypatch):
-    from lmprobe import progress
+    from lmprobe.base import progress
 
     bar = progress.Progress(4 * 2**30, desc="push me/acts", unit="B", initial=2**30, interval=0)
     bar.update(2**30)
@@ -353,7 +353,7 @@ def test_progress_of_bytes_shows_sizes_and_quiet_shows_nothing(capsys, monkeypat
 
 
 def test_progress_on_a_terminal_is_a_tqdm_bar(capsys, monkeypatch):
-    from lmprobe import progress
+    from lmprobe.base import progress
 
     monkeypatch.setattr(progress, "on_terminal", lambda: True)
     bar = progress.Progress(10, desc="pull me/acts", unit="file", interval=0)

@@ -188,9 +188,9 @@ def test_nnsight_backend_reads_the_same_hookpoints(request, family, tmp_path):
 
 
 def test_saev_export_probe_sweep_and_info_take_a_hookpoint(llama_dir, tmp_path):
+    from lmprobe.pages.summary import text
     from lmprobe.probe import sweep
     from lmprobe.saev import SaevDataset, export_saev
-    from lmprobe.summary import text
 
     prompts = [{"text": t, "label": i % 2} for i, t in enumerate(PROMPTS * 3)]
     ds = lmprobe.extract(str(llama_dir), prompts, out=tmp_path / "ds", layers="0,1", hookpoints="resid_post,mlp_out",

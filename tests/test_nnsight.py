@@ -66,7 +66,7 @@ def test_remote_without_a_key_fails_before_any_work(llama_dir, tmp_path, monkeyp
 
 
 def test_transient_remote_failures_are_retried_and_persistent_ones_stop_resumably(llama_dir, tmp_path, monkeypatch):
-    from lmprobe.retry import RetryPolicy
+    from lmprobe.base.retry import RetryPolicy
 
     class RemoteError(Exception):
         pass

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import lmprobe
+from lmprobe.base.html import page
 from lmprobe.errors import InvalidArgumentError
 from lmprobe.format.writer import DatasetWriter
-from lmprobe.html import page
 from lmprobe.pages.features import FeatureCache
 from lmprobe.sae.export import export_sae
 from lmprobe.sae.loader import SAEConfig, dense_encoder, load_dictionary
@@ -290,7 +290,7 @@ def test_features_need_every_token(tmp_path, rng):
 def test_prompt_decodes_tokens_and_top_k_with_the_embedded_models_tokenizer(tiny_ds):
     from transformers import AutoTokenizer
 
-    from lmprobe.tokenizer import embedded_model_dir
+    from lmprobe.base.tokenizer import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir("lmprobe-tiny"))
     p = tiny_ds.prompt(0)  # no tokenizer passed: the dataset's model is embedded, so it is here
@@ -329,8 +329,8 @@ def test_report_and_features_say_wrote_once(tiny_ds, tmp_path, capsys):
 def test_a_datasets_model_name_never_runs_tokenizer_code(tmp_path, monkeypatch):
     """model.name naming a tokenizer with custom code: transformers would ask "run the custom code? [y/N]"
     and run it on "y". Metadata must never lead to code execution (issue 36, finding 8)."""
+    from lmprobe.base.tokenizer import embedded_model_dir, local_tokenizer
     from lmprobe.stream import ShardStream
-    from lmprobe.tokenizer import embedded_model_dir, local_tokenizer
 
     evil, ran = tmp_path / "evil-model", tmp_path / "RAN"
     evil.mkdir()

@@ -29,7 +29,7 @@ INDEX = "index/train-00000-of-00001.parquet"
 HOLD_LOCK = r"""
 import sys, time
 from pathlib import Path
-from lmprobe.lock import OutputLock
+from lmprobe.base.lock import OutputLock
 lock = OutputLock(Path(sys.argv[1])).acquire()
 print("locked", flush=True)
 time.sleep(60)

@@ -220,17 +220,17 @@ def test_an_unreachable_hub_is_one_attempt_and_one_line(tmp_path, rng, capsys, m
 
 def test_ctrl_c_says_how_to_go_on(monkeypatch, capsys):
     """Issue 28, item 3: Ctrl-C said only 'interrupted'."""
-    import lmprobe.cli as cli
+    from lmprobe.cli import datasets, extract, main
 
     def interrupted(args):
         raise KeyboardInterrupt
 
     for command, words in [("extract", "run the same command again to resume"), ("merge", "finish the merge"),
                            ("validate", "run the command again")]:
-        monkeypatch.setattr(cli, f"_cmd_{command}", interrupted)
+        monkeypatch.setattr(extract if command == "extract" else datasets, f"cmd_{command}", interrupted)
         argv = {"extract": ["extract", "--model", "m", "--prompts", "p", "--out", "o"],
                 "merge": ["merge", "a", "--out", "o"], "validate": ["validate", "x"]}[command]
-        assert cli.main(argv) == 130
+        assert main(argv) == 130
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"lmprobe {command}: interrupted; ") and words in err, err
 
@@ -245,8 +245,8 @@ def test_a_resumed_remote_output_never_needs_an_uploaded_shard_back(tmp_path, rn
     import threading
 
     import lmprobe.format.shards as shards
+    from lmprobe.base.hashing import sha256_file
     from lmprobe.format import DatasetWriter
-    from lmprobe.hashing import sha256_file
 
     gate = threading.Event()
     threading.Timer(0.5, gate.set).start()  # the hasher falls half a second behind

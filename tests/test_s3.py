@@ -52,7 +52,7 @@ def test_extract_to_s3_and_load_back(s3, llama_dir, tmp_path):
 def test_upload_failures_are_retried(s3, llama_dir, monkeypatch):
     import s3fs
 
-    from lmprobe.retry import RetryPolicy
+    from lmprobe.base.retry import RetryPolicy
     from lmprobe.storage import objectstore
 
     class InjectedReset(ConnectionError):

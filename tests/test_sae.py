@@ -329,7 +329,7 @@ def test_damaged_shapes_and_huge_requests_are_one_line_errors(tmp_path, rng, cap
 
     from conftest import write_dataset
 
-    import lmprobe.allocator
+    import lmprobe.base.allocator
 
     write_dataset(tmp_path / "ds", rng, n=6, layers=(0,), dim=24, storage="full_sequence")
     W, b = make_encoder(rng)
@@ -356,7 +356,7 @@ def test_damaged_shapes_and_huge_requests_are_one_line_errors(tmp_path, rng, cap
     np.savez_compressed(tmp_path / "huge" / enc, data=np.zeros(0, np.float16), indices=np.zeros(0, np.int32),
                         indptr=np.zeros(2**24 + 1, np.int32), shape=np.array([2**24, 24]))
     assert (tmp_path / "huge" / enc).stat().st_size < 100_000
-    monkeypatch.setattr(lmprobe.allocator, "available_memory", lambda: 2**30)  # a machine with 1 GiB free
+    monkeypatch.setattr(lmprobe.base.allocator, "available_memory", lambda: 2**30)  # a machine with 1 GiB free
     rc, err = run_cli(capsys, ["features", tmp_path / "ds", "--sae", tmp_path / "huge", "--dict", "d", "--layer", 0,
                                "--out", tmp_path / "f1", "--quiet"])
     assert rc == 2 and "16777216 x 24" in err and "1.5 GiB" in err and "1.0 GiB available" in err, err

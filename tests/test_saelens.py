@@ -88,9 +88,9 @@ def test_export_writes_the_datasets_layout_row_by_row(tmp_path, source):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_sources_round_trip_in_small_batches(tmp_path, rng, monkeypatch, dtype):
     """Values equal lmprobe's reader (as float32), with batches far smaller than a data file."""
-    import lmprobe.saelens as saelens
+    from lmprobe.saelens import layout
 
-    monkeypatch.setattr(saelens, "_BATCH_BYTES", 3 * 4 * 4 * 4)  # three rows of (4 tokens, 4 dims) at a time
+    monkeypatch.setattr(layout, "BATCH_BYTES", 3 * 4 * 4 * 4)  # three rows of (4 tokens, 4 dims) at a time
     write_dataset(tmp_path / "ds", rng, n=10, layers=(2,), dim=4, storage="full_sequence", dtype=dtype, min_tokens=4,
                   max_tokens=4)
     ds = lmprobe.load(tmp_path / "ds")
@@ -369,12 +369,12 @@ def test_import_checks_the_arrow_data_against_its_description(tmp_path, source, 
 def test_an_interrupted_import_resumes_with_the_same_command(tmp_path, source, monkeypatch, capsys):
     """import-saelens interrupted, then the same command: refused with "resume it, or pass --overwrite", an option
     it did not have (issue 36, finding 16)."""
-    import lmprobe.saelens as saelens
     from lmprobe.format.writer import DatasetWriter
+    from lmprobe.saelens import layout
 
     path, src = source
     cache = export_saelens(path, tmp_path / "cache", layer=1, quiet=True)
-    monkeypatch.setattr(saelens, "_BATCH_BYTES", 2 * CTX * DIM * 4)  # two rows a batch
+    monkeypatch.setattr(layout, "BATCH_BYTES", 2 * CTX * DIM * 4)  # two rows a batch
     real = DatasetWriter.add_batch
     calls = []
 

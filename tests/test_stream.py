@@ -310,7 +310,7 @@ def test_skip_special_tokens_finds_the_embedded_tokenizer_offline(tmp_path, monk
     import huggingface_hub
     from huggingface_hub import constants
 
-    from lmprobe.tokenizer import resolve_tokenizer
+    from lmprobe.base.tokenizer import resolve_tokenizer
 
     ds = lmprobe.extract("lmprobe-tiny", ["The cat sat on the mat.", "A dog ran."], out=tmp_path / "ds", layers="-1",
                          storage="full_sequence", token_ids=True, quiet=True)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from lmprobe.base.units import format_size, parse_size
 from lmprobe.tensors import TensorDictError, flatten, load_file, save_file, unflatten
-from lmprobe.units import format_size, parse_size
 
 
 def test_nested_dict_round_trip_numpy_and_torch(tmp_path):

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ..base.retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
 from ..errors import NnsightError
-from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe
 from .backend_hf import (
     BatchOutput,
     as_batch_tokens,

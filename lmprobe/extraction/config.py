@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from ..base.units import parse_count, parse_size
 from ..errors import ExtractionError
 from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, MAX_SHARD_SIZE, RUN_SETTINGS, STORAGES
-from ..units import parse_count, parse_size
 from .hookpoints import parse_hookpoints
 
 BACKENDS = ("transformers", "nnsight")

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..display import one_line
+from ..base.display import one_line
+from ..base.hashing import sha256_file
+from ..base.layers import parse_layers as parse_layer_spec
+from ..base.progress import third_party_bars
+from ..base.tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access
 from ..errors import LmprobeError, ModelError
 from ..format.values import torch_dtype
-from ..hashing import sha256_file
-from ..layers import parse_layers as parse_layer_spec
-from ..progress import third_party_bars
-from ..tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access
 
 
 def resolve_model_path(name: str) -> tuple[str, bool]:
@@ -100,7 +100,7 @@ def weights_revision(folder: Path) -> str:
 
 
 def parse_layers(spec: str | int | list[int] | None, num_layers: int) -> list[int]:
-    """``lmprobe.layers.parse_layers`` against a model, its errors as ModelError (before the weights load).
+    """``lmprobe.base.layers.parse_layers`` against a model, its errors as ModelError (before the weights load).
 
     >>> parse_layers("0,2:4,-1", 12)
     [0, 2, 3, 11]

@@ -25,10 +25,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..base.progress import logger
 from ..errors import ExtractionError, PromptError
 from ..format.spec import RESERVED_COLUMNS
 from ..format.values import infer_column_type, is_null
-from ..progress import logger
 from .ranks import Gather
 from .sources import PRETOKENIZED_COLUMN, Record, Source, check_share, open_source
 

@@ -16,8 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator import HeapTrimmer, bound_allocator_cache
-from ..display import one_line
+from ..base.allocator import HeapTrimmer, bound_allocator_cache
+from ..base.display import one_line
+from ..base.progress import Progress, logger, on_terminal
+from ..base.units import format_size, plural
+from ..base.worker import BackgroundWorker
 from ..errors import (
     ExtractionError,
     InvalidArgumentError,
@@ -31,9 +34,6 @@ from ..format.spec import HUB_FOLDER_ENTRIES, HUB_REPO_FILES, MAX_SHARD_SIZE, NE
 from ..format.staging import describe_mismatch
 from ..format.values import torch_dtype
 from ..format.writer import DatasetWriter
-from ..progress import Progress, logger, on_terminal
-from ..units import format_size, plural
-from ..worker import BackgroundWorker
 from .backend_hf import TransformersBackend
 from .backend_nnsight import build_backend, check_api_key, nnsight_version, require_nnsight
 from .config import RESUMABLE_SETTINGS, ExtractionConfig, same_extraction

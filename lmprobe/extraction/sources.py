@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..display import one_line
+from ..base.display import one_line
+from ..base.safeio import loads
 from ..errors import PromptError
 from ..format.values import is_null
-from ..safeio import loads
 from ..storage.hub import REPO_ID_RE
 
 SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".txt", ".text")

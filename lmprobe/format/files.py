@@ -14,9 +14,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
+from ..base.paths import resolve_inside
+from ..base.safeio import check_regular, read_json
 from ..errors import LmprobeError
-from ..paths import resolve_inside
-from ..safeio import check_regular, read_json
 from .spec import PULL_RECORD
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..atomic import atomic_output
+from ..base.atomic import atomic_output
 from ..errors import FormatError
 from .spec import CORPUS_COLUMNS, TRUNCATION_COLUMNS, DatasetSpec
 from .values import COLUMN_TYPES

@@ -20,11 +20,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..atomic import atomic_output, atomic_write, move_into_place
+from ..base.atomic import atomic_output, atomic_write, move_into_place
+from ..base.lock import OutputLock
+from ..base.paths import check_output_path, format_relpath
+from ..base.safeio import read_json
 from ..errors import FormatError, InvalidArgumentError, OutputExistsError
-from ..lock import OutputLock
-from ..paths import check_output_path, format_relpath
-from ..safeio import read_json
 from . import card
 from .files import LocalFiles
 from .metadata import encode_schema_metadata

@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..base.paths import check_pattern, check_relpath, format_relpath
 from ..errors import FormatError
-from ..paths import check_pattern, check_relpath, format_relpath
 from ..version import __version__
 from .spec import (
     ATTACHMENT_KINDS,

@@ -30,13 +30,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..base.layers import stored_layer
+from ..base.lock import writer_pid
+from ..base.paths import resolve_inside
+from ..base.safeio import check_regular
+from ..base.tokenizer import local_tokenizer
+from ..base.worker import settle
 from ..errors import DatasetNotFoundError, FormatError, LayerNotFoundError, ShardMissingError
-from ..layers import stored_layer
-from ..lock import writer_pid
-from ..paths import resolve_inside
-from ..safeio import check_regular
-from ..tokenizer import local_tokenizer
-from ..worker import settle
 from .files import LocalFiles
 from .metadata import DatasetInfo, decode_schema_metadata, parse_info
 from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into, read_run_into

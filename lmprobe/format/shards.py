@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..hashing import sha256_file
+from ..base.hashing import sha256_file
 from .layout import Cursor, Plan
 from .safetensors_io import StreamingSafetensorsWriter, TensorSpec
 

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..base.paths import check_pattern
 from ..errors import InvalidArgumentError
-from ..paths import check_pattern
 
 FORMAT_VERSION = "2.0"
 META_PREFIX = "lmprobe:"

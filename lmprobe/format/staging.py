@@ -17,9 +17,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..atomic import atomic_write
+from ..base.atomic import atomic_write
+from ..base.safeio import read_json
 from ..errors import FormatError, OutputExistsError, ResumeMismatchError
-from ..safeio import read_json
 from .metadata import decode_schema_metadata, parse_info
 from .spec import CARD_PATH, INDEX_PATH, STAGING_DIR
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_output
-from ..hashing import sha256_file
+from ..base.atomic import atomic_output
+from ..base.hashing import sha256_file
 from .spec import hookpoint_slug
 
 STATS_FILE = "tensors/statistics.safetensors"

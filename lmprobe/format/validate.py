@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..base.hashing import sha256_file
+from ..base.paths import resolve_inside
+from ..base.safeio import check_regular
 from ..errors import FormatError, UnsafePathError, ValidationError
-from ..hashing import sha256_file
-from ..paths import resolve_inside
-from ..safeio import check_regular
 from .files import LocalFiles
 from .metadata import WRITER, DatasetInfo, decode_schema_metadata, parse_info
 from .reader import find_index

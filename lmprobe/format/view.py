@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..html import esc, table, tokens_html
+from ..base.html import esc, table, tokens_html
 
 
 @dataclass

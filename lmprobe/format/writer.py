@@ -30,11 +30,11 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 
-from ..atomic import atomic_write, move_into_place
+from ..base.atomic import atomic_write, move_into_place
+from ..base.lock import OutputLock
+from ..base.paths import check_output_path, format_relpath
+from ..base.units import parse_size
 from ..errors import FormatError, InvalidArgumentError, LmprobeError, OutputExistsError, ResumeMismatchError
-from ..lock import OutputLock
-from ..paths import check_output_path, format_relpath
-from ..units import parse_size
 from . import card, index
 from .batch import check_batch, hidden_by_slot
 from .layout import plan

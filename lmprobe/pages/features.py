@@ -29,21 +29,21 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator import check_memory
-from ..atomic import atomic_output, atomic_write
-from ..display import escape_controls
+from ..base.allocator import check_memory
+from ..base.atomic import atomic_output, atomic_write
+from ..base.display import escape_controls
+from ..base.html import esc, filter_box, histogram_chart, page, percent, table, tokens_html
+from ..base.lock import OutputLock
+from ..base.paths import check_output_path
+from ..base.progress import Progress
+from ..base.safeio import read_json
+from ..base.units import parse_size
 from ..errors import InvalidArgumentError, LmprobeError
 from ..format.reader import Dataset
-from ..html import esc, filter_box, histogram_chart, page, percent, table, tokens_html
-from ..lock import OutputLock
 from ..opening import load
-from ..paths import check_output_path
-from ..progress import Progress
 from ..sae.activation import activate, describe
 from ..sae.loader import SAEConfig, dense_encoder, load_dictionary
-from ..safeio import read_json
 from ..tensors import load_file, save_file
-from ..units import parse_size
 from .report import load_tokenizer_for
 
 __all__ = ["FeatureCache", "features"]

@@ -17,16 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_write
+from ..base.atomic import atomic_write
+from ..base.html import bar_chart, esc, line_chart, page, table
+from ..base.paths import check_output_path
+from ..base.tokenizer import resolve_tokenizer
+from ..base.units import plural
 from ..errors import FormatError, InvalidArgumentError
 from ..format.reader import Dataset
-from ..html import bar_chart, esc, line_chart, page, table
 from ..opening import load
-from ..paths import check_output_path
 from ..probe import sweep
-from ..summary import is_corpus
-from ..tokenizer import resolve_tokenizer
-from ..units import plural
+from .summary import is_corpus
 
 __all__ = ["load_tokenizer_for", "report"]
 

@@ -17,16 +17,16 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from ..atomic import atomic_output, atomic_write, move_into_place
+from ..base.atomic import atomic_output, atomic_write, move_into_place
+from ..base.lock import OutputLock
+from ..base.paths import resolve_inside
 from ..errors import AttachmentError, DictionaryError, FormatError, LmprobeError, SaevError
 from ..format import card
 from ..format.metadata import decode_schema_metadata, recorded_attachments
 from ..format.reader import Dataset, open_local
 from ..format.spec import ATTACHMENT_KINDS, CARD_PATH, INDEX_PATH
 from ..format.validate import Report
-from ..lock import OutputLock
 from ..opening import load
-from ..paths import resolve_inside
 from ..sae.loader import SAEConfig, load_dictionary, validate_dictionary
 from ..saev import read_saev_metadata, recorded_source_hash, source_index_hash, validate_saev
 from ..storage.commits import HubCommitter, PushConfig, RepoFile

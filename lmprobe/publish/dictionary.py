@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..display import hide_credentials
+from ..base.display import hide_credentials
 from ..errors import DictionaryError
 from ..sae.loader import validate_dictionary
 from ..storage.commits import DEFAULT_COMMIT_FILES, HubCommitter, PushConfig, RepoFile

@@ -16,7 +16,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_output, atomic_write
+from ..base.atomic import atomic_output, atomic_write
+from ..base.hashing import sha256_file
+from ..base.lock import OutputLock
+from ..base.paths import check_output_path
+from ..base.progress import Progress, on_terminal, third_party_bars
+from ..base.safeio import read_json
 from ..errors import (
     FormatError,
     HubUnreachableError,
@@ -28,12 +33,7 @@ from ..errors import (
 from ..format.metadata import DatasetInfo, decode_schema_metadata, parse_info
 from ..format.spec import CARD_PATH, INDEX_PATH, PULL_RECORD
 from ..format.staging import previous_dataset_files, remove_files_inside
-from ..hashing import sha256_file
-from ..lock import OutputLock
 from ..opening import open_hub
-from ..paths import check_output_path
-from ..progress import Progress, on_terminal, third_party_bars
-from ..safeio import read_json
 from ..storage.hub import HubFiles, parse_dataset_ref
 
 

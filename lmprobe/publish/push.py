@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..display import hide_credentials
+from ..base.display import hide_credentials
 from ..errors import DatasetNotFoundError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH

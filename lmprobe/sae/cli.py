@@ -8,8 +8,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ..base.layers import stored_layer
 from ..errors import DictionaryError, InvalidArgumentError, LayerNotFoundError, LmprobeError
-from ..layers import stored_layer
 from .activation import describe
 from .loader import SAEConfig, encode_topk, load_dictionary, project_topk
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_write, move_into_place
+from ..base.atomic import atomic_write, move_into_place
+from ..base.lock import OutputLock
+from ..base.paths import check_output_path
 from ..errors import DictionaryError
 from ..format.values import to_numpy
-from ..lock import OutputLock
-from ..paths import check_output_path
 from .activation import RELU, check_rule, describe, parse_rule
 from .loader import SAEConfig, load_dictionary, validate_dictionary
 from .sources import EncoderWeights, load_tensors, read_sae_folder

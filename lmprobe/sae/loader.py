@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..allocator import check_memory
+from ..base.allocator import check_memory
+from ..base.paths import resolve_inside
+from ..base.safeio import check_regular, read_json
 from ..errors import DictionaryError, InvalidArgumentError, UnsafePathError
-from ..paths import resolve_inside
-from ..safeio import check_regular, read_json
 from ..storage.hub import HubFiles, parse_hf_url
 from .activation import RELU, activate, activate_list, activation_rule, check_rule
 from .npyio import check_declared_sizes, load_npy, load_npz, load_safetensors

@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from ..base.safeio import read_json
 from ..errors import DictionaryError
 from ..format.safetensors_io import read_header
 from ..format.spec import DTYPES
 from ..format.values import bfloat16_bits_to_float32
-from ..safeio import read_json
 from .activation import RELU, check_rule
 
 SAELENS_WEIGHTS = "sae_weights.safetensors"

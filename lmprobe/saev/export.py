@@ -14,17 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_output, atomic_write, move_into_place
+from ..base.atomic import atomic_output, atomic_write, move_into_place
+from ..base.lock import OutputLock
+from ..base.paths import check_output_path
+from ..base.progress import Progress
+from ..base.units import plural
+from ..base.worker import settle
 from ..errors import SaevError
 from ..format.reader import Dataset
 from ..format.spec import DTYPES
 from ..format.values import bfloat16_bits_to_float32, bfloat16_to_float32_later
-from ..lock import OutputLock
 from ..opening import load
-from ..paths import check_output_path
-from ..progress import Progress
-from ..units import plural
-from ..worker import settle
 from .protocol import (
     DEFAULT_PATCHES_PER_SHARD,
     FAMILY,

@@ -10,9 +10,9 @@ import json
 import os
 from pathlib import Path
 
+from ..base.paths import resolve_inside
+from ..base.safeio import check_regular, read_json
 from ..errors import SaevError, UnsafePathError
-from ..paths import resolve_inside
-from ..safeio import check_regular, read_json
 
 PROTOCOL = "2.0"
 METADATA_KEYS = ("family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model", "n_ex", "patches_per_shard",

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
+from ..base.safeio import read_json
+from ..base.units import parse_size
 from ..errors import SaevError
-from ..safeio import read_json
 from ..storage.hub import HubFiles, parse_hf_url
 from ..stream import Engine, RowSource, rank_world
-from ..units import parse_size
 from .protocol import (
     METADATA_KEYS,
     METADATA_KEYS_21,

@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from ..base.paths import check_relpath
+from ..base.units import format_size, parse_size
 from ..errors import InvalidArgumentError, LmprobeError, OutOfSpaceError
-from ..paths import check_relpath
-from ..units import format_size, parse_size
 from .cachedir import (
     DEFAULT_CACHE_CAP,
     FolderLock,

@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..base.hashing import sha256_file
+from ..base.progress import Progress, third_party_bars
+from ..base.retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe, status_code
 from ..errors import InvalidArgumentError, PushError
-from ..hashing import sha256_file
-from ..progress import Progress, third_party_bars
-from ..retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe, status_code
 from .hub import hub_api, transport_errors
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..display import hide_credentials
+from ..base.display import hide_credentials
+from ..base.paths import check_relpath
+from ..base.retry import (
+    TRANSIENT_HTTP_STATUS,
+    RetryLog,
+    RetryPolicy,
+    call_with_retry,
+    describe,
+    retry_after,
+    status_code,
+)
 from ..errors import (
     DatasetNotFoundError,
     HubError,
@@ -30,16 +40,6 @@ from ..errors import (
     LmprobeError,
     OutOfSpaceError,
     ShardMissingError,
-)
-from ..paths import check_relpath
-from ..retry import (
-    TRANSIENT_HTTP_STATUS,
-    RetryLog,
-    RetryPolicy,
-    call_with_retry,
-    describe,
-    retry_after,
-    status_code,
 )
 
 logger = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ..base.paths import check_relpath
+from ..base.retry import RetryPolicy, call_with_retry, describe
+from ..base.safeio import read_json
+from ..base.worker import BackgroundWorker
 from ..errors import ObjectStoreError, OutOfSpaceError, ShardMissingError
-from ..paths import check_relpath
-from ..retry import RetryPolicy, call_with_retry, describe
-from ..safeio import read_json
-from ..worker import BackgroundWorker
 from .cachedir import flocked
 
 #: bytes per request when a range of an object is streamed to a file (memory stays this small)

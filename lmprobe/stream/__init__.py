@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
+from ..base.tokenizer import resolve_tokenizer
+from ..base.units import format_size, parse_size
 from ..errors import InvalidArgumentError
 from ..format.reader import Dataset
 from ..opening import load
 from ..storage.hub import READER_DEADLINE, HubFiles, reader_policy
 from ..storage.objectstore import object_store_policy
-from ..tokenizer import resolve_tokenizer
-from ..units import format_size, parse_size
 from .engine import OUT_DTYPES, Engine, RowSource, is_in_sorted, rank_world
 from .plan import groups
 from .sources import PIECE_BYTES, DatasetRows, RemoteRows

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from ..base.worker import prefetched, settle
 from ..errors import InvalidArgumentError
 from ..format.spec import DTYPES
 from ..format.values import bfloat16_bits_to_float32, cast_bfloat16_here, on_converter
-from ..worker import prefetched, settle
 from .plan import MAX_GROUP_BLOCKS, GroupPlan, Share, deal, groups, whole_share
 
 OUT_DTYPES = ("float32", "bfloat16")

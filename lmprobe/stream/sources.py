@@ -12,13 +12,13 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 
+from ..base.hashing import sha256_file
+from ..base.units import format_size
 from ..errors import FormatError, InvalidArgumentError
 from ..format.reader import Dataset
 from ..format.safetensors_io import header_length, parse_header
 from ..format.spec import DTYPES
-from ..hashing import sha256_file
 from ..storage.cache import BoundedCache
-from ..units import format_size
 from .engine import RowSource
 from .plan import Pieces, Share
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 _UNITS = {
     "": 1,

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import InvalidArgumentError, ModelError
 from .display import hide_credentials, one_line
-from .errors import InvalidArgumentError, ModelError
 from .retry import describe
 
 #: name -> folder under lmprobe/models/

@@ -11,15 +11,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .display import escape_controls
-from .errors import DatasetNotFoundError
-from .format.metadata import recorded_attachments
-from .format.reader import Dataset
-from .format.spec import RESERVED_COLUMNS
-from .sae.activation import describe as describe_activation
-from .sae.loader import SAEConfig, is_dictionary_folder, load_dictionary
-from .saev import SaevDataset, is_saev_folder, saev_exports
-from .units import format_size, plural
+from ..base.display import escape_controls
+from ..base.units import format_size, plural
+from ..errors import DatasetNotFoundError
+from ..format.metadata import recorded_attachments
+from ..format.reader import Dataset
+from ..format.spec import RESERVED_COLUMNS
+from ..sae.activation import describe as describe_activation
+from ..sae.loader import SAEConfig, is_dictionary_folder, load_dictionary
+from ..saev import SaevDataset, is_saev_folder, saev_exports
 
 #: what the stored (non-addressing) reserved columns hold, in the order they are listed
 _STORED = {"token_ids": "token ids", "token_strings": "token strings", "token_perplexity": "per-token perplexity",

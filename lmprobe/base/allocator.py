@@ -28,7 +28,7 @@ import ctypes.util
 import os
 import sys
 
-from .errors import InvalidArgumentError, LmprobeError
+from ..errors import InvalidArgumentError, LmprobeError
 from .units import format_size
 
 _M_ARENA_MAX = -8

@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .errors import FormatError, LmprobeError, UnsafePathError
+from ..errors import FormatError, LmprobeError, UnsafePathError
 
 #: the largest JSON document lmprobe reads from a dataset or an artefact (metadata, configs, checkpoints)
 MAX_JSON_BYTES = 256 * 2**20

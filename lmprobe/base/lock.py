@@ -16,7 +16,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from .errors import OutputInUseError
+from ..errors import OutputInUseError
 
 try:
     import fcntl

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .format.writer import DatasetWriter
+from .writer import DatasetWriter
 
 _WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "big", "small", "red", "tree"]
 

@@ -6,13 +6,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import DatasetNotFoundError, InvalidArgumentError, ShardMissingError
-from .format.reader import Dataset, open_local
-from .format.spec import INDEX_PATH
-from .storage.cache import LruFiles
-from .storage.hub import HubFiles, HubRef, parse_dataset_ref
-from .storage.objectstore import ObjectStoreFiles, is_object_store_url
-from .units import parse_size
+from ..base.units import parse_size
+from ..errors import DatasetNotFoundError, InvalidArgumentError, ShardMissingError
+from ..format.reader import Dataset, open_local
+from ..format.spec import INDEX_PATH
+from ..storage.cache import LruFiles
+from ..storage.hub import HubFiles, HubRef, parse_dataset_ref
+from ..storage.objectstore import ObjectStoreFiles, is_object_store_url
 
 
 def open_hub(ref: HubRef, *, token: str | bool | None = None, cache: int | None = None) -> Dataset:

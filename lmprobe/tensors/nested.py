@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .atomic import atomic_output
-from .errors import TensorDictError
+from ..base.atomic import atomic_output
+from ..errors import TensorDictError
 
 
 def _as_numpy(value: Any, path: str) -> np.ndarray:

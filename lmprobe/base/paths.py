@@ -13,7 +13,7 @@ import re
 import string
 from pathlib import Path, PurePosixPath
 
-from .errors import InvalidArgumentError, OutputExistsError, UnsafePathError
+from ..errors import InvalidArgumentError, OutputExistsError, UnsafePathError
 
 _SPEC_RE = re.compile(r"^(0?[1-9]\d?)?d?$")  # integer widths such as "03d"
 

@@ -21,12 +21,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .atomic import atomic_write
-from .errors import ProbeError
-from .format.reader import Dataset
-from .format.spec import RESERVED_COLUMNS
-from .opening import load
-from .tensors import load_file, save_file
+from ..base.atomic import atomic_write
+from ..errors import ProbeError
+from ..format.reader import Dataset
+from ..format.spec import RESERVED_COLUMNS
+from ..opening import load
+from ..tensors import load_file, save_file
 
 Pooling = Literal["last_token", "mean"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import InvalidArgumentError, LayerNotFoundError
+from ..errors import InvalidArgumentError, LayerNotFoundError
 
 
 def resolve_layer(layer: Any, num_layers: int, *, of: str = "the model") -> int:

@@ -1,0 +1,5 @@
+"""Linear probes on stored activations (needs scikit-learn): features, cross-validated sweeps, a saved probe."""
+
+from .linear import LinearProbe, features, labels, layer_features, mean_hidden, plot_sweep, sweep, train_probe
+
+__all__ = ["LinearProbe", "features", "labels", "layer_features", "mean_hidden", "plot_sweep", "sweep", "train_probe"]
