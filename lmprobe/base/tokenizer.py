@@ -20,7 +20,7 @@ from .retry import describe
 
 #: name -> folder under lmprobe/models/
 EMBEDDED_MODELS = {"lmprobe-tiny": "tiny"}
-MODELS_DIR = Path(__file__).resolve().parent / "models"
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"  # lmprobe/models/
 
 
 def embedded_model_dir(name: str) -> Path | None:

@@ -13,7 +13,7 @@ from ..base.safeio import read_json
 from ..base.units import parse_size
 from ..errors import SaevError
 from ..storage.hub import HubFiles, parse_hf_url
-from ..stream import Engine, RowSource, rank_world
+from ..stream.engine import Engine, RowSource, rank_world
 from .protocol import (
     METADATA_KEYS,
     METADATA_KEYS_21,
