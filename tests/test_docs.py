@@ -65,13 +65,50 @@ def test_readme_links_point_at_existing_files():
         assert (ROOT / link).exists(), link
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/cli.md", "docs/corpus.md", "docs/quickstart.md"])
-def test_documented_command_lines_parse(page):
-    """Every `lmprobe ...` command shown in a page's code blocks is one the parser accepts."""
-    text = (ROOT / page).read_text()
+def _command_line_problems(text: str) -> tuple[int, list[str]]:
+    """(how many ``lmprobe ...`` lines the page's code blocks hold, what is wrong with them).
+
+    Every fenced block counts, with a language or without. A concrete command line must parse; a synopsis
+    (``[--layers L]``, ``PATH...``) must name a command that exists and only options that command takes.
+    """
     parser = build_parser()
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        for cmd in block.replace("\\\n", " ").splitlines():
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    seen, problems = 0, []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        for cmd in re.split(r"\n|&&|;", block.replace("\\\n", " ")):
             cmd = cmd.split(" #")[0].strip()
-            if cmd.startswith("lmprobe ") and "[" not in cmd and "..." not in cmd:
-                parser.parse_args(shlex.split(cmd)[1:])  # exits (fails the test) on an unknown flag
+            if cmd.startswith(".venv/bin/"):
+                cmd = cmd[len(".venv/bin/"):]
+            if not cmd.startswith("lmprobe "):
+                continue
+            seen += 1
+            words = cmd.split()
+            if words[1] not in commands:
+                if words[1] not in ("--help", "--version", "COMMAND"):
+                    problems.append(f"{cmd}: no command {words[1]!r}")
+                continue
+            if "[" in cmd or "..." in cmd or "|" in cmd:  # a synopsis: its options must exist
+                options = {o for act in commands[words[1]]._actions for o in act.option_strings}
+                problems += [f"{cmd}: {words[1]} takes no {o}" for o in re.findall(r"--[a-z][\w-]*", cmd)
+                             if o not in options]
+                continue
+            try:
+                parser.parse_args(shlex.split(cmd)[1:])
+            except SystemExit:
+                problems.append(f"{cmd}: does not parse")
+    return seen, problems
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/cli.md", "docs/corpus.md", "docs/quickstart.md",
+                                  "docs/publishing.md", "docs/saev.md", "docs/pages.md"])
+def test_documented_command_lines_parse(page):
+    """Every `lmprobe ...` line in a page's code blocks is one the parser accepts (a synopsis: its options exist)."""
+    seen, problems = _command_line_problems((ROOT / page).read_text())
+    assert seen, f"{page} shows no command line"
+    assert not problems, "\n".join(problems)
+
+
+def test_the_command_line_check_catches_a_line_that_does_not_parse(capsys):
+    seen, problems = _command_line_problems("```\nlmprobe extract --model m --prompts p --out o --nope\n"
+                                            "lmprobe info [--colour]\nlmprobe exract x\n```\n")
+    assert seen == 3 and len(problems) == 3, problems
