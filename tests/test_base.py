@@ -275,7 +275,7 @@ def test_cli_prints_one_line_for_user_errors_and_a_traceback_for_bugs(tmp_path):
                        text=True)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "does not exist" in r.stderr and "Traceback" not in r.stderr
-    bug = ("import sys, lmprobe.cli.main as c\n"
+    bug = ("import sys, lmprobe.cli.app as c\n"
            "def boom(args):\n    raise KeyError('internal')\n"
            "p = c.build_parser\n"
            "def patched():\n    parser = p()\n    parser.set_defaults(func=boom)\n"
