@@ -384,7 +384,7 @@ def test_pulling_more_layers_after_a_new_push_never_mixes_versions(hub, tmp_path
     second = HfApi().repo_info(repo, repo_type="dataset").sha
     capsys.readouterr()
     assert cli_main(["pull", repo, "--layers", "2", "--out", str(local)]) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # said by the lmprobe logger
     ds = lmprobe.load(local)
     np.testing.assert_array_equal(ds.hidden(0), src_new["hidden"][0])  # the layer already here, updated
     np.testing.assert_array_equal(ds.hidden(2), src_new["hidden"][2])

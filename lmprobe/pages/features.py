@@ -23,7 +23,6 @@ import json
 import math
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from ..base.display import escape_controls
 from ..base.html import esc, filter_box, histogram_chart, page, percent, table, tokens_html
 from ..base.lock import OutputLock
 from ..base.paths import check_output_path
-from ..base.progress import Progress
+from ..base.progress import Progress, logger
 from ..base.safeio import read_json
 from ..base.units import parse_size
 from ..errors import InvalidArgumentError, LmprobeError
@@ -234,7 +233,7 @@ def _finished_cache(out: Path, settings: dict, lengths: np.ndarray) -> dict[str,
 
 
 def _again(why: str) -> None:
-    print(f"lmprobe features: {escape_controls(why, keep_newlines=False)}; computing it again", file=sys.stderr)
+    logger.warning(f"lmprobe features: {escape_controls(why, keep_newlines=False)}; computing it again")
     return None
 
 
@@ -281,7 +280,7 @@ def _resume(cache: FeatureCache, out: Path, settings: dict, lengths: np.ndarray)
 
 
 def _over(why: str) -> int:
-    print(f"lmprobe features: {escape_controls(why, keep_newlines=False)}; starting over", file=sys.stderr)
+    logger.warning(f"lmprobe features: {escape_controls(why, keep_newlines=False)}; starting over")
     return 0
 
 

@@ -20,7 +20,7 @@ from ..base.atomic import atomic_output, atomic_write
 from ..base.hashing import sha256_file
 from ..base.lock import OutputLock
 from ..base.paths import check_output_path
-from ..base.progress import Progress, on_terminal, third_party_bars
+from ..base.progress import Progress, logger, on_terminal, third_party_bars
 from ..base.safeio import read_json
 from ..errors import (
     FormatError,
@@ -103,7 +103,7 @@ def _copy(ref, ds, files: HubFiles, out: Path, *, layers, hookpoints, logits: bo
                 _copy_into(files.fetch(rel), out / rel)
                 bar.update(1)
         if not quiet:
-            print(f"pulled {len(rels)} file(s) under {prefix} of {files} to {out}")
+            logger.info(f"pulled {len(rels)} file(s) under {prefix} of {files} to {out}")
         return out
     wanted = ds.layers if layers is None else [int(x) for x in layers]
     missing = [x for x in wanted if x not in ds.layers]
@@ -135,8 +135,8 @@ def _copy(ref, ds, files: HubFiles, out: Path, *, layers, hookpoints, logits: bo
         if held and previous is not None and not quiet:
             was = str(previous.get("revision") or "an unrecorded commit")[:10]
             layers_here = sorted({layer for _, layer in held})
-            print(f"{files} changed since {out} was pulled (commit {was} -> {files.commit[:10]}): the layers already "
-                  f"here, layers {layers_here}, are checked and fetched again where they changed")
+            logger.info(f"{files} changed since {out} was pulled (commit {was} -> {files.commit[:10]}): the layers already "
+                        f"here, layers {layers_here}, are checked and fetched again where they changed")
     rels = [r.rel for r in records]
     if CARD_PATH in files.repo_files:
         rels.append(CARD_PATH)
@@ -160,8 +160,8 @@ def _copy(ref, ds, files: HubFiles, out: Path, *, layers, hookpoints, logits: bo
             bar.update(1)
     remove_files_inside(out, stale)  # shards of the old version that the new index no longer lists
     if not quiet:
-        print(f"pulled {sent} file(s) of {files} (layers {wanted}) to {out}"
-              + (f"; {len(rels) - sent} already there" if sent < len(rels) else ""))
+        logger.info(f"pulled {sent} file(s) of {files} (layers {wanted}) to {out}"
+                    + (f"; {len(rels) - sent} already there" if sent < len(rels) else ""))
     return out
 
 

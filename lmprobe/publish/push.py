@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..base.display import hide_credentials
+from ..base.progress import logger
 from ..errors import DatasetNotFoundError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
@@ -90,8 +91,8 @@ def push_to_hub(
     if not quiet:
         skipped = len(shards) + len(last) - n
         if n == 0:
-            print(f"pushed 0 file(s) to {url}: all {skipped} are there already, nothing to send")
+            logger.info(f"pushed 0 file(s) to {url}: all {skipped} are there already, nothing to send")
         else:
-            print(f"pushed {n} file(s) to {url} in {committer.commits} commit(s)"
-                  + (f"; {skipped} already there" if skipped else ""))
+            logger.info(f"pushed {n} file(s) to {url} in {committer.commits} commit(s)"
+                        + (f"; {skipped} already there" if skipped else ""))
     return url

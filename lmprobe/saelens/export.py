@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,7 +158,7 @@ def export_saelens(source: Any, out: str | os.PathLike, *, layer: int | None = N
     if out.exists() and any(out.iterdir()):
         if _exported_already(out, _export_id(ds, plan, with_tokens)):
             if not quiet:
-                print(f"{out} already holds this export of {ds.source}; nothing to do", file=sys.stderr)
+                logger.info(f"{out} already holds this export of {ds.source}; nothing to do")
             return out
         raise SaelensError(f"{out} is not empty; SAELens caches are written into a new or empty folder")
     with OutputLock(out):
@@ -266,7 +265,7 @@ def _write_cache(ds: Dataset, plan: ExportPlan, out: Path, with_tokens: bool, qu
         else:
             how = f"; {plan.n_skipped} prompt(s) of another length left out" if plan.n_skipped else ""
         logger.info(f"{head}{how}; configure SAELens with context_size={plan.context}, hook_name={plan.hook!r}, "
-                    f"d_in={plan.d_in}")
+                          f"d_in={plan.d_in}")
     return out
 
 

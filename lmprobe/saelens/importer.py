@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..base.display import escape_controls, one_line
-from ..base.progress import Progress
+from ..base.progress import Progress, logger
 from ..base.safeio import loads, read_json
 from ..base.units import plural
 from ..errors import LmprobeError, SaelensError
@@ -289,7 +288,7 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
     name = model_name or info.model_name or "unknown"
     if not overwrite and _imported_already(Path(out), info, name):
         if not quiet:
-            print(f"{out} already holds this import of {info.source}; nothing to do", file=sys.stderr)
+            logger.info(f"{out} already holds this import of {info.source}; nothing to do")
         return Path(out)
     made = not Path(out).exists()
     writer = DatasetWriter(out, layers=[info.layer], dim=info.d_in, model_name=name, storage="full_sequence",
@@ -340,8 +339,8 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
         bar.close()
     writer.close()
     if not quiet:
-        print(f"imported {plural(n, 'window')} x {info.context} tokens of {info.hook} (layer {info.layer}, {info.hookpoint}) "
-              f"to {out}", file=sys.stderr)
+        logger.info(f"imported {plural(n, 'window')} x {info.context} tokens of {info.hook} (layer {info.layer}, {info.hookpoint}) "
+                    f"to {out}")
     return Path(out)
 
 

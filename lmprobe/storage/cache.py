@@ -23,7 +23,6 @@ import errno
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from collections import deque
@@ -75,8 +74,8 @@ def cache_budget(cache: int | str | None, source: object, *, announce: bool) -> 
                                    "half of what is free after this machine's other readers): free some space or "
                                    "point LMPROBE_CACHE at another disk")
     if announce:
-        print(f"lmprobe: reading {source} through a local cache of at most {format_size(budget)} "
-              "(cache= / --cache to change it)", file=sys.stderr)
+        logger.info(f"lmprobe: reading {source} through a local cache of at most {format_size(budget)} "
+                    "(cache= / --cache to change it)")
     return budget
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
 
+from ..base.progress import logger
 from ..base.tokenizer import resolve_tokenizer
 from ..base.units import format_size, parse_size
 from ..errors import InvalidArgumentError
@@ -143,8 +143,8 @@ class ShardStream:
         source = RemoteRows(self.ds, self.sites, budget, piece_bytes=piece_bytes, policy=policy, readers=readers)
         budget = source.budget
         if cache is None:
-            print(f"lmprobe: reading {self.ds.files} through a local cache of at most {format_size(budget)} "
-                  "(cache= / --cache to change it)", file=sys.stderr)
+            logger.info(f"lmprobe: reading {self.ds.files} through a local cache of at most {format_size(budget)} "
+                        "(cache= / --cache to change it)")
         biggest = source.largest_piece()
         if budget < 2 * biggest * readers:
             source.close()
