@@ -32,12 +32,14 @@ from ..errors import DatasetNotFoundError, ExtractionError, InvalidArgumentError
 from ..format.merge import MergePlan, plan_merge
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
+from ..hashing import sha256_file
 from ..lock import OutputLock
 from ..opening import open_hub, open_object_store
 from ..paths import check_output_path, check_relpath
+from ..retry import call_with_retry
 from ..safeio import loads
 from ..storage.commits import HubCommitter, PushConfig, RepoFile
-from ..storage.hub import HubRef, parse_hf_url
+from ..storage.hub import HubRef, hub_api, parse_hf_url
 from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
 
 logger = logging.getLogger("lmprobe")
@@ -237,8 +239,6 @@ class ObjectStoreOutput(Output):
 
     def move(self, old: str, new: str, *, source: ObjectStoreOutput | None = None) -> None:
         """Rename ``old`` (of ``source``, default: this output) to ``new`` here, server-side (copy, then delete)."""
-        from ..retry import call_with_retry
-
         check_relpath(old, "file")
         check_relpath(new, "file")
         src = f"{(source or self).root}/{old}"
@@ -333,8 +333,6 @@ class _HubSession(Session):
     def _uploaded(self, f: RepoFile) -> None:
         """``f``'s content is on the Hub: recorded (for a re-run), then its local copy goes."""
         if f.sha256 is None:  # (the upload did not say: hashed here, once)
-            from ..hashing import sha256_file
-
             f.sha256 = sha256_file(f.local)
         rel = f.local.relative_to(self.local).as_posix()
         with open(self.ledger, "a") as ledger:
@@ -426,8 +424,6 @@ class HubOutput(Output):
 
     def holds(self, rel: str) -> bool:
         from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
-
-        from ..storage.hub import hub_api
 
         try:
             return bool(hub_api(self.token).get_paths_info(self.ref.repo_id, [self.repo_path(rel)],
