@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,7 @@ def _cell(row: dict, hp: str) -> str:
 
 def _short(reason: str) -> str:
     reason = reason.split("; read ")[0].split("; name a")[0].split(". Name a")[0]
+    reason = re.sub(r"'[^']*/model'", "the miniature", reason)  # the temporary folder it was built in
     return reason if len(reason) <= 140 else reason[:137] + "..."
 
 

@@ -425,7 +425,6 @@ class HubOutput(Output):
     def holds(self, rel: str) -> bool:
         from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-
         try:
             return bool(hub_api(self.token).get_paths_info(self.ref.repo_id, [self.repo_path(rel)],
                                                            repo_type="dataset", revision=self.ref.revision))
