@@ -16,7 +16,8 @@ hidden size 256, 4 layers, layers 1 and 3, full sequences, windows of 128 tokens
 Printed: wall time of each (until every rank has exited, the dataset complete), the ratio baseline / Hub
 (target >= 0.9), and each rank's peak local shard data (``*.safetensors*`` under its staging, polled every 20 ms)
 against the shard size and against the whole dataset, with the bound the code keeps: the shards the writer is
-filling and has closed since its last checkpoint, plus at most 8 uploading (docs/publishing.md).
+filling, up to 2 closed ones waiting for the checkpoint that hands them over, plus at most 8 uploading
+(docs/publishing.md).
 The pair runs twice, alternating; the faster of each is kept.
 """
 
