@@ -90,6 +90,14 @@ def one_run(root: Path, argv: list[str]) -> tuple[float, list[int]]:
     return time.perf_counter() - t0, peak.peaks
 
 
+def _own_cpu() -> float:
+    """CPU seconds this process (the Hub test server's threads included) has used."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="100k tokens, float32 only")
@@ -125,16 +133,20 @@ def main() -> None:
             common = ["extract", "--model", str(model), "--prompts", str(src), "--layers", "1,3", "--storage",
                       "full_sequence", "--context-len", "128", "--max-tokens", str(tokens), "--dtype", dtype,
                       "--shard-size", args.shard_size, "--batch-size", "16", "--quiet"]
-            base_runs, hub_runs, peaks = [], [], []
+            base_runs, hub_runs, peaks, base_cpu, hub_cpu = [], [], [], [], []
             size = 0
             for i in range(2):
                 out = tmp / f"shared-{dtype}-{i}"
+                cpu0 = _own_cpu()
                 t, _ = one_run(tmp / "run", [*common, "--out", str(out)])
+                base_cpu.append(_own_cpu() - cpu0)
                 base_runs.append(t)
                 size = sum(p.stat().st_size for p in (out / "tensors").rglob("*.safetensors"))
                 shutil.rmtree(out)
                 name = f"bench/nodes-{uuid.uuid4().hex[:8]}"
+                cpu0 = _own_cpu()
                 t, peak = one_run(tmp / "run", [*common, "--out", f"hf://datasets/{name}"])
+                hub_cpu.append(_own_cpu() - cpu0)
                 hub_runs.append(t)
                 peaks.append(peak)
                 assert lmprobe.load(f"hf://datasets/{name}").column("num_tokens").sum() == tokens
@@ -146,6 +158,9 @@ def main() -> None:
             print(f"  lmprobe, 2 ranks straight to the Hub:        {hub:6.1f} s   runs "
                   f"{', '.join(f'{t:.1f}' for t in hub_runs)}")
             print(f"  ratio baseline / Hub: {base / hub:.2f} (target >= 0.9)")
+            print(f"  CPU of this process (the Hub test server receiving every byte, and the disk poller): "
+                  f"{max(hub_cpu):.1f} s in a Hub run, {max(base_cpu):.1f} s in a baseline run, on the cores the "
+                  f"ranks use ({os.cpu_count()} here)")
             print(f"  peak local shard data of a rank: {worst / MiB:.1f} MiB = {worst / shard:.1f} shards "
                   f"({worst / shard / 2:.1f} per stored layer), {worst / size:.1%} of the dataset "
                   f"(a local folder holds all of it)")
