@@ -73,8 +73,8 @@ def test_an_extraction_goes_straight_to_the_hub(hub, llama_dir, tmp_path):
     t = threading.Thread(target=poll, daemon=True)
     t.start()
     try:
-        ds = lmprobe.extract(str(llama_dir), MANY, out=f"hf://datasets/user/{name}", checkpoint_interval=0,
-                             **{**KW, "batch_size": 1})
+        # the default checkpoint interval (30 s): shards leave as they close, not at the next checkpoint
+        ds = lmprobe.extract(str(llama_dir), MANY, out=f"hf://datasets/user/{name}", **{**KW, "batch_size": 1})
     finally:
         stop.set()
         t.join()

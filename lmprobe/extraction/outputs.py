@@ -350,10 +350,9 @@ class _HubSession(Session):
         self.renames.append((self.output.repo_path(old), self.output.repo_path(new)))
 
     def finish(self) -> Dataset:
-        self.committer.flush()
-        self.committer.rename(self.renames)
+        # one commit ends the part: what is uploaded, the provisional files renamed, the statistics, card and index
         last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in _final_files(self.local)]
-        self.committer.finish(last, message="lmprobe: add the statistics, card and index")
+        self.committer.finish(last, moves=self.renames, message="lmprobe: add the last shards, statistics, card and index")
         shutil.rmtree(self.local)
         return self.output.finished_or_raise()
 
@@ -477,13 +476,13 @@ class HubOutput(Output):
             self.delete([INDEX_PATH], committer, "remove the index before a merge")
         committer.start()
         merge = plan_merge(dss, settings=settings, order=order)
-        # server-side copies from the parts' folders: nothing is sent, nothing comes back
-        committer.rename([(hubs[k].repo_path(src), self.repo_path(dst)) for k, src, dst in merge.moves])
         local = Path(tempfile.mkdtemp(prefix="lmprobe-merge-"))
         try:
             last = [RepoFile(self.repo_path(rel), local / rel) for rel in merge.finish(dss, local)]
-            committer.finish(last, message="lmprobe: merge the parts (statistics, card and index)")
+            # one commit: server-side copies out of the parts' folders (nothing is sent, nothing comes back), the
+            # statistics, card and index, and the parts' folder removed
+            committer.finish(last, moves=[(hubs[k].repo_path(src), self.repo_path(dst)) for k, src, dst in merge.moves],
+                             remove=[self.repo_path(PARTS_DIR)], message="lmprobe: merge the parts")
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        self.delete([PARTS_DIR], committer, "remove the merged parts", folder=True)
         return self.finished_or_raise()

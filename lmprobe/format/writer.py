@@ -76,6 +76,9 @@ _MAX_PENDING_ROWS = 65536
 #: index rows wait in memory until a checkpoint writes them as a part: bounded by prompts and by tokens,
 #: so that a part, and the memory to finalize it, stays small whatever the prompts' lengths
 _MAX_PENDING_TOKENS = 1 << 20
+#: with ``on_file_complete`` (files that leave the machine), a checkpoint hands shards over as soon as this many
+#: have closed since the last one, whatever the interval: local staging holds a few shards, not 30 s of them
+_HANDOVER_SHARDS = 2
 
 
 def _takes_keyword(fn: Callable | None, name: str) -> bool:
@@ -209,6 +212,7 @@ class DatasetWriter:
         self._phase = "writing"
         self._closed = False
         self._last_checkpoint = time.monotonic()
+        self._closed_at_checkpoint = 0
 
         st_meta = {"format": "pt"}
 
@@ -498,6 +502,7 @@ class DatasetWriter:
             time.monotonic() - self._last_checkpoint >= self.checkpoint_interval
             or self._n_pending >= _MAX_PENDING_ROWS
             or self._n_pending_tokens >= _MAX_PENDING_TOKENS
+            or (self.on_file_complete is not None and self._closed_count() - self._closed_at_checkpoint >= _HANDOVER_SHARDS)
         ):
             self.checkpoint()
 
@@ -577,6 +582,11 @@ class DatasetWriter:
                 p.unlink(missing_ok=True)
         self._publish_closed()
         self._last_checkpoint = time.monotonic()
+        self._closed_at_checkpoint = self._closed_count()
+
+    def _closed_count(self) -> int:
+        """Shards closed so far, every series together."""
+        return sum(len(s.closed) for s in self._series())
 
     def _rehash_closed(self) -> None:
         """Hash again the closed shards whose hash the checkpoint lacks (still on the hasher when it was taken)."""

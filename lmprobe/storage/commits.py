@@ -30,6 +30,7 @@ alone, after every other file landed, so the repo never shows an index whose fil
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import threading
@@ -187,6 +188,7 @@ class _State:
     uploading: int = 0  # added, not yet uploaded
     flushing: int = 0
     producer_waiting: bool = False
+    holding: bool = False  # finish() gathers what is uploaded into its final commit: no other commit starts
     last_commit: float = -1e18  # time.monotonic() when the last commit started
     stop: bool = False
     error: BaseException | None = None
@@ -372,35 +374,25 @@ class HubCommitter:
         commits of at most ``batch`` moves (a copy names an object the Hub holds, so these commits may be larger
         than upload commits). Resumable: a move an interrupted run made (its source gone, its target there) is
         not made again; a move whose source and target are both missing is a PushError."""
-        from huggingface_hub import CommitOperationCopy, CommitOperationDelete
+        todo = self._moves_to_make(moves)
+        for i in range(0, len(todo), batch):
+            self._rename_commit(todo[i : i + batch])
 
+    def _moves_to_make(self, moves: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The moves not made yet (a re-run after a kill finds some made); a PushError for a lost file."""
         if not moves:
-            return
+            return []
         now = self.call(f"listing {len(moves)} file(s) to rename in {self.repo_id}",
                         lambda: self.paths_now([p for m in moves for p in m]))
         lost = [a for a, b in moves if a not in now and b not in now]
         if lost:
             raise PushError(f"{self.repo_id}: {len(lost)} file(s) to rename are missing ({lost[0]}); the repo "
                             "changed while the job ran: run it again with --overwrite")
-        todo = [(a, b) for a, b in moves if a in now]
-        for i in range(0, len(todo), batch):
-            part = todo[i : i + batch]
-            ops: list[Any] = [CommitOperationCopy(src_path_in_repo=a, path_in_repo=b) for a, b in part]
-            ops += [CommitOperationDelete(path_in_repo=a) for a, _ in part]
+        return [(a, b) for a, b in moves if a in now]
 
-            def landed(part=part) -> bool:
-                there = self.paths_now([p for m in part for p in m])
-                return all(b in there and a not in there for a, b in part)
-
-            message = f"lmprobe: rename {len(part)} file(s)"
-            self._take_turn()
-            self.call(f"renaming {len(part)} file(s) in {self.repo_id}",
-                      lambda ops=ops, message=message: self.api.create_commit(
-                          self.repo_id, ops, repo_type=self.repo_type, revision=self.revision,
-                          commit_message=message),
-                      landed=landed)
-            with self._s.cv:
-                self.result.commits += 1
+    def _rename_commit(self, part: list[tuple[str, str]]) -> None:
+        self._take_turn()
+        self._commit([], f"lmprobe: rename {len(part)} file(s)", moves=part)
 
     def _take_turn(self) -> None:
         """Wait until a commit may start (``min_commit_spacing`` after the last one), and count it as started."""
@@ -431,14 +423,20 @@ class HubCommitter:
             finally:
                 s.flushing -= 1
 
-    def finish(self, last: Sequence[RepoFile] = (), *, message: str | None = None) -> PushResult:
-        """Flush, then commit ``last`` (the entry point: index and card) in one final commit; stop the threads.
+    def finish(self, last: Sequence[RepoFile] = (), *, message: str | None = None,
+               moves: Sequence[tuple[str, str]] = (), remove: Sequence[str] = ()) -> PushResult:
+        """Commit what is uploaded, ``last`` (the entry point: index and card), the renames ``moves`` (server-side)
+        and the removal of the folders ``remove`` in one final commit; stop the threads.
 
-        Files of ``last`` already on the Hub with the same content are skipped; nothing is committed
-        when all are. Returns what the push did.
+        One commit ends the work however much of it is left (each commit costs a turn of the repo's commit
+        rate); renames past one commit's worth (``RENAMES_PER_COMMIT``) go in commits of their own first. Files of
+        ``last`` already on the Hub with the same content are skipped; nothing is committed when nothing is
+        left to do. Returns what the push did.
         """
         if self._pool is None:
             self.start()
+        with self._s.cv:  # a file of ``last`` added already (a writer handed it over) goes with those added
+            last = [f for f in last if f.rel not in self._s.pending]
         for f in last:
             self._check_local(f)
         self._grow_bar(last)
@@ -446,18 +444,60 @@ class HubCommitter:
             final = [_Item(f) for f in last]
             pool = self._pool
             assert pool is not None
-            # uploaded while the other files finish; committed only once they all landed
+            # uploaded while the other files finish; committed once they are all uploaded
             uploads: list[Future] = [pool.submit(self._upload_one, it) for it in final]
-            self.flush()
+            held = self._hold()
             final = [it for it, fut in zip(final, uploads, strict=True) if fut.result()]
             self._raise_error()
-            if final:
+            moves = self._retarget(held, moves)
+            todo = self._moves_to_make(moves)
+            cut = len(todo) - (len(todo) % RENAMES_PER_COMMIT or RENAMES_PER_COMMIT) if todo else 0
+            for i in range(0, cut, RENAMES_PER_COMMIT):
+                self._rename_commit(todo[i : i + RENAMES_PER_COMMIT])
+            while held and len(held) + len(final) > self.config.commit_files:  # the final commit stays in bounds
+                chunk, held = held[: self.config.commit_files], held[self.config.commit_files :]
                 self._take_turn()
-                msg = message or f"lmprobe: add {self.label} {' and '.join(it.file.rel for it in final)}"
-                self._commit(final, msg)
+                self._commit(chunk, f"lmprobe: add {len(chunk)} {self.label} file(s)")
+            items = held + final
+            if items or todo[cut:] or remove:
+                self._take_turn()
+                what = " and ".join(it.file.rel for it in final) or f"{len(items)} file(s)"
+                self._commit(items, message or f"lmprobe: add {self.label} {what}", moves=todo[cut:],
+                             remove=[r.rstrip("/") for r in remove])
         finally:
             self.close()
         return self.result
+
+    def _retarget(self, held: list[_Item], moves: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+        """A file to rename that is uploaded but not yet committed is committed under its new name (its content is
+        on the Hub already: only the commit names it); the moves left are of files the repo holds."""
+        to = dict(moves)
+        for it in held:
+            dst = to.pop(it.file.rel, None)
+            if dst is not None:
+                with self._s.cv:
+                    self._s.pending[dst] = self._s.pending.pop(it.file.rel, it)
+                it.file = RepoFile(dst, it.file.local, it.file.size, it.file.sha256)
+                it.op = copy.copy(it.op)
+                it.op.path_in_repo = dst
+        return [(a, b) for a, b in moves if a in to]
+
+    def _hold(self) -> list[_Item]:
+        """Stop the commit loop from starting commits, wait until every file added is uploaded (or landed in a
+        commit already started), and take the uploaded ones: they go in the final commit."""
+        s = self._s
+        with s.cv:
+            s.holding = True
+            s.flushing += 1
+            s.cv.notify_all()
+            try:
+                while s.error is None and set(s.pending) - {it.file.rel for it in s.ready}:
+                    s.cv.wait(0.5)
+                self._raise_error()
+                held, s.ready = s.ready, []
+            finally:
+                s.flushing -= 1
+        return held
 
     def close(self) -> None:
         """Stop the threads; files not yet committed are not (their uploaded objects stay, for a re-run)."""
@@ -561,7 +601,7 @@ class HubCommitter:
     def _due(self) -> float | None:
         """0 when a commit should start now, else seconds until one is due (None: not before more news)."""
         s, cfg = self._s, self.config
-        if not s.ready:
+        if not s.ready or s.holding:
             return None
         spacing = s.last_commit + cfg.min_commit_spacing - time.monotonic()
         if spacing > 0:
@@ -598,23 +638,34 @@ class HubCommitter:
                 self._fail(exc)
                 return
 
-    def _commit(self, batch: list[_Item], message: str) -> None:
-        """Commit ``batch`` (uploaded); before a retry, its own paths are checked so it is never made twice."""
+    def _commit(self, batch: list[_Item], message: str, *, moves: Sequence[tuple[str, str]] = (),
+                remove: Sequence[str] = ()) -> None:
+        """Commit ``batch`` (uploaded), the server-side renames ``moves`` and the removal of the folders ``remove``;
+        before a retry, the commit's own paths are checked so it is never made twice."""
+        from huggingface_hub import CommitOperationCopy, CommitOperationDelete
+
         files = [it.file for it in batch]
+        ops: list[Any] = [it.op for it in batch]
+        ops += [CommitOperationCopy(src_path_in_repo=a, path_in_repo=b) for a, b in moves]
+        ops += [CommitOperationDelete(path_in_repo=a) for a, _ in moves]
+        ops += [CommitOperationDelete(path_in_repo=f"{r}/", is_folder=True) for r in remove]
 
         def landed() -> bool:
-            now = self.paths_now([f.rel for f in files])
-            return all(_same(f, now.get(f.rel)) for f in files)
+            now = self.paths_now([f.rel for f in files] + [p for m in moves for p in m])
+            return (all(_same(f, now.get(f.rel)) for f in files) and all(b in now and a not in now for a, b in moves)
+                    and not (remove and self.api.get_paths_info(self.repo_id, list(remove), repo_type=self.repo_type,
+                                                                revision=self.revision)))
 
-        self.call(f"committing {len(files)} file(s) to {self.repo_id}",
-                  lambda: self.api.create_commit(self.repo_id, [it.op for it in batch], commit_message=message,
+        self.call(f"committing {len(ops)} change(s) to {self.repo_id}",
+                  lambda: self.api.create_commit(self.repo_id, ops, commit_message=message,
                                                  repo_type=self.repo_type, revision=self.revision),
                   landed=landed)
         with self._s.cv:
             self.result.commits += 1
         for f in files:  # what the repo holds now, for a file added again later in this push
             self.remote[f.rel] = f"sha256:{f.sha256}" if f.sha256 else f"git:{git_blob_id(f.local)}"
-        self._landed(files, sent=True)
+        if files:
+            self._landed(files, sent=True)
 
     def _landed(self, files: list[RepoFile], *, sent: bool) -> None:
         """``files`` are on the Hub: tell ``on_landed``, then let ``flush`` and ``add`` go on."""
