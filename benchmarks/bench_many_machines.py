@@ -119,7 +119,7 @@ def main() -> None:
     from tiny_models import build_llama
 
     import lmprobe
-    from lmprobe.units import parse_size
+    from lmprobe.base.units import parse_size
 
     server = HubServer(tmp / "hub", port=port).start()
     server.delay_commits(0.5)
