@@ -53,7 +53,7 @@ def test_token_is_sent_but_never_printed_or_stored(hub, dataset, capsys, tmp_pat
     assert cli_main(["push", str(path), repo, "--token", TOKEN]) == 0
     assert any(TOKEN in h for h in hub.state.auth_headers)
     out = capsys.readouterr()
-    assert TOKEN not in out.out + out.err and "pushed" in out.out
+    assert TOKEN not in out.out + out.err and "pushed" in out.err  # the result line, from the lmprobe logger
     for p in list(path.rglob("*")) + list(tmp_path.rglob("*")):
         if p.is_file() and p.stat().st_size < 50_000_000:
             assert TOKEN.encode() not in p.read_bytes(), p
@@ -481,12 +481,15 @@ def test_push_and_pull_into_a_log_write_lines_not_bars(hub, dataset, tmp_path, c
     assert cli_main(["push", str(path), repo]) == 0
     out = capsys.readouterr()
     assert "\r" not in out.err and "\x1b" not in out.err and "it/s" not in out.err, out.err
-    lines = out.err.splitlines()
-    assert lines and all(x.startswith(f"push {repo}: ") for x in lines) and "(100.0%)" in lines[-1], lines
+    *bar, said = out.err.splitlines()  # progress lines, then the result line
+    assert bar and all(x.startswith(f"push {repo}: ") for x in bar) and "(100.0%)" in bar[-1], bar
+    assert said.startswith("pushed "), said
     assert cli_main(["pull", repo, "--layers", "2", "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr()
     assert "\r" not in out.err and "\x1b" not in out.err, out.err
-    assert re.fullmatch(rf"pull {repo}: \d+/\d+ files \(100\.0%\), .*", out.err.splitlines()[-1]), out.err
+    *bar, said = out.err.splitlines()
+    assert re.fullmatch(rf"pull {repo}: \d+/\d+ files \(100\.0%\), .*", bar[-1]), out.err
+    assert said.startswith("pulled "), said
 
 
 def test_the_local_hub_server_stopped_with_sigterm_removes_its_temporary_folder(tmp_path):
