@@ -198,9 +198,19 @@ def _zoo_types():
     return [t for t in ZOO_TYPES if t not in ZOO_SKIPPED]
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (tiny tensors: threads only add overhead, and 2 cores are shared), and the
+    count restored after: the tests after it compare bytes with subprocesses that use the default."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", _zoo_types())
-def test_every_architecture_stores_right_numbers_or_refuses(model_type, tmp_path):
+def test_every_architecture_stores_right_numbers_or_refuses(model_type, tmp_path, one_thread):
     """A tiny random model of each model type in the installed transformers' causal-LM mapping: every named
     hookpoint lmprobe stores equals what transformers computes (hidden states, hooks on the blocks) and satisfies
     its identities on every block, from padded batches; every one it does not store is refused before the
@@ -208,7 +218,6 @@ def test_every_architecture_stores_right_numbers_or_refuses(model_type, tmp_path
     from zoo import build_zoo_model
     from zoo_check import check
 
-    torch.set_num_threads(1)  # tiny tensors: threads only add overhead (and 2 cores are shared)
     model_dir = build_zoo_model(model_type, tmp_path / "model")
     row = check(model_type, model_dir, tmp_path)
     assert not row.errors, "\n".join(row.errors)
