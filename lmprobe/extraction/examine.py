@@ -358,12 +358,12 @@ def _choose_blocks(lists, flat, records, hs, n_tokens: int, tol: float, block_pa
         ins = [i < len(hs) and close(r.inputs.get(""), hs[i], tol) for i, r in enumerate(recs)]
         outs = [i + 1 < len(hs) and close(r.outputs.get(""), hs[i + 1], tol) for i, r in enumerate(recs)]
         if len(hs) == n + 1 and all(ins) and all(outs[:-1]):
-            return name, ml
+            return _one_vector_per_token(name, recs[0], shape), ml
         # some models (the Mamba family) return every block's output and the final norm, not the embeddings
         given = [i < len(hs) and close(r.outputs.get(""), hs[i], tol) for i, r in enumerate(recs)]
         chained = [close(recs[i].inputs.get(""), recs[i - 1].outputs.get(""), tol) for i in range(1, n)]
         if len(hs) == n + 1 and all(given) and all(chained):
-            return name, ml
+            return _one_vector_per_token(name, recs[0], shape), ml
         first = recs[0].inputs.get("")
         shape = tuple(getattr(first, "shape", ()))
         idle = [i for i, r in enumerate(recs) if "" not in r.inputs]
@@ -384,6 +384,17 @@ def _choose_blocks(lists, flat, records, hs, n_tokens: int, tol: float, block_pa
     why = "; ".join(reasons) if reasons else "no list of modules reads or returns them"
     raise ModelError(f"this model's hidden states are not the inputs and outputs of one list of blocks: {why}. "
                      "Its layers would not mean 'the output of block i', so lmprobe does not extract from it")
+
+
+def _one_vector_per_token(name: str, first: BlockRecord, states: tuple[int, ...]) -> str:
+    """``name``, once its blocks are seen to carry the stream as transformers returns it, (batch, tokens, width);
+    a ModelError for another layout (XLNet's blocks run time-major: (tokens, batch, width))."""
+    shape = tuple(getattr(first.inputs.get(""), "shape", ()))
+    if shape not in (states, states[1:]):
+        raise ModelError(f"the blocks of {name} carry the stream as {shape} for one prompt of {states[1]} tokens, not "
+                         f"as transformers returns it, {states} (batch, tokens, width): another layout (time-major, "
+                         "say), which lmprobe does not read; it is not supported")
+    return name
 
 
 def _check_widths(anatomy: BlockAnatomy, rec: BlockRecord, width: int, n_tokens: int, layer: int) -> None:
