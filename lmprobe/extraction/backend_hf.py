@@ -10,7 +10,7 @@ import numpy as np
 from ..errors import ModelError
 from ..format.statistics import RunningStats, batch_statistics
 from .examine import InputPolicy, forward_kwargs
-from .hookpoints import Capture, Site, first_input, first_output
+from .hookpoints import Capture, Site, assemble_readings, first_input, first_output
 
 
 def as_batch_tokens(h: Any, shape: tuple, name: str) -> Any:
@@ -190,15 +190,7 @@ class TransformersBackend:
         if missing:
             raise ModelError(f"the forward pass never reached {missing[:4]} (site, layer); a module that the "
                              "model skips cannot be read")
-        captured: dict[tuple[str, int], Any] = {}
-        for c in captures:
-            for layer in layers:
-                reading = c.readings[layer]
-                if reading.minus is None:
-                    captured[(c.hookpoint, layer)] = kept[(layer, reading.site, "out")]
-                else:
-                    diff = kept[(layer, reading.site, "f32")] - kept[(layer, reading.minus, "f32")]
-                    captured[(c.hookpoint, layer)] = diff.to(out_dtype)
+        captured = assemble_readings(captures, layers, kept, out_dtype)
         lengths = real.sum(dim=1)
         ids = input_ids[real].cpu()
         token_ids = [t.tolist() for t in torch.split(ids, lengths.cpu().tolist())]

@@ -25,7 +25,7 @@ from .backend_hf import (
     perplexity_from_nll,
 )
 from .examine import InputPolicy, forward_kwargs
-from .hookpoints import Capture, Site, first_input, first_output
+from .hookpoints import Capture, Site, assemble_readings, first_input, first_output
 
 
 def require_nnsight():
@@ -172,15 +172,7 @@ class NnsightBackend:
                                                             reduction="none").save()
             else:
                 tracer.stop()  # nothing after the last requested block is needed
-        saved: dict[tuple[str, int], Any] = {}
-        for c in captures:
-            for layer in layers:
-                reading = c.readings[layer]
-                if reading.minus is None:
-                    saved[(c.hookpoint, layer)] = kept[(layer, reading.site, "out")]
-                else:
-                    diff = kept[(layer, reading.site, "f32")] - kept[(layer, reading.minus, "f32")]
-                    saved[(c.hookpoint, layer)] = diff.to(out_dtype)
+        saved = assemble_readings(captures, layers, kept, out_dtype)
         lengths = real.sum(dim=1)
         ids = input_ids[real]
         out = BatchOutput(

@@ -84,6 +84,22 @@ def parse_hookpoints(value: str | Sequence[str] | None) -> list[str]:
     return named + custom
 
 
+def assemble_readings(captures: Sequence[Capture], layers: Sequence[int], kept: dict, out_dtype: Any) -> dict:
+    """Each (hookpoint, layer)'s vectors from the tensors a backend kept: ``kept[(layer, site, "out")]`` for a
+    site read as it is, ``kept[(layer, site, "f32")]`` for the sides of a difference (taken in float32, then cast
+    to ``out_dtype``)."""
+    out: dict[tuple[str, int], Any] = {}
+    for c in captures:
+        for layer in layers:
+            reading = c.readings[layer]
+            if reading.minus is None:
+                out[(c.hookpoint, layer)] = kept[(layer, reading.site, "out")]
+            else:
+                diff = kept[(layer, reading.site, "f32")] - kept[(layer, reading.minus, "f32")]
+                out[(c.hookpoint, layer)] = diff.to(out_dtype)
+    return out
+
+
 def first_input(args: tuple, kwargs: dict) -> Any:
     if args:
         return args[0]
