@@ -30,7 +30,6 @@ import shutil
 import socket
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -40,31 +39,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 MiB = 2**20
-
-
-class Peak:
-    """The largest shard data seen under each folder while a run goes."""
-
-    def __init__(self, folders):
-        from nodes import disk_use
-
-        self.disk_use = disk_use
-        self.folders, self.peaks, self._stop = folders, [0] * len(folders), threading.Event()
-        self._t = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self):
-        while not self._stop.is_set():
-            for i, f in enumerate(self.folders):
-                self.peaks[i] = max(self.peaks[i], self.disk_use(f, "*.safetensors*"))
-            self._stop.wait(0.02)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
 
 
 def corpus(path: Path, n_docs: int) -> Path:
@@ -79,7 +53,7 @@ def corpus(path: Path, n_docs: int) -> Path:
 
 
 def one_run(root: Path, argv: list[str]) -> tuple[float, list[int]]:
-    from nodes import launch, wait
+    from nodes import Peak, launch, wait
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -97,3 +98,32 @@ def found(folder: Path, pattern: str) -> bool:
         return any(True for _ in folder.rglob(pattern))
     except FileNotFoundError:
         return False
+
+
+class Peak:
+    """The largest shard data (``*.safetensors*``) seen under each of some folders while a run goes (polled every
+    ``every`` seconds): the index parts and checkpoints beside them grow with the rows, as the index itself does."""
+
+    def __init__(self, folders, every: float = 0.02):
+        self.folders, self.peaks, self._stop = list(folders), [0] * len(folders), threading.Event()
+        self.every = every
+        self._t = threading.Thread(target=self._poll, daemon=True)
+
+    @property
+    def peak(self) -> int:
+        """The largest of the folders' peaks."""
+        return max(self.peaks)
+
+    def _poll(self):
+        while not self._stop.is_set():
+            for i, f in enumerate(self.folders):
+                self.peaks[i] = max(self.peaks[i], disk_use(f, "*.safetensors*"))
+            self._stop.wait(self.every)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import PROMPTS
-from nodes import disk_use
+from nodes import Peak
 
 import lmprobe
 from lmprobe.errors import InvalidArgumentError, OutputExistsError, ResumeMismatchError
@@ -62,22 +61,9 @@ def test_an_extraction_goes_straight_to_the_hub(hub, llama_dir, tmp_path):
     local = lmprobe.extract(str(llama_dir), MANY, out=tmp_path / "local", **{**KW, "batch_size": 1})
     name = f"direct-{uuid.uuid4().hex[:6]}"
     staging = tmp_path / "cache" / "outputs"
-    peak = [0]
-    stop = threading.Event()
-
-    def poll():
-        while not stop.is_set():
-            peak[0] = max(peak[0], disk_use(staging, "*.safetensors*"))
-            stop.wait(0.01)
-
-    t = threading.Thread(target=poll, daemon=True)
-    t.start()
-    try:
+    with Peak([staging], every=0.01) as peak:
         # the default checkpoint interval (30 s): shards leave as they close, not at the next checkpoint
         ds = lmprobe.extract(str(llama_dir), MANY, out=f"hf://datasets/user/{name}", **{**KW, "batch_size": 1})
-    finally:
-        stop.set()
-        t.join()
     _same(local, ds, (0, 3))
     _same(local, lmprobe.load(f"hf://datasets/user/{name}"), (0, 3))
     history = _history(_repo(hub, name))
@@ -89,7 +75,7 @@ def test_an_extraction_goes_straight_to_the_hub(hub, llama_dir, tmp_path):
     shard = max(p.stat().st_size for p in shards)
     # a few shards per stored site (2 layers): 8 uploading, those the writer closed since its checkpoint, open ones
     total = sum(p.stat().st_size for p in shards)
-    assert peak[0] <= 2 * 8 * shard and 3 * peak[0] < total, (peak[0], shard, total)
+    assert peak.peak <= 2 * 8 * shard and 3 * peak.peak < total, (peak.peak, shard, total)
     assert not list(staging.rglob("*.safetensors"))
 
 

@@ -5,13 +5,12 @@ test server); the result equals a single-process extraction, local disk stays bo
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 
 import numpy as np
 import pytest
 from conftest import PROMPTS
-from nodes import disk_use, found, kill_when, launch, run
+from nodes import Peak, disk_use, found, kill_when, launch, run
 
 import lmprobe
 
@@ -36,28 +35,6 @@ def _prompts(tmp_path):
     f = tmp_path / "prompts.jsonl"
     f.write_text("\n".join(json.dumps(p) for p in MANY) + "\n")
     return f
-
-
-class Peak:
-    """The largest shard data (``*.safetensors*``) seen under some folders while a run goes (polled every 20 ms): the
-    index parts and checkpoints beside them grow with the rows, as the index itself does."""
-
-    def __init__(self, folders):
-        self.folders, self.peak, self._stop = folders, 0, threading.Event()
-        self._t = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, max(disk_use(f, "*.safetensors*") for f in self.folders))
-            self._stop.wait(0.02)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
 
 
 def _same_rows(a, b, layers, *, full):
