@@ -11,6 +11,7 @@ from ..probe import plot_sweep, sweep
 from .options import (
     add_cache_option,
     add_quiet_option,
+    hookpoint_list,
     open_source,
     positive_int,
     stored_layers,
@@ -20,7 +21,7 @@ from .options import (
 def cmd_probe(args: argparse.Namespace) -> int:
     ds = load(args.dataset)
     layers = stored_layers(args.layers, ds.layers)
-    hookpoints = [h.strip() for h in args.hookpoints.split(",") if h.strip()] if args.hookpoints else None
+    hookpoints = hookpoint_list(args.hookpoints)
     table = sweep(ds, layers=layers, label_column=args.label_column, classifier=args.classifier, cv=args.cv,
                   pooling=args.pooling, seed=args.seed, hookpoints=hookpoints)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))

@@ -10,6 +10,7 @@ from ..opening import load
 from .options import (
     add_quiet_option,
     add_token_option,
+    hookpoint_list,
     positive_int,
     stored_layers,
 )
@@ -25,7 +26,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     layers = None
     if args.layers not in (None, "all") and args.only in (None, "dataset"):
         layers = stored_layers(args.layers, load(args.repo, revision=args.revision, token=args.token).layers)
-    hookpoints = [h.strip() for h in args.hookpoints.split(",") if h.strip()] if args.hookpoints else None
+    hookpoints = hookpoint_list(args.hookpoints)
     api.pull(args.repo, args.out, layers=layers, hookpoints=hookpoints, logits=not args.no_logits, revision=args.revision,
              token=args.token, quiet=args.quiet, only=args.only, overwrite=args.overwrite)
     return 0

@@ -56,3 +56,7 @@ def open_source(path: str, cache: str | None, quiet: bool) -> Any:
         return load(path)
     return load(path, cache=cache_budget(cache, path, announce=not quiet))
 
+
+def hookpoint_list(text: str | None) -> list[str] | None:
+    """``--hookpoints a,b`` as a list (None: not given, every stored one)."""
+    return [h.strip() for h in text.split(",") if h.strip()] if text else None
