@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from .extraction.config import ExtractionConfig
 from .extraction.examine import Architecture
-from .extraction.runner import examine_model, run
+from .extraction.preparation import examine_model
+from .extraction.runner import run
 from .format.merge import merge_datasets
 from .format.reader import Dataset, open_local
 from .format.validate import Report

@@ -147,10 +147,11 @@ def test_a_model_repo_or_a_bad_rate_is_refused_before_the_model_loads(hub, llama
 
 
 def test_an_extraction_past_the_hubs_folder_limit_is_refused_before_the_model_loads(hub, llama_dir, monkeypatch):
-    from lmprobe.extraction import runner
+    from lmprobe.extraction import loop, preparation
 
     loads = []
-    monkeypatch.setattr(runner, "load_model", lambda *a, **k: loads.append(1))
+    for module in (preparation, loop):
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: loads.append(1))
     with pytest.raises(InvalidArgumentError, match="10,000 entries per folder") as err:
         lmprobe.extract(str(llama_dir), [f"word {i}" for i in range(30_000)], out="hf://datasets/user/huge",
                         layers="1", storage="full_sequence", shard_size="1KB", quiet=True)

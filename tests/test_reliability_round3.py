@@ -139,10 +139,12 @@ def test_the_same_merge_command_finishes_a_killed_merge(tmp_path, rng, capsys, k
 
 
 def test_max_tokens_on_labelled_prompts_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    import lmprobe.extraction.runner as runner
+    from lmprobe.extraction import loop, preparation
 
     loaded = []
-    monkeypatch.setattr(runner, "load_model", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(AssertionError))
+    for module in (preparation, loop):
+        monkeypatch.setattr(module, "load_model",
+                            lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(AssertionError))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"text": "the cat sat", "label": 1, "topic": "pets"}\n{"text": "a dog", "label": 0, '
                        '"topic": "pets"}\n')

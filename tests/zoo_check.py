@@ -88,7 +88,7 @@ def check(model_type: str, model_dir: Path, work: Path) -> Row:
     from lmprobe.errors import ModelError
     from lmprobe.extraction import model as model_mod
     from lmprobe.extraction.examine import first_jump
-    from lmprobe.extraction.runner import examine_model
+    from lmprobe.extraction.preparation import examine_model
 
     row = Row(model_type)
     try:
