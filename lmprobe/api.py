@@ -8,15 +8,18 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from .base.fields import settings_doc, settings_signature
 from .extraction.config import ExtractionConfig
 from .extraction.examine import Architecture
 from .extraction.preparation import examine_model
-from .extraction.runner import run
+from .extraction.runner import Outcome, execute
+from .extraction.torchrun import rank_and_world
 from .format.merge import merge_datasets
 from .format.reader import Dataset, open_local
 from .format.validate import Report
@@ -29,50 +32,11 @@ from .publish.pull import pull
 from .publish.push import push_to_hub
 from .saelens import export_saelens, import_saelens
 
-__all__ = ["export_saelens", "extract", "features", "import_saelens", "load", "merge", "pull", "push_to_hub", "report",
-           "validate"]
+__all__ = ["export_saelens", "extract", "features", "hookpoints", "import_saelens", "load", "merge", "pull", "push_to_hub",
+           "report", "run_extraction", "validate"]
 
 
-def extract(
-    model: str,
-    prompts: Any,
-    *,
-    out: str | os.PathLike,
-    layers: str | int | list[int] | None = "all",
-    hookpoints: str | list[str] = "resid_post",
-    storage: Literal["pooled", "full_sequence"] = "pooled",
-    logits_topk: int | None = None,
-    perplexity: bool = False,
-    token_strings: bool = False,
-    token_ids: bool = False,
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32",
-    batch_size: int = 8,
-    max_length: int | None = None,
-    truncate: Literal["left", "right"] | None = None,
-    shard_size: int | str = "1GiB",
-    device: str = "auto",
-    compute_dtype: str = "auto",
-    text_column: str = "text",
-    label_column: str | None = "label",
-    dataset_config: str | None = None,
-    split: str = "train",
-    context_len: int | None = None,
-    max_tokens: int | str | None = None,
-    special_tokens: bool = True,
-    space_check: bool = True,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    backend: Literal["transformers", "nnsight"] = "transformers",
-    remote: bool | Literal["local"] = False,
-    block_path: str | None = None,
-    checkpoint_interval: float = 30.0,
-    checksums: bool = True,
-    statistics: bool = True,
-    drop_special_tokens: bool = False,
-    chat_template: bool = False,
-    overwrite: bool = False,
-    quiet: bool = False,
-) -> Dataset:
+def extract(model: str, prompts: Any, *, out: str | os.PathLike, token: str | None = None, **options: Any) -> Dataset:
     """Run ``model`` over ``prompts`` and write an lmprobe dataset to ``out``; return it, opened.
 
     >>> ds = lmprobe.extract("lmprobe-tiny", "examples/prompts.jsonl", out="out/tiny")  # doctest: +SKIP
@@ -81,13 +45,33 @@ def extract(
     ``prompts`` may also be a folder of prompt files or a Hugging Face dataset
     (``hf://datasets/OWNER/NAME``). With ``context_len`` or ``max_tokens`` it is read as a corpus:
     streamed, every document cut into windows, one row each, up to exactly ``max_tokens`` tokens.
+    With ``push="OWNER/NAME"`` the finished folder is published to the Hub (``token``: the Hub
+    token, default HF_TOKEN or the saved login; never stored).
 
-    Every option is a field of ``lmprobe.ExtractionConfig`` (its docstrings say what each does).
+    Every option is a field of ``lmprobe.ExtractionConfig``, listed below from its docstrings.
     Re-running the same call after an interruption continues where it stopped; a different
     configuration against a partial output is an error unless ``overwrite=True``.
     """
-    settings = {k: v for k, v in locals().items() if k in ExtractionConfig.field_names()}
-    return run(ExtractionConfig(**settings))
+    unknown = sorted(set(options) - set(ExtractionConfig.field_names()))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], ExtractionConfig.field_names(), n=1)
+        raise TypeError(f"extract() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f"; did you mean {close[0]!r}?" if close else "; the options are ExtractionConfig's fields"))
+    return run_extraction(ExtractionConfig(model=model, prompts=prompts, out=out, **options), token=token).dataset
+
+
+extract.__signature__ = settings_signature(extract, ExtractionConfig)  # type: ignore[attr-defined]
+extract.__doc__ = (extract.__doc__ or "") + settings_doc(ExtractionConfig, skip=("model", "prompts"))
+
+
+def run_extraction(config: ExtractionConfig, *, token: str | None = None) -> Outcome:
+    """Run the extraction ``config`` describes, then publish it when ``config.push`` names a repo (rank 0 of a
+    torchrun job only); return the outcome: the dataset, opened, and whether this run wrote it (``wrote`` is
+    False when ``out`` already held this extraction)."""
+    outcome = execute(config)
+    if config.push is not None and rank_and_world()[0] == 0:
+        push_to_hub(config.out, config.push, private=config.private, token=token, quiet=config.quiet)
+    return outcome
 
 
 def hookpoints(model: str, *, revision: str | None = None, trust_remote_code: bool = False,

@@ -195,9 +195,12 @@ def test_every_lmprobe_error_refines_a_builtin():
 def test_public_functions_have_real_signatures():
     from lmprobe.extraction.config import ExtractionConfig
 
+    # the settings are written once, in ExtractionConfig: extract's signature (help(), tooltips) spells them out
     params = inspect.signature(lmprobe.extract).parameters
-    assert [p for p in params if p != "model" and p != "prompts"] == [
+    assert [p for p in params if p not in ("model", "prompts", "token")] == [
         f.name for f in fields(ExtractionConfig) if f.name not in ("model", "prompts")]
+    assert all(params[f.name].default == f.default for f in fields(ExtractionConfig) if f.name not in ("model", "prompts",
+                                                                                                       "out"))
     for fn in (lmprobe.extract, lmprobe.load, lmprobe.push_to_hub, lmprobe.validate, lmprobe.pull, lmprobe.merge):
         kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
         assert inspect.Parameter.VAR_KEYWORD not in kinds, f"{fn.__name__} takes **kwargs"

@@ -40,7 +40,9 @@ def test_help_shows_defaults_and_groups_the_corpus_options(capsys):
     with pytest.raises(SystemExit):
         cli_main(["extract", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "prompts per forward pass (default: 8)" in text
+    assert "--batch-size N prompts per forward pass." in text and "lmprobe:runs) (default: 8)" in text
+    # a setting that is on by default is turned off by its --no- flag, and says so
+    assert "--no-statistics keep running per-layer statistics" in text and "on by default, this flag turns it off" in text
     assert "Run MODEL over the prompts in SOURCE" in text and "--prompts SOURCE" in text
     corpus = text.split("corpus extraction (one row per window of a long text):")[1].split(" what to store:")[0]
     assert "--context-len" in corpus and "--max-tokens" in corpus and "--no-special-tokens" in corpus

@@ -312,3 +312,56 @@ def test_truncation_is_recorded_per_prompt_and_shown(llama_dir, tmp_path, capsys
 def cli_info_lines(path, capsys):
     assert cli_main(["info", str(path)]) == 0
     return capsys.readouterr().out.splitlines()
+
+
+# ------------------------------------------------------------------ issue 38, point 3: each setting written once
+
+
+def test_every_extraction_setting_is_an_option_of_extract_with_its_docstring_as_help(capsys):
+    """The command line is generated from ExtractionConfig: each field is an option, typed and documented by the
+    field itself (a setting added to the config reaches the command line without a second copy)."""
+    from dataclasses import fields
+
+    from lmprobe.base.fields import field_docs, plain_text
+    from lmprobe.cli.app import build_parser
+    from lmprobe.extraction.config import ExtractionConfig
+
+    parser = build_parser()
+    extract = next(a for a in parser._actions if a.dest == "command").choices["extract"]
+    by_dest = {a.dest: a for a in extract._actions}
+    docs = field_docs(ExtractionConfig)
+    for f in fields(ExtractionConfig):
+        action = by_dest[f.name]  # every setting is an option
+        words = plain_text(docs[f.name]).rstrip(".").split()
+        assert docs[f.name] and " ".join(words[1:]) in action.help, (f.name, action.help)
+        if f.default is True:
+            assert action.option_strings == ["--no-" + f.name.replace("_", "-")]
+    # --no-checksums existed in Python only before the command line was generated
+    args = parser.parse_args(["extract", "--model", "m", "--prompts", "p", "--out", "o", "--no-checksums",
+                              "--max-prompts", "3", "--compute-dtype", "bfloat16"])
+    assert (args.checksums, args.max_prompts, args.compute_dtype) == (False, 3, "bfloat16")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["extract", "--model", "m", "--prompts", "p", "--out", "o", "--max-prompts", "0"])
+    assert "expected a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_an_unknown_option_of_extract_names_the_close_one():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'layer'; did you mean 'layers'"):
+        lmprobe.extract("lmprobe-tiny", ["a"], out="never-written", layer=3)
+
+
+def test_max_prompts_extracts_the_first_prompts_and_reads_the_source_no_further(tmp_path, capsys):
+    """The option issue 38 adds to show a setting written once: a trial run on the start of a large file."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"text": f"prompt number {i}", "label": i % 2}) + "\n" for i in range(5))
+                 + "{not json, and never read\n")
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "ds"),
+                     "--layers", "-1", "--max-prompts", "3", "--quiet"]) == 0
+    ds = lmprobe.load(tmp_path / "ds")
+    assert ds.texts == [f"prompt number {i}" for i in range(3)] and list(ds.labels) == [0, 1, 0]
+    assert ds.info["extraction"]["settings"]["num_prompts"] == 3
+    whole = lmprobe.extract("lmprobe-tiny", [{"text": f"prompt number {i}", "label": i % 2} for i in range(5)],
+                            out=tmp_path / "all", layers=-1, quiet=True)
+    assert np.array_equal(ds.hidden(ds.layers[0]), whole.hidden(whole.layers[0])[:3])
+    with pytest.raises(lmprobe.LmprobeError, match="--max-prompts does not apply to corpus extraction"):
+        lmprobe.extract("lmprobe-tiny", str(f), out=tmp_path / "c", max_tokens=100, max_prompts=3)

@@ -194,6 +194,21 @@ def test_extract_push_round_trip(hub, llama_dir, tmp_path, fresh_hf_cache):
     np.testing.assert_array_equal(local.logits_topk()[1], remote.logits_topk()[1])
 
 
+def test_extract_then_push_is_an_api_call_too(hub, tmp_path, fresh_hf_cache):
+    """issue 38, point 4: the command line's extract --push is lmprobe.extract(..., push=...), checked before the
+    model runs and published by the same call."""
+    repo = repo_name()
+    ds = lmprobe.extract("lmprobe-tiny", ["the cat sat", "a dog ran"], out=tmp_path / "ds", layers=-1, push=repo,
+                         token=TOKEN, quiet=True)
+    remote = lmprobe.load(repo)
+    np.testing.assert_array_equal(ds.hidden(ds.layers[0]), remote.hidden(ds.layers[0]))
+    for bad, match in ((dict(push="not a repo"), "not a repo id"), (dict(private=True), "pass --push"),
+                       (dict(push=repo, out="s3://bucket/x"), "write straight to the Hub")):
+        with pytest.raises(lmprobe.LmprobeError, match=match):
+            lmprobe.extract("lmprobe-tiny", ["a"], **{"out": tmp_path / "never", **bad})
+    assert not (tmp_path / "never").exists()
+
+
 def test_a_partial_copy_says_what_it_holds_and_how_to_fetch_the_rest(hub, dataset, tmp_path, capsys):
     path, src = dataset
     repo = repo_name()

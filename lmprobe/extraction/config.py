@@ -8,12 +8,14 @@ whether a partial output can be resumed.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..base.fields import fields, option
 from ..base.units import parse_count, parse_size
-from ..errors import ExtractionError
+from ..errors import ExtractionError, InvalidArgumentError
 from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, MAX_SHARD_SIZE, RUN_SETTINGS, STORAGES
+from ..storage.hub import check_repo_id
 from .hookpoints import parse_hookpoints
 
 BACKENDS = ("transformers", "nnsight")
@@ -34,82 +36,107 @@ def same_extraction(recorded: dict[str, Any], settings: dict[str, Any]) -> bool:
 class ExtractionConfig:
     """What to extract, from which model and prompts, into which output."""
 
-    model: str
+    model: str = option(group="model", metavar="MODEL")
     """A local model folder, a Hub model id, or ``lmprobe-tiny`` (the model shipped inside lmprobe)."""
-    prompts: Any
-    """A prompt file (.jsonl/.csv/.tsv/.parquet/.txt), a folder of them, a Hugging Face dataset
-    (``hf://datasets/OWNER/NAME`` or ``OWNER/NAME``), a list of strings or dicts, or a pandas DataFrame."""
-    out: str | os.PathLike
-    """The output folder, or an object-storage URL such as ``s3://bucket/prefix``."""
-    layers: str | int | list[int] | None = "all"
-    """``all``, ``"0,3,-1"``, ranges such as ``"10:20"`` (Python slices), or a list of ints."""
-    hookpoints: str | tuple[str, ...] | list[str] = "resid_post"
-    """Where in each block to read: a comma list or a list of ``resid_pre``, ``attn_out``, ``resid_mid``,
-    ``mlp_in``, ``mlp_out``, ``resid_post`` and module paths with ``:input``/``:output`` (docs/hookpoints.md)."""
-    storage: Literal["pooled", "full_sequence"] = "pooled"
-    """``pooled`` keeps the last stored token of each prompt; ``full_sequence`` keeps every token."""
-    logits_topk: int | None = None
-    """Store the top-k logits at the last token."""
-    perplexity: bool = False
-    """Store per-prompt and per-token perplexity."""
-    token_strings: bool = False
-    """Store the decoded tokens (and their ids)."""
-    token_ids: bool = False
-    """Store the token ids."""
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    """Stored dtype of the hidden states."""
-    batch_size: int = 8
-    """Prompts per forward pass. Changing it does not block a resume (each run is recorded in ``lmprobe:runs``)."""
-    max_length: int | None = None
-    """Longest prompt in tokens (default: the model's limit)."""
-    truncate: Literal["left", "right"] | None = None
-    """Cut prompts longer than ``max_length`` (left keeps the end) instead of failing."""
-    shard_size: int | str = "1GiB"
-    """Byte budget of one shard: an int or a size such as ``"512MB"``."""
-    device: str = "auto"
-    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
-    compute_dtype: str = "auto"
-    """dtype the model runs in (``auto``: float32 on CPU, the checkpoint's dtype on GPU)."""
-    text_column: str = "text"
-    """The prompt text column of a table source."""
-    label_column: str | None = "label"
-    """The label column (ints or strings); optional when it is the default ``label``."""
-    dataset_config: str | None = None
-    """The configuration (subset) of a Hugging Face dataset source."""
-    split: str = "train"
-    """The split of a Hugging Face dataset source."""
-    context_len: int | None = None
-    """Corpus extraction: cut every document into windows of at most this many tokens, one row each."""
-    max_tokens: int | str | None = None
-    """Corpus extraction: stop at exactly this many stored tokens (and stop reading the source); ``"50M"`` works."""
-    special_tokens: bool = True
-    """Corpus extraction: add the tokenizer's special tokens (BOS, ...) to every window, within ``context_len``."""
-    space_check: bool = True
-    """Stop before the model runs when the output's disk has less free space than the planned bytes."""
-    revision: str | None = None
-    """Model revision (branch, tag or commit) on the Hub; the commit is recorded."""
-    trust_remote_code: bool = False
+    prompts: Any = option(group="input", metavar="SOURCE")
+    """A .jsonl, .csv, .tsv, .parquet or .txt file (one prompt a line), a folder of them, or a Hugging Face dataset
+    (``hf://datasets/OWNER/NAME`` or ``OWNER/NAME``); in Python also a list of strings or dicts, or a pandas
+    DataFrame."""
+    out: str | os.PathLike = option(group="output", metavar="DIR")
+    """The dataset folder to write (or to resume), an object-storage URL such as ``s3://bucket/prefix``, or a Hub
+    dataset repo to write straight to (``hf://datasets/OWNER/NAME``)."""
+
+    # ---- the model and how it runs
+    revision: str | None = option(None, group="model")
+    """Model revision (branch, tag or commit) on the Hub; the commit is recorded. Default: main."""
+    trust_remote_code: bool = option(False, group="model")
     """Let the model repo's own Python code run. Off unless asked for."""
-    backend: Literal["transformers", "nnsight"] = "transformers"
+    block_path: str | None = option(None, group="model")
+    """Attribute path of the decoder block list, for architectures lmprobe does not find (default: found)."""
+    backend: Literal["transformers", "nnsight"] = option("transformers", group="model")
     """``transformers``: hooks on a local model; ``nnsight``: an nnsight trace."""
-    remote: bool | Literal["local"] = False
-    """With the nnsight backend: run on NDIF (True), or through nnsight's remote path locally ("local")."""
-    block_path: str | None = None
-    """Attribute path of the decoder block list, for architectures lmprobe does not know."""
-    checkpoint_interval: float = 30.0
-    """Seconds between checkpoints: at most this much work is redone after an interruption."""
-    checksums: bool = True
-    """Record the SHA-256 of every shard (lets a push skip files already on the Hub)."""
-    statistics: bool = True
-    """Keep running per-layer statistics (count, mean, std, mean norm) over every stored vector."""
-    drop_special_tokens: bool = False
-    """Do not store the tokenizer's special tokens (BOS, EOS, ...); the model still sees them."""
-    chat_template: bool = False
+    remote: bool | Literal["local"] = option(False, group="model")
+    """With the nnsight backend: run on NDIF (API key from NNSIGHT_API_KEY or nnsight's config); in Python,
+    ``"local"`` runs through nnsight's remote path locally."""
+    device: str = option("auto", group="model")
+    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
+    compute_dtype: Literal["auto", "float32", "float16", "bfloat16"] = option("auto", group="model")
+    """dtype the model runs in (``auto``: float32 on CPU, the checkpoint's dtype on GPU)."""
+    batch_size: int = option(8, group="model", metavar="N")
+    """Prompts per forward pass. Changing it does not block a resume (each run is recorded in ``lmprobe:runs``)."""
+    max_length: int | None = option(None, group="model", metavar="N")
+    """Longest prompt in tokens (default: the model's limit)."""
+    truncate: Literal["left", "right"] | None = option(None, group="model")
+    """Cut prompts longer than ``max_length`` (left keeps the end) instead of failing (default: fail)."""
+
+    # ---- the prompts
+    text_column: str = option("text", group="input")
+    """The column of a table source that holds the prompt text."""
+    label_column: str | None = option("label", group="input")
+    """The label column (ints or strings); optional when it is the default ``label``."""
+    dataset_config: str | None = option(None, group="input", metavar="NAME")
+    """The configuration (subset) of a Hugging Face dataset source."""
+    split: str = option("train", group="input")
+    """The split of a Hugging Face dataset source."""
+    chat_template: bool = option(False, group="input")
     """Wrap each prompt in the tokenizer's chat template; store only the prompt's own tokens."""
-    overwrite: bool = False
+    max_prompts: int | None = option(None, group="input", metavar="N")
+    """Extract only the first N prompts of the source, which is read no further: a trial run on part of a large
+    file (default: every prompt)."""
+
+    # ---- corpus extraction
+    context_len: int | None = option(None, group="corpus", metavar="T")
+    """Corpus extraction: cut every document into windows of at most T tokens, one row each (default: the
+    model's length when ``max_tokens`` is given)."""
+    max_tokens: int | str | None = option(None, group="corpus", metavar="N")
+    """Corpus extraction: stop at exactly N stored tokens (and stop reading the source); ``50M`` works."""
+    special_tokens: bool = option(True, group="corpus")
+    """Corpus extraction: add the tokenizer's special tokens (BOS, ...) to every window, within the window's
+    length."""
+
+    # ---- what to store
+    layers: str | int | list[int] | None = option("all", group="store")
+    """``all``, ``0,3,-1``, ranges such as ``10:20`` (a Python slice: 10..19), or a list of ints."""
+    hookpoints: str | tuple[str, ...] | list[str] = option("resid_post", group="store")
+    """Where in each block to read, a comma list: ``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_in``,
+    ``mlp_out``, ``resid_post``, or a module path in the block with ``:input``/``:output``, e.g.
+    ``mlp.act_fn:output`` (docs/hookpoints.md)."""
+    storage: Literal["pooled", "full_sequence"] = option("pooled", group="store")
+    """``pooled`` keeps the last stored token of each prompt; ``full_sequence`` keeps every token."""
+    dtype: Literal["float32", "float16", "bfloat16"] = option("float32", group="store")
+    """Stored dtype of the hidden states."""
+    logits_topk: int | None = option(None, group="store", metavar="K")
+    """Store the top-K logits at the last token (default: none)."""
+    perplexity: bool = option(False, group="store")
+    """Store per-prompt and per-token perplexity."""
+    token_strings: bool = option(False, group="store")
+    """Store the decoded tokens (and their ids)."""
+    token_ids: bool = option(False, group="store")
+    """Store the token ids."""
+    drop_special_tokens: bool = option(False, group="store")
+    """Do not store the tokenizer's special tokens (BOS, EOS, ...); the model still sees them."""
+    statistics: bool = option(True, group="store")
+    """Keep running per-layer statistics (count, mean, std, mean norm) over every stored vector."""
+
+    # ---- the output
+    shard_size: int | str = option("1GiB", group="output")
+    """Byte budget of one shard, e.g. ``512MB`` or ``1GiB`` (16GiB at most)."""
+    checkpoint_interval: float = option(30.0, group="output", metavar="SECONDS")
+    """Seconds between checkpoints: at most this much work is redone after an interruption."""
+    space_check: bool = option(True, group="output")
+    """Stop before the model runs when the output's disk has less free space than the planned bytes."""
+    checksums: bool = option(True, group="output")
+    """Record the SHA-256 of every shard (lets a push skip files already on the Hub)."""
+    overwrite: bool = option(False, group="output")
     """Replace an existing or partial output instead of resuming it."""
-    quiet: bool = False
+    quiet: bool = option(False, group="output")
     """No progress bar or summary."""
+
+    # ---- publishing
+    push: str | None = option(None, group="publishing", metavar="REPO")
+    """When done, publish the dataset folder to this Hub dataset repo (``OWNER/NAME``)."""
+    private: bool = option(False, group="publishing")
+    """With ``push``: create the repo private."""
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -145,17 +172,19 @@ class ExtractionConfig:
         object.__setattr__(self, "hookpoints", tuple(parse_hookpoints(self.hookpoints)))
         if isinstance(self.max_tokens, str):
             object.__setattr__(self, "max_tokens", parse_count(self.max_tokens))  # "50M"
-        for name in ("context_len", "max_tokens"):
+        for name in ("context_len", "max_tokens", "max_prompts"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 bad(f"{name} must be a positive integer, got {v!r}")
         if self.corpus:
             flag = "--context-len" if self.context_len is not None else "--max-tokens"
             for name, on in (("--chat-template", self.chat_template), ("--drop-special-tokens", self.drop_special_tokens),
-                             ("--truncate", self.truncate), ("--max-length", self.max_length)):
+                             ("--truncate", self.truncate), ("--max-length", self.max_length),
+                             ("--max-prompts", self.max_prompts)):
                 if on:
                     hint = {"--drop-special-tokens": "; --no-special-tokens adds none to the windows",
                             "--truncate": "; windows cover every token of a document",
+                            "--max-prompts": "; --max-tokens says how much of the source is read",
                             "--max-length": "; --context-len sets the window length"}.get(name, "")
                     bad(f"{name} does not apply to corpus extraction ({flag}){hint}")
             if self.label_column not in (None, "label"):
@@ -167,6 +196,14 @@ class ExtractionConfig:
             bad(f"checkpoint_interval must be a number of seconds >= 0, got {self.checkpoint_interval!r}")
         if self.out is None or str(self.out) == "":
             bad("out must name an output folder or URL")
+        if self.push is not None:
+            check_repo_id(self.push)  # before hours of extraction, not after
+            if "://" in str(self.out):
+                raise InvalidArgumentError(
+                    f"--push publishes the local folder --out names, and --out {self.out} is not one; write straight "
+                    f"to the Hub with --out hf://datasets/{self.push} instead")
+        elif self.private:
+            bad("--private applies to the repo --push creates; pass --push OWNER/NAME too")
         if parse_size(self.shard_size) > MAX_SHARD_SIZE:  # parse_size raises on a bad size
             bad(f"--shard-size {self.shard_size} is more than a shard may hold (16GiB: the Hub takes files under "
                 "20 GB); pass --shard-size 16GiB or less")

@@ -107,7 +107,7 @@ def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> Job:
     else:  # a rank reads and checks its own share only (prompt i goes to rank i % world)
         p = read_prompts(cfg.prompts, text_column=cfg.text_column, label_column=cfg.label_column,
                          dataset_config=cfg.dataset_config, split=cfg.split, rank=ranks.rank, world=ranks.world,
-                         all_gather=ranks.all_gather)
+                         all_gather=ranks.all_gather, limit=cfg.max_prompts)
     spec = read_model_spec(cfg.model, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     layer_list = parse_layers(cfg.layers, spec.num_layers)
     if (cfg.logits_topk or cfg.perplexity) and not spec.causal_lm:

@@ -20,6 +20,7 @@ Corpus extraction (``--context-len``/``--max-tokens``) streams its source instea
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -287,7 +288,7 @@ def _labels(records: list[Record], column: str) -> tuple[list[Any], str | None]:
 
 def read_prompts(source: Any, *, text_column: str = "text", label_column: str | None = "label",
                  dataset_config: str | None = None, split: str = "train", rank: int = 0, world: int = 1,
-                 all_gather: Gather | None = None) -> Prompts:
+                 all_gather: Gather | None = None, limit: int | None = None) -> Prompts:
     """Read every prompt of ``source``: a file or folder path, a Hub dataset, a list of strings/dicts, or a DataFrame.
 
     A label column named explicitly (anything but the default "label") must exist; the default
@@ -300,6 +301,8 @@ def read_prompts(source: Any, *, text_column: str = "text", label_column: str | 
     raises the same error when any rank finds one, and knows the whole set's identity
     (:meth:`Prompts.set_identity`). A rank may get no prompt (more ranks than prompts).
 
+    With ``limit``: the first ``limit`` prompts of the source only; the source is read no further.
+
     >>> read_prompts(["The cat sat.", "A dog ran."]).texts
     ['The cat sat.', 'A dog ran.']
     """
@@ -307,15 +310,20 @@ def read_prompts(source: Any, *, text_column: str = "text", label_column: str | 
     src = source if isinstance(source, Source) else open_source(source, text_column=text_column, config=dataset_config,
                                                                 split=split)
     label_required = label_column not in (None, "label")
+
+    def take(**share: int) -> list[Record]:
+        found = src.records(**share)
+        return list(found if limit is None else itertools.takewhile(lambda r: r.index < limit, found))
+
     if world == 1:
-        return _from_records(list(src.records()), src.description, text_column, label_column, label_required)
+        return _from_records(take(), src.description, text_column, label_column, label_required)
     if all_gather is None:
         raise ValueError("reading one rank's prompts needs all_gather: the ranks agree on columns, types and errors")
     name = src.description
     # 1. read the share; exchange the columns each rank saw (and where it first saw them)
     records: list[Record] = []
     try:
-        records = list(src.records(rank=rank, world=world))
+        records = take(rank=rank, world=world)
         mine: dict[str, Any] = {"n": len(records), "names": [list(x) for x in _first_seen(records)]}
         failed = None
     except Exception as exc:

@@ -1,0 +1,106 @@
+"""Settings written once: a dataclass field's docstring and command-line hints, read back by every front end.
+
+A settings class (``ExtractionConfig``) documents each field with a string literal under it, as
+sparsify's and simple_parsing's configs do, and marks the command-line side with
+``option(default, group=...)``. From that one place, :func:`field_docs` gives each field's text
+(the Python API's signature and docstring, the command line's ``--help``), and :func:`cli_of`
+what the command line needs beyond the type and the default (the group in ``--help``, a metavar,
+a flag spelled otherwise).
+
+>>> from dataclasses import dataclass
+>>> @dataclass
+... class Settings:
+...     size: int = option(8, group="work", metavar="N")
+...     '''How many at once.'''
+>>> field_docs(Settings)["size"], cli_of(fields(Settings)[0]).metavar
+('How many at once.', 'N')
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import textwrap
+from dataclasses import MISSING, Field, dataclass, field, fields
+from functools import cache
+from itertools import pairwise
+from typing import Any
+
+__all__ = ["CommandLine", "cli_of", "field_docs", "fields", "option", "plain_text", "settings_doc", "settings_signature"]
+
+
+@dataclass(frozen=True)
+class CommandLine:
+    """How a field appears on the command line (type, default and help come from the field itself)."""
+
+    group: str
+    """The heading it is listed under in ``--help``."""
+    metavar: str | None = None
+    """The value's name in ``--help`` (``N``, ``DIR``); None: the option's own name."""
+    flag: str | None = None
+    """The option as typed, when not ``--`` and the field's name with dashes (``--no-statistics``)."""
+    hidden: bool = False
+    """Not an option of the command line (a Python-only value)."""
+
+
+def option(default: Any = MISSING, *, group: str, metavar: str | None = None, flag: str | None = None,
+           hidden: bool = False) -> Any:
+    """A dataclass field with ``default`` that the command line lists under ``group``."""
+    meta = {"cli": CommandLine(group, metavar, flag, hidden)}
+    if default is MISSING:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def cli_of(f: Field) -> CommandLine:
+    """The command-line side of a field made with :func:`option` (a plain field is listed under "options")."""
+    return f.metadata.get("cli") or CommandLine("options")
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), dedented; "" where none."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in pairwise(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return {f.name: docs.get(f.name, "") for f in fields(cls)}
+
+
+def plain_text(doc: str) -> str:
+    """A docstring as one line of plain text (for ``--help``): reST literals unquoted, whitespace folded.
+
+    >>> plain_text("Stop at ``max_tokens``\\n   tokens.")
+    'Stop at max_tokens tokens.'
+    """
+    return re.sub(r"\s+", " ", doc.replace("``", "")).strip()
+
+
+def settings_signature(func: Any, settings: type) -> inspect.Signature:
+    """``func``'s signature with its ``**options`` spelled out as the keyword-only fields of ``settings`` (with their
+    defaults and types), for ``help()``, notebooks' tooltips and ``inspect``; the fields ``func`` names itself keep
+    their place."""
+    sig = inspect.signature(func)
+    own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    named = {p.name for p in own}
+    spelled = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                                 default=inspect.Parameter.empty if f.default is MISSING else f.default)
+               for f in fields(settings) if f.name not in named]
+    return sig.replace(parameters=[*own, *spelled])
+
+
+def settings_doc(settings: type, *, skip: tuple[str, ...] = ()) -> str:
+    """The fields of ``settings`` as a docstring section: ``name (default): text`` each, from their docstrings."""
+    docs = field_docs(settings)
+    lines = ["", "", "    Options:"]
+    for f in fields(settings):
+        if f.name in skip:
+            continue
+        default = "" if f.default is MISSING else f" (default {f.default!r})"
+        lines.append(textwrap.fill(f"{f.name}{default}: {plain_text(docs[f.name])}", width=100,
+                                   initial_indent="        ", subsequent_indent="            "))
+    return "\n".join(lines) + "\n"
