@@ -112,3 +112,15 @@ def test_the_command_line_check_catches_a_line_that_does_not_parse(capsys):
     seen, problems = _command_line_problems("```\nlmprobe extract --model m --prompts p --out o --nope\n"
                                             "lmprobe info [--colour]\nlmprobe exract x\n```\n")
     assert seen == 3 and len(problems) == 3, problems
+
+
+def test_cli_md_lists_every_option_of_extract():
+    """A setting added to ExtractionConfig becomes an option of extract; docs/cli.md's synopsis must name it."""
+    from lmprobe.cli.app import build_parser
+
+    parser = build_parser()
+    extract = next(a for a in parser._actions if a.dest == "command").choices["extract"]
+    synopsis = (ROOT / "docs/cli.md").read_text().split("```\nlmprobe extract ", 1)[1].split("```", 1)[0]
+    missing = [o for a in extract._actions for o in a.option_strings
+               if o.startswith("--") and o != "--help" and not re.search(re.escape(o) + r"\b(?!-)", synopsis)]
+    assert not missing, f"options of extract missing from docs/cli.md's synopsis: {missing}"
