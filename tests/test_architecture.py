@@ -32,6 +32,8 @@ def layer_of(module: str) -> str:
     if not parts:
         return "api"  # lmprobe/__init__.py
     top = parts[0]
+    if parts[-1] == "__main__":
+        return "api"  # `python -m lmprobe.sae`: an entry point into the command line, like lmprobe/__main__.py
     if (PKG / top).is_dir():
         return FOLDERS.get(top, "features")
     if top in ROOT_MODULES:
@@ -44,7 +46,7 @@ def layer_of(module: str) -> str:
 LAZY_ALLOWED = {
     ("lmprobe", "__getattr__"),  # the API loads on first use so that lmprobe.sae stays numpy-free
     ("lmprobe.sae", "__getattr__"),  # export needs numpy; the loader does not
-    ("lmprobe.sae.cli", "run_topk"),  # the smoke CLI runs without numpy unless a dataset is read
+    ("lmprobe.sae.topk", "top_features"),  # a dictionary's top features need numpy only when a dataset is read
 }
 
 
@@ -229,3 +231,11 @@ def test_extraction_config_checks_itself_and_documents_every_field():
         ExtractionConfig(model="m", prompts=["a"], out="o", remote=True)
     with pytest.raises(lmprobe.LmprobeError, match="512XB"):
         ExtractionConfig(model="m", prompts=["a"], out="o", shard_size="512XB")
+
+
+def test_there_is_one_command_line():
+    """issue 38, point 4: every command is parsed in lmprobe/cli/ (one module per command group) and calls a public
+    function; no feature package keeps a command line of its own (`python -m lmprobe.sae` hands over to it)."""
+    parsers = sorted(name for name, path in MODULES.items()
+                     if not name.startswith("lmprobe.cli") and "argparse" in path.read_text())
+    assert not parsers, f"modules outside lmprobe/cli/ that parse arguments: {parsers}"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..publish.attachments import publish_attachment
 from ..publish.dictionary import push_dictionary
-from ..sae.cli import add_topk_arguments, run_topk
 from ..sae.export import export_sae
+from ..sae.topk import top_features
 from ..saelens import export_saelens, import_saelens
 from ..saev import compat_mode, export_saev
 from .options import (
@@ -78,7 +78,10 @@ def cmd_export_sae(args: argparse.Namespace) -> int:
 
 
 def cmd_sae_topk(args: argparse.Namespace) -> int:
-    return run_topk(args)
+    found = top_features(args.root, args.dictionary, args.layer, k=args.topk, dataset=args.dataset, prompt=args.prompt,
+                         seed=args.seed, device=args.device, scores=args.scores)
+    print("\n".join(found.lines()))
+    return 0
 
 
 def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
@@ -164,6 +167,18 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     add_token_option(p)
     p.set_defaults(func=cmd_export_sae)
 
-    p = command("sae-topk", help="print the top SAE features of a probe vector (smoke test)")
-    add_topk_arguments(p)
+    p = command("sae-topk", help="print the top SAE features of a probe vector (smoke test)",
+                description="Load one layer of a dictionary and print its top features for a probe vector (also "
+                "`python -m lmprobe.sae ARGS`).")
+    p.add_argument("--root", required=True, help="folder holding dictionaries, or hf://OWNER/NAME (a model repo)")
+    p.add_argument("--dict", required=True, dest="dictionary", help="dictionary name (a folder under --root)")
+    p.add_argument("--layer", required=True, type=int, help="the layer of the dictionary to load (-1: its last)")
+    p.add_argument("--topk", type=positive_int, default=10, help="features to print")
+    p.add_argument("--dataset", default=None, help="take the probe vector from this lmprobe dataset (path or repo)")
+    p.add_argument("--prompt", type=int, default=0, help="with --dataset: the prompt (index row) to use")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random probe vector")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    p.add_argument("--scores", action="store_true",
+                   help="rank raw scores W x + b (the dictionary format's projection) instead of the SAE's "
+                   "activations under its recorded rule (relu, top-k, JumpReLU)")
     p.set_defaults(func=cmd_sae_topk)

@@ -1,3 +1,7 @@
-from .cli import main
+"""``python -m lmprobe.sae ARGS``: the dictionary document's smoke test, the same as ``lmprobe sae-topk ARGS``."""
 
-raise SystemExit(main())
+import sys
+
+from ..cli.app import main
+
+raise SystemExit(main(["sae-topk", *sys.argv[1:]]))
