@@ -327,12 +327,13 @@ def test_progress_off_a_terminal_is_a_line_every_interval_and_one_at_the_end(cap
 
     clock = [100.0]
     monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
-    bar = progress.Progress(1000, desc="export-saev", unit="example", interval=30)
-    for _ in range(9):
-        clock[0] += 10
-        bar.update(100, note="shard 3")
-    bar.update(100)
-    bar.close()
+    with progress.messages_shown():  # as under the command line
+        bar = progress.Progress(1000, desc="export-saev", unit="example", interval=30)
+        for _ in range(9):
+            clock[0] += 10
+            bar.update(100, note="shard 3")
+        bar.update(100)
+        bar.close()
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["export-saev: 300/1,000 examples (30.0%), 10.0 examples/s, ETA 1m10s, shard 3",
                      "export-saev: 600/1,000 examples (60.0%), 10.0 examples/s, ETA 40s, shard 3",
@@ -343,8 +344,9 @@ def test_progress_off_a_terminal_is_a_line_every_interval_and_one_at_the_end(cap
 def test_progress_of_bytes_shows_sizes_and_quiet_shows_nothing(capsys, monkeypatch):
     from lmprobe.base import progress
 
-    bar = progress.Progress(4 * 2**30, desc="push me/acts", unit="B", initial=2**30, interval=0)
-    bar.update(2**30)
+    with progress.messages_shown():
+        bar = progress.Progress(4 * 2**30, desc="push me/acts", unit="B", initial=2**30, interval=0)
+        bar.update(2**30)
     assert capsys.readouterr().err.startswith("push me/acts: 2.0 GiB/4.0 GiB (50.0%), ")
     quiet = progress.Progress(10, desc="x", unit="item", quiet=True, interval=0)
     quiet.update(5)
@@ -361,3 +363,39 @@ def test_progress_on_a_terminal_is_a_tqdm_bar(capsys, monkeypatch):
     bar.close()
     err = capsys.readouterr().err
     assert "\r" in err and "pull me/acts: 100%" in err and "10/10" in err
+
+
+def test_the_library_is_quiet_by_default_and_the_command_line_shows_its_messages(tmp_path, capsys):
+    """issue 38, point 5: the lmprobe logger says nothing below a warning in library use, unless asked; the command
+    line shows its messages, and leaves the logger as it found it."""
+    import logging
+
+    import lmprobe
+    from lmprobe.cli import main as cli_main
+
+    log = logging.getLogger("lmprobe")
+    lmprobe.extract("lmprobe-tiny", ["the cat sat"], out=tmp_path / "a", layers=-1)
+    assert capsys.readouterr().err == ""
+    log.setLevel(logging.INFO)
+    try:
+        lmprobe.extract("lmprobe-tiny", ["the cat sat"], out=tmp_path / "b", layers=-1)
+        assert "lmprobe: writing 1 prompt (" in capsys.readouterr().err
+    finally:
+        log.setLevel(logging.WARNING)
+    (tmp_path / "p.txt").write_text("the cat sat\n")
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(tmp_path / "p.txt"), "--out",
+                     str(tmp_path / "c"), "--layers", "-1"]) == 0
+    assert "lmprobe: writing 1 prompt (" in capsys.readouterr().err and log.level == logging.WARNING
+
+
+def test_progress_in_a_notebook_is_a_bar(monkeypatch):
+    import types
+
+    from lmprobe.base import progress
+
+    class ZMQInteractiveShell:  # what get_ipython() returns in a Jupyter kernel
+        pass
+
+    assert not progress.on_terminal()  # pytest's captured stderr: lines, not bars
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=ZMQInteractiveShell))
+    assert progress.on_terminal()

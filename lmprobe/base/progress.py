@@ -1,11 +1,13 @@
 """How lmprobe tells the user what it is doing: the ``lmprobe`` logger, and progress of long work.
 
 Messages go through ``logging.getLogger("lmprobe")``. Like huggingface_hub's, the logger comes
-with a handler of its own (plain messages on stderr, INFO and up), so that a script or a notebook
-shows what the command line shows; ``logging.getLogger("lmprobe").setLevel(logging.WARNING)``
-silences the chatter, and an application may replace the handler.
+with a handler of its own (plain messages on stderr) and is quiet by default in library use: it
+shows warnings, and ``logging.getLogger("lmprobe").setLevel(logging.INFO)`` shows what the
+command line shows (what is about to be written, what was pushed). The command line shows them
+(:func:`messages_shown`); ``quiet`` / ``--quiet`` says nothing either way. An application may
+replace the handler.
 
-Progress is a tqdm bar on a terminal only. Anywhere else (a log file, a Slurm job, a pipe) bars
+Progress is a tqdm bar on a terminal or in a notebook. Anywhere else (a log file, a Slurm job, a pipe) bars
 would write escape codes and carriage returns, so ``Progress`` logs one line every
 ``LMPROBE_PROGRESS_INTERVAL`` seconds instead (default 30): what is done, the rate and the time
 left. Third-party bars (huggingface_hub's uploads and downloads, transformers' "Loading weights")
@@ -49,14 +51,35 @@ if not logger.handlers:
     _handler = _StderrHandler()
     _handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.WARNING)  # quiet in library use; the command line shows INFO (messages_shown)
     logger.propagate = False  # one copy of each line, even when the application configures the root logger
 
 
-def on_terminal() -> bool:
-    """Whether stderr is a terminal (bars are drawn) rather than a file or a pipe (progress lines are logged)."""
+@contextmanager
+def messages_shown() -> Iterator[None]:
+    """The ``lmprobe`` logger's INFO messages shown for the block (a command of the command line), unless the
+    application set a level of its own; the level it had comes back after."""
+    before = logger.level
+    if before == logging.WARNING:
+        logger.setLevel(logging.INFO)
     try:
-        return sys.stderr.isatty()
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel, where tqdm draws its bars as widgets."""
+    shell = sys.modules.get("IPython")
+    get = getattr(shell, "get_ipython", None)
+    return get is not None and type(get()).__name__ == "ZMQInteractiveShell"
+
+
+def on_terminal() -> bool:
+    """Whether bars are drawn: stderr is a terminal, or this is a notebook; else (a file, a pipe) progress lines are
+    logged."""
+    try:
+        return sys.stderr.isatty() or in_notebook()
     except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
         return False
 
@@ -139,7 +162,7 @@ class Progress:
             self.bar.update(n)
             return
         now = time.monotonic()
-        if now - self.last_line >= self.interval:
+        if now - self.last_line >= self.interval and logger.isEnabledFor(logging.INFO):
             self.last_line, self.logged = now, self.done
             self.lines += 1
             logger.info(self.line(now))

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..base.display import escape_controls, hide_credentials
+from ..base.progress import messages_shown
 from ..errors import LmprobeError
 from ..version import __version__
 from . import analysis, datasets, exports, extract, hub
@@ -94,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = _subcommands(parser).choices[args.command]
         command.error(_unrecognized(command, extra))
     try:
-        return int(args.func(args) or 0)
+        with messages_shown():  # what a command says; the library alone is quiet
+            return int(args.func(args) or 0)
     except LmprobeError as exc:
         # the user's input or environment: one line that says what to do; anything else is a bug
         # and keeps its traceback

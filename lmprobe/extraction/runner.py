@@ -257,8 +257,8 @@ def _planned_bytes(job: Job, writer: DatasetWriter) -> tuple[int | None, str]:
     order = np.lexsort((np.arange(len(p)), -lengths))
     if cfg.storage == "full_sequence":
         tokens = int(lengths[order[writer.num_prompts:]].sum())  # an upper bound when special tokens are dropped
-        return tokens * per_vector + rows * logits, f"{len(p):,} prompts, {int(lengths.sum()):,} tokens ({what})"
-    return rows * (per_vector + logits), f"{len(p):,} prompts ({what})"
+        return tokens * per_vector + rows * logits, f"{plural(len(p), 'prompt')}, {plural(int(lengths.sum()), 'token')} ({what})"
+    return rows * (per_vector + logits), f"{plural(len(p), 'prompt')} ({what})"
 
 
 def _announce(job: Job, writer: DatasetWriter, out: Path, *, local: bool) -> None:
