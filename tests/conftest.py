@@ -175,3 +175,12 @@ def s3(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def messages():
+    """The lmprobe logger's INFO messages shown, as under the command line (the library alone is quiet)."""
+    from lmprobe.base.progress import messages_shown
+
+    with messages_shown():
+        yield

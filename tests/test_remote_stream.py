@@ -258,7 +258,7 @@ def test_a_cache_smaller_than_two_pieces_is_refused_before_any_download(hub, tmp
     assert not list(stream_root().rglob("*.rows-*"))
 
 
-def test_the_default_cache_is_bounded_and_said(hub, tmp_path, rng, fresh_hf_cache, capsys):
+def test_the_default_cache_is_bounded_and_said(hub, tmp_path, rng, fresh_hf_cache, capsys, messages):
     _, url = _push(hub, tmp_path, rng, n=20)
     stream = ShardStream(url, 0, 5)
     assert 0 < stream.cache_budget <= 20 * 2**30

@@ -103,7 +103,7 @@ def test_half_precision_sources_round_trip_in_small_batches(tmp_path, rng, monke
     np.testing.assert_array_equal(np.stack([back.token_hidden(i, 2) for i in range(10)]), want)
 
 
-def test_exact_windows_take_the_prompts_of_one_length_and_say_what_they_left_out(tmp_path, rng, capsys):
+def test_exact_windows_take_the_prompts_of_one_length_and_say_what_they_left_out(tmp_path, rng, capsys, messages):
     write_dataset(tmp_path / "ds", rng, n=10, layers=(3,), dim=4, storage="full_sequence", min_tokens=2,
                   max_tokens=6, token_ids=True)
     ds = lmprobe.load(tmp_path / "ds")
@@ -483,7 +483,7 @@ def test_export_takes_a_negative_layer_as_every_other_command_does(tmp_path, sou
     np.testing.assert_array_equal(acts, windows(src, 1))
 
 
-def test_export_packs_every_stored_token_into_windows_by_default(tmp_path, rng, capsys):
+def test_export_packs_every_stored_token_into_windows_by_default(tmp_path, rng, capsys, messages):
     """issue 37, item 4: prompts of many lengths exported 1 prompt of 48 (those of the longest length) and exited 0.
     By default the tokens are packed in index order, as SAELens' own caching does: all but the last partial window."""
     src = write_dataset(tmp_path / "ds", rng, n=48, layers=(2,), dim=4, storage="full_sequence", min_tokens=3,
