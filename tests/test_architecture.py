@@ -239,3 +239,11 @@ def test_there_is_one_command_line():
     parsers = sorted(name for name, path in MODULES.items()
                      if not name.startswith("lmprobe.cli") and "argparse" in path.read_text())
     assert not parsers, f"modules outside lmprobe/cli/ that parse arguments: {parsers}"
+
+
+def test_no_module_past_600_lines_without_a_reason_at_its_top():
+    """issue 38, point 2: one idea per file; a file past ~600 lines says at its top why it is one file."""
+    long = [name for name, path in MODULES.items()
+            if len(path.read_text().splitlines()) > 620 and "on purpose" not in (ast.get_docstring(ast.parse(
+                path.read_text())) or "")]
+    assert not long, f"modules past 600 lines whose docstring gives no reason (say why it is 'on purpose'): {long}"

@@ -34,6 +34,9 @@ Example::
     >>> mini = miniature_config(LlamaConfig(num_hidden_layers=3))
     >>> (mini.num_hidden_layers, mini.hidden_size, mini.num_attention_heads, mini.num_key_value_heads)
     (3, 64, 4, 4)
+
+About 600 lines, on purpose: the shrinking rules above are one idea, read attribute by attribute,
+and each rule needs the others' factors (a head count times a head size makes a width).
 """
 
 from __future__ import annotations

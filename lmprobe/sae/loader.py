@@ -10,6 +10,9 @@ Layout (docs/sae.md):
 numpy is optional: without it, arrays are read by a small pure-Python parser and projections use
 a bounded heap; both paths give the same features and scores (float32 accumulation on the numpy
 path, rounded to float32 on the pure-Python one). torch is never needed.
+
+One file past 600 lines, on purpose: the dictionary document (libs/sae/loader.py) names this one
+module as the loader a third party copies, with its pure-Python fallback beside the numpy path.
 """
 
 from __future__ import annotations

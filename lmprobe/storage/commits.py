@@ -26,6 +26,9 @@ alone, after every other file landed, so the repo never shows an index whose fil
 ...     for f in shards_as_they_close():
 ...         c.add(f)
 ...     c.finish(last=[RepoFile("README.md", card), RepoFile("index/train-00000-of-00001.parquet", index)])
+
+One file past 600 lines, on purpose: uploads, commit batching, retries and resume share one state
+(what is uploaded, committed, landed), and splitting them would spread its locking over files.
 """
 
 from __future__ import annotations
