@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 from conftest import write_dataset
 
 import lmprobe
 from lmprobe.cli import main as cli_main
-from lmprobe.errors import FormatError, LmprobeError
+from lmprobe.errors import LmprobeError
 from lmprobe.format import DatasetWriter
 
 INDEX = "index/train-00000-of-00001.parquet"
@@ -96,24 +95,6 @@ def test_an_interrupted_pull_over_an_earlier_one_never_pairs_old_index_and_new_s
 # ---------------------------------------------------------------------------------------------- 8. addresses
 
 
-def test_export_saev_checks_the_index_addresses(tmp_path, rng):
-    import pyarrow as pa
-
-    from lmprobe.saev import export_saev
-
-    write_dataset(tmp_path / "ds", rng, n=6, storage="full_sequence", min_tokens=3, token_ids=True)
-    index = tmp_path / "ds" / INDEX
-    table = pq.read_table(index)
-    offs = table.column("token_shard_offsets").to_pylist()
-    offs[1][0] = -5
-    table = table.set_column(table.column_names.index("token_shard_offsets"), "token_shard_offsets",
-                             pa.array(offs, pa.list_(pa.int64())))
-    pq.write_table(table, index)
-    with pytest.raises(FormatError, match="offset"):
-        export_saev(tmp_path / "ds", tmp_path / "dump", context_len=2, quiet=True)
-    assert not list((tmp_path / "dump").glob("[!.]*"))
-
-
 # ---------------------------------------------------------------------------------------------- 9. card text
 
 
@@ -165,24 +146,6 @@ def test_a_tampered_checkpoint_cannot_move_outside_files_in(tmp_path, rng):
 
 
 # ---------------------------------------------------------------------------------------------- hostile files
-
-
-def test_a_dictionary_declaring_a_huge_hidden_dim_is_refused(tmp_path, rng):
-    from lmprobe.sae import SAEConfig, load_dictionary, validate_dictionary
-    from lmprobe.sae.export import export_sae
-
-    W = rng.normal(size=(8, 12)).astype(np.float32)
-    export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W, b_enc=np.zeros(12, np.float32))
-    enc = tmp_path / "d/layer_0/encoder.npz"
-    with np.load(enc) as z:
-        arrays = dict(z)
-    arrays["shape"] = np.array([12, 10**9], dtype=np.int64)
-    with open(enc, "wb") as f:
-        np.savez(f, **arrays)
-    problems = validate_dictionary(tmp_path, "d")
-    assert problems and "hidden_dim" in problems[0]
-    with pytest.raises(ValueError, match="hidden_dim"):
-        load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d")).get_layer(0)
 
 
 def test_info_escapes_control_characters(tmp_path, capsys):
@@ -265,15 +228,6 @@ def test_an_unreachable_hub_is_one_line(tmp_path, monkeypatch, capsys):
     assert cli_main(["info", "someone/some-dataset"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot reach the Hub" in err, err
-
-
-def test_validate_of_a_broken_saev_folder_says_so(tmp_path, capsys):
-    (tmp_path / "s").mkdir()
-    (tmp_path / "s/metadata.json").write_text("{not json")
-    (tmp_path / "s/shards.json").write_text("[]")
-    assert cli_main(["validate", str(tmp_path / "s")]) == 1
-    out = capsys.readouterr().out
-    assert "saev" in out and "metadata.json" in out and "no lmprobe dataset" not in out
 
 
 def test_repushing_a_complete_dataset_sends_nothing(hub, tmp_path, rng, capsys):
