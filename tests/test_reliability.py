@@ -40,53 +40,7 @@ def test_merge_refuses_an_output_that_overlaps_an_input(tmp_path, rng, capsys, w
 # ---------------------------------------------------------------------------------------------- 3. push --saev .
 
 
-def test_copying_an_attachment_never_deletes_its_source(tmp_path, rng, monkeypatch, hub):
-    from lmprobe.saev import export_saev
-
-    ds = tmp_path / "ds"
-    write_dataset(ds, rng, n=8, storage="full_sequence", token_ids=True)
-    first = export_saev(ds, ds / "saev", context_len=2, quiet=True)
-    second = export_saev(ds, ds / "saev", context_len=3, quiet=True)
-    monkeypatch.chdir(first)
-    assert cli_main(["push", str(ds), "tester/saev-dot", "--saev", ".", "--quiet"]) == 0
-    assert (first / "metadata.json").exists() and (second / "metadata.json").exists()
-    monkeypatch.chdir(ds / "saev")
-    assert cli_main(["push", str(ds), "tester/saev-dotdot", "--saev", "..", "--quiet"]) == 2
-    assert (ds / INDEX).exists() and (first / "metadata.json").exists()
-
-
 # ---------------------------------------------------------------------------------------------- 4. interrupted pull
-
-
-def test_an_interrupted_pull_over_an_earlier_one_never_pairs_old_index_and_new_shards(hub, tmp_path, rng, monkeypatch):
-    from lmprobe.publish import pull as pull_mod
-
-    old, new = tmp_path / "old", tmp_path / "new"
-    write_dataset(old, rng, n=12, layers=(0, 1), shard_size="96B")
-    write_dataset(new, rng, n=12, layers=(0, 1), shard_size="96B")
-    lmprobe.push_to_hub(old, "tester/pull-a", quiet=True)
-    dst = tmp_path / "local"
-    lmprobe.pull("tester/pull-a", dst, quiet=True)
-    lmprobe.push_to_hub(new, "tester/pull-a", quiet=True)  # the repo pushed again: the same names, other values
-    copies = []
-    real = pull_mod._copy_into
-
-    def dying(src, target):
-        copies.append(target)
-        if len(copies) == 3:
-            raise KeyboardInterrupt
-        return real(src, target)
-
-    monkeypatch.setattr(pull_mod, "_copy_into", dying)
-    with pytest.raises(KeyboardInterrupt):
-        lmprobe.pull("tester/pull-a", dst, quiet=True)
-    monkeypatch.setattr(pull_mod, "_copy_into", real)
-    # the folder is visibly incomplete, never a mix that reads
-    with pytest.raises(LmprobeError, match="unfinished|no lmprobe dataset|missing"):
-        lmprobe.load(dst).hidden(0)
-    lmprobe.pull("tester/pull-a", dst, quiet=True)
-    np.testing.assert_array_equal(lmprobe.load(dst).hidden(1), lmprobe.load(new).hidden(1))
-    np.testing.assert_array_equal(lmprobe.load(dst).hidden(0), lmprobe.load(new).hidden(0))
 
 
 # ---------------------------------------------------------------------------------------------- 7. shape overflow
@@ -96,32 +50,6 @@ def test_an_interrupted_pull_over_an_earlier_one_never_pairs_old_index_and_new_s
 
 
 # ---------------------------------------------------------------------------------------------- 9. card text
-
-
-def test_the_owners_card_text_survives_a_push_with_attachments(tmp_path, rng, hub):
-    from lmprobe.saev import export_saev
-
-    ds = tmp_path / "ds"
-    write_dataset(ds, rng, n=8, storage="full_sequence", token_ids=True)
-    card = (ds / "README.md").read_text()
-    (ds / "README.md").write_text(card + "\n## Notes by the owner\n\nCollected from our lab's prompts.\n")
-    saev = export_saev(ds, tmp_path / "saev", context_len=2, quiet=True)
-    assert cli_main(["push", str(ds), "tester/card-kept", "--saev", str(saev), "--quiet"]) == 0
-    text = (ds / "README.md").read_text()
-    assert "Collected from our lab's prompts." in text and "saev protocol 2.0 export" in text
-    assert text.count("# Activations of") == 1
-    assert "Collected from our lab's prompts." in hub.read("tester/card-kept", "README.md").decode()
-
-
-def test_export_saev_push_keeps_the_repos_card(tmp_path, rng, hub):
-    ds = tmp_path / "ds"
-    write_dataset(ds, rng, n=8, storage="full_sequence", token_ids=True)
-    (ds / "README.md").write_text((ds / "README.md").read_text() + "\nOwner's words.\n")
-    lmprobe.push_to_hub(ds, "tester/card-hub", quiet=True)
-    assert cli_main(["export-saev", str(ds), "--out", str(tmp_path / "dump"), "--context-len", "2", "--push",
-                     "tester/card-hub", "--quiet"]) == 0
-    text = hub.read("tester/card-hub", "README.md").decode()
-    assert "Owner's words." in text and "saev protocol 2.0 export" in text
 
 
 # ---------------------------------------------------------------------------------------------- 11. state.json
@@ -228,17 +156,6 @@ def test_an_unreachable_hub_is_one_line(tmp_path, monkeypatch, capsys):
     assert cli_main(["info", "someone/some-dataset"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot reach the Hub" in err, err
-
-
-def test_repushing_a_complete_dataset_sends_nothing(hub, tmp_path, rng, capsys):
-    write_dataset(tmp_path / "ds", rng, n=6)
-    assert cli_main(["push", str(tmp_path / "ds"), "tester/repush"]) == 0
-    capsys.readouterr()
-    commits = len(hub.log)
-    assert cli_main(["push", str(tmp_path / "ds"), "tester/repush"]) == 0
-    said = capsys.readouterr().err  # the lmprobe logger's line
-    assert "pushed 0 file(s)" in said and "nothing to send" in said
-    assert not any(m == "POST" and "/commit/" in p for m, p in hub.log[commits:])
 
 
 def test_a_prompt_folder_is_not_said_to_be_missing(tmp_path, capsys):

@@ -101,29 +101,6 @@ def test_corpus_extraction_says_which_columns_it_does_not_store(tmp_path, capsys
 # ------------------------------------------------------------------ 8. a missing local path is not sent to the Hub
 
 
-@pytest.mark.parametrize("path", ["out/nonexistent", "./gone", "~/gone/x", "/abs/gone", "a/b/c"])
-def test_a_missing_local_path_is_a_local_error_with_no_request(tmp_path, monkeypatch, capsys, path):
-    import huggingface_hub
-
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "out").mkdir()
-    calls = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda *a, **k: calls.append(a) or 1 / 0)
-    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **k: calls.append(a) or 1 / 0)
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request would fail loudly
-    assert cli_main(["info", path]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not exist" in err[0] and "cannot reach" not in err[0], err
-    assert not calls
-
-
-def test_owner_name_without_such_a_local_folder_still_means_the_hub():
-    from lmprobe.storage.hub import parse_dataset_ref
-
-    assert parse_dataset_ref("someone/acts").repo_id == "someone/acts"
-    assert parse_dataset_ref("out/nonexistent") is not None  # no ./out here: a Hub repo name
-
-
 # ------------------------------------------------------------------ 9. a mistyped model name, the Hub unreachable
 
 
