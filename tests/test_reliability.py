@@ -9,7 +9,6 @@ import json
 
 import numpy as np
 import pytest
-from conftest import write_dataset
 
 import lmprobe
 from lmprobe.cli import main as cli_main
@@ -23,18 +22,6 @@ INDEX = "index/train-00000-of-00001.parquet"
 
 
 # ---------------------------------------------------------------------------------------------- 2. merge into an input
-
-
-@pytest.mark.parametrize("where", ["same", "parent", "inside"])
-def test_merge_refuses_an_output_that_overlaps_an_input(tmp_path, rng, capsys, where):
-    a, b = tmp_path / "a", tmp_path / "parts" / "b"
-    write_dataset(a, rng, n=4)
-    write_dataset(b, rng, n=4)
-    before = {p: p.read_bytes() for p in b.rglob("*") if p.is_file()}
-    out = {"same": b, "parent": tmp_path / "parts", "inside": b / "merged"}[where]
-    assert cli_main(["merge", str(a), str(b), "--out", str(out), "--overwrite"]) == 2
-    assert "input" in capsys.readouterr().err
-    assert {p: p.read_bytes() for p in b.rglob("*") if p.is_file()} == before
 
 
 # ---------------------------------------------------------------------------------------------- 3. push --saev .

@@ -23,51 +23,6 @@ INDEX = "index/train-00000-of-00001.parquet"
 
 # ------------------------------------------------------------------ 5. kill -9 during merge
 
-KILL_DURING_MERGE = r"""
-import os, sys
-import lmprobe.format.merge as merge
-real, n = merge._link, [0]
-def link(src, dst):
-    n[0] += 1
-    if n[0] == int(sys.argv[3]):
-        os.kill(os.getpid(), 9)
-    real(src, dst)
-merge._link = link
-from lmprobe.cli import main
-sys.exit(main(["merge", *sys.argv[1].split(","), "--out", sys.argv[2]]))
-"""
-
-
-@pytest.mark.parametrize("kill_at", [2, 5, 9])
-def test_the_same_merge_command_finishes_a_killed_merge(tmp_path, rng, capsys, kill_at):
-    import subprocess
-    import sys
-
-    parts = []
-    for k in range(2):
-        write_dataset(tmp_path / f"p{k}", rng, n=12, layers=(0, 1), dim=4, storage="full_sequence",
-                      shard_size="256B", logits_k=2)
-        parts.append(str(tmp_path / f"p{k}"))
-    out = tmp_path / "m"
-    killed = subprocess.run([sys.executable, "-c", KILL_DURING_MERGE, ",".join(parts), str(out), str(kill_at)])
-    assert killed.returncode == -9
-    assert any(out.iterdir()) and not (out / INDEX).exists()
-    assert cli_main(["merge", *parts, "--out", str(out)]) == 0
-    assert cli_main(["merge", *parts, "--out", str(tmp_path / "whole")]) == 0
-    got, want = lmprobe.load(out), lmprobe.load(tmp_path / "whole")
-    assert lmprobe.validate(out).ok
-    for layer in (0, 1):
-        for i in range(24):
-            np.testing.assert_array_equal(got.token_hidden(i, layer), want.token_hidden(i, layer))
-    np.testing.assert_array_equal(got.logits_topk()[0], want.logits_topk()[0])
-    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == sorted(
-        p.name for p in (tmp_path / "whole").rglob("*") if p.is_file())
-    # another merge into the interrupted folder is refused: it would mix two merges' files
-    killed = subprocess.run([sys.executable, "-c", KILL_DURING_MERGE, ",".join(parts), str(tmp_path / "k"), "2"])
-    capsys.readouterr()
-    assert cli_main(["merge", parts[0], "--out", str(tmp_path / "k")]) == 2
-    assert "interrupted merge of other inputs" in capsys.readouterr().err
-
 
 # ------------------------------------------------------------------ 7. --max-tokens on a labelled prompt file
 
