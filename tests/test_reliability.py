@@ -74,13 +74,6 @@ def test_user_errors_are_one_line(tmp_path, llama_dir, capsys):
     assert "line 2" in err and "surrogate" in err
 
 
-def test_csv_text_that_looks_like_a_number_stays_text(tmp_path):
-    from lmprobe.extraction.prompts import read_prompts
-
-    (tmp_path / "p.csv").write_text("text,label\n007,1\n0123,0\n")
-    assert read_prompts(tmp_path / "p.csv").texts == ["007", "0123"]
-
-
 def test_out_of_space_says_how_to_resume(tmp_path, llama_dir, monkeypatch, capsys):
     import errno
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 from conftest import ROOT, write_dataset
 
-import lmprobe
 from lmprobe.cli import main as cli_main
 
 INDEX = "index/train-00000-of-00001.parquet"
@@ -24,32 +23,6 @@ INDEX = "index/train-00000-of-00001.parquet"
 
 
 # ------------------------------------------------------------------ 7. --max-tokens on a labelled prompt file
-
-
-def test_max_tokens_on_labelled_prompts_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    import lmprobe.extraction.runner as runner
-
-    loaded = []
-    monkeypatch.setattr(runner, "load_model", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(AssertionError))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"text": "the cat sat", "label": 1, "topic": "pets"}\n{"text": "a dog", "label": 0, '
-                       '"topic": "pets"}\n')
-    out = tmp_path / "m"
-    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(prompts), "--out", str(out),
-                     "--max-tokens", "10M"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "'label'" in err[0] and "--context-len" in err[0] and "topic" in err[0], err
-    assert not loaded and not (out / INDEX).exists()
-
-
-def test_corpus_extraction_says_which_columns_it_does_not_store(tmp_path, capsys):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"text": "the cat sat on the mat", "url": "a"}\n{"text": "a dog ran far", "url": "b"}\n')
-    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(prompts), "--out", str(tmp_path / "m"),
-                     "--max-tokens", "8", "--layers", "0", "--quiet"]) == 0
-    err = capsys.readouterr().err
-    assert "'url'" in err and "document" in err
-    assert lmprobe.load(tmp_path / "m").num_prompts >= 1
 
 
 # ------------------------------------------------------------------ 8. a missing local path is not sent to the Hub
