@@ -1,44 +1,35 @@
-"""Reliability: ways to lose or corrupt data, hostile input, and user errors (docs/security.md).
-
-Each test reproduces an attack that succeeded against the first version: it failed there.
-"""
+"""What the command line says when something goes wrong (docs/security.md, "Messages"): a user error is one line
+with exit code 2 that says what was wrong and what to do, a bug keeps its traceback, Ctrl-C says how to go on, an
+unreachable Hub is one attempt and one line, and text from a dataset is escaped before it is printed."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
+import pytest
+from conftest import ROOT, write_dataset
 
 import lmprobe
 from lmprobe.cli import main as cli_main
 from lmprobe.format import DatasetWriter
 
-INDEX = "index/train-00000-of-00001.parquet"
 
-
-# ---------------------------------------------------------------------------------------------- 1. one writer
-
-
-# ---------------------------------------------------------------------------------------------- 2. merge into an input
-
-
-# ---------------------------------------------------------------------------------------------- 3. push --saev .
-
-
-# ---------------------------------------------------------------------------------------------- 4. interrupted pull
-
-
-# ---------------------------------------------------------------------------------------------- 7. shape overflow
-
-
-# ---------------------------------------------------------------------------------------------- 8. addresses
-
-
-# ---------------------------------------------------------------------------------------------- 9. card text
-
-
-# ---------------------------------------------------------------------------------------------- 11. state.json
-
-
-# ---------------------------------------------------------------------------------------------- hostile files
+def test_cli_prints_one_line_for_user_errors_and_a_traceback_for_bugs(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "lmprobe", "info", str(tmp_path / "missing")], capture_output=True,
+                       text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    bug = ("import sys, lmprobe.cli.app as c\n"
+           "def boom(args):\n    raise KeyError('internal')\n"
+           "p = c.build_parser\n"
+           "def patched():\n    parser = p()\n    parser.set_defaults(func=boom)\n"
+           "    for a in parser._subparsers._group_actions[0].choices.values(): a.set_defaults(func=boom)\n"
+           "    return parser\n"
+           "c.build_parser = patched\nsys.exit(c.main(['info', 'x']))\n")
+    r = subprocess.run([sys.executable, "-c", bug], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "KeyError: 'internal'" in r.stderr
 
 
 def test_info_escapes_control_characters(tmp_path, capsys):
@@ -48,9 +39,6 @@ def test_info_escapes_control_characters(tmp_path, capsys):
     assert cli_main(["info", str(tmp_path / "ds")]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\\x1b" in out
-
-
-# ---------------------------------------------------------------------------------------------- user errors
 
 
 def test_user_errors_are_one_line(tmp_path, llama_dir, capsys):
@@ -122,3 +110,37 @@ def test_a_prompt_folder_is_not_said_to_be_missing(tmp_path, capsys):
                      str(tmp_path / "o"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "does not exist" not in err and "prompts" in err
+
+
+@pytest.mark.parametrize("command", [
+    ["extract", "--model", "someone/no-such-model", "--prompts", "{root}/examples/prompts.jsonl", "--out", "{tmp}/m"],
+    ["report", "{tmp}/ds", "--out", "{tmp}/r", "--tokenizer", "someone/no-such-tokenizer"],
+])
+def test_an_unreachable_hub_is_one_attempt_and_one_line(tmp_path, rng, capsys, monkeypatch, command):
+    from huggingface_hub import constants
+
+    write_dataset(tmp_path / "ds", rng, n=6, layers=(0,), dim=4)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert cli_main([a.replace("{tmp}", str(tmp_path)).replace("{root}", str(ROOT)) for a in command]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot reach the Hub at http://127.0.0.1:9" in err[0], err
+    assert "\\n" not in err[0] and "Retry" not in err[0]
+
+
+def test_ctrl_c_says_how_to_go_on(monkeypatch, capsys):
+    """Issue 28, item 3: Ctrl-C said only 'interrupted'."""
+    from lmprobe.cli import datasets, extract, main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    for command, words in [("extract", "run the same command again to resume"), ("merge", "finish the merge"),
+                           ("validate", "run the command again")]:
+        monkeypatch.setattr(extract if command == "extract" else datasets, f"cmd_{command}", interrupted)
+        argv = {"extract": ["extract", "--model", "m", "--prompts", "p", "--out", "o"],
+                "merge": ["merge", "a", "--out", "o"], "validate": ["validate", "x"]}[command]
+        assert main(argv) == 130
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"lmprobe {command}: interrupted; ") and words in err, err
