@@ -44,6 +44,14 @@ def test_info_shows_the_embedded_models_revision(tmp_path, capsys):
     assert re.fullmatch(r"model\s+lmprobe-tiny \(revision sha256:[0-9a-f]{64}\)", line), line
 
 
+def test_a_model_name_close_to_the_embedded_one_gets_did_you_mean(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert cli_main(["extract", "--model", "lmprobe-tinny", "--prompts", str(ROOT / "examples/prompts.jsonl"), "--out",
+                     str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean 'lmprobe-tiny'" in err[0], err
+
+
 def test_example_prompts_have_low_perplexity_and_a_readable_label(tmp_path):
     ds = lmprobe.extract("lmprobe-tiny", ROOT / "examples/prompts.jsonl", out=tmp_path / "ds", layers="all",
                          perplexity=True, quiet=True)
