@@ -1,9 +1,11 @@
-"""The streaming training reader: every stored vector once per pass, shuffled, seeded, from disk or the Hub."""
+"""The streaming training reader (ShardStream) on a local dataset: every stored vector once per pass, shuffled,
+seeded, ranks, resume, normalisation, filters, bfloat16 or float32 batches, and the plan of a pass.
+
+Reading a remote dataset (the Hub, S3) through the bounded cache is tested in test_remote_stream.py."""
 
 from __future__ import annotations
 
 import json
-import uuid
 import warnings
 
 import numpy as np
@@ -45,14 +47,6 @@ def test_torch_workers_split_the_shards(tmp_path, rng):
     loader = torch.utils.data.DataLoader(stream.torch_dataset(), batch_size=None, num_workers=2)
     got = torch.cat(list(loader)).numpy()
     np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][1], axis=0))
-
-
-def test_stream_from_the_hub(hub, tmp_path, rng, fresh_hf_cache):
-    src = write_dataset(tmp_path / "ds", rng, n=20, layers=(0,), dim=4, storage="full_sequence", shard_size="256B")
-    repo = f"tester/stream-{uuid.uuid4().hex[:8]}"
-    lmprobe.push_to_hub(tmp_path / "ds", repo, quiet=True)
-    got = np.concatenate(list(ShardStream(f"hf://datasets/{repo}", 0, 7, seed=1)))
-    np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][0], axis=0))
 
 
 def test_pooled_dataset_streams_last_tokens(tmp_path, rng):
