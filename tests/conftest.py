@@ -99,6 +99,19 @@ def write_dataset(out, rng, *, n=23, layers=(0, 2, 5), dim=8, storage="pooled", 
             "tok_start": tok_start}
 
 
+def edit_index_column(root, name, edit):
+    """Rewrite one index column (keeping the schema metadata): ``edit(list) -> list``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = root / "index/train-00000-of-00001.parquet"
+    table = pq.read_table(path)
+    field = table.schema.field(name)
+    values = edit(table.column(name).to_pylist())
+    table = table.set_column(table.column_names.index(name), field, pa.array(values, field.type))
+    pq.write_table(table.replace_schema_metadata(pq.read_schema(path).metadata), path)
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     from tiny_models import build_llama

@@ -18,6 +18,8 @@ from lmprobe.sae import SAEConfig, load_dictionary, project_topk
 from lmprobe.sae.export import export_sae
 from lmprobe.saev import SaevDataset, export_saev
 
+INDEX = "index/train-00000-of-00001.parquet"
+
 
 def repo_name():
     return f"tester/all-{uuid.uuid4().hex[:8]}"
@@ -208,3 +210,44 @@ def test_a_saev_export_of_replaced_data_is_not_published_beside_it(hub, tmp_path
     assert lmprobe.validate(ds_path).ok
     assert cli_main(["push", str(ds_path), repo, "--quiet"]) == 0
     assert f"saev/{fresh.name}/metadata.json" in hub.files(repo)
+
+
+def test_copying_an_attachment_never_deletes_its_source(tmp_path, rng, monkeypatch, hub):
+    from lmprobe.saev import export_saev
+
+    ds = tmp_path / "ds"
+    write_dataset(ds, rng, n=8, storage="full_sequence", token_ids=True)
+    first = export_saev(ds, ds / "saev", context_len=2, quiet=True)
+    second = export_saev(ds, ds / "saev", context_len=3, quiet=True)
+    monkeypatch.chdir(first)
+    assert cli_main(["push", str(ds), "tester/saev-dot", "--saev", ".", "--quiet"]) == 0
+    assert (first / "metadata.json").exists() and (second / "metadata.json").exists()
+    monkeypatch.chdir(ds / "saev")
+    assert cli_main(["push", str(ds), "tester/saev-dotdot", "--saev", "..", "--quiet"]) == 2
+    assert (ds / INDEX).exists() and (first / "metadata.json").exists()
+
+
+def test_the_owners_card_text_survives_a_push_with_attachments(tmp_path, rng, hub):
+    from lmprobe.saev import export_saev
+
+    ds = tmp_path / "ds"
+    write_dataset(ds, rng, n=8, storage="full_sequence", token_ids=True)
+    card = (ds / "README.md").read_text()
+    (ds / "README.md").write_text(card + "\n## Notes by the owner\n\nCollected from our lab's prompts.\n")
+    saev = export_saev(ds, tmp_path / "saev", context_len=2, quiet=True)
+    assert cli_main(["push", str(ds), "tester/card-kept", "--saev", str(saev), "--quiet"]) == 0
+    text = (ds / "README.md").read_text()
+    assert "Collected from our lab's prompts." in text and "saev protocol 2.0 export" in text
+    assert text.count("# Activations of") == 1
+    assert "Collected from our lab's prompts." in hub.read("tester/card-kept", "README.md").decode()
+
+
+def test_export_saev_push_keeps_the_repos_card(tmp_path, rng, hub):
+    ds = tmp_path / "ds"
+    write_dataset(ds, rng, n=8, storage="full_sequence", token_ids=True)
+    (ds / "README.md").write_text((ds / "README.md").read_text() + "\nOwner's words.\n")
+    lmprobe.push_to_hub(ds, "tester/card-hub", quiet=True)
+    assert cli_main(["export-saev", str(ds), "--out", str(tmp_path / "dump"), "--context-len", "2", "--push",
+                     "tester/card-hub", "--quiet"]) == 0
+    text = hub.read("tester/card-hub", "README.md").decode()
+    assert "Owner's words." in text and "saev protocol 2.0 export" in text

@@ -1,9 +1,9 @@
-"""The base layer: one retry helper, one background worker, one atomic write; the CLI's error contract."""
+"""The base layer: one retry helper, one background worker, one atomic write, the heap trimmer, progress.
+
+The CLI's error contract is tested in test_errors.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -270,22 +270,6 @@ def test_atomic_write_never_leaves_a_half_file(tmp_path):
     assert target.read_text() == "new"
 
 
-def test_cli_prints_one_line_for_user_errors_and_a_traceback_for_bugs(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "lmprobe", "info", str(tmp_path / "missing")], capture_output=True,
-                       text=True)
-    assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "does not exist" in r.stderr and "Traceback" not in r.stderr
-    bug = ("import sys, lmprobe.cli.app as c\n"
-           "def boom(args):\n    raise KeyError('internal')\n"
-           "p = c.build_parser\n"
-           "def patched():\n    parser = p()\n    parser.set_defaults(func=boom)\n"
-           "    for a in parser._subparsers._group_actions[0].choices.values(): a.set_defaults(func=boom)\n"
-           "    return parser\n"
-           "c.build_parser = patched\nsys.exit(c.main(['info', 'x']))\n")
-    r = subprocess.run([sys.executable, "-c", bug], capture_output=True, text=True)
-    assert r.returncode == 1 and "Traceback" in r.stderr and "KeyError: 'internal'" in r.stderr
-
-
 def test_heap_trimmer_trims_piled_up_memory_but_not_a_grown_working_set(monkeypatch):
     from lmprobe.base import allocator
 
@@ -389,6 +373,7 @@ def test_the_library_is_quiet_by_default_and_the_command_line_shows_its_messages
 
 
 def test_progress_in_a_notebook_is_a_bar(monkeypatch):
+    import sys
     import types
 
     from lmprobe.base import progress

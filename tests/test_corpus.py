@@ -21,6 +21,7 @@ from lmprobe.errors import ExtractionError, OutOfSpaceError, PromptError, Resume
 from lmprobe.extraction import model as model_mod
 from lmprobe.extraction.windows import Affixes, Budget, windows
 
+INDEX = "index/train-00000-of-00001.parquet"
 DOCS = [
     "The cat sat on the mat and looked at the bird. A quick brown fox jumps over the lazy dog, then naps.",
     "Hi",
@@ -343,3 +344,31 @@ def test_a_hub_corpus_whose_column_type_changes_between_files_is_one_line(hub, l
                    "full_sequence", "--quiet"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lmprobe extract")]
     assert rc == 2 and len(err) == 1 and "record 20" in err[0] and "cannot be read" in err[0], err
+
+
+def test_max_tokens_on_labelled_prompts_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from lmprobe.extraction import loop, preparation
+
+    loaded = []
+    for module in (preparation, loop):
+        monkeypatch.setattr(module, "load_model",
+                            lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(AssertionError))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "the cat sat", "label": 1, "topic": "pets"}\n{"text": "a dog", "label": 0, '
+                       '"topic": "pets"}\n')
+    out = tmp_path / "m"
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(prompts), "--out", str(out),
+                     "--max-tokens", "10M"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'label'" in err[0] and "--context-len" in err[0] and "topic" in err[0], err
+    assert not loaded and not (out / INDEX).exists()
+
+
+def test_corpus_extraction_says_which_columns_it_does_not_store(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "the cat sat on the mat", "url": "a"}\n{"text": "a dog ran far", "url": "b"}\n')
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(prompts), "--out", str(tmp_path / "m"),
+                     "--max-tokens", "8", "--layers", "0", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "'url'" in err and "document" in err
+    assert lmprobe.load(tmp_path / "m").num_prompts >= 1

@@ -1,18 +1,20 @@
-"""The docs' commands run, and the CLI reference matches the parser."""
+"""The README and the docs: their commands and snippets run as a user would run them, every command line in them
+parses, their links resolve, and the CLI reference matches the parser."""
 
 from __future__ import annotations
 
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import lmprobe
 from lmprobe.cli import build_parser
 from lmprobe.cli import main as cli_main
-
-pytestmark = pytest.mark.slow  # end-to-end: real processes and model loads
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -24,6 +26,7 @@ def _subcommands() -> list[str]:
     return sorted(action.choices)
 
 
+@pytest.mark.slow  # end-to-end: real processes and model loads
 def test_quickstart_commands_and_snippet_run(tmp_path, monkeypatch, hub, capsys):
     text = (DOCS / "quickstart.md").read_text()
     monkeypatch.chdir(tmp_path)
@@ -43,12 +46,14 @@ def test_quickstart_commands_and_snippet_run(tmp_path, monkeypatch, hub, capsys)
     exec(re.findall(r"```python\n(.*?)```", text, flags=re.S)[0], {})
 
 
+@pytest.mark.slow
 def test_cli_reference_lists_every_command():
     text = (DOCS / "cli.md").read_text()
     documented = sorted(set(re.findall(r"^\| `([a-z-]+)` \|", text, flags=re.M)))
     assert documented == _subcommands()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", _subcommands())
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -57,6 +62,68 @@ def test_every_command_has_help(command, capsys):
     assert "usage: lmprobe " + command in capsys.readouterr().out
 
 
+def _readme_commands() -> list[list[str]]:
+    text = (ROOT / "README.md").read_text()
+    quick = text.split("## Quickstart", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    cmds = []
+    for part in quick.strip().split("&&"):
+        argv = shlex.split(part)
+        if argv and argv[0].endswith("bin/lmprobe"):
+            cmds.append(argv[1:])
+    return cmds
+
+
+def test_tests_start_in_an_empty_folder_of_their_own():
+    """conftest's guard: no test sees what the folder pytest was started from holds."""
+    assert Path.cwd() != ROOT and not any(Path.cwd().iterdir())
+
+
+@pytest.mark.slow
+def test_the_readme_first_command_then_the_hub_name_test_in_the_same_folder(tmp_path):
+    """A new user runs the README's first command, then its second, in one folder: the first leaves out/, and the
+    suite's Hub-name test (``out/nonexistent`` is a repo id when there is no ./out) must pass beside it."""
+    cmds = _readme_commands()
+    assert [c[0] for c in cmds] == ["extract", "info"]
+    (tmp_path / "examples").mkdir()  # a fresh clone's files, as the README's paths name them
+    shutil.copy(ROOT / "examples/prompts.jsonl", tmp_path / "examples")
+    said = ""
+    for argv in cmds:
+        r = subprocess.run([sys.executable, "-m", "lmprobe", *argv], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        said += r.stdout
+    assert "wrote 48 prompts" in said and "top-5" in said and "lmprobe-tiny" in said, said
+    assert (tmp_path / "out" / "tiny-demo" / "index").is_dir()
+    tests = ["tests/test_hub.py::test_owner_name_without_such_a_local_folder_still_means_the_hub",
+             "tests/test_docs.py::test_tests_start_in_an_empty_folder_of_their_own"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
+                        *[str(ROOT / t) for t in tests]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:]
+
+
+def test_readme_python_snippets_run(tmp_path, monkeypatch, hub):
+    """Every Python block of the README, in order, in one namespace, as a reader would paste them."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples/prompts.jsonl").write_text((ROOT / "examples/prompts.jsonl").read_text())
+    lmprobe.extract("lmprobe-tiny", "examples/prompts.jsonl", out="out/tiny-demo", logits_topk=5, perplexity=True,
+                    quiet=True)
+    lmprobe.push_to_hub("out/tiny-demo", "me/tiny-demo-acts", quiet=True)  # the repo the README reads
+    ns: dict = {}
+    for block in blocks:
+        exec(block, ns)
+    assert ns["X"].shape == (48, 128)
+
+
+def test_ci_runs_the_readme_test_command():
+    text = (ROOT / "README.md").read_text()
+    test_cmd = text.split("Set up and run the whole test suite", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip()
+    assert test_cmd in (ROOT / ".ci/run").read_text()
+
+
+@pytest.mark.slow
 def test_readme_links_point_at_existing_files():
     text = (ROOT / "README.md").read_text()
     for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
@@ -99,6 +166,7 @@ def _command_line_problems(text: str) -> tuple[int, list[str]]:
     return seen, problems
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", ["README.md", "docs/cli.md", "docs/corpus.md", "docs/quickstart.md",
                                   "docs/publishing.md", "docs/saev.md", "docs/pages.md"])
 def test_documented_command_lines_parse(page):
@@ -108,6 +176,7 @@ def test_documented_command_lines_parse(page):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow
 def test_the_command_line_check_catches_a_line_that_does_not_parse(capsys):
     seen, problems = _command_line_problems("```\nlmprobe extract --model m --prompts p --out o --nope\n"
                                             "lmprobe info [--colour]\nlmprobe exract x\n```\n")

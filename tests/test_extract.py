@@ -186,6 +186,13 @@ def test_prompt_file_formats(llama_dir, tmp_path):
     assert ds.num_prompts == 2
 
 
+def test_csv_text_that_looks_like_a_number_stays_text(tmp_path):
+    from lmprobe.extraction.prompts import read_prompts
+
+    (tmp_path / "p.csv").write_text("text,label\n007,1\n0123,0\n")
+    assert read_prompts(tmp_path / "p.csv").texts == ["007", "0123"]
+
+
 def test_max_length_and_truncation(llama_dir, tmp_path):
     long = PROMPTS[2]["text"]
     with pytest.raises(ValueError, match=r"prompt 0 has \d+ tokens, more than --max-length 5.*--truncate"):

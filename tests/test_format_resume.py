@@ -1,23 +1,27 @@
-"""An interrupted writer resumes from its last checkpoint and ends equal to an uninterrupted run."""
+"""An interrupted writer resumes from its last checkpoint and ends equal to an uninterrupted run; a tampered
+checkpoint is refused, and a remote output's resume never needs back a shard that was uploaded and deleted."""
 
 from __future__ import annotations
 
 import filecmp
+import json
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 import lmprobe
-from lmprobe.errors import ResumeMismatchError
+from lmprobe.errors import LmprobeError, ResumeMismatchError
 from lmprobe.format.validate import validate
 from lmprobe.format.writer import DatasetWriter
 
 HERE = Path(__file__).parent
+INDEX = "index/train-00000-of-00001.parquet"
 sys.path.insert(0, str(HERE))
 import _crash_writer  # noqa: E402
 
@@ -115,3 +119,95 @@ def test_index_equals_reference_rows(tmp_path, reference):
     b = pq.read_table(out / "index/train-00000-of-00001.parquet")
     assert a.equals(b) and a.schema.metadata == b.schema.metadata
     assert b.column("text").to_pylist() == [f"p{i}" for i in range(40)]
+
+
+def test_a_tampered_checkpoint_cannot_move_outside_files_in(tmp_path, rng):
+    out = tmp_path / "ds"
+    w = DatasetWriter(out, layers=[0], dim=4, model_name="m", shard_size="64B")
+    for _ in range(3):
+        w.add_batch(texts=["a", "b"], num_tokens=[1, 1], hidden={0: rng.normal(size=(2, 4))})
+    w.checkpoint()
+    w.abort()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not move me")
+    state_path = out / ".lmprobe-staging/state.json"
+    state = json.loads(state_path.read_text())
+    state["streams"]["last"]["closed"][0]["files"]["0"]["staging"] = "../../secret.txt"
+    state_path.write_text(json.dumps(state))
+    with pytest.raises(LmprobeError, match="staging"):
+        DatasetWriter(out, layers=[0], dim=4, model_name="m", shard_size="64B")
+    assert secret.read_text() == "do not move me"
+
+
+def test_a_resumed_remote_output_never_needs_an_uploaded_shard_back(tmp_path, rng, monkeypatch):
+    """Found by the interrupted-operation matrix (an interrupted S3 overwrite, then the same command): a
+    checkpoint recorded a closed shard without its hash, the upload thread then deleted the local file,
+    and the resumed writer could not re-hash it ("shard ... is missing; the partial output is damaged")."""
+    import threading
+
+    import lmprobe.format.shards as shards
+    from lmprobe.base.hashing import sha256_file
+    from lmprobe.format import DatasetWriter
+
+    gate = threading.Event()
+    threading.Timer(0.5, gate.set).start()  # the hasher falls half a second behind
+
+    def slow(f):
+        gate.wait(10)
+        return sha256_file(f)
+
+    monkeypatch.setattr(shards, "sha256_file", slow)
+    out = tmp_path / "staging"
+    uploaded = []
+
+    def upload_and_delete(rel):  # what UploadSink does with a finished shard
+        uploaded.append(rel)
+        (out / rel).unlink()
+
+    kw = dict(layers=[0], dim=4, model_name="m", shard_size="256B", on_file_complete=upload_and_delete,
+              checkpoint_interval=3600)
+    w = DatasetWriter(out, **kw)
+    for b in range(4):
+        w.add_batch(texts=[f"t{b}{i}" for i in range(10)], num_tokens=np.full(10, 3),
+                    hidden={0: rng.normal(size=(10, 4)).astype(np.float32)})
+    w.checkpoint()
+    assert uploaded  # shards left the machine
+    gate.set()
+    w.abort()  # stops where the checkpoint stands, as a crash would: the next run resumes from it
+    monkeypatch.setattr(shards, "sha256_file", sha256_file)
+    resumed = DatasetWriter(out, **kw)  # raised FormatError "... is missing" before the fix
+    resumed.close()
+
+
+def test_a_remote_output_killed_while_its_last_shards_upload_finishes_on_the_same_command(tmp_path, rng, monkeypatch):
+    """The matrix, run again after the fix above: killed after 60-230 of ~250 objects, the re-run still said
+    "shard ... is missing": the sequence shards go up as the writer finishes, are deleted here once uploaded,
+    and the resumed finish looked for them here."""
+    from lmprobe.format import DatasetWriter, writer
+
+    out = tmp_path / "staging"
+    uploaded = []
+
+    def upload_and_delete(rel):
+        uploaded.append(rel)
+        (out / rel).unlink()
+
+    kw = dict(layers=[0], dim=4, model_name="m", storage="full_sequence", shard_size="256B",
+              on_file_complete=upload_and_delete)
+    w = DatasetWriter(out, **kw)
+    for b in range(4):
+        w.add_batch(texts=[f"t{b}{i}" for i in range(5)], num_tokens=np.full(5, 4),
+                    hidden={0: rng.normal(size=(20, 4)).astype(np.float32)})
+    real = writer.index.write_index
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # after the shards went up, before the index: as kill -9 there
+
+    monkeypatch.setattr(writer.index, "write_index", killed)
+    with pytest.raises(KeyboardInterrupt):
+        w.close()
+    w.abort()
+    assert any("shard" in r for r in uploaded)
+    monkeypatch.setattr(writer.index, "write_index", real)
+    DatasetWriter(out, **kw).close()  # raised FormatError "shard ... is missing" before the fix
+    assert (out / INDEX).exists()

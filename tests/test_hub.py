@@ -13,7 +13,7 @@ from conftest import PROMPTS, write_dataset
 import lmprobe
 from lmprobe import push_to_hub
 from lmprobe.cli import main as cli_main
-from lmprobe.errors import PushError
+from lmprobe.errors import LmprobeError, PushError
 
 TOKEN = "hf_testSECRETtoken1234567890"
 
@@ -527,3 +527,68 @@ def test_the_local_hub_server_stopped_with_sigterm_removes_its_temporary_folder(
             server.send_signal(signal.SIGTERM)
             assert server.wait(timeout=30) == 0
         assert folder.exists() == (given is not None), folder
+
+
+def test_an_interrupted_pull_over_an_earlier_one_never_pairs_old_index_and_new_shards(hub, tmp_path, rng, monkeypatch):
+    from lmprobe.publish import pull as pull_mod
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    write_dataset(old, rng, n=12, layers=(0, 1), shard_size="96B")
+    write_dataset(new, rng, n=12, layers=(0, 1), shard_size="96B")
+    lmprobe.push_to_hub(old, "tester/pull-a", quiet=True)
+    dst = tmp_path / "local"
+    lmprobe.pull("tester/pull-a", dst, quiet=True)
+    lmprobe.push_to_hub(new, "tester/pull-a", quiet=True)  # the repo pushed again: the same names, other values
+    copies = []
+    real = pull_mod._copy_into
+
+    def dying(src, target):
+        copies.append(target)
+        if len(copies) == 3:
+            raise KeyboardInterrupt
+        return real(src, target)
+
+    monkeypatch.setattr(pull_mod, "_copy_into", dying)
+    with pytest.raises(KeyboardInterrupt):
+        lmprobe.pull("tester/pull-a", dst, quiet=True)
+    monkeypatch.setattr(pull_mod, "_copy_into", real)
+    # the folder is visibly incomplete, never a mix that reads
+    with pytest.raises(LmprobeError, match="unfinished|no lmprobe dataset|missing"):
+        lmprobe.load(dst).hidden(0)
+    lmprobe.pull("tester/pull-a", dst, quiet=True)
+    np.testing.assert_array_equal(lmprobe.load(dst).hidden(1), lmprobe.load(new).hidden(1))
+    np.testing.assert_array_equal(lmprobe.load(dst).hidden(0), lmprobe.load(new).hidden(0))
+
+
+def test_repushing_a_complete_dataset_sends_nothing(hub, tmp_path, rng, capsys):
+    write_dataset(tmp_path / "ds", rng, n=6)
+    assert cli_main(["push", str(tmp_path / "ds"), "tester/repush"]) == 0
+    capsys.readouterr()
+    commits = len(hub.log)
+    assert cli_main(["push", str(tmp_path / "ds"), "tester/repush"]) == 0
+    said = capsys.readouterr().err  # the lmprobe logger's line
+    assert "pushed 0 file(s)" in said and "nothing to send" in said
+    assert not any(m == "POST" and "/commit/" in p for m, p in hub.log[commits:])
+
+
+@pytest.mark.parametrize("path", ["out/nonexistent", "./gone", "~/gone/x", "/abs/gone", "a/b/c"])
+def test_a_missing_local_path_is_a_local_error_with_no_request(tmp_path, monkeypatch, capsys, path):
+    import huggingface_hub
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    calls = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda *a, **k: calls.append(a) or 1 / 0)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **k: calls.append(a) or 1 / 0)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request would fail loudly
+    assert cli_main(["info", path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0] and "cannot reach" not in err[0], err
+    assert not calls
+
+
+def test_owner_name_without_such_a_local_folder_still_means_the_hub():
+    from lmprobe.storage.hub import parse_dataset_ref
+
+    assert parse_dataset_ref("someone/acts").repo_id == "someone/acts"
+    assert parse_dataset_ref("out/nonexistent") is not None  # no ./out here: a Hub repo name

@@ -16,11 +16,11 @@ from lmprobe.cli import main as cli_main
 from lmprobe.format.merge import merge_datasets
 from lmprobe.format.validate import validate
 
-pytestmark = pytest.mark.slow  # end-to-end: real processes and model loads
-
+INDEX = "index/train-00000-of-00001.parquet"
 MANY = [dict(p, text=p["text"] + f" #{i}") for i in range(3) for p in PROMPTS]  # 21 prompts
 
 
+@pytest.mark.slow  # end-to-end: real processes and model loads
 @pytest.mark.parametrize("storage", ["pooled", "full_sequence"])
 def test_merge_of_parts_equals_the_whole(tmp_path, rng, storage):
     parts = []
@@ -52,6 +52,7 @@ def test_merge_of_parts_equals_the_whole(tmp_path, rng, storage):
     np.testing.assert_allclose(stats["std"], stored.std(0), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_merge_refuses_mismatched_parts(tmp_path, rng, capsys):
     write_dataset(tmp_path / "a", rng, n=4, layers=(0,), dim=4)
     write_dataset(tmp_path / "b", rng, n=4, layers=(0,), dim=5)
@@ -60,6 +61,7 @@ def test_merge_refuses_mismatched_parts(tmp_path, rng, capsys):
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow
 def test_merge_refuses_a_part_given_twice(tmp_path, rng, capsys):
     """A A, a part and its link or copy, or two extractions of the same prompts would hold every prompt twice
     (probe folds then share prompts; issue 36, finding 5)."""
@@ -85,6 +87,7 @@ def test_merge_refuses_a_part_given_twice(tmp_path, rng, capsys):
     assert lmprobe.load(tmp_path / "m").num_prompts == 8
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_equal_one(llama_dir, tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps(p) for p in MANY) + "\n")
@@ -110,6 +113,7 @@ def test_torchrun_two_processes_equal_one(llama_dir, tmp_path):
     assert not (tmp_path / "two/.lmprobe-parts").exists()
 
 
+@pytest.mark.slow
 def test_parts_made_with_other_batch_sizes_merge_and_keep_their_runs(tmp_path):
     """issue 37, item 5: a batch size changes no stored value beyond float rounding, for a merge as for a resume;
     the merged dataset lists every part's runs, each at the row where its rows now start."""
@@ -121,3 +125,61 @@ def test_parts_made_with_other_batch_sizes_merge_and_keep_their_runs(tmp_path):
     assert m.texts == texts
     np.testing.assert_array_equal(m.hidden(-1), np.concatenate([a.hidden(-1), b.hidden(-1)]))
     assert [(r["first_row"], r["batch_size"]) for r in m.info["runs"]] == [(0, 2), (4, 3)]
+
+
+@pytest.mark.parametrize("where", ["same", "parent", "inside"])
+def test_merge_refuses_an_output_that_overlaps_an_input(tmp_path, rng, capsys, where):
+    a, b = tmp_path / "a", tmp_path / "parts" / "b"
+    write_dataset(a, rng, n=4)
+    write_dataset(b, rng, n=4)
+    before = {p: p.read_bytes() for p in b.rglob("*") if p.is_file()}
+    out = {"same": b, "parent": tmp_path / "parts", "inside": b / "merged"}[where]
+    assert cli_main(["merge", str(a), str(b), "--out", str(out), "--overwrite"]) == 2
+    assert "input" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in b.rglob("*") if p.is_file()} == before
+
+
+KILL_DURING_MERGE = r"""
+import os, sys
+import lmprobe.format.merge as merge
+real, n = merge._link, [0]
+def link(src, dst):
+    n[0] += 1
+    if n[0] == int(sys.argv[3]):
+        os.kill(os.getpid(), 9)
+    real(src, dst)
+merge._link = link
+from lmprobe.cli import main
+sys.exit(main(["merge", *sys.argv[1].split(","), "--out", sys.argv[2]]))
+"""
+
+
+@pytest.mark.parametrize("kill_at", [2, 5, 9])
+def test_the_same_merge_command_finishes_a_killed_merge(tmp_path, rng, capsys, kill_at):
+    import subprocess
+    import sys
+
+    parts = []
+    for k in range(2):
+        write_dataset(tmp_path / f"p{k}", rng, n=12, layers=(0, 1), dim=4, storage="full_sequence",
+                      shard_size="256B", logits_k=2)
+        parts.append(str(tmp_path / f"p{k}"))
+    out = tmp_path / "m"
+    killed = subprocess.run([sys.executable, "-c", KILL_DURING_MERGE, ",".join(parts), str(out), str(kill_at)])
+    assert killed.returncode == -9
+    assert any(out.iterdir()) and not (out / INDEX).exists()
+    assert cli_main(["merge", *parts, "--out", str(out)]) == 0
+    assert cli_main(["merge", *parts, "--out", str(tmp_path / "whole")]) == 0
+    got, want = lmprobe.load(out), lmprobe.load(tmp_path / "whole")
+    assert lmprobe.validate(out).ok
+    for layer in (0, 1):
+        for i in range(24):
+            np.testing.assert_array_equal(got.token_hidden(i, layer), want.token_hidden(i, layer))
+    np.testing.assert_array_equal(got.logits_topk()[0], want.logits_topk()[0])
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == sorted(
+        p.name for p in (tmp_path / "whole").rglob("*") if p.is_file())
+    # another merge into the interrupted folder is refused: it would mix two merges' files
+    killed = subprocess.run([sys.executable, "-c", KILL_DURING_MERGE, ",".join(parts), str(tmp_path / "k"), "2"])
+    capsys.readouterr()
+    assert cli_main(["merge", parts[0], "--out", str(tmp_path / "k")]) == 2
+    assert "interrupted merge of other inputs" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import write_dataset
 
 import lmprobe
 from lmprobe.base.html import page
@@ -209,6 +210,160 @@ def test_an_interrupted_feature_run_resumes_to_the_same_cache(tiny_ds, tmp_path,
     a, b = load_file(whole / "features.safetensors"), load_file(tmp_path / "b" / "features.safetensors")
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def feature_setup(tmp_path_factory):
+    from lmprobe.sae.export import export_sae
+
+    root = tmp_path_factory.mktemp("features")
+    rng = np.random.default_rng(3)
+    write_dataset(root / "ds", rng, n=30, layers=(1,), dim=16, storage="full_sequence", shard_size="1KB",
+                  token_ids=True)
+    W = rng.normal(size=(24, 16)).astype(np.float32) / 4
+    export_sae(layer=1, root=root / "sae", dictionary="d", W_enc=W, b_enc=np.full(24, 0.1, np.float32),
+               orientation="out_in", activation="topk:4")
+    ref = lmprobe.features(root / "ds", root / "sae", "d", 1, root / "ref", top=3, quiet=True)
+    return root, ref
+
+
+def _features(root, out, **kw):
+    return lmprobe.features(root / "ds", root / "sae", "d", 1, out, top=3, quiet=True, **kw)
+
+
+def _same_cache(a, b):
+    from safetensors.numpy import load_file
+
+    x, y = load_file(str(a / "features.safetensors")), load_file(str(b / "features.safetensors"))
+    assert sorted(x) == sorted(y)
+    for k in x:
+        np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+def _damage_cache(path, how):
+    from safetensors.numpy import load_file, save_file
+
+    if how == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "deleted":
+        path.unlink()
+    else:
+        t = load_file(str(path))
+        if how == "no frequency":
+            del t["frequency"]
+        elif how == "wrong shape":
+            t["top_values"] = t["top_values"][:, :2].copy()
+        elif how == "wrong dtype":
+            t["top_prompt"] = t["top_prompt"].astype(np.float32)
+        elif how == "prompt out of range":
+            t["top_prompt"][0, 0] = 10**6
+        elif how == "token out of range":
+            t["top_token"][0, 0] = 10**6
+        elif how == "no histogram edges":
+            del t["histogram_edges"]
+        save_file(t, str(path))
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "deleted", "no frequency", "wrong shape", "wrong dtype",
+                                 "prompt out of range", "token out of range", "no histogram edges"])
+def test_a_damaged_feature_cache_is_computed_again(feature_setup, tmp_path, capsys, how):
+    """The interrupted-operation matrix (issue 27) found a complete cache trusted as it was: tracebacks."""
+    import shutil
+
+    root, ref = feature_setup
+    out = tmp_path / "f"
+    shutil.copytree(ref, out)
+    _damage_cache(out / "features.safetensors", how)
+    _features(root, out)
+    _same_cache(ref, out)
+    assert "computing it again" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("manifest", ["[1, 2]", '"x"', "{}", '{"tokens": -5}'])
+def test_a_manifest_that_is_not_this_runs_object_is_computed_again_or_refused(feature_setup, tmp_path, manifest,
+                                                                              capsys):
+    import json
+    import shutil
+
+    root, ref = feature_setup
+    out = tmp_path / "f"
+    shutil.copytree(ref, out)
+    good = json.loads((ref / "manifest.json").read_text())
+    text = json.dumps({**good, **json.loads(manifest)}) if manifest.startswith('{"tokens"') else manifest
+    (out / "manifest.json").write_text(text)
+    _features(root, out)
+    _same_cache(ref, out)
+    assert json.loads((out / "manifest.json").read_text())["tokens"] == good["tokens"]
+
+
+def _partial(root, ds, out, monkeypatch):
+    """A run killed after its first checkpoint: its partial cache and state."""
+    import lmprobe.pages.features as F
+
+    real, calls = F.FeatureCache.add, {"n": 0}
+
+    def dying(self, *a):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self, *a)
+
+    monkeypatch.setattr(F.FeatureCache, "add", dying)
+    with pytest.raises(KeyboardInterrupt):
+        lmprobe.features(ds, root / "sae", "d", 1, out, top=3, quiet=True, memory="20KB", checkpoint_tokens=1)
+    monkeypatch.setattr(F.FeatureCache, "add", real)
+    assert (out / ".features-partial.json").exists()
+    return out
+
+
+@pytest.mark.parametrize("edit", [
+    {"next_prompt": "x"}, {"next_prompt": None}, {"next_prompt": -5}, {"next_prompt": 1.5}, {"next_prompt": 10**6},
+    {"next_prompt": 2**70}, "a list", "truncated cache", "float16 cache", "negative tokens_seen", "tokens_seen off",
+])
+def test_a_tampered_partial_feature_state_starts_over(feature_setup, tmp_path, monkeypatch, capsys, edit):
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    root, ref = feature_setup
+    out = _partial(root, root / "ds", tmp_path / "p", monkeypatch)
+    state, cache = out / ".features-partial.json", out / ".features-partial.safetensors"
+    if isinstance(edit, dict):
+        state.write_text(json.dumps({**json.loads(state.read_text()), **edit}))
+    elif edit == "a list":
+        state.write_text("[1]")
+    elif edit == "truncated cache":
+        cache.write_bytes(cache.read_bytes()[:100])
+    else:
+        t = load_file(str(cache))
+        if edit == "float16 cache":
+            t["values"] = t["values"].astype(np.float16)
+        elif edit == "negative tokens_seen":
+            t["tokens_seen"] = np.array([-2**40], dtype=np.int64)
+        else:
+            t["tokens_seen"] = t["tokens_seen"] + 1
+        save_file(t, str(cache))
+    _features(root, out)
+    _same_cache(ref, out)
+    assert "starting over" in capsys.readouterr().err
+
+
+def test_a_partial_feature_state_over_a_rewritten_dataset_starts_over(feature_setup, tmp_path, monkeypatch):
+    """The matrix found a partial cache resumed over a dataset rewritten in place (same path, same prompt count)."""
+    import shutil
+
+    root, _ = feature_setup
+    ds = tmp_path / "ds"
+    shutil.copytree(root / "ds", ds)
+    out = _partial(root, ds, tmp_path / "p", monkeypatch)
+    shutil.rmtree(ds)
+    write_dataset(ds, np.random.default_rng(9), n=30, layers=(1,), dim=16, storage="full_sequence",
+                  shard_size="1KB", token_ids=True)  # the same path and prompt count, other data
+    fresh = lmprobe.features(ds, root / "sae", "d", 1, tmp_path / "fresh", top=3, quiet=True)
+    lmprobe.features(ds, root / "sae", "d", 1, out, top=3, quiet=True)
+    _same_cache(fresh, out)
 
 
 def test_feature_browser_renders_index_and_pages(tiny_ds, tmp_path):

@@ -202,6 +202,14 @@ def _rows(batches):
     return np.sort(np.concatenate(batches), axis=0)
 
 
+def test_stream_from_the_hub(hub, tmp_path, rng, fresh_hf_cache):
+    src = write_dataset(tmp_path / "ds", rng, n=20, layers=(0,), dim=4, storage="full_sequence", shard_size="256B")
+    repo = f"tester/stream-{uuid.uuid4().hex[:8]}"
+    lmprobe.push_to_hub(tmp_path / "ds", repo, quiet=True)
+    got = np.concatenate(list(ShardStream(f"hf://datasets/{repo}", 0, 7, seed=1)))
+    np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][0], axis=0))
+
+
 def test_hub_stream_in_a_bounded_cache(hub, tmp_path, rng, fresh_hf_cache, monkeypatch):
     src, url = _push(hub, tmp_path, rng)
     ds = lmprobe.load(url)
@@ -603,6 +611,26 @@ def test_four_ranks_on_two_nodes_share_a_cache_per_node_cover_every_vector_once_
 
 
 # ----------------------------------------------------------------------------- from S3
+
+
+def _s3fs():
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    return s3fs.S3FileSystem()
+
+
+def test_streaming_reader_from_s3(s3, tmp_path, rng):
+    from conftest import write_dataset
+
+    from lmprobe.stream import ShardStream
+
+    src = write_dataset(tmp_path / "ds", rng, n=12, layers=(0,), dim=4, storage="full_sequence", shard_size="128B")
+    url = f"s3://acts/stream-{uuid.uuid4().hex[:6]}"
+    fs = _s3fs()
+    fs.put(str(tmp_path / "ds") + "/", url, recursive=True)
+    got = np.concatenate(list(ShardStream(url, 0, 5, seed=2)))
+    np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][0], axis=0))
 
 
 def test_s3_stream_errors_when_a_shard_changes_mid_pass(tmp_path, rng, s3):

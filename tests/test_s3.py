@@ -85,19 +85,6 @@ def test_missing_remote_dataset_is_a_clear_error(s3):
     json.dumps({})
 
 
-def test_streaming_reader_from_s3(s3, tmp_path, rng):
-    from conftest import write_dataset
-
-    from lmprobe.stream import ShardStream
-
-    src = write_dataset(tmp_path / "ds", rng, n=12, layers=(0,), dim=4, storage="full_sequence", shard_size="128B")
-    url = f"s3://acts/stream-{uuid.uuid4().hex[:6]}"
-    fs = _s3fs()
-    fs.put(str(tmp_path / "ds") + "/", url, recursive=True)
-    got = np.concatenate(list(ShardStream(url, 0, 5, seed=2)))
-    np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][0], axis=0))
-
-
 def _other_prompts():
     return [dict(p, text=p["text"] + " (again)") for p in PROMPTS]
 

@@ -402,3 +402,21 @@ def test_info_and_validate_describe_an_sae_dictionary(tmp_path, rng, capsys):
     assert cli_main(["validate", str(folder)]) == 1
     out = capsys.readouterr().out
     assert out.startswith(f"{folder}: SAE dictionary INVALID (1 problem(s))") and "layer_5" in out, out
+
+
+def test_a_dictionary_declaring_a_huge_hidden_dim_is_refused(tmp_path, rng):
+    from lmprobe.sae import SAEConfig, load_dictionary, validate_dictionary
+    from lmprobe.sae.export import export_sae
+
+    W = rng.normal(size=(8, 12)).astype(np.float32)
+    export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=W, b_enc=np.zeros(12, np.float32))
+    enc = tmp_path / "d/layer_0/encoder.npz"
+    with np.load(enc) as z:
+        arrays = dict(z)
+    arrays["shape"] = np.array([12, 10**9], dtype=np.int64)
+    with open(enc, "wb") as f:
+        np.savez(f, **arrays)
+    problems = validate_dictionary(tmp_path, "d")
+    assert problems and "hidden_dim" in problems[0]
+    with pytest.raises(ValueError, match="hidden_dim"):
+        load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d")).get_layer(0)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
-from conftest import write_dataset
+from conftest import edit_index_column, write_dataset
 
 import lmprobe
 from lmprobe.cli import main as cli_main
+from lmprobe.errors import FormatError
 from lmprobe.saev import SaevDataset, SaevError, export_saev, metadata_hash, shard_sizes, validate_saev
+
+INDEX = "index/train-00000-of-00001.parquet"
 
 
 @pytest.fixture
@@ -327,3 +331,46 @@ def test_export_into_a_log_writes_lines_not_bars(tmp_path, source, capsys, monke
     err = capsys.readouterr().err
     assert "\r" not in err and "\x1b" not in err, err
     assert any(x.startswith("export-saev: ") and "examples" in x for x in err.splitlines()), err
+
+
+def test_export_saev_checks_the_index_addresses(tmp_path, rng):
+    import pyarrow as pa
+
+    from lmprobe.saev import export_saev
+
+    write_dataset(tmp_path / "ds", rng, n=6, storage="full_sequence", min_tokens=3, token_ids=True)
+    index = tmp_path / "ds" / INDEX
+    table = pq.read_table(index)
+    offs = table.column("token_shard_offsets").to_pylist()
+    offs[1][0] = -5
+    table = table.set_column(table.column_names.index("token_shard_offsets"), "token_shard_offsets",
+                             pa.array(offs, pa.list_(pa.int64())))
+    pq.write_table(table, index)
+    with pytest.raises(FormatError, match="offset"):
+        export_saev(tmp_path / "ds", tmp_path / "dump", context_len=2, quiet=True)
+    assert not list((tmp_path / "dump").glob("[!.]*"))
+
+
+def test_validate_of_a_broken_saev_folder_says_so(tmp_path, capsys):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s/metadata.json").write_text("{not json")
+    (tmp_path / "s/shards.json").write_text("[]")
+    assert cli_main(["validate", str(tmp_path / "s")]) == 1
+    out = capsys.readouterr().out
+    assert "saev" in out and "metadata.json" in out and "no lmprobe dataset" not in out
+
+
+def test_token_id_lists_shorter_than_num_tokens_are_refused_before_export(tmp_path, rng):
+    from lmprobe.saev import export_saev
+
+    write_dataset(tmp_path / "ds", rng, n=20, layers=(0,), dim=4, storage="full_sequence", shard_size="256B",
+                  token_ids=True)
+
+    def shorter(lists):
+        lists[2] = lists[2][:-1]
+        return lists
+
+    edit_index_column(tmp_path / "ds", "token_ids", shorter)
+    with pytest.raises(FormatError, match="row 2: .* token ids for num_tokens="):
+        export_saev(tmp_path / "ds", tmp_path / "saev", context_len=4, quiet=True)
+    assert not list((tmp_path / "saev").glob("[!.]*"))

@@ -1,16 +1,21 @@
-"""The streaming training reader: every stored vector once per pass, shuffled, seeded, from disk or the Hub."""
+"""The streaming training reader (ShardStream) on a local dataset: every stored vector once per pass, shuffled,
+seeded, ranks, resume, normalisation, filters, bfloat16 or float32 batches, and the plan of a pass.
+
+Reading a remote dataset (the Hub, S3) through the bounded cache is tested in test_remote_stream.py."""
 
 from __future__ import annotations
 
 import json
-import uuid
+import warnings
 
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT, write_dataset
 
 import lmprobe
 from lmprobe.errors import InvalidArgumentError
+from lmprobe.format.values import float32_to_bfloat16_bits
 from lmprobe.stream import ShardStream
 
 
@@ -42,14 +47,6 @@ def test_torch_workers_split_the_shards(tmp_path, rng):
     loader = torch.utils.data.DataLoader(stream.torch_dataset(), batch_size=None, num_workers=2)
     got = torch.cat(list(loader)).numpy()
     np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][1], axis=0))
-
-
-def test_stream_from_the_hub(hub, tmp_path, rng, fresh_hf_cache):
-    src = write_dataset(tmp_path / "ds", rng, n=20, layers=(0,), dim=4, storage="full_sequence", shard_size="256B")
-    repo = f"tester/stream-{uuid.uuid4().hex[:8]}"
-    lmprobe.push_to_hub(tmp_path / "ds", repo, quiet=True)
-    got = np.concatenate(list(ShardStream(f"hf://datasets/{repo}", 0, 7, seed=1)))
-    np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][0], axis=0))
 
 
 def test_pooled_dataset_streams_last_tokens(tmp_path, rng):
@@ -464,3 +461,109 @@ def test_windows_stay_small_and_a_fresh_reader_reuses_warm_pool_buffers(tmp_path
     np.testing.assert_array_equal(np.sort(first, axis=0), np.sort(src["hidden"][0], axis=0))
     assert len(seen[0]) >= 8 and len(seen[1]) >= 8  # many windows each
     assert len(set(seen[0]) | set(seen[1])) <= 2  # two buffers in all: the fresh reader took the warm ones
+
+
+# ------------------------------------------------------------------ dtypes: bfloat16 as stored, float32 converted
+
+
+def _shift_formula(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits as float32, by the formula test_datapath.py checks the conversion against."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def test_stream_yields_bfloat16_as_stored_and_float32_converted(tmp_path, rng):
+    src = write_dataset(tmp_path / "ds", rng, n=300, layers=(0, 1), dim=64, dtype="bfloat16", shard_size="8KiB")
+    bits = float32_to_bfloat16_bits(src["hidden"][1])
+    f32 = list(ShardStream(tmp_path / "ds", 1, 64, seed=3, memory="256KiB"))
+    b16 = list(ShardStream(tmp_path / "ds", 1, 64, seed=3, memory="256KiB", dtype="bfloat16"))
+    assert all(isinstance(b, np.ndarray) and b.dtype == np.float32 for b in f32)
+    assert all(isinstance(b, torch.Tensor) and b.dtype == torch.bfloat16 for b in b16)
+    got_bits = np.concatenate([b.view(torch.int16).numpy().view(np.uint16) for b in b16])
+    # every stored vector once, as stored
+    assert sorted(map(bytes, got_bits)) == sorted(map(bytes, bits))
+    got_f32 = np.concatenate(f32)
+    assert sorted(map(bytes, got_f32)) == sorted(map(bytes, _shift_formula(bits)))
+    # a bfloat16 pool holds twice the rows of a float32 one in the same memory
+    s16 = ShardStream(tmp_path / "ds", 1, 64, memory="256KiB", dtype="bfloat16")
+    assert s16.engine.pool_rows > ShardStream(tmp_path / "ds", 1, 64, memory="256KiB").engine.pool_rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stream_recycles_its_pools_and_the_batches_kept_stay_intact(tmp_path, rng, monkeypatch, dtype):
+    """A pass reads its windows into two pool buffers in turn (a new buffer costs as much as the read: its pages
+    fault in), while every batch the caller keeps holds its own rows: all stored vectors, each once."""
+    from lmprobe.stream.engine import Engine
+
+    src = write_dataset(tmp_path / "ds", rng, n=400, layers=(0,), dim=16, dtype=dtype, shard_size="2KiB")
+    stored = src["hidden"][0]
+    if dtype == "bfloat16":
+        stored = _shift_formula(float32_to_bfloat16_bits(stored))
+    buffers = []
+    gather = Engine.gather
+
+    def recording(self, *args, **kwargs):
+        pool = gather(self, *args, **kwargs)
+        buffers.append(pool.base if pool.base is not None else pool)  # kept alive: identities stay distinct
+        return pool
+
+    monkeypatch.setattr(Engine, "gather", recording)
+    stream = ShardStream(tmp_path / "ds", 0, 16, seed=2, memory="8KiB")
+    kept = list(stream)  # every batch held until the end of the pass
+    windows = stream.engine.windows(*stream.engine.blocks(0))
+    assert len(windows) >= 6
+    assert len({id(b) for b in buffers}) <= 3  # the first window's, and two in turn (not one per window)
+    got = np.concatenate(kept)
+    assert sorted(map(bytes, got)) == sorted(map(bytes, stored.astype(np.float32)))
+    again = np.concatenate(list(ShardStream(tmp_path / "ds", 0, 16, seed=2, memory="8KiB")))
+    np.testing.assert_array_equal(again, got)  # the same pass again: same batches in the same order
+
+
+def test_stream_casts_large_bfloat16_batches_in_two_halves_exactly(tmp_path, rng, monkeypatch):
+    """A batch large enough to be split is gathered and cast in two halves on the two converter threads: the
+    float32 batches hold every stored vector once, each equal to the shift formula of its bits."""
+    import lmprobe.stream.engine as engine
+
+    monkeypatch.setattr(engine, "_CONVERT_ROWS", 4)  # steps of 4 x 4096 / 256 = 64 rows: batches of 300 split
+    calls = []
+    gather_cast = engine._gather_cast
+    monkeypatch.setattr(engine, "_gather_cast", lambda *a: calls.append(len(a[1])) or gather_cast(*a))
+    src = write_dataset(tmp_path / "ds", rng, n=1000, layers=(0,), dim=256, dtype="bfloat16", shard_size="64KiB")
+    want = _shift_formula(float32_to_bfloat16_bits(src["hidden"][0]))
+    got = np.concatenate(list(ShardStream(tmp_path / "ds", 0, 300, seed=1, memory="4MiB")))
+    assert sorted(map(bytes, got)) == sorted(map(bytes, want))
+    assert calls.count(150) >= 6  # full batches went as two halves of 150 rows
+
+
+def test_stream_bfloat16_with_normalisation_and_several_sites(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=120, layers=(0, 1), dim=16, dtype="bfloat16", statistics=True)
+    f32 = np.concatenate(list(ShardStream(tmp_path / "ds", batch_size=32, layers=[0, 1], seed=1,
+                                          normalize="standardize", memory="64KiB")))
+    b16 = list(ShardStream(tmp_path / "ds", batch_size=32, layers=[0, 1], seed=1, normalize="standardize",
+                           memory="64KiB", dtype="bfloat16"))
+    assert b16[0].shape == (32, 2, 16) and b16[0].dtype == torch.bfloat16
+    expect = torch.from_numpy(f32).to(torch.bfloat16)
+    got = torch.cat(b16)
+    assert got.shape == expect.shape
+    # same multiset of normalised rows (the pools differ in size, so the order may too)
+    key = lambda t: sorted(map(bytes, t.view(torch.int16).reshape(len(t), -1).numpy()))  # noqa: E731
+    assert key(got) == key(expect)
+
+
+def test_stream_pin_memory_without_cuda_warns_and_yields_tensors(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=40, layers=(0,), dim=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stream = ShardStream(tmp_path / "ds", 0, 16, pin_memory=True, memory="64KiB")
+    if torch.cuda.is_available():  # pragma: no cover - CI has no GPU
+        assert all(b.is_pinned() for b in stream)
+        return
+    assert any("pin_memory=True needs a CUDA device" in str(w.message) for w in caught)
+    batches = list(stream)
+    assert all(isinstance(b, torch.Tensor) and b.dtype == torch.float32 for b in batches)
+    assert sum(len(b) for b in batches) == 40
+
+
+def test_stream_rejects_an_unknown_dtype(tmp_path, rng):
+    write_dataset(tmp_path / "ds", rng, n=10, layers=(0,), dim=4)
+    with pytest.raises(InvalidArgumentError, match="dtype must be 'float32' or 'bfloat16'"):
+        ShardStream(tmp_path / "ds", 0, 4, dtype="float16")
