@@ -37,6 +37,7 @@ from ..base.units import parse_size
 from ..errors import FormatError, InvalidArgumentError, LmprobeError, OutputExistsError, ResumeMismatchError
 from . import card, index
 from .batch import check_batch, hidden_by_slot
+from .datasetspec import DatasetSpec
 from .layout import plan
 from .metadata import (
     build_hidden_descriptor,
@@ -57,7 +58,6 @@ from .spec import (
     INDEX_PATH,
     LOGITS_INDICES_KEY,
     LOGITS_VALUES_KEY,
-    DatasetSpec,
     hookpoint_tensor_name,
 )
 from .staging import (
