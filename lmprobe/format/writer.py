@@ -10,7 +10,7 @@ rows as a part file and then ``state.json``. An interrupted writer is reopened w
 configuration and resumes at the last checkpoint: ``writer.num_prompts`` tells the caller where
 to continue. The index is written last, so a folder with an index is a complete dataset.
 
-The concerns live in their own modules: ``spec`` (what the dataset stores), ``batch`` (checks),
+The concerns live in their own modules: ``datasetspec`` (what the dataset stores), ``batch`` (checks),
 ``layout`` (shard planning, pure), ``shards`` (shard files), ``staging`` (folder states and
 checkpoints), ``index`` (the parquet index), ``metadata`` (the ``lmprobe:`` keys).
 """
@@ -25,15 +25,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from ..base.atomic import atomic_write, move_into_place
 from ..base.lock import OutputLock
 from ..base.paths import check_output_path, format_relpath
-from ..base.units import parse_size
 from ..errors import FormatError, InvalidArgumentError, LmprobeError, OutputExistsError, ResumeMismatchError
 from . import card, index
 from .batch import check_batch, hidden_by_slot
@@ -50,11 +48,6 @@ from .safetensors_io import TensorSpec
 from .shards import ShardSeries
 from .spec import (
     CARD_PATH,
-    DEFAULT_HIDDEN_FILE_PATTERN,
-    DEFAULT_HIDDEN_KEY_PATTERN,
-    DEFAULT_HOOKPOINT,
-    DEFAULT_LOGITS_FILE_PATTERN,
-    DEFAULT_SHARD_SIZE,
     INDEX_PATH,
     LOGITS_INDICES_KEY,
     LOGITS_VALUES_KEY,
@@ -70,7 +63,7 @@ from .staging import (
     remove_files_inside,
 )
 from .statistics import RunningStats, load_accumulators, save_accumulators, write_statistics
-from .values import column_type_name, one_torch_thread, to_numpy
+from .values import one_torch_thread, to_numpy
 
 _MAX_PENDING_ROWS = 65536
 #: index rows wait in memory until a checkpoint writes them as a part: bounded by prompts and by tokens,
@@ -102,6 +95,29 @@ class DatasetWriter:
     >>> lmprobe.load(out).hidden(1).shape
     (2, 4)
 
+    What the dataset holds is a ``DatasetSpec``: given as ``spec``, or built from its fields given
+    as keywords (``layers=[0, 1], dim=4, model_name="demo"`` above), never both. The other
+    keywords are this session's options:
+
+    - ``resume``: continue a partial dataset found in ``out_dir`` (written with the same spec and
+      ``fingerprint``); ``overwrite``: replace what an earlier lmprobe run left there instead.
+    - ``checkpoint_interval``: seconds between checkpoints (what a crash loses at most);
+      ``fsync``: sync files to the disk at each checkpoint.
+    - ``fingerprint``: the caller's settings, compared on resume like the spec's; ``resumable``:
+      the names among them a resumed run may change.
+    - ``run``: what this run writes with (batch size, device), listed per run in ``lmprobe:runs``;
+      ``name``: what messages call the output (default: ``out_dir``).
+    - ``on_file_complete(rel, sha256=None)``: called with the path, relative to ``out_dir``, of
+      each shard and of the statistics file once it is final and will not change (with its
+      SHA-256 when the callback takes a ``sha256`` keyword; None when not hashed). The writer no
+      longer needs the file: the caller may copy it elsewhere and delete it (an upload). A
+      checkpoint then waits for the hashes of closed shards, and hands files over as soon as a
+      few have closed. The card and the index are not handed over: ``close`` writes them last.
+    - ``on_file_renamed(old, new)`` (needs ``on_file_complete``): sequence shards, whose numbers
+      are known only at the end, are then handed over as they close under provisional names
+      (``tensors/.provisional/...``) and this callback says, when the dataset closes, which final
+      name each one takes: the caller renames its copy.
+
     ``hidden`` maps each layer to a (batch, dim) array for pooled storage, or to the batch's tokens
     packed prompt after prompt, (sum(num_tokens), dim), for full_sequence storage.
     """
@@ -109,70 +125,33 @@ class DatasetWriter:
     def __init__(
         self,
         out_dir: str | os.PathLike,
+        spec: DatasetSpec | None = None,
         *,
-        layers: Sequence[int],
-        dim: int,
-        model_name: str,
-        model_revision: str | None = None,
-        storage: Literal["pooled", "full_sequence"] = "pooled",
-        dtype: Literal["float32", "float16", "bfloat16"] = "float32",
-        shard_size: int | str = DEFAULT_SHARD_SIZE,
-        logits_k: int | None = None,
-        label_type: Literal["int", "string"] | None = None,
-        columns: Mapping[str, str | pa.DataType] | None = None,
-        perplexity: bool = False,
-        token_ids: bool = False,
-        token_strings: bool = False,
-        token_perplexity: bool = False,
-        prompt_ordering: str = "input",
-        provenance: Mapping[str, Any] | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        fingerprint: Mapping[str, Any] | None = None,
-        resumable: Iterable[str] = (),
-        file_pattern: str = DEFAULT_HIDDEN_FILE_PATTERN,
-        key_pattern: str = DEFAULT_HIDDEN_KEY_PATTERN,
-        logits_file_pattern: str = DEFAULT_LOGITS_FILE_PATTERN,
-        layout: Literal["flat", "nested"] = "flat",
-        checksums: bool = True,
-        fsync: bool = False,
-        statistics: bool = False,
-        corpus: bool = False,
-        truncation: bool = False,
-        hookpoints: Sequence[str] = (DEFAULT_HOOKPOINT,),
-        hookpoint_dims: Sequence[int] = (),
-        on_file_complete: Callable[..., None] | None = None,
-        on_file_renamed: Callable[[str, str], None] | None = None,
         resume: bool = True,
         overwrite: bool = False,
         checkpoint_interval: float = 30.0,
+        fsync: bool = False,
+        fingerprint: Mapping[str, Any] | None = None,
+        resumable: Iterable[str] = (),
         run: Mapping[str, Any] | None = None,
         name: str | None = None,
+        on_file_complete: Callable[..., None] | None = None,
+        on_file_renamed: Callable[[str, str], None] | None = None,
+        **fields: Any,
     ):
         # --- check the configuration before touching the disk
-        try:
-            layer_list = tuple(int(x) for x in layers)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"layers must be distinct non-negative integers, got {layers!r}") from None
-        self.spec = DatasetSpec(
-            layers=layer_list, dim=dim, model_name=model_name, model_revision=model_revision, storage=storage,
-            dtype=dtype, shard_size=parse_size(shard_size), logits_k=int(logits_k) if logits_k else logits_k,
-            label_type=label_type, columns={n: column_type_name(t) for n, t in (columns or {}).items()},
-            perplexity=bool(perplexity), token_ids=bool(token_ids), token_strings=bool(token_strings),
-            token_perplexity=bool(token_perplexity), statistics=bool(statistics), corpus=bool(corpus),
-            truncation=bool(truncation),
-            hookpoints=tuple(hookpoints) if not isinstance(hookpoints, str) else (hookpoints,),
-            hookpoint_dims=tuple(int(d) for d in hookpoint_dims),
-            file_pattern=file_pattern,
-            key_pattern=key_pattern, logits_file_pattern=logits_file_pattern, layout=layout,
-        )
-        spec = self.spec
+        if spec is None:
+            spec = DatasetSpec(**fields)
+        elif fields:
+            raise TypeError(f"DatasetWriter takes a DatasetSpec or its fields as keywords, not both (got a spec and "
+                            f"{', '.join(sorted(fields))})")
+        elif not isinstance(spec, DatasetSpec):
+            raise TypeError(f"spec must be a DatasetSpec, got {type(spec).__name__}")
+        self.spec = spec
         self.out_dir = Path(out_dir)
         # what messages call the output: the folder, or the remote output it is staged for
         self.name = name or str(self.out_dir)
-        self.prompt_ordering = prompt_ordering
-        self.provenance = {**default_provenance(), **dict(provenance or {})}
-        self.metadata = dict(metadata or {})
-        self.checksums = checksums
+        self.provenance = {**default_provenance(), **spec.provenance}
         self.fsync = fsync
         # called with each shard's path once it is final, and its sha256 (None: not hashed yet) when it takes a
         # ``sha256`` keyword: an upload then need not read the file to hash it again
@@ -223,8 +202,8 @@ class DatasetWriter:
             return [TensorSpec(spec.patterns(hp)[1].format(layer=layer), spec.dtype, (spec.dim_of(hp),))]
 
         def series(name: str, slots: list[str], specs, cap: int) -> ShardSeries:
-            return ShardSeries(name, slots, specs, cap, self.staging.path, checksums=checksums, hasher=self._hasher,
-                               metadata=st_meta, fsync=fsync)
+            return ShardSeries(name, slots, specs, cap, self.staging.path, checksums=spec.checksums,
+                               hasher=self._hasher, metadata=st_meta, fsync=fsync)
 
         slots = list(sites)
         self._last = series("last", slots, hidden_spec, spec.rows_per_shard)
@@ -631,7 +610,7 @@ class DatasetWriter:
             for d in self._seq.closed:  # (when finalizing, the last ones go under their final names at once)
                 for f in d["files"].values():
                     src = self.staging.path / f["staging"]
-                    if "provisional" not in f and ("sha256" in f or not self.checksums) and src.exists():
+                    if "provisional" not in f and ("sha256" in f or not self.spec.checksums) and src.exists():
                         f["provisional"] = provisional_name(f["staging"])
                         move_into_place(src, self.out_dir / f["provisional"])
                         self._hand_over(f["provisional"], f.get("sha256"))
@@ -693,7 +672,7 @@ class DatasetWriter:
                 tensors[hookpoint_tensor_name(hp)] = build_hidden_descriptor(spec, self._last.closed, seq_closed, hp)
         if self._logits is not None:
             tensors["logits_topk"] = build_logits_descriptor(self.spec, self._logits.closed)
-        extra = dict(self.metadata)
+        extra = dict(self.spec.metadata)
         if self.runs:
             extra["runs"] = self.runs
         if self.progress is not None:  # where the source stood at the end (a part of a multi-process job replays
@@ -704,12 +683,12 @@ class DatasetWriter:
                 hp, layer = spec.sites[slot]
                 by_hp.setdefault(hp, {})[layer] = st
             primary = by_hp.pop(spec.primary_hookpoint)
-            desc = write_statistics(self.out_dir, primary, storage=spec.storage, checksums=self.checksums,
+            desc = write_statistics(self.out_dir, primary, storage=spec.storage, checksums=self.spec.checksums,
                                     others=by_hp)
             self._hand_over(desc["file"], desc.get("sha256"))
             extra["statistics"] = desc  # its own key: every entry of `tensors` holds shards
         info = build_info(self.spec, num_prompts=self.num_prompts, tensors=tensors, provenance=self.provenance,
-                          prompt_ordering=self.prompt_ordering, extra=extra)
+                          prompt_ordering=self.spec.prompt_ordering, extra=extra)
         schema = index.final_schema(self.spec)
         atomic_write(self.out_dir / CARD_PATH, card.render_card(info, schema), fsync=self.fsync)
         index.write_index(self.out_dir / INDEX_PATH, self.staging.parts(self._n_parts), spec=self.spec, n_last=n_last,
