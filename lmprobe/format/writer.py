@@ -10,9 +10,10 @@ rows as a part file and then ``state.json``. An interrupted writer is reopened w
 configuration and resumes at the last checkpoint: ``writer.num_prompts`` tells the caller where
 to continue. The index is written last, so a folder with an index is a complete dataset.
 
-The concerns live in their own modules: ``datasetspec`` (what the dataset stores), ``batch`` (checks),
-``layout`` (shard planning, pure), ``shards`` (shard files), ``staging`` (folder states and
-checkpoints), ``index`` (the parquet index), ``metadata`` (the ``lmprobe:`` keys).
+The concerns live in their own modules: ``datasetspec`` (what the dataset stores), ``batch``
+(checks), ``layout`` (shard planning, pure), ``shards`` (shard files), ``staging`` (folder states
+and checkpoints), ``resume`` (reopening a partial output), ``index`` (the parquet index),
+``metadata`` (the ``lmprobe:`` keys).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 from ..base.atomic import atomic_write, move_into_place
 from ..base.lock import OutputLock
 from ..base.paths import check_output_path, format_relpath
-from ..errors import FormatError, InvalidArgumentError, LmprobeError, OutputExistsError, ResumeMismatchError
+from ..errors import FormatError, InvalidArgumentError
 from . import card, index
 from .batch import check_batch, hidden_by_slot
 from .datasetspec import DatasetSpec
@@ -44,24 +45,11 @@ from .metadata import (
     default_provenance,
     encode_schema_metadata,
 )
+from .resume import Checkpoint, check_progress, check_settings, open_output, read_checkpoint, refusing_damage
 from .safetensors_io import TensorSpec
 from .shards import ShardSeries
-from .spec import (
-    CARD_PATH,
-    INDEX_PATH,
-    LOGITS_INDICES_KEY,
-    LOGITS_VALUES_KEY,
-    hookpoint_tensor_name,
-)
-from .staging import (
-    STATE_VERSION,
-    Staging,
-    check_fresh_output,
-    check_staging_name,
-    describe_mismatch,
-    previous_dataset_files,
-    remove_files_inside,
-)
+from .spec import CARD_PATH, INDEX_PATH, LOGITS_INDICES_KEY, LOGITS_VALUES_KEY, hookpoint_tensor_name
+from .staging import STATE_VERSION, Staging, remove_files_inside
 from .statistics import RunningStats, load_accumulators, save_accumulators, write_statistics
 from .values import one_torch_thread, to_numpy
 
@@ -219,7 +207,9 @@ class DatasetWriter:
         check_output_path(self.out_dir)
         self._lock = OutputLock(self.out_dir).acquire()  # one writer per output, refused at once
         try:
-            self._prepare_output(resume=resume, overwrite=overwrite)
+            st = open_output(self.staging, resume=resume, overwrite=overwrite, shard_file=self._final_name)
+            if st is not None:
+                self._resume(st)
         except BaseException:
             self._release()
             raise
@@ -242,116 +232,33 @@ class DatasetWriter:
     def _series(self) -> list[ShardSeries]:
         return [s for s in (self._last, self._seq, self._logits) if s is not None]
 
-    def _prepare_output(self, *, resume: bool, overwrite: bool) -> None:
-        out = self.out_dir
-        if (out / INDEX_PATH).exists():
-            if not overwrite:
-                raise OutputExistsError(
-                    f"{out} already holds a complete lmprobe dataset; pass overwrite=True "
-                    "(--overwrite) to replace it, or choose another output folder"
-                )
-            self._remove_previous()
-        elif self.staging.has_checkpoint():
-            if overwrite:
-                self._remove_previous()
-            elif not resume:
-                raise OutputExistsError(
-                    f"{out} holds a partial dataset from an interrupted run; resume it, or pass "
-                    "overwrite=True (--overwrite) to start over"
-                )
-            else:
-                self._restore(self.staging.read_state())
-                return
-        else:
-            check_fresh_output(out)
-        self.staging.reset()
-
-    def _remove_previous(self) -> None:
-        """Delete what an earlier lmprobe run wrote here (and nothing else)."""
-        out = self.out_dir
-        victims: list[Path] = []
-        if (out / INDEX_PATH).exists():
-            victims += previous_dataset_files(out)
-        if self.staging.has_checkpoint():
-            try:
-                st = self.staging.read_state()
-                victims += [out / f for f in self._published_names(st)]
-            except (ResumeMismatchError, FormatError, KeyError, TypeError, ValueError):
-                pass  # a damaged checkpoint: the staging folder goes, published names are unknown
-        remove_files_inside(out, victims)
-        self.staging.remove()
-
-    def _published_names(self, st: dict) -> list[str]:
-        """Final names of the shards a checkpoint had already moved into place (last-token and logits)."""
-        names = []
-        for name in ("last", "logits"):
-            for shard, d in enumerate(st["streams"].get(name, {}).get("closed", [])):
-                names += [self._final_name(name, slot, shard) for slot in d["files"]]
-        return names
-
     def _final_name(self, series: str, slot: str, shard: int) -> str:
         if series == "logits":
             return format_relpath(self.spec.logits_file_pattern, "logits_file_pattern", shard=shard)
         hp, layer = self.spec.sites[slot]
         return format_relpath(self.spec.patterns(hp)[0], "file_pattern", layer=layer, shard=shard)
 
-    def _restore(self, st: dict) -> None:
-        old = st.get("fingerprint")
-        old, new = self._comparable(old if isinstance(old, dict) else {}), self._comparable(self.fingerprint)
-        if old != new:
-            details = describe_mismatch(old, new)
-            raise ResumeMismatchError(
-                f"{self.name} holds a partial dataset written with other settings ({details}); re-run with the "
-                "original settings to resume, or pass --overwrite (overwrite=True in Python) to start over"
-            )
-        try:
-            self._restore_checked(st)
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            if isinstance(exc, LmprobeError):
-                raise
-            raise ResumeMismatchError(
-                f"{self.staging.state_path} is damaged ({type(exc).__name__}: {exc}); pass overwrite=True "
-                "(--overwrite) to start over") from None
+    def _resume(self, st: dict) -> None:
+        """Continue from a partial output's checkpoint: same settings, sound values (resume.py), else refused."""
+        check_settings(st, self.fingerprint, self.resumable, self.name)
+        with refusing_damage(self.staging.state_path):
+            self._restore(read_checkpoint(st, {s.name: s.slots for s in self._series()}))
 
-    def _comparable(self, fingerprint: dict) -> dict:
-        """A fingerprint without the caller's settings that a resumed run may change (``resumable``)."""
-        caller = fingerprint.get("caller")
-        if not self.resumable or not isinstance(caller, dict):
-            return fingerprint
-        return {**fingerprint, "caller": {k: v for k, v in caller.items() if k not in self.resumable}}
-
-    def _restore_checked(self, st: dict) -> None:
-        self.num_prompts = _count(st["num_prompts"])
-        self.num_tokens = _count(st.get("num_tokens", 0))
-        self.progress = _check_progress(st["progress"]) if st.get("progress") is not None else None
-        self.runs = _check_runs(st.get("runs", []))
-        self._n_parts = _count(st["index_parts"])
-        if st["phase"] not in ("writing", "finalizing"):
-            raise ValueError(f"unknown phase {st['phase']!r}")
-        self._phase = st["phase"]
-        self.provenance["created_at"] = str(st.get("created_at", self.provenance["created_at"]))
+    def _restore(self, cp: Checkpoint) -> None:
+        self.num_prompts, self.num_tokens = cp.num_prompts, cp.num_tokens
+        self.progress, self.runs = cp.progress, cp.runs
+        self._n_parts, self._phase = cp.index_parts, cp.phase
+        if cp.created_at is not None:
+            self.provenance["created_at"] = cp.created_at
         for s in self._series():
-            sst = st["streams"][s.name]
-            for key in ("shard", "rows", "prompts"):
-                _count(sst[key])
-            for d in sst["closed"]:
-                for slot, f in d["files"].items():
-                    if slot not in s.slots:
-                        raise ValueError(f"unknown slot {slot!r} in the {s.name} series")
-                    check_staging_name(f["staging"], "a staged shard")
-            s.restore(sst)
-        stats_file = st.get("statistics_file")
-        if stats_file is not None:
-            check_staging_name(stats_file, "a statistics file")
-        known = {f["staging"] for s in self._series() for d in s.closed for f in d["files"].values()}
+            s.restore(cp.streams[s.name])
+        known = cp.staged_names()
         for s in self._series():
             known |= s.open_staging_names()
-        if stats_file:
-            known.add(stats_file)
         self.staging.prune(self._n_parts, known)
-        if self._stats and stats_file:
-            self._stats = load_accumulators(self.staging.path / stats_file, list(self.spec.sites))
-            self._stats_checkpoint = int(stats_file.split("-")[1].split(".")[0])
+        if self._stats and cp.statistics_file:
+            self._stats = load_accumulators(self.staging.path / cp.statistics_file, list(self.spec.sites))
+            self._stats_checkpoint = cp.statistics_number
         self._rehash_closed()  # opened before they are published: a published file may leave the machine
         self._publish_closed()
 
@@ -474,7 +381,7 @@ class DatasetWriter:
         self.num_prompts += b
         self.num_tokens += int(counts.sum())
         if progress is not None:
-            self.progress = _check_progress(progress)
+            self.progress = check_progress(progress)
         self._n_pending += b
         self._n_pending_tokens += int(counts.sum())
         if (
@@ -703,23 +610,3 @@ PROVISIONAL_DIR = "tensors/.provisional"
 def provisional_name(staging_name: str) -> str:
     """The provisional path of a sequence shard handed over as it closed (renamed at the end)."""
     return f"{PROVISIONAL_DIR}/{staging_name}"
-
-
-def _check_progress(progress: Any) -> dict[str, int]:
-    if not isinstance(progress, Mapping) or not all(isinstance(k, str) for k in progress):
-        raise ValueError(f"progress must map names to counts, got {progress!r}")
-    return {k: _count(v) for k, v in progress.items()}
-
-
-def _check_runs(runs: Any) -> list[dict[str, Any]]:
-    """A checkpoint's run records: a list of objects, each with the first row its run wrote."""
-    if not isinstance(runs, list) or not all(isinstance(r, dict) and isinstance(r.get("first_row"), int)
-                                             for r in runs):
-        raise ValueError(f"runs must be a list of records with a first_row, got {str(runs)[:80]}")
-    return runs
-
-
-def _count(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"expected a count, got {v!r}")
-    return v
