@@ -242,11 +242,11 @@ def test_nothing_but_the_dataset_is_left_behind(tmp_path, rng):
 
 def test_reads_are_one_pass_per_shard(tmp_path, rng, monkeypatch):
     write_dataset(tmp_path / "ds", rng, n=23, shard_size="160B")
-    from lmprobe.format import reader
+    from lmprobe.format import gather
 
     calls = []
-    real = reader.read_rows_into
-    monkeypatch.setattr(reader, "read_rows_into", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
+    real = gather.read_rows_into
+    monkeypatch.setattr(gather, "read_rows_into", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
     ds = lmprobe.load(tmp_path / "ds")
     ds.hidden(0)
     assert len(calls) == 5  # five shards, one read each, for 23 rows
@@ -302,3 +302,4 @@ def test_negative_layers_count_back_from_the_last_as_in_extract(tmp_path, rng):
         ds.hidden(-2)
     with pytest.raises(LayerNotFoundError, match=r"layer -7 does not exist: .*-1\.\.-6"):
         ds.hidden(-7)
+
