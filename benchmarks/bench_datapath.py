@@ -227,7 +227,7 @@ def bench_stream(tmp: Path, reps: int, n_vectors: int, dim: int, batch: int) -> 
         make_dataset(d, dtype, n_vectors, dim, "64MiB")
 
         ds = lmprobe.load(d)
-        files = [ds.hidden_shard(0, s) for s in range(len(ds.hidden_desc().shards))]
+        files = [ds.shards.hidden_shard(0, s) for s in range(len(ds.hidden_desc().shards))]
         storage = np.uint16 if dtype == "bfloat16" else np.float32
         whole = np.ones((n_vectors, dim), dtype=storage)  # allocated and faulted in before the clock
         out = np.ones((batch, dim), dtype=np.float32)
@@ -278,7 +278,7 @@ def bench_read(tmp: Path, reps: int, n_vectors: int, dim: int, tokens: int) -> N
     def floor(d: Path):
         """Read every shard's tensor bytes (readinto) into a new array, convert them into a new float32 array."""
         ds = lmprobe.load(d)
-        files = [ds.hidden_shard(0, s) for s in range(len(ds.hidden_desc().shards))]
+        files = [ds.shards.hidden_shard(0, s) for s in range(len(ds.hidden_desc().shards))]
 
         def run():
             n = sum(e.shape[0] for _, e in files)
@@ -333,11 +333,11 @@ def prompt_runs(ds, n: int) -> list[tuple[int, list[tuple[str, int, int, int]]]]
     """Prompts 0..n-1 of a full_sequence dataset: (rows, [(shard file, byte offset, first row, rows)]) each."""
     out = []
     for i in range(n):
-        ids, offs, _ = ds.token_addresses([i])
+        ids, offs, _ = ds.shards.token_addresses([i])
         cut = np.flatnonzero((np.diff(ids) != 0) | (np.diff(offs) != 1)) + 1
         pieces = []
         for a, b in zip(np.r_[0, cut].tolist(), np.r_[cut, len(ids)].tolist(), strict=True):
-            path, entry = ds.hidden_shard(0, int(ids[a]))
+            path, entry = ds.shards.hidden_shard(0, int(ids[a]))
             row_bytes = (entry.end - entry.start) // entry.shape[0]
             pieces.append((str(path), entry.start + int(offs[a]) * row_bytes, a, b - a))
         out.append((len(ids), pieces))

@@ -217,7 +217,7 @@ def test_bfloat16_reads_convert_piece_by_piece_exactly(tmp_path, rng, monkeypatc
     the next piece is read: across pieces, shards and a scattered row order the values are the stored ones."""
     import torch
 
-    import lmprobe.format.reader as reader
+    import lmprobe.format.gather as gather
 
     src = write_dataset(tmp_path / "ds", rng, n=40, layers=(0,), dim=8, dtype="bfloat16", shard_size="128B",
                         storage="full_sequence")
@@ -226,8 +226,8 @@ def test_bfloat16_reads_convert_piece_by_piece_exactly(tmp_path, rng, monkeypatc
     want_tokens = [ds.token_hidden(i, 0, as_torch=True).float().numpy() for i in range(ds.num_prompts)]
     rows = rng.permutation(ds.num_prompts)  # scattered: groups out of index order
     for whole_values in (1 << 23, 0):  # small reads read whole, then cast; larger ones piece by piece
-        monkeypatch.setattr(reader, "_WHOLE_VALUES", whole_values)
-        monkeypatch.setattr(reader, "_PIECE_VALUES", 3 * 8)  # three rows a piece
+        monkeypatch.setattr(gather, "_WHOLE_VALUES", whole_values)
+        monkeypatch.setattr(gather, "_PIECE_VALUES", 3 * 8)  # three rows a piece
         np.testing.assert_array_equal(ds.hidden(0), whole)
         np.testing.assert_array_equal(ds.hidden(0, rows=rows), whole[rows])
         for i in range(ds.num_prompts):
@@ -250,7 +250,7 @@ def test_bfloat16_prompt_reads_refuse_rows_past_the_shard(tmp_path, rng, shift):
                   min_tokens=4)
     ds = lmprobe.load(tmp_path / "ds")
     last = ds.num_prompts - 1
-    ids, offs, _ = ds.token_addresses([last])
+    ids, offs, _ = ds.shards.token_addresses([last])
     index = tmp_path / "ds" / INDEX_PATH
     table = pq.read_table(index)
     col = table.column("token_shard_offsets").to_pylist()

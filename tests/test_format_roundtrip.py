@@ -242,11 +242,11 @@ def test_nothing_but_the_dataset_is_left_behind(tmp_path, rng):
 
 def test_reads_are_one_pass_per_shard(tmp_path, rng, monkeypatch):
     write_dataset(tmp_path / "ds", rng, n=23, shard_size="160B")
-    from lmprobe.format import reader
+    from lmprobe.format import gather
 
     calls = []
-    real = reader.read_rows_into
-    monkeypatch.setattr(reader, "read_rows_into", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
+    real = gather.read_rows_into
+    monkeypatch.setattr(gather, "read_rows_into", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
     ds = lmprobe.load(tmp_path / "ds")
     ds.hidden(0)
     assert len(calls) == 5  # five shards, one read each, for 23 rows
@@ -302,3 +302,86 @@ def test_negative_layers_count_back_from_the_last_as_in_extract(tmp_path, rng):
         ds.hidden(-2)
     with pytest.raises(LayerNotFoundError, match=r"layer -7 does not exist: .*-1\.\.-6"):
         ds.hidden(-7)
+
+
+def test_a_writer_takes_a_spec_and_its_fields_once(tmp_path, rng):
+    """What a dataset holds is one DatasetSpec: given to the writer, it writes the very bytes the same fields given
+    as keywords write; giving both is a TypeError, a bad field the same one-line error either way, and no field
+    is also a keyword of the writer (each setting is written once)."""
+    import dataclasses
+    import inspect
+
+    from lmprobe.errors import InvalidArgumentError
+    from lmprobe.format import DatasetSpec, DatasetWriter
+
+    fields = dict(layers=[0, 2], dim=4, model_name="test/model", storage="full_sequence", dtype="bfloat16",
+                  shard_size="96B", logits_k=2, label_type="int", columns={"source": "string"}, token_ids=True,
+                  perplexity=True, prompt_ordering="input", statistics=True, hookpoints=["resid_post", "mlp_in"],
+                  metadata={"note": "a spec"}, provenance={"created_at": "2024-01-01T00:00:00+00:00"})
+    n_tok = np.array([3, 1, 4, 2])
+    acts = {hp: {layer: rng.normal(size=(int(n_tok.sum()), 4)).astype(np.float32) for layer in (0, 2)}
+            for hp in ("resid_post", "mlp_in")}
+    logits = -np.sort(-rng.normal(size=(4, 2)).astype(np.float32), axis=1)
+
+    def write(out, writer):
+        with writer as w:
+            w.add_batch(texts=["a b c", "d", "e f g h", "i j"], num_tokens=n_tok, hidden=acts, labels=[0, 1, 0, 1],
+                        columns={"source": ["x"] * 4}, logits_values=logits, logits_indices=[[1, 2]] * 4,
+                        token_ids=[list(range(int(t))) for t in n_tok], perplexity_mean=[1.0] * 4,
+                        perplexity_min=[1.0] * 4, perplexity_max=[1.0] * 4)
+        return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+    by_keywords = write(tmp_path / "kw", DatasetWriter(tmp_path / "kw", **fields))
+    by_spec = write(tmp_path / "spec", DatasetWriter(tmp_path / "spec", DatasetSpec(**fields), overwrite=True))
+    assert len([f for f in by_spec if f.startswith("tensors/")]) > 4  # several shards, logits and statistics
+    assert by_spec == by_keywords
+    ds = lmprobe.load(tmp_path / "spec")
+    assert ds.hookpoints == ["resid_post", "mlp_in"] and ds.info["note"] == "a spec"
+
+    with pytest.raises(TypeError, match="not both"):
+        DatasetWriter(tmp_path / "both", DatasetSpec(**fields), layers=[1])
+    for make in (lambda: DatasetSpec(layers=[0], dim=0, model_name="m"),
+                 lambda: DatasetWriter(tmp_path / "bad", layers=[0], dim=0, model_name="m")):
+        with pytest.raises(InvalidArgumentError, match=r"^dim must be a positive integer, got 0$"):
+            make()
+    with pytest.raises(InvalidArgumentError, match="cannot read 'lots' as a size"):
+        DatasetWriter(tmp_path / "bad", layers=[0], dim=4, model_name="m", shard_size="lots")
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "both").exists()
+
+    spec_fields = {f.name for f in dataclasses.fields(DatasetSpec)}
+    assert not spec_fields & set(inspect.signature(DatasetWriter).parameters)
+    source = inspect.getsource(DatasetSpec)
+    for name in spec_fields:  # a docstring under each field
+        assert source.split(f"\n    {name}:", 1)[1].split("\n", 2)[1].strip().startswith('"""'), name
+
+
+#: a Dataset's public members: the user's (docs/python-api.md) and the internal API lmprobe's other modules use
+#: (docs/architecture.md); the shard reading engine's own (check_entry, read_hidden_rows, ...) are on ``ds.shards``
+DATASET_MEMBERS = {
+    # the user's
+    "info", "index", "table", "layers", "dim", "dtype", "storage", "num_prompts", "model", "hookpoints", "labels",
+    "texts", "hidden", "token_hidden", "logits_topk", "prompt", "token_lengths", "statistics",
+    # the internal API
+    "files", "source", "meta", "schema", "index_path", "identity", "prompt_table", "column_names", "token_columns",
+    "iter_index", "row_indices", "check_layer", "hidden_desc", "column", "layers_here", "default_layers",
+    "logits_here", "local_tokenizer", "shards",
+}
+
+
+def test_a_dataset_shows_its_documented_members_only(tmp_path, rng):
+    """Autocompletion on a Dataset lists what the docs describe, not the engine that reads its shards."""
+    import re
+    from pathlib import Path
+
+    write_dataset(tmp_path / "ds", rng, n=5, storage="full_sequence")
+    ds = lmprobe.load(tmp_path / "ds")
+    assert {n for n in dir(ds) if not n.startswith("_")} == DATASET_MEMBERS
+    docs = Path(__file__).parent.parent / "docs"
+    text = (docs / "python-api.md").read_text() + (docs / "architecture.md").read_text()
+    assert [n for n in sorted(DATASET_MEMBERS) if not re.search(rf"`(\.|Dataset\.)?{n}\b", text)] == []
+    for name in ("check_entry", "hidden_header_entry", "check_tensor", "tensor", "hidden_shard", "fetch",
+                 "check_addresses", "check_token_counts", "token_addresses", "read_hidden_rows"):
+        assert not hasattr(ds, name) and callable(getattr(ds.shards, name)), name
+    ids, offs, lengths = ds.shards.token_addresses([1, 3])
+    np.testing.assert_array_equal(ds.shards.read_hidden_rows(2, ids, offs),
+                                  np.concatenate([ds.token_hidden(1, 2), ds.token_hidden(3, 2)]))

@@ -336,7 +336,7 @@ def test_num_tokens_beyond_the_address_lists_is_a_format_error(tmp_path, rng, ca
 
     edit_index_column(tmp_path / "ds", "num_tokens", more)
     with pytest.raises(FormatError, match="row 3: .* token addresses for num_tokens="):
-        lmprobe.load(tmp_path / "ds").token_addresses()
+        lmprobe.load(tmp_path / "ds").shards.token_addresses()
     assert cli_main(["export-saev", str(tmp_path / "ds"), "--out", str(tmp_path / "saev"), "--context-len", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "num_tokens" in err[0] and "lmprobe validate" in err[0], err

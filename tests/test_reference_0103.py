@@ -46,12 +46,12 @@ def shard_order_rows(ds, layer: int) -> np.ndarray:
     shard = ds.column("shard_index")
     offset = ds.column("row_offset")
     if ds.storage == "full_sequence":
-        ids, offs, _ = ds.token_addresses()
+        ids, offs, _ = ds.shards.token_addresses()
         shard, offset = np.concatenate([shard, ids]), np.concatenate([offset, offs])
         uniq = np.unique(np.stack([shard, offset], axis=1), axis=0)
         shard, offset = uniq[:, 0], uniq[:, 1]
     order = np.lexsort((offset, shard))
-    return np.asarray(ds.read_hidden_rows(layer, shard[order], offset[order]), dtype=np.float32)
+    return np.asarray(ds.shards.read_hidden_rows(layer, shard[order], offset[order]), dtype=np.float32)
 
 
 PROMPTS = [{"text": f"Prompt number {i}: " + " ".join(["the cat sat", "a dog ran far", "numbers 12 and 345"][i % 3]

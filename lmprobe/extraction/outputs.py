@@ -159,7 +159,7 @@ class LocalOutput(Output):
                 (self.path / INDEX_PATH).unlink()  # the index goes first: a half-merged folder never looks complete
             merge = plan_merge(dss, settings=settings, order=order)
             for k, src, dst in merge.moves:
-                move_into_place(dss[k].fetch(src, "shard file"), self.path / dst)
+                move_into_place(dss[k].shards.fetch(src, "shard file"), self.path / dst)
             merge.finish(dss, self.path)
         shutil.rmtree(self.path / PARTS_DIR, ignore_errors=True)
         return open_local(self.path)

@@ -23,6 +23,7 @@ from ..errors import (
     OutOfSpaceError,
     OutputExistsError,
 )
+from ..format.datasetspec import DatasetSpec
 from ..format.reader import Dataset
 from ..format.staging import describe_mismatch
 from ..format.writer import DatasetWriter
@@ -118,8 +119,7 @@ def _extract(job: Job, output: Output) -> Dataset:
     out = output.staging()
     session = output.session(overwrite=cfg.overwrite)
     try:
-        writer = DatasetWriter(
-            out,
+        dataset_spec = DatasetSpec(  # what the dataset will hold; the writer's keywords below are this run's
             layers=settings["layers"],
             dim=job.spec.hidden_size,
             model_name=job.spec.name,
@@ -136,9 +136,6 @@ def _extract(job: Job, output: Output) -> Dataset:
             token_perplexity=cfg.perplexity,
             provenance=_provenance(cfg),
             metadata={"extraction": {"settings": settings, "architecture": _architecture_record(job)}},
-            fingerprint=settings,
-            # the budget only says when to stop; a batch size changes no stored value beyond float rounding
-            resumable=RESUMABLE_SETTINGS + (("max_tokens",) if job.corpus is not None else ()),
             checksums=cfg.checksums,
             statistics=cfg.statistics,
             corpus=job.corpus is not None,
@@ -146,6 +143,13 @@ def _extract(job: Job, output: Output) -> Dataset:
             hookpoints=cfg.hookpoints,
             hookpoint_dims=job.hookpoint_dims,
             layout=job.layout,
+        )
+        writer = DatasetWriter(
+            out,
+            dataset_spec,
+            fingerprint=settings,
+            # the budget only says when to stop; a batch size changes no stored value beyond float rounding
+            resumable=RESUMABLE_SETTINGS + (("max_tokens",) if job.corpus is not None else ()),
             overwrite=cfg.overwrite,
             checkpoint_interval=cfg.checkpoint_interval,
             run={"batch_size": cfg.batch_size, "device": job.device, "checkpoint_interval": cfg.checkpoint_interval},

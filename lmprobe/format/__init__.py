@@ -3,9 +3,10 @@
 This layer knows local folders only; ``lmprobe.load`` opens datasets anywhere (the Hub, object storage).
 """
 
+from .datasetspec import DatasetSpec
 from .files import DatasetFiles, LocalFiles
 from .reader import Dataset, open_local
-from .spec import FORMAT_VERSION, DatasetSpec
+from .spec import FORMAT_VERSION
 from .validate import Report, validate
 from .writer import DatasetWriter
 

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ColumnTypeError, InvalidArgumentError
-from .spec import DatasetSpec
+from .datasetspec import DatasetSpec
 from .values import check_value, to_numpy, to_storage
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .datasetspec import DatasetSpec
 from .writer import DatasetWriter
 
 _WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "big", "small", "red", "tree"]
@@ -17,9 +18,9 @@ def write_demo(out: str | os.PathLike, *, n_prompts: int = 64, dim: int = 16, la
     """Write ``n_prompts`` random prompts whose label is linearly readable from the later layers."""
     rng = np.random.default_rng(seed)
     direction = rng.normal(size=dim)
-    with DatasetWriter(out, layers=list(layers), dim=dim, model_name="lmprobe/synthetic-demo", storage="full_sequence",
-                       label_type="int", logits_k=5, columns={"source": "string"}, shard_size="2KB",
-                       overwrite=overwrite) as w:
+    spec = DatasetSpec(layers=list(layers), dim=dim, model_name="lmprobe/synthetic-demo", storage="full_sequence",
+                       label_type="int", logits_k=5, columns={"source": "string"}, shard_size="2KB")
+    with DatasetWriter(out, spec, overwrite=overwrite) as w:
         for start in range(0, n_prompts, 16):
             b = min(16, n_prompts - start)
             n_tok = rng.integers(1, 9, size=b)

@@ -3,7 +3,8 @@
 A dataset's files can live in a local folder, a Hub repo or object storage (``lmprobe.storage``).
 Each source offers the same three things: ``fetch(rel, what=...)`` returns a local path to the
 dataset file ``rel`` (downloading it first when remote), ``missing_hint(rel)`` says what to do
-when a file is missing, and ``str(files)`` names the source in messages.
+when a file is missing, and ``str(files)`` names the source in messages. ``find_index`` finds the
+index of a local folder (or says why there is none).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
+from ..base.lock import writer_pid
 from ..base.paths import resolve_inside
 from ..base.safeio import check_regular, read_json
-from ..errors import LmprobeError
-from .spec import PULL_RECORD
+from ..errors import DatasetNotFoundError, LmprobeError
+from .spec import INDEX_PATH, PULL_RECORD, STAGING_DIR
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
@@ -74,3 +76,29 @@ class LocalFiles:
             return (f"{rel} is not in this copy of {self.origin}: `lmprobe pull {self.origin} --out {self.root}` "
                     "with the --layers you need fetches it")
         return f"{rel} is missing from {self.root}; the dataset is incomplete (re-copy or re-download it)"
+
+
+def find_index(root: Path) -> Path:
+    """The index file of a local dataset folder (the standard name, or the single parquet file in index/).
+
+    Like every dataset file, it must be a regular file inside the folder (a symlink may point within it).
+    """
+    std = root / INDEX_PATH
+    if std.exists() or std.is_symlink():
+        return check_regular(resolve_inside(root, INDEX_PATH, "index"), "index")
+    found = sorted((root / "index").glob("*.parquet")) if (root / "index").is_dir() else []
+    if len(found) == 1:
+        rel = found[0].relative_to(root).as_posix()
+        return check_regular(resolve_inside(root, rel, "index"), "index")
+    if not root.exists():
+        hub = f" (a Hub dataset is hf://datasets/{root.as_posix()})" if re.fullmatch(r"[\w.-]+/[\w.-]+", str(root)) else ""
+        raise DatasetNotFoundError(f"{root} does not exist{hub}")
+    if (root / STAGING_DIR).exists():
+        pid = writer_pid(root)
+        if pid is not None:
+            raise DatasetNotFoundError(f"{root} is being written by process {pid} (no index yet); wait for that run "
+                                       "to finish")
+        raise DatasetNotFoundError(
+            f"{root} holds an unfinished dataset (no index yet); re-run the command that wrote it to resume"
+        )
+    raise DatasetNotFoundError(f"{root} holds no lmprobe dataset: {INDEX_PATH} is missing")

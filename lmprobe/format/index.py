@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 
 from ..base.atomic import atomic_output
 from ..errors import FormatError
-from .spec import CORPUS_COLUMNS, TRUNCATION_COLUMNS, DatasetSpec
+from .datasetspec import DatasetSpec
+from .spec import CORPUS_COLUMNS, TRUNCATION_COLUMNS
 from .values import COLUMN_TYPES
 
 #: Most rows in one row group of the index.

@@ -155,7 +155,7 @@ def _merge(dss: list[Dataset], sources: list[str], out: Path, *, overwrite: bool
     merge = plan_merge(dss, sources=sources, settings=settings)
     transfer = move_into_place if move else _link
     for k, src, dst in merge.moves:
-        transfer(dss[k].fetch(src, "shard file"), out / dst)
+        transfer(dss[k].shards.fetch(src, "shard file"), out / dst)
     merge.finish(dss, out)
     marker.unlink()
     return out

@@ -14,6 +14,7 @@ from typing import Any
 from ..base.paths import check_pattern, check_relpath, format_relpath
 from ..errors import FormatError
 from ..version import __version__
+from .datasetspec import DatasetSpec
 from .spec import (
     ATTACHMENT_KINDS,
     DEFAULT_HOOKPOINT,
@@ -25,7 +26,6 @@ from .spec import (
     LOGITS_VALUES_KEY,
     META_PREFIX,
     STORAGES,
-    DatasetSpec,
 )
 
 

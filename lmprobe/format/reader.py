@@ -1,26 +1,24 @@
 """Reading lmprobe format 2.0 datasets (ours, the reference implementation's, anyone's that conforms).
 
 A ``Dataset`` reads through a files object (``files.DatasetFiles``: a local folder here; the Hub
-and object storage in ``lmprobe.storage``). Besides the user-facing calls it offers a small,
-documented internal API that lmprobe's other modules use (docs/architecture.md):
+and object storage in ``lmprobe.storage``). It holds the index's per-prompt columns and the
+parsed metadata; its shards are read by the ``ShardGather`` it owns, ``ds.shards`` (gather.py).
+Besides the user-facing calls it offers a small, documented internal API that lmprobe's other
+modules use (docs/architecture.md):
 
 - ``files``, ``meta`` (the parsed descriptors), ``source`` (a name for messages);
-- ``row_indices(rows)``, ``check_layer(layer)``;
-- ``tensor(rel, key, dtype, row_shape, min_rows)`` and ``hidden_shard(layer, shard)``: a checked
-  shard file and tensor entry;
-- ``read_hidden_rows(layer, shard_ids, offsets)``: rows gathered from shards, one pass per shard;
-- ``token_addresses(rows)``: the per-token (shard, offset) lists of some prompts.
+- ``row_indices(rows)``, ``check_layer(layer)``, ``column(name)``, ``hidden_desc(hookpoint)``,
+  ``token_columns(names, rows)``, ``iter_index()``;
+- ``layers_here(hookpoint)``, ``default_layers(hookpoint)``, ``logits_here()``: what a copy holds;
+- ``shards``: files fetched, shards located and checked, rows gathered (gather.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import Future
-from contextlib import nullcontext
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -31,60 +29,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..base.layers import stored_layer
-from ..base.lock import writer_pid
-from ..base.paths import resolve_inside
-from ..base.safeio import check_regular
 from ..base.tokenizer import local_tokenizer
-from ..base.worker import settle
-from ..errors import DatasetNotFoundError, FormatError, LayerNotFoundError, ShardMissingError
-from .files import LocalFiles
+from ..errors import FormatError, LayerNotFoundError
+from .files import LocalFiles, find_index
+from .gather import ShardGather
 from .metadata import DatasetInfo, decode_schema_metadata, parse_info
-from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into, read_run_into
-from .spec import DTYPES, INDEX_PATH, PER_TOKEN_COLUMNS, STAGING_DIR
-from .values import bfloat16_bits_to_float32, bfloat16_to_float32_later
+from .spec import PER_TOKEN_COLUMNS
 from .view import Prompt, dataset_html
 
 RowsArg = None | int | slice | Iterable[int] | np.ndarray
-
-
-#: bfloat16 values read per piece when a read converts as it goes: at most 2M (4 MiB of bits, in cache when the
-#: converter thread casts them), and a quarter of a small read (a prompt of 1024 tokens x 2048 is four pieces of
-#: 512K, each read while the one before converts), down to 512K
-_PIECE_VALUES = 1 << 21
-_MIN_PIECE_VALUES = 1 << 19
-#: reads of at most this many bfloat16 values (16 MiB of bits) are read whole, then cast by both converter threads
-_WHOLE_VALUES = 1 << 23
-
-
-def _consecutive(positions: np.ndarray) -> bool:
-    """Output positions that are one ascending run (rows read straight into a slice of the output)."""
-    return len(positions) == 1 or bool(np.all(np.diff(positions) == 1))
-
-
-def find_index(root: Path) -> Path:
-    """The index file of a local dataset folder (the standard name, or the single parquet file in index/).
-
-    Like every dataset file, it must be a regular file inside the folder (a symlink may point within it).
-    """
-    std = root / INDEX_PATH
-    if std.exists() or std.is_symlink():
-        return check_regular(resolve_inside(root, INDEX_PATH, "index"), "index")
-    found = sorted((root / "index").glob("*.parquet")) if (root / "index").is_dir() else []
-    if len(found) == 1:
-        rel = found[0].relative_to(root).as_posix()
-        return check_regular(resolve_inside(root, rel, "index"), "index")
-    if not root.exists():
-        hub = f" (a Hub dataset is hf://datasets/{root.as_posix()})" if re.fullmatch(r"[\w.-]+/[\w.-]+", str(root)) else ""
-        raise DatasetNotFoundError(f"{root} does not exist{hub}")
-    if (root / STAGING_DIR).exists():
-        pid = writer_pid(root)
-        if pid is not None:
-            raise DatasetNotFoundError(f"{root} is being written by process {pid} (no index yet); wait for that run "
-                                       "to finish")
-        raise DatasetNotFoundError(
-            f"{root} holds an unfinished dataset (no index yet); re-run the command that wrote it to resume"
-        )
-    raise DatasetNotFoundError(f"{root} holds no lmprobe dataset: {INDEX_PATH} is missing")
 
 
 class Dataset:
@@ -118,13 +71,13 @@ class Dataset:
         self._group_starts = np.zeros(md.num_row_groups + 1, dtype=np.int64)
         np.cumsum([md.row_group(g).num_rows for g in range(md.num_row_groups)], out=self._group_starts[1:])
         self._groups: OrderedDict[tuple[int, tuple[str, ...]], pa.Table] = OrderedDict()
-        self._headers: dict[Path, SafetensorsHeader] = {}
-        self._located: dict[tuple[int, int, str | None], tuple[Path, TensorEntry]] = {}
         if self.meta.num_prompts != self._prompt_table.num_rows:
             raise FormatError(
                 f"{files}: metadata says num_prompts={self.meta.num_prompts} but the index has "
                 f"{self._prompt_table.num_rows} rows"
             )
+        #: the shards: files fetched, located and checked against the metadata, rows gathered (gather.py)
+        self.shards = ShardGather(self)
 
     # ---------------------------------------------------------------- description
 
@@ -373,19 +326,6 @@ class Dataset:
             raise FormatError(f"{self.files}: column {name!r} has null values")
         return col.to_numpy().astype(np.int64)
 
-    def _header(self, path: Path) -> SafetensorsHeader:
-        h = self._headers.get(path)
-        if h is None:
-            h = self._headers[path] = read_header(path)
-        return h
-
-    def fetch(self, rel: str, what: str) -> Path:
-        """Local path of the dataset file ``rel`` (downloaded when remote); missing: ShardMissingError."""
-        path = self.files.fetch(rel, what=what)
-        if not path.exists():
-            raise ShardMissingError(self._missing_hint(rel))
-        return path
-
     def layers_here(self, hookpoint: str | None = None) -> list[int]:
         """The stored layers whose shards are all in this copy: a ``lmprobe pull --layers 4`` copy holds [4].
 
@@ -410,219 +350,6 @@ class Dataset:
             return self.layers_here(hookpoint)
         return list(self.hidden_desc(hookpoint).layers)
 
-    def _missing_hint(self, rel: str) -> str:
-        """What to do about a missing file: for a layer's shard in a partial copy, the pull that fetches it."""
-        descs = self.meta.hookpoints or {self._hidden_desc.hookpoint: self._hidden_desc}
-        for hp, h in descs.items():
-            layer = next((x for x in h.layers for s in range(len(h.shards)) if h.file(x, s) == rel), None)
-            if layer is None:
-                continue
-            here = self.layers_here(hp)
-            if not here:
-                break
-            repo = getattr(self.files, "origin", None) or "REPO"
-            hps = f" --hookpoints {hp}" if len(descs) > 1 else ""
-            held = f"layer {here[0]}" if len(here) == 1 else f"layers {', '.join(map(str, here))}"
-            return (f"this copy holds {held} only, not layer {layer} ({rel} is not here): "
-                    f"`lmprobe pull {repo} --layers {layer}{hps} --out {self.files}` fetches it")
-        lg = self.meta.logits
-        if lg is not None and getattr(self.files, "origin", None) and not self.logits_here() \
-                and rel in {lg.file(s) for s in range(len(lg.shards))}:
-            return (f"this copy was pulled without its top-k logits ({rel} is not here): `lmprobe pull "
-                    f"{self.files.origin} --out {self.files}` (without --no-logits) fetches them")
-        return self.files.missing_hint(rel)
-
-    def tensor(self, rel: str, key: str, dtype: str, row_shape: tuple[int, ...], min_rows: int) -> tuple[Path, TensorEntry]:
-        """The shard file ``rel`` and its tensor ``key``, checked against what the metadata says."""
-        return self.check_tensor(self.fetch(rel, "shard file"), rel, key, dtype, row_shape, min_rows)
-
-    def check_tensor(self, path: Path, rel: str, key: str, dtype: str, row_shape: tuple[int, ...],
-                     min_rows: int) -> tuple[Path, TensorEntry]:
-        """The local file ``path`` holding ``rel``: its tensor ``key``, checked against the metadata."""
-        return path, self.check_entry(self._header(path), rel, key, dtype, row_shape, min_rows)
-
-    def hidden_header_entry(self, header: SafetensorsHeader, layer: int, shard: int,
-                            hookpoint: str | None = None) -> TensorEntry:
-        """The tensor entry of shard ``shard`` of ``layer`` in a header read remotely (range requests), checked."""
-        h = self.hidden_desc(hookpoint)
-        return self.check_entry(header, h.file(layer, shard), h.key(layer), h.dtype, (h.dim,), h.shard_rows(shard))
-
-    def check_entry(self, header: SafetensorsHeader, rel: str, key: str, dtype: str, row_shape: tuple[int, ...],
-                    min_rows: int) -> TensorEntry:
-        """Tensor ``key`` of the parsed header of ``rel``, checked against what the metadata says."""
-        entry = header.tensors.get(key)
-        if entry is None:
-            raise FormatError(f"{rel}: no tensor {key!r} (has {sorted(header.tensors)})")
-        if entry.dtype != dtype:
-            raise FormatError(f"{rel}: tensor {key!r} is {entry.dtype} but the metadata says {dtype}")
-        if entry.shape[1:] != row_shape:
-            raise FormatError(f"{rel}: tensor {key!r} has shape {list(entry.shape)}, expected rows of {list(row_shape)}")
-        if entry.shape[0] < min_rows:
-            raise FormatError(f"{rel}: tensor {key!r} has {entry.shape[0]} rows, the index needs {min_rows}")
-        return entry
-
-    def hidden_shard(self, layer: int, shard: int, hookpoint: str | None = None) -> tuple[Path, TensorEntry]:
-        """Shard ``shard`` of ``layer`` (of ``hookpoint``): local path and tensor entry, checked."""
-        key = (layer, shard, hookpoint)
-        found = self._located.get(key)
-        if found is not None:
-            return found
-        h = self.hidden_desc(hookpoint)
-        if not 0 <= shard < len(h.shards):
-            raise FormatError(f"{self.files}: shard {shard} is not among the {len(h.shards)} the metadata lists")
-        found = self.tensor(h.file(layer, shard), h.key(layer), h.dtype, (h.dim,), h.shard_rows(shard))
-        if isinstance(self.files, LocalFiles):  # located and checked once (a remote copy may leave a bounded cache)
-            self._located[key] = found
-        return found
-
-    def check_addresses(self, shard_ids: np.ndarray, offsets: np.ndarray, shard_rows, n_shards: int) -> None:
-        """Every (shard, row) lies inside the shards the metadata lists; FormatError naming the first that does not.
-
-        Addresses come from the index: untrusted. ``shard_rows(shard)`` is a shard's row count.
-        """
-        if len(shard_ids) == 0:
-            return
-        if shard_ids.min() < 0 or shard_ids.max() >= n_shards:
-            bad = int(shard_ids.max() if shard_ids.max() >= n_shards else shard_ids.min())
-            raise FormatError(f"{self.files}: the index points at shard {bad}, but only {n_shards} are listed")
-        rows = np.array([shard_rows(s) for s in range(n_shards)], dtype=np.int64)[shard_ids]
-        bad = np.flatnonzero((offsets < 0) | (offsets >= rows))
-        if len(bad):
-            i = int(bad[0])
-            raise FormatError(f"{self.files}: the index gives row offset {int(offsets[i])} in shard {int(shard_ids[i])}, "
-                              f"which has {int(rows[i])} rows ({len(bad)} address(es) out of range)")
-
-    def _gather(self, shard_ids: np.ndarray, offsets: np.ndarray, locate, n_shards: int, row_shape: tuple[int, ...],
-                storage: np.dtype, *, bfloat16_out: bool = False) -> np.ndarray:
-        """Rows ``offsets[i]`` of shards ``shard_ids[i]``, one read pass per shard (``bfloat16_out``:
-        bfloat16 rows returned as float32).
-
-        Every shard is located and its header checked against the metadata before the output is
-        allocated: a size in the metadata that no file backs never reaches np.empty.
-        """
-        if len(shard_ids) and (shard_ids.min() < 0 or shard_ids.max() >= n_shards):
-            bad = int(shard_ids.max() if shard_ids.max() >= n_shards else shard_ids.min())
-            raise FormatError(f"{self.files}: the index points at shard {bad}, but only {n_shards} are listed")
-        order = np.argsort(shard_ids, kind="stable")
-        bounds = np.flatnonzero(np.diff(shard_ids[order])) + 1
-        groups = [(g, *locate(int(shard_ids[g[0]]))) for g in np.split(order, bounds)] if len(order) else []
-        if bfloat16_out and len(shard_ids) * int(np.prod(row_shape)) > _WHOLE_VALUES:
-            return self._gather_bfloat16(groups, offsets, len(shard_ids), row_shape)
-        out = np.empty((len(shard_ids), *row_shape), dtype=storage)
-        if bfloat16_out:  # a small read (a prompt): read whole, then cast on both converter threads at once
-            bits, out = out, np.empty(out.shape, dtype=np.float32)
-            self._read_groups(groups, offsets, bits)
-            return bfloat16_to_float32_later(bits, out, split=True).result()
-        self._read_groups(groups, offsets, out)
-        return out
-
-    @staticmethod
-    def _read_groups(groups: list, offsets: np.ndarray, out: np.ndarray) -> None:
-        for group, path, entry in groups:
-            offs = offsets[group]
-            lo, hi = int(group[0]), int(group[-1])
-            if _consecutive(group):
-                read_rows_into(path, entry, offs, out[lo : hi + 1])
-            else:
-                tmp = np.empty((len(group), *out.shape[1:]), dtype=out.dtype)
-                read_rows_into(path, entry, offs, tmp)
-                out[group] = tmp
-
-    @staticmethod
-    def _gather_bfloat16(groups: list, offsets: np.ndarray, n: int, row_shape: tuple[int, ...]) -> np.ndarray:
-        """``_gather`` of bfloat16 rows straight to float32: pieces are read into two small buffers of raw
-        bits in turn, each converted on a converter thread as soon as it is read: the two threads cast
-        (and fault in the new output's pages) while the next piece is read. No layer-sized array of
-        bits; a piece's bits are still in cache when they convert. A run of consecutive rows read into
-        consecutive output rows (a prompt's tokens, a whole shard) opens its file once."""
-        out = np.empty((n, *row_shape), dtype=np.float32)
-        row_values = int(np.prod(row_shape)) if row_shape else 1
-        piece = min(_PIECE_VALUES, max(_MIN_PIECE_VALUES, n * row_values // 4))
-        step = max(1, piece // row_values)
-        buffers: list[np.ndarray | None] = [None, None]
-        pending: list[Future | None] = [None, None]  # each buffer's conversion in flight
-        k = 0
-        try:
-            for group, path, entry in groups:
-                offs = offsets[group]
-                run = _consecutive(group) and _consecutive(offs)
-                with open(path, "rb", buffering=0) if run else nullcontext() as f:
-                    for a in range(0, len(group), step):
-                        g = group[a : a + step]
-                        slot = k % 2
-                        if pending[slot] is not None:
-                            pending[slot].result()  # the piece before last is converted: its buffer is free
-                            pending[slot] = None
-                        buf = buffers[slot]
-                        if buf is None or len(buf) < len(g):
-                            buf = buffers[slot] = np.empty((len(g), *row_shape), np.uint16)
-                        bits = buf[: len(g)]
-                        if run:
-                            read_run_into(f, path, entry, int(offs[a]), bits)
-                        else:
-                            read_rows_into(path, entry, offs[a : a + step], bits)
-                        lo, hi = int(g[0]), int(g[-1])
-                        if run or _consecutive(g):
-                            pending[slot] = bfloat16_to_float32_later(bits, out[lo : hi + 1])
-                        else:
-                            out[g] = bfloat16_bits_to_float32(bits)
-                        k += 1
-        finally:  # no conversion may still write into ``out`` or read a buffer once this returns or raises
-            settle(pending)
-        return out
-
-    @staticmethod
-    def _finish(arr: np.ndarray, dtype: str, as_torch: bool):
-        if as_torch:
-            import torch
-
-            if dtype == "bfloat16":
-                return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-            return torch.from_numpy(arr)
-        if dtype == "bfloat16":
-            return bfloat16_bits_to_float32(arr)
-        return arr
-
-    def read_hidden_rows(self, layer: int, shard_ids: np.ndarray, offsets: np.ndarray, *, as_torch: bool = False,
-                         hookpoint: str | None = None):
-        """Rows ``offsets[i]`` of shards ``shard_ids[i]`` of ``layer``: (N, dim), one read pass per shard."""
-        h = self.hidden_desc(hookpoint)
-        convert = h.dtype == "bfloat16" and not as_torch  # converted as it is read
-        out = self._gather(shard_ids, offsets, lambda shard: self.hidden_shard(layer, shard, hookpoint), len(h.shards),
-                           (h.dim,), DTYPES[h.dtype].np_storage, bfloat16_out=convert)
-        return out if convert else self._finish(out, h.dtype, as_torch)
-
-    def check_token_counts(self, counts: np.ndarray, rows: RowsArg, what: str) -> None:
-        """Per-token lists must hold num_tokens entries per prompt (a damaged index must not shift every later prompt)."""
-        col = self._prompt_table.column("num_tokens")
-        if col.null_count:
-            return  # lmprobe 0.10.3's pooled datasets: the lists give the lengths
-        r = self.row_indices(rows)
-        want = col.to_numpy()[r].astype(np.int64)
-        bad = np.flatnonzero(want != counts)
-        if len(bad):
-            i = int(bad[0])
-            raise FormatError(f"{self.files}: the index is damaged: row {int(r[i])}: {int(counts[i])} {what} for "
-                              f"num_tokens={int(want[i])} ({len(bad)} row(s) disagree); `lmprobe validate` lists "
-                              "every problem")
-
-    def token_addresses(self, rows: RowsArg = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per-token addresses of the prompts ``rows``: (shard ids, offsets, tokens per prompt), flattened."""
-        if self.storage != "full_sequence":
-            raise FormatError(
-                "this dataset is pooled: it stores only the last token of each prompt; use .hidden(layer) "
-                "(extract with --storage full_sequence to keep every token)"
-            )
-        cols = self.token_columns(["token_shard_ids", "token_shard_offsets"], rows)
-        ids_col, offs_col = cols["token_shard_ids"], cols["token_shard_offsets"]
-        lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
-        if not np.array_equal(lengths, pc.list_value_length(offs_col).to_numpy(zero_copy_only=False)):
-            raise FormatError(f"{self.files}: token_shard_ids and token_shard_offsets differ in length")
-        self.check_token_counts(lengths, rows, "token addresses")
-        ids = pc.list_flatten(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
-        offs = pc.list_flatten(offs_col).to_numpy(zero_copy_only=False).astype(np.int64)
-        return ids, offs, lengths
-
     # ---------------------------------------------------------------- reading
 
     def hidden(self, layer: int, rows: RowsArg = None, *, as_torch: bool = False, hookpoint: str | None = None):
@@ -637,18 +364,18 @@ class Dataset:
         """
         layer = self.check_layer(layer, hookpoint)
         r = self.row_indices(rows)
-        shards = self.column("shard_index")[r]
+        shard_ids = self.column("shard_index")[r]
         offsets = self.column("row_offset")[r]
-        if len(r) and self.storage == "full_sequence" and shards.max() >= self._hidden_desc.last_token_shards:
+        if len(r) and self.storage == "full_sequence" and shard_ids.max() >= self._hidden_desc.last_token_shards:
             raise FormatError(f"{self.files}: shard_index points past the last-token shards")
-        return self.read_hidden_rows(layer, shards, offsets, as_torch=as_torch, hookpoint=hookpoint)
+        return self.shards.read_hidden_rows(layer, shard_ids, offsets, as_torch=as_torch, hookpoint=hookpoint)
 
     def token_hidden(self, i: int, layer: int, *, as_torch: bool = False, hookpoint: str | None = None):
         """All token activations of prompt ``i`` at ``layer``: (num_tokens, dim). Full-sequence datasets only."""
         layer = self.check_layer(layer, hookpoint)
         (row,) = self.row_indices(i)
-        ids, offs, _ = self.token_addresses([int(row)])
-        return self.read_hidden_rows(layer, ids, offs, as_torch=as_torch, hookpoint=hookpoint)
+        ids, offs, _ = self.shards.token_addresses([int(row)])
+        return self.shards.read_hidden_rows(layer, ids, offs, as_torch=as_torch, hookpoint=hookpoint)
 
     def token_lengths(self) -> np.ndarray:
         """num_tokens of every prompt (from the token address lists when the column is null)."""
@@ -675,7 +402,7 @@ class Dataset:
                                      layer=layer, available=desc.layers)
         from safetensors import safe_open
 
-        path = self.fetch(desc.file, "statistics file")
+        path = self.shards.fetch(desc.file, "statistics file")
         with safe_open(str(path), framework="np") as f:
             keys = set(f.keys())
 
@@ -694,33 +421,8 @@ class Dataset:
         if desc is None:
             raise FormatError("this dataset stores no logits (extract with --logits-topk K)")
         r = self.row_indices(rows)
-        shards = self.column("shard_index_logits")[r]
-        offsets = self.column("row_offset_logits")[r]
-        keys: dict[int, tuple[str, str]] = {}
-
-        def header_keys(shard: int) -> tuple[str, str]:
-            if shard not in keys:
-                path = self.fetch(desc.file(shard), "logits shard")
-                keys[shard] = desc.keys_for(set(self._header(path).tensors))
-            return keys[shard]
-
-        def locate_values(shard: int):
-            vk, _ = header_keys(shard)
-            return self.tensor(desc.file(shard), vk, desc.dtype, (desc.k,), desc.shards[shard]["num_prompts"])
-
-        def locate_indices(shard: int):
-            _, ik = header_keys(shard)
-            path = self.fetch(desc.file(shard), "logits shard")
-            entry = self._header(path).tensors.get(ik)
-            if entry is None or entry.dtype not in ("int32", "int64") or entry.shape[1:] != (desc.k,):
-                raise FormatError(f"{desc.file(shard)}: tensor {ik!r} is missing or not an (n, {desc.k}) integer tensor")
-            return path, entry
-
-        values = self._gather(shards, offsets, locate_values, len(desc.shards), (desc.k,), DTYPES[desc.dtype].np_storage)
-        idx_dtype = "int32"
-        if len(r):
-            idx_dtype = locate_indices(int(shards[0]))[1].dtype
-        indices = self._gather(shards, offsets, locate_indices, len(desc.shards), (desc.k,), DTYPES[idx_dtype].np_storage)
+        values, indices = self.shards.logits_rows(self.column("shard_index_logits")[r],
+                                                  self.column("row_offset_logits")[r])
         if as_torch:
             import torch
 

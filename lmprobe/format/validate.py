@@ -15,9 +15,8 @@ from ..base.hashing import sha256_file
 from ..base.paths import resolve_inside
 from ..base.safeio import check_regular
 from ..errors import FormatError, UnsafePathError, ValidationError
-from .files import LocalFiles
+from .files import LocalFiles, find_index
 from .metadata import WRITER, DatasetInfo, decode_schema_metadata, parse_info
-from .reader import find_index
 from .safetensors_io import read_header
 from .spec import CARD_PATH, DTYPES, STAGING_DIR
 

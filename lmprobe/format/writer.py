@@ -10,9 +10,10 @@ rows as a part file and then ``state.json``. An interrupted writer is reopened w
 configuration and resumes at the last checkpoint: ``writer.num_prompts`` tells the caller where
 to continue. The index is written last, so a folder with an index is a complete dataset.
 
-The concerns live in their own modules: ``spec`` (what the dataset stores), ``batch`` (checks),
-``layout`` (shard planning, pure), ``shards`` (shard files), ``staging`` (folder states and
-checkpoints), ``index`` (the parquet index), ``metadata`` (the ``lmprobe:`` keys).
+The concerns live in their own modules: ``datasetspec`` (what the dataset stores), ``batch``
+(checks), ``layout`` (shard planning, pure), ``shards`` (shard files), ``staging`` (folder states
+and checkpoints), ``resume`` (reopening a partial output), ``index`` (the parquet index),
+``metadata`` (the ``lmprobe:`` keys).
 """
 
 from __future__ import annotations
@@ -25,18 +26,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from ..base.atomic import atomic_write, move_into_place
 from ..base.lock import OutputLock
 from ..base.paths import check_output_path, format_relpath
-from ..base.units import parse_size
-from ..errors import FormatError, InvalidArgumentError, LmprobeError, OutputExistsError, ResumeMismatchError
+from ..errors import FormatError, InvalidArgumentError
 from . import card, index
 from .batch import check_batch, hidden_by_slot
+from .datasetspec import DatasetSpec
 from .layout import plan
 from .metadata import (
     build_hidden_descriptor,
@@ -45,32 +45,13 @@ from .metadata import (
     default_provenance,
     encode_schema_metadata,
 )
+from .resume import Checkpoint, check_progress, check_settings, open_output, read_checkpoint, refusing_damage
 from .safetensors_io import TensorSpec
 from .shards import ShardSeries
-from .spec import (
-    CARD_PATH,
-    DEFAULT_HIDDEN_FILE_PATTERN,
-    DEFAULT_HIDDEN_KEY_PATTERN,
-    DEFAULT_HOOKPOINT,
-    DEFAULT_LOGITS_FILE_PATTERN,
-    DEFAULT_SHARD_SIZE,
-    INDEX_PATH,
-    LOGITS_INDICES_KEY,
-    LOGITS_VALUES_KEY,
-    DatasetSpec,
-    hookpoint_tensor_name,
-)
-from .staging import (
-    STATE_VERSION,
-    Staging,
-    check_fresh_output,
-    check_staging_name,
-    describe_mismatch,
-    previous_dataset_files,
-    remove_files_inside,
-)
+from .spec import CARD_PATH, INDEX_PATH, LOGITS_INDICES_KEY, LOGITS_VALUES_KEY, hookpoint_tensor_name
+from .staging import STATE_VERSION, Staging, remove_files_inside
 from .statistics import RunningStats, load_accumulators, save_accumulators, write_statistics
-from .values import column_type_name, one_torch_thread, to_numpy
+from .values import one_torch_thread, to_numpy
 
 _MAX_PENDING_ROWS = 65536
 #: index rows wait in memory until a checkpoint writes them as a part: bounded by prompts and by tokens,
@@ -102,6 +83,29 @@ class DatasetWriter:
     >>> lmprobe.load(out).hidden(1).shape
     (2, 4)
 
+    What the dataset holds is a ``DatasetSpec``: given as ``spec``, or built from its fields given
+    as keywords (``layers=[0, 1], dim=4, model_name="demo"`` above), never both. The other
+    keywords are this session's options:
+
+    - ``resume``: continue a partial dataset found in ``out_dir`` (written with the same spec and
+      ``fingerprint``); ``overwrite``: replace what an earlier lmprobe run left there instead.
+    - ``checkpoint_interval``: seconds between checkpoints (what a crash loses at most);
+      ``fsync``: sync files to the disk at each checkpoint.
+    - ``fingerprint``: the caller's settings, compared on resume like the spec's; ``resumable``:
+      the names among them a resumed run may change.
+    - ``run``: what this run writes with (batch size, device), listed per run in ``lmprobe:runs``;
+      ``name``: what messages call the output (default: ``out_dir``).
+    - ``on_file_complete(rel, sha256=None)``: called with the path, relative to ``out_dir``, of
+      each shard and of the statistics file once it is final and will not change (with its
+      SHA-256 when the callback takes a ``sha256`` keyword; None when not hashed). The writer no
+      longer needs the file: the caller may copy it elsewhere and delete it (an upload). A
+      checkpoint then waits for the hashes of closed shards, and hands files over as soon as a
+      few have closed. The card and the index are not handed over: ``close`` writes them last.
+    - ``on_file_renamed(old, new)`` (needs ``on_file_complete``): sequence shards, whose numbers
+      are known only at the end, are then handed over as they close under provisional names
+      (``tensors/.provisional/...``) and this callback says, when the dataset closes, which final
+      name each one takes: the caller renames its copy.
+
     ``hidden`` maps each layer to a (batch, dim) array for pooled storage, or to the batch's tokens
     packed prompt after prompt, (sum(num_tokens), dim), for full_sequence storage.
     """
@@ -109,70 +113,33 @@ class DatasetWriter:
     def __init__(
         self,
         out_dir: str | os.PathLike,
+        spec: DatasetSpec | None = None,
         *,
-        layers: Sequence[int],
-        dim: int,
-        model_name: str,
-        model_revision: str | None = None,
-        storage: Literal["pooled", "full_sequence"] = "pooled",
-        dtype: Literal["float32", "float16", "bfloat16"] = "float32",
-        shard_size: int | str = DEFAULT_SHARD_SIZE,
-        logits_k: int | None = None,
-        label_type: Literal["int", "string"] | None = None,
-        columns: Mapping[str, str | pa.DataType] | None = None,
-        perplexity: bool = False,
-        token_ids: bool = False,
-        token_strings: bool = False,
-        token_perplexity: bool = False,
-        prompt_ordering: str = "input",
-        provenance: Mapping[str, Any] | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        fingerprint: Mapping[str, Any] | None = None,
-        resumable: Iterable[str] = (),
-        file_pattern: str = DEFAULT_HIDDEN_FILE_PATTERN,
-        key_pattern: str = DEFAULT_HIDDEN_KEY_PATTERN,
-        logits_file_pattern: str = DEFAULT_LOGITS_FILE_PATTERN,
-        layout: Literal["flat", "nested"] = "flat",
-        checksums: bool = True,
-        fsync: bool = False,
-        statistics: bool = False,
-        corpus: bool = False,
-        truncation: bool = False,
-        hookpoints: Sequence[str] = (DEFAULT_HOOKPOINT,),
-        hookpoint_dims: Sequence[int] = (),
-        on_file_complete: Callable[..., None] | None = None,
-        on_file_renamed: Callable[[str, str], None] | None = None,
         resume: bool = True,
         overwrite: bool = False,
         checkpoint_interval: float = 30.0,
+        fsync: bool = False,
+        fingerprint: Mapping[str, Any] | None = None,
+        resumable: Iterable[str] = (),
         run: Mapping[str, Any] | None = None,
         name: str | None = None,
+        on_file_complete: Callable[..., None] | None = None,
+        on_file_renamed: Callable[[str, str], None] | None = None,
+        **fields: Any,
     ):
         # --- check the configuration before touching the disk
-        try:
-            layer_list = tuple(int(x) for x in layers)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"layers must be distinct non-negative integers, got {layers!r}") from None
-        self.spec = DatasetSpec(
-            layers=layer_list, dim=dim, model_name=model_name, model_revision=model_revision, storage=storage,
-            dtype=dtype, shard_size=parse_size(shard_size), logits_k=int(logits_k) if logits_k else logits_k,
-            label_type=label_type, columns={n: column_type_name(t) for n, t in (columns or {}).items()},
-            perplexity=bool(perplexity), token_ids=bool(token_ids), token_strings=bool(token_strings),
-            token_perplexity=bool(token_perplexity), statistics=bool(statistics), corpus=bool(corpus),
-            truncation=bool(truncation),
-            hookpoints=tuple(hookpoints) if not isinstance(hookpoints, str) else (hookpoints,),
-            hookpoint_dims=tuple(int(d) for d in hookpoint_dims),
-            file_pattern=file_pattern,
-            key_pattern=key_pattern, logits_file_pattern=logits_file_pattern, layout=layout,
-        )
-        spec = self.spec
+        if spec is None:
+            spec = DatasetSpec(**fields)
+        elif fields:
+            raise TypeError(f"DatasetWriter takes a DatasetSpec or its fields as keywords, not both (got a spec and "
+                            f"{', '.join(sorted(fields))})")
+        elif not isinstance(spec, DatasetSpec):
+            raise TypeError(f"spec must be a DatasetSpec, got {type(spec).__name__}")
+        self.spec = spec
         self.out_dir = Path(out_dir)
         # what messages call the output: the folder, or the remote output it is staged for
         self.name = name or str(self.out_dir)
-        self.prompt_ordering = prompt_ordering
-        self.provenance = {**default_provenance(), **dict(provenance or {})}
-        self.metadata = dict(metadata or {})
-        self.checksums = checksums
+        self.provenance = {**default_provenance(), **spec.provenance}
         self.fsync = fsync
         # called with each shard's path once it is final, and its sha256 (None: not hashed yet) when it takes a
         # ``sha256`` keyword: an upload then need not read the file to hash it again
@@ -223,8 +190,8 @@ class DatasetWriter:
             return [TensorSpec(spec.patterns(hp)[1].format(layer=layer), spec.dtype, (spec.dim_of(hp),))]
 
         def series(name: str, slots: list[str], specs, cap: int) -> ShardSeries:
-            return ShardSeries(name, slots, specs, cap, self.staging.path, checksums=checksums, hasher=self._hasher,
-                               metadata=st_meta, fsync=fsync)
+            return ShardSeries(name, slots, specs, cap, self.staging.path, checksums=spec.checksums,
+                               hasher=self._hasher, metadata=st_meta, fsync=fsync)
 
         slots = list(sites)
         self._last = series("last", slots, hidden_spec, spec.rows_per_shard)
@@ -240,7 +207,9 @@ class DatasetWriter:
         check_output_path(self.out_dir)
         self._lock = OutputLock(self.out_dir).acquire()  # one writer per output, refused at once
         try:
-            self._prepare_output(resume=resume, overwrite=overwrite)
+            st = open_output(self.staging, resume=resume, overwrite=overwrite, shard_file=self._final_name)
+            if st is not None:
+                self._resume(st)
         except BaseException:
             self._release()
             raise
@@ -263,116 +232,33 @@ class DatasetWriter:
     def _series(self) -> list[ShardSeries]:
         return [s for s in (self._last, self._seq, self._logits) if s is not None]
 
-    def _prepare_output(self, *, resume: bool, overwrite: bool) -> None:
-        out = self.out_dir
-        if (out / INDEX_PATH).exists():
-            if not overwrite:
-                raise OutputExistsError(
-                    f"{out} already holds a complete lmprobe dataset; pass overwrite=True "
-                    "(--overwrite) to replace it, or choose another output folder"
-                )
-            self._remove_previous()
-        elif self.staging.has_checkpoint():
-            if overwrite:
-                self._remove_previous()
-            elif not resume:
-                raise OutputExistsError(
-                    f"{out} holds a partial dataset from an interrupted run; resume it, or pass "
-                    "overwrite=True (--overwrite) to start over"
-                )
-            else:
-                self._restore(self.staging.read_state())
-                return
-        else:
-            check_fresh_output(out)
-        self.staging.reset()
-
-    def _remove_previous(self) -> None:
-        """Delete what an earlier lmprobe run wrote here (and nothing else)."""
-        out = self.out_dir
-        victims: list[Path] = []
-        if (out / INDEX_PATH).exists():
-            victims += previous_dataset_files(out)
-        if self.staging.has_checkpoint():
-            try:
-                st = self.staging.read_state()
-                victims += [out / f for f in self._published_names(st)]
-            except (ResumeMismatchError, FormatError, KeyError, TypeError, ValueError):
-                pass  # a damaged checkpoint: the staging folder goes, published names are unknown
-        remove_files_inside(out, victims)
-        self.staging.remove()
-
-    def _published_names(self, st: dict) -> list[str]:
-        """Final names of the shards a checkpoint had already moved into place (last-token and logits)."""
-        names = []
-        for name in ("last", "logits"):
-            for shard, d in enumerate(st["streams"].get(name, {}).get("closed", [])):
-                names += [self._final_name(name, slot, shard) for slot in d["files"]]
-        return names
-
     def _final_name(self, series: str, slot: str, shard: int) -> str:
         if series == "logits":
             return format_relpath(self.spec.logits_file_pattern, "logits_file_pattern", shard=shard)
         hp, layer = self.spec.sites[slot]
         return format_relpath(self.spec.patterns(hp)[0], "file_pattern", layer=layer, shard=shard)
 
-    def _restore(self, st: dict) -> None:
-        old = st.get("fingerprint")
-        old, new = self._comparable(old if isinstance(old, dict) else {}), self._comparable(self.fingerprint)
-        if old != new:
-            details = describe_mismatch(old, new)
-            raise ResumeMismatchError(
-                f"{self.name} holds a partial dataset written with other settings ({details}); re-run with the "
-                "original settings to resume, or pass --overwrite (overwrite=True in Python) to start over"
-            )
-        try:
-            self._restore_checked(st)
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            if isinstance(exc, LmprobeError):
-                raise
-            raise ResumeMismatchError(
-                f"{self.staging.state_path} is damaged ({type(exc).__name__}: {exc}); pass overwrite=True "
-                "(--overwrite) to start over") from None
+    def _resume(self, st: dict) -> None:
+        """Continue from a partial output's checkpoint: same settings, sound values (resume.py), else refused."""
+        check_settings(st, self.fingerprint, self.resumable, self.name)
+        with refusing_damage(self.staging.state_path):
+            self._restore(read_checkpoint(st, {s.name: s.slots for s in self._series()}))
 
-    def _comparable(self, fingerprint: dict) -> dict:
-        """A fingerprint without the caller's settings that a resumed run may change (``resumable``)."""
-        caller = fingerprint.get("caller")
-        if not self.resumable or not isinstance(caller, dict):
-            return fingerprint
-        return {**fingerprint, "caller": {k: v for k, v in caller.items() if k not in self.resumable}}
-
-    def _restore_checked(self, st: dict) -> None:
-        self.num_prompts = _count(st["num_prompts"])
-        self.num_tokens = _count(st.get("num_tokens", 0))
-        self.progress = _check_progress(st["progress"]) if st.get("progress") is not None else None
-        self.runs = _check_runs(st.get("runs", []))
-        self._n_parts = _count(st["index_parts"])
-        if st["phase"] not in ("writing", "finalizing"):
-            raise ValueError(f"unknown phase {st['phase']!r}")
-        self._phase = st["phase"]
-        self.provenance["created_at"] = str(st.get("created_at", self.provenance["created_at"]))
+    def _restore(self, cp: Checkpoint) -> None:
+        self.num_prompts, self.num_tokens = cp.num_prompts, cp.num_tokens
+        self.progress, self.runs = cp.progress, cp.runs
+        self._n_parts, self._phase = cp.index_parts, cp.phase
+        if cp.created_at is not None:
+            self.provenance["created_at"] = cp.created_at
         for s in self._series():
-            sst = st["streams"][s.name]
-            for key in ("shard", "rows", "prompts"):
-                _count(sst[key])
-            for d in sst["closed"]:
-                for slot, f in d["files"].items():
-                    if slot not in s.slots:
-                        raise ValueError(f"unknown slot {slot!r} in the {s.name} series")
-                    check_staging_name(f["staging"], "a staged shard")
-            s.restore(sst)
-        stats_file = st.get("statistics_file")
-        if stats_file is not None:
-            check_staging_name(stats_file, "a statistics file")
-        known = {f["staging"] for s in self._series() for d in s.closed for f in d["files"].values()}
+            s.restore(cp.streams[s.name])
+        known = cp.staged_names()
         for s in self._series():
             known |= s.open_staging_names()
-        if stats_file:
-            known.add(stats_file)
         self.staging.prune(self._n_parts, known)
-        if self._stats and stats_file:
-            self._stats = load_accumulators(self.staging.path / stats_file, list(self.spec.sites))
-            self._stats_checkpoint = int(stats_file.split("-")[1].split(".")[0])
+        if self._stats and cp.statistics_file:
+            self._stats = load_accumulators(self.staging.path / cp.statistics_file, list(self.spec.sites))
+            self._stats_checkpoint = cp.statistics_number
         self._rehash_closed()  # opened before they are published: a published file may leave the machine
         self._publish_closed()
 
@@ -495,7 +381,7 @@ class DatasetWriter:
         self.num_prompts += b
         self.num_tokens += int(counts.sum())
         if progress is not None:
-            self.progress = _check_progress(progress)
+            self.progress = check_progress(progress)
         self._n_pending += b
         self._n_pending_tokens += int(counts.sum())
         if (
@@ -631,7 +517,7 @@ class DatasetWriter:
             for d in self._seq.closed:  # (when finalizing, the last ones go under their final names at once)
                 for f in d["files"].values():
                     src = self.staging.path / f["staging"]
-                    if "provisional" not in f and ("sha256" in f or not self.checksums) and src.exists():
+                    if "provisional" not in f and ("sha256" in f or not self.spec.checksums) and src.exists():
                         f["provisional"] = provisional_name(f["staging"])
                         move_into_place(src, self.out_dir / f["provisional"])
                         self._hand_over(f["provisional"], f.get("sha256"))
@@ -693,7 +579,7 @@ class DatasetWriter:
                 tensors[hookpoint_tensor_name(hp)] = build_hidden_descriptor(spec, self._last.closed, seq_closed, hp)
         if self._logits is not None:
             tensors["logits_topk"] = build_logits_descriptor(self.spec, self._logits.closed)
-        extra = dict(self.metadata)
+        extra = dict(self.spec.metadata)
         if self.runs:
             extra["runs"] = self.runs
         if self.progress is not None:  # where the source stood at the end (a part of a multi-process job replays
@@ -704,12 +590,12 @@ class DatasetWriter:
                 hp, layer = spec.sites[slot]
                 by_hp.setdefault(hp, {})[layer] = st
             primary = by_hp.pop(spec.primary_hookpoint)
-            desc = write_statistics(self.out_dir, primary, storage=spec.storage, checksums=self.checksums,
+            desc = write_statistics(self.out_dir, primary, storage=spec.storage, checksums=self.spec.checksums,
                                     others=by_hp)
             self._hand_over(desc["file"], desc.get("sha256"))
             extra["statistics"] = desc  # its own key: every entry of `tensors` holds shards
         info = build_info(self.spec, num_prompts=self.num_prompts, tensors=tensors, provenance=self.provenance,
-                          prompt_ordering=self.prompt_ordering, extra=extra)
+                          prompt_ordering=self.spec.prompt_ordering, extra=extra)
         schema = index.final_schema(self.spec)
         atomic_write(self.out_dir / CARD_PATH, card.render_card(info, schema), fsync=self.fsync)
         index.write_index(self.out_dir / INDEX_PATH, self.staging.parts(self._n_parts), spec=self.spec, n_last=n_last,
@@ -724,23 +610,3 @@ PROVISIONAL_DIR = "tensors/.provisional"
 def provisional_name(staging_name: str) -> str:
     """The provisional path of a sequence shard handed over as it closed (renamed at the end)."""
     return f"{PROVISIONAL_DIR}/{staging_name}"
-
-
-def _check_progress(progress: Any) -> dict[str, int]:
-    if not isinstance(progress, Mapping) or not all(isinstance(k, str) for k in progress):
-        raise ValueError(f"progress must map names to counts, got {progress!r}")
-    return {k: _count(v) for k, v in progress.items()}
-
-
-def _check_runs(runs: Any) -> list[dict[str, Any]]:
-    """A checkpoint's run records: a list of objects, each with the first row its run wrote."""
-    if not isinstance(runs, list) or not all(isinstance(r, dict) and isinstance(r.get("first_row"), int)
-                                             for r in runs):
-        raise ValueError(f"runs must be a list of records with a first_row, got {str(runs)[:80]}")
-    return runs
-
-
-def _count(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"expected a count, got {v!r}")
-    return v

@@ -177,12 +177,12 @@ def _position_chart(ds: Dataset) -> str:
     if not here:
         return ""
     layers = sorted({here[0], here[len(here) // 2], here[-1]})
-    ids, offs, lengths = ds.token_addresses(rows)
+    ids, offs, lengths = ds.shards.token_addresses(rows)
     pos = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     keep = pos < _MAX_POSITIONS
     series = {}
     for layer in layers:
-        x = np.asarray(ds.read_hidden_rows(layer, ids[keep], offs[keep]), dtype=np.float32)
+        x = np.asarray(ds.shards.read_hidden_rows(layer, ids[keep], offs[keep]), dtype=np.float32)
         norms = np.linalg.norm(x, axis=1)
         p = pos[keep]
         sums = np.bincount(p, weights=norms)

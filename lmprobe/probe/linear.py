@@ -57,8 +57,8 @@ def mean_hidden(ds: Any, layer: int, *, chunk_bytes: int = 64 * 2**20, hookpoint
     while i < len(lengths):  # prompts in chunks of about chunk_bytes of token rows, addresses read per chunk
         j = int(np.searchsorted(starts, starts[i] + per_chunk, side="right")) - 1
         j = max(j, i + 1)
-        ids, offs, n = ds.token_addresses(np.arange(i, j))
-        rows = np.asarray(ds.read_hidden_rows(layer, ids, offs, hookpoint=hookpoint), dtype=np.float32)
+        ids, offs, n = ds.shards.token_addresses(np.arange(i, j))
+        rows = np.asarray(ds.shards.read_hidden_rows(layer, ids, offs, hookpoint=hookpoint), dtype=np.float32)
         local = np.concatenate([[0], np.cumsum(n)[:-1]])
         out[i:j] = np.add.reduceat(rows, local, axis=0) / n[:, None]
         i = j

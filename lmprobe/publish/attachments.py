@@ -248,7 +248,7 @@ def publish_attachment(repo_id: str, local: str | os.PathLike, kind: str, *, tok
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "index").mkdir()
-        shutil.copyfile(ds.fetch(INDEX_PATH, "index"), root / INDEX_PATH)
+        shutil.copyfile(ds.shards.fetch(INDEX_PATH, "index"), root / INDEX_PATH)
         card_path = ds.files.fetch_optional(CARD_PATH, what="card")  # the repo's own card, to update, not replace
         if card_path is not None:
             shutil.copyfile(card_path, root / CARD_PATH)

@@ -308,11 +308,11 @@ def _compute(ds: Dataset, enc: Encoder, settings: dict, out: Path, layer: int, h
             while q < ds.num_prompts and (n == 0 or n + lengths[q] <= batch_tokens):
                 n += int(lengths[q])
                 q += 1
-            ids, offs, lens = ds.token_addresses(np.arange(p, q))
+            ids, offs, lens = ds.shards.token_addresses(np.arange(p, q))
             prompt = np.repeat(np.arange(p, q), lens)
             token = np.arange(len(ids)) - np.repeat(np.cumsum(lens) - lens, lens)
             for a in range(0, len(ids), batch_tokens):  # a prompt longer than the batch goes in pieces
-                x = np.asarray(ds.read_hidden_rows(layer, ids[a : a + batch_tokens], offs[a : a + batch_tokens],
+                x = np.asarray(ds.shards.read_hidden_rows(layer, ids[a : a + batch_tokens], offs[a : a + batch_tokens],
                                                    hookpoint=hookpoint), dtype=np.float32)
                 cache.add(enc(x), prompt[a : a + batch_tokens], token[a : a + batch_tokens])
             bar.update(len(ids))

@@ -200,8 +200,8 @@ def _window_batches(ds: Dataset, plan: ExportPlan, with_tokens: bool,
             ends = np.cumsum(lengths[rows[p:]])
             chunk = rows[p : p + max(1, int(np.searchsorted(ends, batch_windows * T, side="right")))]
         p += len(chunk)
-        ids, offs, _ = ds.token_addresses(chunk)
-        acts = np.asarray(ds.read_hidden_rows(plan.layer, ids, offs, hookpoint=plan.hookpoint), dtype=np.float32)
+        ids, offs, _ = ds.shards.token_addresses(chunk)
+        acts = np.asarray(ds.shards.read_hidden_rows(plan.layer, ids, offs, hookpoint=plan.hookpoint), dtype=np.float32)
         tok = None
         if with_tokens:
             tok = pc.list_flatten(ds.token_columns(["token_ids"], chunk)["token_ids"]).to_numpy(zero_copy_only=False)

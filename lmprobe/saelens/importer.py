@@ -19,6 +19,7 @@ from ..base.progress import Progress, logger
 from ..base.safeio import loads, read_json
 from ..base.units import plural
 from ..errors import LmprobeError, SaelensError
+from ..format.datasetspec import DatasetSpec
 from ..format.reader import open_local
 from ..format.spec import INDEX_PATH
 from ..format.writer import DatasetWriter
@@ -291,12 +292,12 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
             logger.info(f"{out} already holds this import of {info.source}; nothing to do")
         return Path(out)
     made = not Path(out).exists()
-    writer = DatasetWriter(out, layers=[info.layer], dim=info.d_in, model_name=name, storage="full_sequence",
-                           dtype="float32", shard_size=shard_size, token_ids=info.has_tokens,
-                           hookpoints=(info.hookpoint,), resume=True, overwrite=overwrite,
-                           fingerprint={"saelens_cache": info.identity}, checkpoint_interval=checkpoint_interval,
-                           provenance={"imported_from": {"format": "saelens-activation-cache", "source": info.source,
-                                                         "hook_name": info.hook, "cache_identity": info.identity}})
+    spec = DatasetSpec(layers=[info.layer], dim=info.d_in, model_name=name, storage="full_sequence", dtype="float32",
+                       shard_size=shard_size, token_ids=info.has_tokens, hookpoints=(info.hookpoint,),
+                       provenance={"imported_from": {"format": "saelens-activation-cache", "source": info.source,
+                                                     "hook_name": info.hook, "cache_identity": info.identity}})
+    writer = DatasetWriter(out, spec, resume=True, overwrite=overwrite, fingerprint={"saelens_cache": info.identity},
+                           checkpoint_interval=checkpoint_interval)
     done = writer.num_prompts  # rows a resumed import wrote already
     bar = Progress(n_rows, desc="import-saelens", unit="window", initial=done, quiet=quiet)
     n = 0

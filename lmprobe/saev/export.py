@@ -227,16 +227,16 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     vec_bytes = D * 4
     import pyarrow.compute as pc
 
-    flat_ids, flat_offs, list_lengths = ds.token_addresses()
+    flat_ids, flat_offs, list_lengths = ds.shards.token_addresses()
     list_start = np.concatenate([[0], np.cumsum(list_lengths)[:-1]]).astype(np.int64)
     src_pos = list_start[plan.prompt_of] + plan.token_in_prompt
     shard_of, offset_of = flat_ids[src_pos], flat_offs[src_pos]
     del flat_ids, flat_offs, src_pos
     # the index's addresses are untrusted: rows are copied straight out of the shard files
-    ds.check_addresses(shard_of, offset_of, h.shard_rows, len(h.shards))
+    ds.shards.check_addresses(shard_of, offset_of, h.shard_rows, len(h.shards))
     if with_tokens:  # checked before any byte is written: the lists must hold num_tokens ids per prompt
         ids = ds.token_columns(["token_ids"])["token_ids"]
-        ds.check_token_counts(pc.list_value_length(ids).to_numpy(zero_copy_only=False), None, "token ids")
+        ds.shards.check_token_counts(pc.list_value_length(ids).to_numpy(zero_copy_only=False), None, "token ids")
         tok = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
         del ids
     partial = out / f".{plan.hash}.partial"
@@ -259,7 +259,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
         if (layer, shard) not in maps:
             while len(maps) >= _OPEN_SOURCES:
                 maps.pop(next(iter(maps)))
-            path, entry = ds.hidden_shard(layer, shard, hookpoint)
+            path, entry = ds.shards.hidden_shard(layer, shard, hookpoint)
             maps[(layer, shard)] = np.memmap(path, dtype=DTYPES[h.dtype].np_storage, mode="r", offset=entry.start,
                                              shape=entry.shape)
         return maps[(layer, shard)]
@@ -270,7 +270,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
             # frees a deleted file's disk space only once it is closed
             while len(fds) >= _OPEN_SOURCES:
                 os.close(fds.pop(next(iter(fds)))[0])
-            path, entry = ds.hidden_shard(layer, shard, hookpoint)
+            path, entry = ds.shards.hidden_shard(layer, shard, hookpoint)
             fds[(layer, shard)] = (os.open(path, os.O_RDONLY), entry.start)
         return fds[(layer, shard)]
 

@@ -46,7 +46,7 @@ class DatasetRows(RowSource):
         m = self._maps.get(key)
         if m is None:
             hp, layer = self.sites[site]
-            path, entry = self.ds.hidden_shard(layer, shard, hp)  # fetched; header checked against the metadata
+            path, entry = self.ds.shards.hidden_shard(layer, shard, hp)  # fetched; header checked against the metadata
             storage = DTYPES[self.dtype].np_storage
             m = np.memmap(path, dtype=storage, mode="r", offset=entry.start, shape=(self.shard_rows[shard], self.dim))
             self._maps[key] = m
@@ -222,7 +222,7 @@ class RemoteRows(DatasetRows):
             n = header_length(f.read(8), size, rel)
             raw = f.read(n)
         hp, layer = self.sites[site]
-        start = self._check_start(self.ds.hidden_header_entry(parse_header(raw, size, rel), layer, s, hp).start, s, site)
+        start = self._check_start(self.ds.shards.hidden_header_entry(parse_header(raw, size, rel), layer, s, hp).start, s, site)
         self.data_start[s, site] = start
         return start
 
@@ -248,7 +248,7 @@ class RemoteRows(DatasetRows):
                 n = header_length(head[:8], int(size), rel)
                 raw = head[8 : 8 + n] if 8 + n <= len(head) else files.read_range(rel, 8, 8 + n, policy=self.policy)
                 hp, layer = self.sites[site]
-                entry = self.ds.hidden_header_entry(parse_header(raw, int(size), rel), layer, s, hp)
+                entry = self.ds.shards.hidden_header_entry(parse_header(raw, int(size), rel), layer, s, hp)
                 start = self._check_start(entry.start, s, site)
                 self.cache().note(note, str(start))
             self.data_start[s, site] = start
