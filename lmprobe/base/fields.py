@@ -4,16 +4,17 @@ A settings class (``ExtractionConfig``) documents each field with a string liter
 sparsify's and simple_parsing's configs do, and marks the command-line side with
 ``option(default, group=...)``. From that one place, :func:`field_docs` gives each field's text
 (the Python API's signature and docstring, the command line's ``--help``), and :func:`cli_of`
-what the command line needs beyond the type and the default (the group in ``--help``, a metavar,
-a flag spelled otherwise).
+what the command line needs beyond the type and the default (the group in ``--help``, a metavar).
 
->>> from dataclasses import dataclass
+>>> from dataclasses import dataclass, fields
 >>> @dataclass
 ... class Settings:
 ...     size: int = option(8, group="work", metavar="N")
 ...     '''How many at once.'''
->>> field_docs(Settings)["size"], cli_of(fields(Settings)[0]).metavar
-('How many at once.', 'N')
+>>> cli_of(fields(Settings)[0])
+CommandLine(group='work', metavar='N')
+
+(:func:`field_docs` reads the class's source file, so ``Settings`` would have to live in one.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from functools import cache
 from itertools import pairwise
 from typing import Any
 
-__all__ = ["CommandLine", "cli_of", "field_docs", "fields", "option", "plain_text", "settings_doc", "settings_signature"]
+__all__ = ["CommandLine", "cli_of", "field_docs", "option", "plain_text", "settings_doc", "settings_signature"]
 
 
 @dataclass(frozen=True)
@@ -38,24 +39,19 @@ class CommandLine:
     """The heading it is listed under in ``--help``."""
     metavar: str | None = None
     """The value's name in ``--help`` (``N``, ``DIR``); None: the option's own name."""
-    flag: str | None = None
-    """The option as typed, when not ``--`` and the field's name with dashes (``--no-statistics``)."""
-    hidden: bool = False
-    """Not an option of the command line (a Python-only value)."""
 
 
-def option(default: Any = MISSING, *, group: str, metavar: str | None = None, flag: str | None = None,
-           hidden: bool = False) -> Any:
+def option(default: Any = MISSING, *, group: str, metavar: str | None = None) -> Any:
     """A dataclass field with ``default`` that the command line lists under ``group``."""
-    meta = {"cli": CommandLine(group, metavar, flag, hidden)}
+    meta = {"cli": CommandLine(group, metavar)}
     if default is MISSING:
         return field(metadata=meta)
     return field(default=default, metadata=meta)
 
 
 def cli_of(f: Field) -> CommandLine:
-    """The command-line side of a field made with :func:`option` (a plain field is listed under "options")."""
-    return f.metadata.get("cli") or CommandLine("options")
+    """The command-line side of a field made with :func:`option`."""
+    return f.metadata["cli"]
 
 
 @cache

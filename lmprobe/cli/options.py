@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from dataclasses import MISSING
+from dataclasses import MISSING, fields
 from typing import Any, Literal
 
-from ..base.fields import cli_of, field_docs, fields, plain_text
+from ..base.fields import cli_of, field_docs, plain_text
 from ..base.layers import parse_layers
-from ..base.units import parse_count
-from ..errors import InvalidArgumentError
 from ..opening import is_remote, load
 from ..storage.cache import cache_budget
 
@@ -21,13 +19,6 @@ def stored_layers(spec: str | None, stored: list[int]) -> list[int] | None:
     if spec in (None, "all"):
         return None
     return parse_layers(spec, max(stored) + 1, of=f"the dataset (layers {stored})")
-
-
-def count(text: str) -> int:
-    try:
-        return parse_count(text)
-    except InvalidArgumentError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_cache_option(p: argparse.ArgumentParser) -> None:
@@ -76,18 +67,16 @@ def add_settings(parser: argparse.ArgumentParser, settings: type, groups: dict[s
     sections = {key: parser.add_argument_group(title) for key, title in groups.items()}
     for f in fields(settings):
         cli = cli_of(f)
-        if cli.hidden:
-            continue
         help_text = _help_line(plain_text(docs[f.name]))
         kind, choices = _kind(hints[f.name])
-        flag = cli.flag or "--" + f.name.replace("_", "-")
+        flag = "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {"dest": f.name}
         if f.default is MISSING:
             kwargs["required"] = True
         else:
             kwargs["default"] = f.default
         if kind is bool and f.default is True:
-            flag = cli.flag or "--no-" + f.name.replace("_", "-")
+            flag = "--no-" + f.name.replace("_", "-")
             kwargs.update(action="store_false", help=f"{help_text}; on by default, this flag turns it off")
         elif kind is bool:
             kwargs.update(action="store_true", help=help_text)

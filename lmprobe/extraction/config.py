@@ -8,10 +8,10 @@ whether a partial output can be resumed.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from ..base.fields import fields, option
+from ..base.fields import option
 from ..base.units import parse_count, parse_size
 from ..errors import ExtractionError, InvalidArgumentError
 from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, MAX_SHARD_SIZE, RUN_SETTINGS, STORAGES
