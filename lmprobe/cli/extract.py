@@ -38,7 +38,8 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     )
     groups = add_settings(p, ExtractionConfig, {
         "model": "model", "input": "input", "corpus": "corpus extraction (one row per window of a long text)",
-        "store": "what to store", "output": "output", "publishing": "publishing"})
+        "store": "what to store", "output": "output", "plan": "the job's plan (--dry-run)",
+        "publishing": "publishing"})
     add_token_option(groups["publishing"])  # the token is no setting: it is never stored
     p.set_defaults(func=cmd_extract)
 

@@ -68,6 +68,12 @@ class ExtractionConfig:
     """Longest prompt in tokens (default: the model's limit)."""
     truncate: Literal["left", "right"] | None = option(None, group="model")
     """Cut prompts longer than ``max_length`` (left keeps the end) instead of failing (default: fail)."""
+    device_map: Literal["auto"] | None = option(None, group="model")
+    """``auto``: spread the model over this process's GPUs (then the CPU, then disk) with accelerate, for a model
+    larger than one GPU (``pip install 'lmprobe[accelerate]'``). Default: the whole model on ``device``."""
+    max_memory: str | None = option(None, group="model", metavar="MAP")
+    """With ``device_map``: memory each device may hold, e.g. ``0=70GiB,1=70GiB,cpu=200GiB`` (accelerate's
+    ``max_memory``); past it, layers go to the next device, then to disk. Default: accelerate's own."""
 
     # ---- the prompts
     text_column: str = option("text", group="input")
@@ -119,8 +125,9 @@ class ExtractionConfig:
     """Keep running per-layer statistics (count, mean, std, mean norm) over every stored vector."""
 
     # ---- the output
-    shard_size: int | str = option("1GiB", group="output")
-    """Byte budget of one shard, e.g. ``512MB`` or ``1GiB`` (16GiB at most)."""
+    shard_size: int | str | None = option(None, group="output")
+    """Byte budget of one shard, e.g. ``512MB`` or ``1GiB`` (16GiB at most). Default: 1GiB, or larger where the
+    plan needs it so that no folder passes 10,000 entries (the Hub's limit)."""
     checkpoint_interval: float = option(30.0, group="output", metavar="SECONDS")
     """Seconds between checkpoints: at most this much work is redone after an interruption."""
     space_check: bool = option(True, group="output")
@@ -131,6 +138,15 @@ class ExtractionConfig:
     """Replace an existing or partial output instead of resuming it."""
     quiet: bool = option(False, group="output")
     """No progress bar or summary."""
+
+    # ---- the job's plan (``--dry-run`` prints it; a real run refuses a plan that cannot work)
+    world_size: int | None = option(None, group="plan", metavar="N")
+    """The GPUs of the whole job, for a plan made away from the cluster (default: torchrun's world, else 1)."""
+    gpus_per_node: int | None = option(None, group="plan", metavar="G")
+    """GPUs on each node of the job (default: the GPUs this machine has under torchrun, else 8)."""
+    gpu_memory: str | None = option(None, group="plan", metavar="SIZE")
+    """Memory of one GPU, e.g. ``80GB`` (default: this machine's first GPU, else 80GB): a model larger than
+    one GPU is spread over a node's GPUs."""
 
     # ---- publishing
     push: str | None = option(None, group="publishing", metavar="REPO")
@@ -204,7 +220,19 @@ class ExtractionConfig:
                     f"to the Hub with --out hf://datasets/{self.push} instead")
         elif self.private:
             bad("--private applies to the repo --push creates; pass --push OWNER/NAME too")
-        if parse_size(self.shard_size) > MAX_SHARD_SIZE:  # parse_size raises on a bad size
+        for name in ("world_size", "gpus_per_node"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                bad(f"{name} must be a positive integer, got {v!r}")
+        if self.gpu_memory is not None:
+            parse_size(self.gpu_memory)  # raises on a bad size, naming it
+        if self.device_map not in (None, "auto"):
+            bad(f"device_map must be 'auto' or None, got {self.device_map!r}")
+        if self.max_memory is not None and self.device_map is None:
+            bad("--max-memory applies to a model spread with --device-map auto; pass --device-map auto too")
+        if self.device_map is not None and self.backend != "transformers":
+            bad("--device-map spreads a model the transformers backend runs; it does not apply to --backend nnsight")
+        if self.shard_size is not None and parse_size(self.shard_size) > MAX_SHARD_SIZE:  # parse_size raises on a bad size
             bad(f"--shard-size {self.shard_size} is more than a shard may hold (16GiB: the Hub takes files under "
                 "20 GB); pass --shard-size 16GiB or less")
 
@@ -214,8 +242,9 @@ class ExtractionConfig:
         return self.context_len is not None or self.max_tokens is not None
 
     @property
-    def shard_bytes(self) -> int:
-        return parse_size(self.shard_size)
+    def shard_bytes(self) -> int | None:
+        """The shard size asked for; None: the plan chooses (plan.py)."""
+        return None if self.shard_size is None else parse_size(self.shard_size)
 
     @classmethod
     def field_names(cls) -> list[str]:

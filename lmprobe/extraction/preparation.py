@@ -19,7 +19,13 @@ from ..errors import (
     InvalidArgumentError,
     ModelError,
 )
-from ..format.spec import HUB_FOLDER_ENTRIES, HUB_REPO_FILES, MAX_SHARD_SIZE, NESTED_FROM_SHARDS
+from ..format.spec import (
+    DEFAULT_SHARD_SIZE,
+    HUB_FOLDER_ENTRIES,
+    HUB_REPO_FILES,
+    MAX_SHARD_SIZE,
+    NESTED_FROM_SHARDS,
+)
 from .backend_nnsight import check_api_key, require_nnsight
 from .config import ExtractionConfig
 from .corpus import (
@@ -63,6 +69,7 @@ class Job:
     arch: Architecture | None = None  # the model's blocks, hookpoints and inputs (examine.py)
     layout: str = "flat"  # the shard file layout: nested for 1,000 shards a layer or more (format/spec.py)
     ranks: Ranks = field(default_factory=lambda: Ranks(0, 1, None))  # this process's place in a torchrun job
+    shard_bytes: int = DEFAULT_SHARD_SIZE  # the shard size: --shard-size, or the plan's choice (plan.py)
 
     @property
     def hookpoint_dims(self) -> tuple[int, ...]:
@@ -133,6 +140,7 @@ def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> Job:
     if p is None:
         job = _prepare_corpus(cfg, source, spec, tok, limit, vocab, layer_list, dev, ranks)
         job.captures, job.model, job.arch = captures, model, arch
+        job.shard_bytes = cfg.shard_bytes or DEFAULT_SHARD_SIZE
         job.layout = _layout(job)
         return job
     if p.input_ids is not None:
@@ -167,7 +175,7 @@ def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> Job:
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=whole,
                             num_prompts=n_prompts, layers=layer_list, max_length=limit)
     job = Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model, cut=cut, arch=arch,
-               ranks=ranks)
+               ranks=ranks, shard_bytes=cfg.shard_bytes or DEFAULT_SHARD_SIZE)
     job.layout = _layout(job)
     return job
 
@@ -177,7 +185,7 @@ def planned_shards(job: Job, *, world: int = 1) -> int | None:
     together (None: the source's length is unknown)."""
     cfg = job.config
     widest = max((c.width or job.spec.hidden_size) for c in job.captures) if job.captures else job.spec.hidden_size
-    per_shard = max(1, cfg.shard_bytes // (widest * np.dtype("float16" if cfg.dtype == "bfloat16" else cfg.dtype).itemsize))
+    per_shard = max(1, job.shard_bytes // (widest * np.dtype("float16" if cfg.dtype == "bfloat16" else cfg.dtype).itemsize))
     if job.corpus is not None:
         if job.corpus.max_tokens is None:
             return None

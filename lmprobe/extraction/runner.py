@@ -126,7 +126,7 @@ def _extract(job: Job, output: Output) -> Dataset:
             model_revision=settings["revision"],
             storage=cfg.storage,
             dtype=cfg.dtype,
-            shard_size=cfg.shard_bytes,
+            shard_size=job.shard_bytes,
             logits_k=cfg.logits_topk,
             label_type=job.prompts.label_type if job.prompts else None,
             columns=job.prompts.column_types if job.prompts else None,
@@ -276,7 +276,7 @@ def _announce(job: Job, writer: DatasetWriter, out: Path, *, local: bool) -> Non
     if planned is None or not cfg.space_check:
         return
     if not local and cfg.storage == "pooled":  # shards go to the bucket as they close
-        planned = min(planned, cfg.shard_bytes * (len(job.settings["layers"]) * len(job.captures) + 1))
+        planned = min(planned, job.shard_bytes * (len(job.settings["layers"]) * len(job.captures) + 1))
     free = shutil.disk_usage(out).free
     if free < planned:
         raise OutOfSpaceError(

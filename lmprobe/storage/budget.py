@@ -1,0 +1,120 @@
+"""One commit budget for a whole job: how many files a commit takes and how often the job may commit.
+
+Pure arithmetic, no I/O: the committer (commits.py) follows it at run time and the job's plan
+(extraction/plan.py, ``lmprobe extract --dry-run``) uses the same functions to say in advance how many
+commits a job makes and how long its tail lasts, so that the two cannot disagree.
+
+- **Commit sizes** follow huggingface_hub's large-folder uploader (``COMMIT_SIZE_SCALE``): a ladder from 20
+  to 1,000 files, starting at 250, one step up after a commit that landed in under 40 s, one step down
+  after a slow or failed one.
+- **The rate** is one budget for the job, not one per rank: at most ``commits_per_hour`` commits in any
+  hour (a sliding window, 100 by default, never above the Hub's ~128 an hour per repo, which everyone who
+  writes to the repo shares).
+
+At full size (W1 in docs/publishing.md: 10^9 tokens, 3 layers of an 8B model, 64 ranks) the job makes
+23,232 files: 25 commits (250, 400, 600, then 1,000 each), where one committer per rank at 50 files a commit needed 465 commits,
+five hours at the Hub's rate.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..errors import InvalidArgumentError
+
+#: files per commit, from huggingface_hub's large-folder uploader
+COMMIT_LADDER = (20, 50, 75, 100, 125, 200, 250, 400, 600, 1000)
+START_COMMIT_FILES = 250
+MAX_COMMIT_FILES = COMMIT_LADDER[-1]
+#: a commit that lands faster than this lets the next one take a step more files
+FAST_COMMIT_SECONDS = 40.0
+#: the Hub's limit on commits an hour to one repo (shared by everyone who writes to it)
+HUB_COMMITS_PER_HOUR = 128
+DEFAULT_COMMITS_PER_HOUR = 100
+HOUR = 3600.0
+
+
+def commits_per_hour() -> float:
+    """The job's commits an hour, all ranks together (``LMPROBE_HUB_COMMITS_PER_HOUR``, default 100, at most 128)."""
+    raw = os.environ.get("LMPROBE_HUB_COMMITS_PER_HOUR", str(DEFAULT_COMMITS_PER_HOUR))
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = -1.0
+    if not 0 < rate <= HUB_COMMITS_PER_HOUR:
+        raise InvalidArgumentError(f"LMPROBE_HUB_COMMITS_PER_HOUR={raw!r}: give a number of commits an hour above 0 "
+                                   f"and at most {HUB_COMMITS_PER_HOUR} (the Hub's limit for one repo)")
+    return rate
+
+
+def next_commit_files(current: int, *, seconds: float | None) -> int:
+    """The next commit's size after one of ``current`` files took ``seconds`` (None: it failed).
+
+    >>> next_commit_files(250, seconds=12.0), next_commit_files(250, seconds=None), next_commit_files(1000, seconds=1)
+    (400, 200, 1000)
+    """
+    i = max(k for k, n in enumerate(COMMIT_LADDER) if n <= max(current, COMMIT_LADDER[0]))
+    if seconds is not None and seconds < FAST_COMMIT_SECONDS:
+        return COMMIT_LADDER[min(i + 1, len(COMMIT_LADDER) - 1)]
+    return COMMIT_LADDER[max(i - 1, 0)]
+
+
+def commits_for(files: int, *, start: int = START_COMMIT_FILES) -> int:
+    """Commits that take ``files`` files when every commit lands fast (the ladder climbs to 1,000 and stays).
+
+    >>> commits_for(0), commits_for(250), commits_for(251), commits_for(23_232)
+    (0, 1, 2, 25)
+    """
+    n, size = 0, start
+    while files > 0:
+        files -= size
+        n += 1
+        size = next_commit_files(size, seconds=0.0)
+    return n
+
+
+@dataclass
+class CommitWindow:
+    """At most ``per_hour`` commits in any hour (sliding), measured on the caller's clock.
+
+    >>> w = CommitWindow(per_hour=2)
+    >>> w.wait(0.0), w.record(0.0), w.wait(1.0), w.record(1.0), w.wait(2.0)
+    (0.0, None, 0.0, None, 3598.0)
+    """
+
+    per_hour: float
+    hour: float = HOUR
+    starts: deque = field(default_factory=deque)
+
+    def wait(self, now: float) -> float:
+        """Seconds from ``now`` until one more commit may start."""
+        while self.starts and self.starts[0] <= now - self.hour:
+            self.starts.popleft()
+        if len(self.starts) < math.floor(self.per_hour):
+            return 0.0
+        return self.starts[len(self.starts) - math.floor(self.per_hour)] + self.hour - now
+
+    def record(self, now: float) -> None:
+        """A commit started at ``now``."""
+        self.starts.append(now)
+
+
+def tail_seconds(commits: int, *, earlier: int, per_hour: float, commit_seconds: float) -> float:
+    """Seconds to land ``commits`` commits one after the other, each taking ``commit_seconds``, when ``earlier``
+    commits of the job already started within the last hour (a worst case: all of them just before).
+
+    >>> tail_seconds(24, earlier=30, per_hour=100, commit_seconds=20.0)
+    480.0
+    >>> tail_seconds(3, earlier=99, per_hour=100, commit_seconds=20.0) > 3600
+    True
+    """
+    window = CommitWindow(per_hour, starts=deque([0.0] * earlier))
+    t = 0.0
+    for _ in range(commits):
+        t += window.wait(t)
+        window.record(t)
+        t += commit_seconds
+    return t
