@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         import_saelens,
         load,
         merge,
+        plan,
         pull,
         push_to_hub,
         report,
@@ -40,6 +41,7 @@ _LAZY = {
     "extract": "api",
     "load": "api",
     "merge": "api",
+    "plan": "api",
     "pull": "api",
     "push_to_hub": "api",
     "validate": "api",
@@ -52,7 +54,7 @@ _LAZY = {
 }
 
 __all__ = ["Dataset", "DatasetWriter", "ExtractionConfig", "LmprobeError", "__version__", "export_saelens", "extract",
-           "features", "hookpoints", "import_saelens", "load", "merge", "pull", "push_to_hub", "report", "validate"]
+           "features", "hookpoints", "import_saelens", "load", "merge", "plan", "pull", "push_to_hub", "report", "validate"]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,8 +17,10 @@ from typing import Any
 from .base.fields import settings_doc, settings_signature
 from .extraction.config import ExtractionConfig
 from .extraction.examine import Architecture
+from .extraction.plan import JobPlan
 from .extraction.preparation import examine_model
 from .extraction.runner import Outcome, execute
+from .extraction.runner import plan as plan_job
 from .extraction.torchrun import rank_and_world
 from .format.merge import merge_datasets
 from .format.reader import Dataset, open_local
@@ -32,8 +34,8 @@ from .publish.pull import pull
 from .publish.push import push_to_hub
 from .saelens import export_saelens, import_saelens
 
-__all__ = ["export_saelens", "extract", "features", "hookpoints", "import_saelens", "load", "merge", "pull", "push_to_hub",
-           "report", "run_extraction", "validate"]
+__all__ = ["export_saelens", "extract", "features", "hookpoints", "import_saelens", "load", "merge", "plan", "pull",
+           "push_to_hub", "report", "run_extraction", "validate"]
 
 
 def extract(model: str, prompts: Any, *, out: str | os.PathLike, token: str | None = None, **options: Any) -> Dataset:
@@ -52,16 +54,38 @@ def extract(model: str, prompts: Any, *, out: str | os.PathLike, token: str | No
     Re-running the same call after an interruption continues where it stopped; a different
     configuration against a partial output is an error unless ``overwrite=True``.
     """
-    unknown = sorted(set(options) - set(ExtractionConfig.field_names()))
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], ExtractionConfig.field_names(), n=1)
-        raise TypeError(f"extract() got an unexpected keyword argument {unknown[0]!r}"
-                        + (f"; did you mean {close[0]!r}?" if close else "; the options are ExtractionConfig's fields"))
+    _check_options(options)
     return run_extraction(ExtractionConfig(model=model, prompts=prompts, out=out, **options), token=token).dataset
 
 
 extract.__signature__ = settings_signature(extract, ExtractionConfig)  # type: ignore[attr-defined]
 extract.__doc__ = (extract.__doc__ or "") + settings_doc(ExtractionConfig, skip=("model", "prompts"))
+
+
+def plan(model: str, prompts: Any, *, out: str | os.PathLike, **options: Any) -> JobPlan:
+    """What ``extract`` with the same arguments would write and how (``lmprobe extract ... --dry-run``), without
+    loading the weights: bytes per layer and site, the shard size, files per folder and per repo, the largest
+    file, the index, staging disk per node, how the model is placed, the Hub commits and the tail after the
+    last shard, and ``refused`` (None, or why the job cannot work and which setting fixes it).
+
+    >>> p = lmprobe.plan("lmprobe-tiny", "examples/prompts.jsonl", out="hf://datasets/me/acts",
+    ...                  world_size=64, max_tokens=10**9, context_len=128)   # doctest: +SKIP
+    >>> print(p.describe())                                                   # doctest: +SKIP
+    """
+    _check_options(options)
+    return plan_job(ExtractionConfig(model=model, prompts=prompts, out=out, **options))
+
+
+plan.__signature__ = settings_signature(plan, ExtractionConfig)  # type: ignore[attr-defined]
+plan.__doc__ = (plan.__doc__ or "") + settings_doc(ExtractionConfig, skip=("model", "prompts"))
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - set(ExtractionConfig.field_names()))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], ExtractionConfig.field_names(), n=1)
+        raise TypeError(f"got an unexpected keyword argument {unknown[0]!r}"
+                        + (f"; did you mean {close[0]!r}?" if close else "; the options are ExtractionConfig's fields"))
 
 
 def run_extraction(config: ExtractionConfig, *, token: str | None = None) -> Outcome:

@@ -27,7 +27,7 @@ MANY = [dict(p, text=p["text"] + f" #{i}") for i in range(12) for p in PROMPTS] 
 @pytest.fixture(autouse=True)
 def _fast_commits(monkeypatch, tmp_path):
     # the Hub's ~100 commits an hour would make a test wait 36 s between commits: the local server takes more
-    monkeypatch.setenv("LMPROBE_HUB_COMMITS_PER_HOUR", "3600000")
+    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "0.001")
     monkeypatch.setenv("LMPROBE_CACHE", str(tmp_path / "cache"))
 
 
@@ -152,7 +152,7 @@ def test_an_extraction_past_the_hubs_folder_limit_is_refused_before_the_model_lo
     loads = []
     for module in (preparation, loop):
         monkeypatch.setattr(module, "load_model", lambda *a, **k: loads.append(1))
-    with pytest.raises(InvalidArgumentError, match="10,000 entries per folder") as err:
+    with pytest.raises(InvalidArgumentError, match="10,000 entries a folder") as err:
         lmprobe.extract(str(llama_dir), [f"word {i}" for i in range(30_000)], out="hf://datasets/user/huge",
                         layers="1", storage="full_sequence", shard_size="1KB", quiet=True)
     assert "--shard-size" in str(err.value) and not loads

@@ -136,7 +136,7 @@ def test_two_nodes_extract_a_corpus_budget_exactly_as_one_process(s3, llama_dir,
 @pytest.fixture
 def fast_commits(monkeypatch):
     # the Hub's ~100 commits an hour would make each rank wait 72 s between commits: the local server takes more
-    monkeypatch.setenv("LMPROBE_HUB_COMMITS_PER_HOUR", "3600000")
+    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "0.001")
 
 
 def _hub_tree(hub, name):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 
 from .. import api
@@ -14,11 +15,22 @@ from .options import add_settings, add_token_option
 
 def cmd_extract(args: argparse.Namespace) -> int:
     cfg = ExtractionConfig(**{name: getattr(args, name) for name in ExtractionConfig.field_names()})
+    if args.dry_run is not None:
+        return show_plan(cfg, args.dry_run)
     outcome = api.run_extraction(cfg, token=args.token)
     ds = outcome.dataset
     if outcome.wrote and not cfg.quiet:  # else the runner said it had nothing to do
         print(f"wrote {rows_text(ds, corpus=cfg.corpus)} ({ds.storage}, {ds.dtype}) to {cfg.out}")
     return 0
+
+
+def show_plan(cfg: ExtractionConfig, form: str) -> int:
+    """``--dry-run``: the job's plan (text or one JSON object) on stdout; exit 1 when the plan is refused."""
+    plan = api.plan(cfg.model, cfg.prompts, out=cfg.out, **{name: getattr(cfg, name) for name in
+                                                               ExtractionConfig.field_names()
+                                                               if name not in ("model", "prompts", "out")})
+    print(json.dumps(plan.as_json()) if form == "json" else escape_controls(plan.describe()))
+    return 1 if plan.refused else 0
 
 
 def cmd_hookpoints(args: argparse.Namespace) -> int:
@@ -40,6 +52,10 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
         "model": "model", "input": "input", "corpus": "corpus extraction (one row per window of a long text)",
         "store": "what to store", "output": "output", "plan": "the job's plan (--dry-run)",
         "publishing": "publishing"})
+    groups["plan"].add_argument(
+        "--dry-run", nargs="?", const="text", choices=["text", "json"], default=None,
+        help="print the job's plan (files, folders, shard size, index, staging disk per node, model placement, Hub "
+        "commits and the tail) without loading the weights, and exit (1 when the plan is refused); json: one object")
     add_token_option(groups["publishing"])  # the token is no setting: it is never stored
     p.set_defaults(func=cmd_extract)
 

@@ -38,6 +38,7 @@ from ..format.merge import MergePlan, plan_merge
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..opening import open_hub, open_object_store
+from ..storage.budget import HOUR, commits_per_hour, hour_seconds
 from ..storage.commits import HubCommitter, PushConfig, RepoFile
 from ..storage.hub import HubRef, hub_api, parse_hf_url
 from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
@@ -278,16 +279,10 @@ LEDGER = ".lmprobe-uploaded.jsonl"
 
 
 def hub_commits_per_hour() -> float:
-    """The commits an hour all the writers of one repo make together, at most (``LMPROBE_HUB_COMMITS_PER_HOUR``,
-    default 100: under the Hub's limit of about 128 an hour per repo)."""
-    raw = os.environ.get("LMPROBE_HUB_COMMITS_PER_HOUR", "100")
-    try:
-        rate = float(raw)
-    except ValueError:
-        rate = -1.0
-    if not rate > 0:
-        raise InvalidArgumentError(f"LMPROBE_HUB_COMMITS_PER_HOUR={raw!r}: give a number of commits an hour > 0")
-    return rate
+    """The commits an hour all the writers of one repo make together, at most, in the rate's own hour
+    (storage/budget.py: ``LMPROBE_HUB_COMMITS_PER_HOUR``, default 100, at most 128; ``LMPROBE_HUB_HOUR_SECONDS``
+    for a test Hub's faster clock): commits a second hour are ``rate * 3600 / hour``."""
+    return commits_per_hour() * HOUR / hour_seconds()
 
 
 class _HubSession(Session):

@@ -7,25 +7,26 @@ the result is a :class:`Job`: what the loop (loop.py) and the output (runner.py)
 
 from __future__ import annotations
 
+import io
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from ..base.display import one_line
 from ..base.progress import logger, on_terminal
+from ..base.units import parse_size
 from ..errors import (
     ExtractionError,
     InvalidArgumentError,
     ModelError,
 )
-from ..format.spec import (
-    DEFAULT_SHARD_SIZE,
-    HUB_FOLDER_ENTRIES,
-    HUB_REPO_FILES,
-    MAX_SHARD_SIZE,
-    NESTED_FROM_SHARDS,
-)
+from ..format.spec import DEFAULT_SHARD_SIZE, DTYPES
+from ..format.values import torch_dtype
+from ..storage.budget import DEFAULT_COMMITS_PER_HOUR, commits_per_hour
 from .backend_nnsight import check_api_key, require_nnsight
 from .config import ExtractionConfig
 from .corpus import (
@@ -43,11 +44,11 @@ from .model import (
     pick_device,
     read_model_spec,
 )
-from .outputs import Output
+from .plan import Cluster, JobPlan, Shape, make_plan
 from .prompts import Prompts, check_token_ids, read_prompts
 from .sources import Record, open_source
 from .tokens import Encoder
-from .torchrun import Ranks, rank_and_world
+from .torchrun import Ranks
 from .windows import affixes_of
 
 
@@ -70,6 +71,7 @@ class Job:
     layout: str = "flat"  # the shard file layout: nested for 1,000 shards a layer or more (format/spec.py)
     ranks: Ranks = field(default_factory=lambda: Ranks(0, 1, None))  # this process's place in a torchrun job
     shard_bytes: int = DEFAULT_SHARD_SIZE  # the shard size: --shard-size, or the plan's choice (plan.py)
+    plan: JobPlan | None = None  # the job's plan (plan.py): files, staging, commits, placement
 
     @property
     def hookpoint_dims(self) -> tuple[int, ...]:
@@ -140,8 +142,7 @@ def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> Job:
     if p is None:
         job = _prepare_corpus(cfg, source, spec, tok, limit, vocab, layer_list, dev, ranks)
         job.captures, job.model, job.arch = captures, model, arch
-        job.shard_bytes = cfg.shard_bytes or DEFAULT_SHARD_SIZE
-        job.layout = _layout(job)
+        follow_plan(job)
         return job
     if p.input_ids is not None:
         ranks.agree(lambda: _check_pretokenized(cfg, p, tok, vocab))
@@ -175,50 +176,136 @@ def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> Job:
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=whole,
                             num_prompts=n_prompts, layers=layer_list, max_length=limit)
     job = Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model, cut=cut, arch=arch,
-               ranks=ranks, shard_bytes=cfg.shard_bytes or DEFAULT_SHARD_SIZE)
-    job.layout = _layout(job)
+               ranks=ranks)
+    follow_plan(job)
     return job
 
 
-def planned_shards(job: Job, *, world: int = 1) -> int | None:
-    """How many shards each stored site (layer and hookpoint) will hold, all ranks of a ``world``-process job
-    together (None: the source's length is unknown)."""
+def job_shape(job: Job) -> Shape:
+    """What the job stores, whole-job totals: every rank's share together (one small exchange under torchrun, so
+    that every rank plans the same shard size and layout)."""
     cfg = job.config
-    widest = max((c.width or job.spec.hidden_size) for c in job.captures) if job.captures else job.spec.hidden_size
-    per_shard = max(1, job.shard_bytes // (widest * np.dtype("float16" if cfg.dtype == "bfloat16" else cfg.dtype).itemsize))
+    item = DTYPES[cfg.dtype].itemsize
+    widths = [c.width or job.spec.hidden_size for c in job.captures] or [job.spec.hidden_size]
+    site_row_bytes = tuple(w * item for _ in job.settings["layers"] for w in widths)
+    common = {"storage": cfg.storage, "site_row_bytes": site_row_bytes, "logits_k": cfg.logits_topk,
+              "token_ids": bool(job.settings.get("token_ids")), "perplexity": cfg.perplexity,
+              "hookpoints": len(widths), "model_bytes": model_bytes(job)}
     if job.corpus is not None:
         if job.corpus.max_tokens is None:
-            return None
-        windows = -(-job.corpus.max_tokens // max(1, job.corpus.context_len - 1)) + 1
-        rows, last = (job.corpus.max_tokens, windows) if cfg.storage == "full_sequence" else (windows, 0)
+            return Shape(rows=0, tokens=0, known=False, **common)
+        tokens = job.corpus.max_tokens
+        texts = [r.values.get(cfg.text_column) for r in job.corpus.source.head(TEXT_SAMPLE_RECORDS)]
+        texts = [t for t in texts if isinstance(t, str)]
+        ids = job.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return Shape(rows=-(-tokens // job.corpus.context_len), tokens=tokens, exact=False,
+                     **_sample_bytes(texts, ids), **common)
+    assert job.prompts is not None and job.lengths is not None
+    mine = [len(job.prompts), int(job.lengths.sum())]
+    rows, tokens = mine if job.ranks.world == 1 else [sum(x) for x in zip(*job.ranks.all_gather(mine), strict=True)]
+    texts = list(job.prompts.texts[:TEXT_SAMPLE_PROMPTS])
+    ids = job.prompts.input_ids[:TEXT_SAMPLE_PROMPTS] if job.prompts.input_ids is not None else \
+        job.tokenizer(texts, add_special_tokens=True)["input_ids"]
+    return Shape(rows=rows, tokens=tokens, **_sample_bytes(texts, ids), **common)
+
+
+def _sample_bytes(texts: list[str], ids: list[list[int]]) -> dict[str, float]:
+    """The index's text and token_ids columns, as parquet stores them, per token of a sample (the plan's defaults
+    without one)."""
+    tokens = sum(len(i) for i in ids)
+    if not texts or tokens < 1:
+        return {}
+
+    def size(column: pa.Array) -> int:  # written as the index writes the column (format/index.py)
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"c": column}), buf, use_dictionary=pa.types.is_string(column.type))
+        return len(buf.getvalue())
+
+    return {"text_bytes_per_token": max(0, size(pa.array(texts, pa.string())) - size(pa.array([""] * len(texts))))
+            / tokens,
+            "id_bytes_per_token": max(0, size(pa.array(ids, INDEX_TOKEN_IDS))
+                                      - size(pa.array([[]] * len(ids), INDEX_TOKEN_IDS))) / tokens}
+
+
+def model_bytes(job: Job) -> int:
+    """The weights' bytes in the dtype the model runs in, counted on a weightless skeleton (0 when it cannot be
+    built)."""
+    import torch
+
+    try:
+        meta = skeleton(job.spec.config, causal_lm=job.spec.causal_lm, trust_remote_code=job.spec.trust_remote_code)
+    except Exception:  # an architecture that cannot be built on meta: placement is planned without its size
+        return 0
+    n = sum(t.numel() for t in meta.parameters())
+    name = job.config.compute_dtype
+    if name == "auto":  # float32 on a CPU; the checkpoint's own dtype on a GPU
+        stored = getattr(job.spec.config, "dtype", None) or getattr(job.spec.config, "torch_dtype", None)
+        on_gpu = not job.device.startswith("cpu")
+        dtype = stored if on_gpu and isinstance(stored, torch.dtype) else torch.float32
+        if on_gpu and isinstance(stored, str) and stored in DTYPES:
+            dtype = torch_dtype(stored)
     else:
-        n = len(job.prompts) * world
-        rows, last = (int(job.lengths.sum()) * world, n) if cfg.storage == "full_sequence" else (n, 0)
-    return -(-rows // per_shard) + (-(-last // per_shard) if last else 0)
+        dtype = torch_dtype(name)
+    return n * dtype.itemsize
 
 
-def check_fits(job: Job, output: Output, world: int) -> None:
-    """A Hub output takes < 10,000 entries a folder and < 100,000 files a repo: an extraction planned past either
-    is an error before the weights load (a corpus without --max-tokens is not known in advance)."""
-    if output.local or not str(output).startswith("hf://"):
+def cluster_of(cfg: ExtractionConfig, device: str, world: int) -> Cluster | None:
+    """The GPUs the job runs on: the plan options (a cluster that is not here), else torchrun's world and this
+    machine's GPUs; None on a CPU."""
+    asked = cfg.world_size is not None or cfg.gpus_per_node is not None or cfg.gpu_memory is not None
+    if not asked and not device.startswith("cuda"):
+        return None
+    count, memory = 0, 0
+    if device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count()
+        memory = torch.cuda.get_device_properties(0).total_memory if count else 0
+    per_node = cfg.gpus_per_node or count or DEFAULT_GPUS_PER_NODE
+    gpus = cfg.world_size
+    if gpus is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        gpus = world * (max(1, count // local) if cfg.device_map and count else 1)
+    memory = parse_size(cfg.gpu_memory) if cfg.gpu_memory is not None else memory or DEFAULT_GPU_MEMORY
+    return Cluster(gpus=gpus, gpus_per_node=per_node, gpu_memory=memory)
+
+
+def plan_job(job: Job) -> JobPlan:
+    """The job's plan (plan.py) for this job's output and cluster."""
+    cfg = job.config
+    out = os.fspath(cfg.out)
+    return make_plan(job_shape(job), destination=out, cluster=cluster_of(cfg, job.device, job.ranks.world),
+                     shard_bytes=cfg.shard_bytes, commits_per_hour=commits_per_hour() if out.startswith("hf://")
+                     else DEFAULT_COMMITS_PER_HOUR)
+
+
+def follow_plan(job: Job) -> None:
+    """Take the plan's shard size and layout (every rank plans the same from the same totals)."""
+    plan = job.plan = plan_job(job)
+    job.shard_bytes, job.layout = plan.shard_bytes, plan.layout
+
+
+def check_plan(job: Job) -> None:
+    """A plan that cannot work is an error before the weights load, with its numbers and the setting that fixes it."""
+    plan = job.plan
+    if plan is None:
         return
-    n = planned_shards(job, world=world)
-    if n is None:
-        return
-    sites = len(job.settings["layers"]) * len(job.captures) + bool(job.config.logits_topk)
-    if n < HUB_FOLDER_ENTRIES and n * sites + 10 < HUB_REPO_FILES:
-        return
-    raise InvalidArgumentError(
-        f"--out {output}: this extraction makes about {n:,} shards per layer and hookpoint ({n * sites:,} files), "
-        f"past the Hub's {HUB_FOLDER_ENTRIES:,} entries per folder or {HUB_REPO_FILES:,} files per repo; pass a "
-        f"larger --shard-size (at most {MAX_SHARD_SIZE // 2**30}G) or extract fewer layers or tokens per repo")
+    if plan.refused:
+        raise InvalidArgumentError(f"--out {job.config.out}: {plan.refused}")
+    if plan.gpus_per_rank > 1 and job.config.device_map is None:
+        raise InvalidArgumentError(f"the model does not fit one GPU: {plan.placement}")
 
 
-def _layout(job: Job) -> str:
-    """``nested`` (a folder per site, 5-digit numbers) for 1,000 shards a site or more, or an unknown number."""
-    n = planned_shards(job, world=rank_and_world()[1])
-    return "nested" if n is None or n >= NESTED_FROM_SHARDS else "flat"
+#: the index's token_ids column type (format/index.py)
+INDEX_TOKEN_IDS = pa.list_(pa.int64())
 
+#: records of a corpus (prompts of a prompt file) whose text measures the index's text column for the plan
+TEXT_SAMPLE_RECORDS = 64
+TEXT_SAMPLE_PROMPTS = 2000
+
+#: the plan's cluster when nothing says otherwise: a node of eight 80 GB GPUs
+DEFAULT_GPUS_PER_NODE = 8
+DEFAULT_GPU_MEMORY = 80 * 10**9
 
 #: architectures examined on a miniature in this process, by config and tokenizer padding (examining is
 #: deterministic, and a notebook extracts from the same model again and again)

@@ -33,8 +33,9 @@ from .corpus import stream_windows
 from .examine import ranges
 from .loop import run_corpus, run_prompts
 from .outputs import Output, open_output
-from .preparation import Job, check_fits, prepare
-from .torchrun import start_ranks
+from .plan import JobPlan
+from .preparation import Job, check_plan, prepare
+from .torchrun import Ranks, start_ranks
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def execute(cfg: ExtractionConfig) -> Outcome:
     rank, world = ranks.rank, ranks.world
     output = output.for_world(world)
     job = prepare(cfg, ranks)
-    check_fits(job, output, world)
+    check_plan(job)
     done = _finished(job, output)
     if done is not None:
         if not cfg.quiet and rank == 0:
@@ -77,6 +78,16 @@ def execute(cfg: ExtractionConfig) -> Outcome:
             raise
         raise OutOfSpaceError(f"the disk holding {output.staging()} is full ({exc.strerror}); free some space and run "
                               "the same command again: it resumes from its last checkpoint") from exc
+
+
+def plan(cfg: ExtractionConfig) -> JobPlan:
+    """The plan of the extraction ``cfg`` describes (plan.py), made as a real run makes it, without loading the
+    weights or running anything: the cluster is the plan options' (``world_size``, ``gpus_per_node``,
+    ``gpu_memory``) or this machine's."""
+    open_output(cfg.out)  # a bad --out is an error here too
+    job = prepare(cfg, Ranks(0, 1, None))
+    assert job.plan is not None
+    return job.plan
 
 
 def rows_text(ds: Dataset, *, corpus: bool) -> str:
@@ -275,8 +286,9 @@ def _announce(job: Job, writer: DatasetWriter, out: Path, *, local: bool) -> Non
         logger.info(f"lmprobe: writing {what}: {size}{resumed}")
     if planned is None or not cfg.space_check:
         return
-    if not local and cfg.storage == "pooled":  # shards go to the bucket as they close
-        planned = min(planned, job.shard_bytes * (len(job.settings["layers"]) * len(job.captures) + 1))
+    if not local and job.plan is not None and job.plan.known:
+        # shards go to the Hub or the bucket as they close: this node stages a few of them, not the dataset
+        planned = min(planned, job.plan.staging_bytes_per_node)
     free = shutil.disk_usage(out).free
     if free < planned:
         raise OutOfSpaceError(

@@ -50,6 +50,19 @@ def commits_per_hour() -> float:
     return rate
 
 
+def hour_seconds() -> float:
+    """The length of the rate's hour in seconds: 3600, or ``LMPROBE_HUB_HOUR_SECONDS`` for a test Hub whose
+    clock runs faster (the tests' local server counts its limit in the same scaled hour)."""
+    raw = os.environ.get("LMPROBE_HUB_HOUR_SECONDS", str(HOUR))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise InvalidArgumentError(f"LMPROBE_HUB_HOUR_SECONDS={raw!r}: give a number of seconds above 0")
+    return value
+
+
 def next_commit_files(current: int, *, seconds: float | None) -> int:
     """The next commit's size after one of ``current`` files took ``seconds`` (None: it failed).
 

@@ -1,0 +1,384 @@
+"""The job's plan: what an extraction will write, in how many files, folders and commits, on how much staging
+disk, how the model is placed, and how long the tail lasts, computed before any weight loads.
+
+One pure function, :func:`make_plan` (no I/O), decides the shard size, the file layout and whether the job can
+work at all; ``lmprobe extract ... --dry-run`` prints its result and a real run follows the same result (the
+shard size, the layout, the space check, the refusal), so the two cannot disagree. Its inputs are a
+:class:`Shape` (what the job stores, whole-job totals) and a :class:`Cluster` (the GPUs it runs on, or None on a
+CPU). At full size (docs/publishing.md, "Jobs at full size"):
+
+======================  =======================  =====================  ==========================
+job                     W1: 8B, 10^9 tokens,      W2: 8B, 10^10 tokens,  W3: 70B, 2 x 10^9 tokens,
+                        3 layers, 64 GPUs         1 layer, 64 GPUs       1 layer, 128 GPUs
+======================  =======================  =====================  ==========================
+bytes (bfloat16)        24.6 TB                   81.9 TB                32.8 TB
+shard size              1 GiB (default)           8 GiB (grown)          2 GiB (grown)
+files                   ~23,200                   ~9,700                 ~15,300
+model placement         1 GPU a rank, 64 ranks    1 GPU a rank           4 GPUs a rank, 32 ranks
+tail after last shard   ~7 min (26 commits)       ~4 min                 ~5 min
+======================  =======================  =====================  ==========================
+
+The assumptions that are not arithmetic are named constants below (how long a commit takes, the upload
+bandwidth of a rank, the memory headroom of a GPU); the scale benchmark (benchmarks/bench_scale.py) checks
+the rest against real runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from ..base.units import format_size
+from ..format.spec import HUB_FOLDER_ENTRIES, HUB_REPO_FILES, MAX_SHARD_SIZE, NESTED_FROM_SHARDS
+from ..storage.budget import MAX_COMMIT_FILES, commits_for, tail_seconds
+
+GiB = 1024**3
+DEFAULT_SHARD_BYTES = GiB
+#: the Hub refuses files over 50 GB and advises under 20 GB; shards stop at 16 GiB (MAX_SHARD_SIZE)
+HUB_FILE_ADVISED = 20 * 10**9
+HUB_FILE_LIMIT = 50 * 10**9
+#: the Hub's storage, as its documentation states it for a free account (more on request, PRO, Enterprise)
+HUB_PUBLIC_STORAGE = 5 * 10**12
+HUB_PRIVATE_STORAGE = 100 * 10**9
+
+#: index bytes on disk, measured on real indexes (tests/test_plan.py checks them against a real job): per row
+#: (its scalar columns: num_tokens, addresses, document, window_start, label), per stored token of a
+#: full_sequence dataset (token_shard_ids and token_shard_offsets: arithmetic runs that parquet's
+#: DELTA_BINARY_PACKED stores in a few bits), with --token-ids (one id a token, which does not pack) and with
+#: --perplexity (a float a token). The text column is measured on a sample of the source (Shape.text_bytes_per_token).
+INDEX_BYTES_PER_ROW = 16
+INDEX_BYTES_PER_TOKEN = 0.35
+INDEX_BYTES_PER_TOKEN_ID = 3.0
+INDEX_BYTES_PER_TOKEN_PERPLEXITY = 8.0
+INDEX_BYTES_PER_ROW_PERPLEXITY = 28
+INDEX_FIXED_BYTES = 12 * 1024
+#: the index's footer holds the schema metadata twice (as key-value pairs and in the arrow schema), and it lists
+#: every shard (its rows, tokens, bytes, checksum)
+INDEX_BYTES_PER_SHARD = 300
+#: text bytes a token when no sample says (English with a byte-pair tokenizer: ~4.2 characters a token, and
+#: parquet's snappy keeps about half)
+DEFAULT_TEXT_BYTES_PER_TOKEN = 2.0
+
+#: files a rank has in flight to the Hub or a bucket (written, not yet uploaded), besides the shards it is filling
+IN_FLIGHT_FILES = 8
+#: an upload's speed from one rank, bytes a second (a cloud GPU node reaches 1-10 GB/s over its ranks)
+UPLOAD_BYTES_PER_SECOND = 100 * 10**6
+#: seconds one commit takes at the Hub, copies and by-reference additions of up to 1,000 files included
+COMMIT_SECONDS = 15.0
+#: share of a GPU's memory the weights may take: the rest holds activations, the CUDA context and the hooks' copies
+GPU_WEIGHT_SHARE = 0.85
+
+Destination = Literal["local", "hub", "object"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a job stores, whole-job totals (every rank together)."""
+
+    storage: Literal["pooled", "full_sequence"]
+    rows: int
+    """Prompts, or windows of a corpus."""
+    tokens: int
+    """Stored tokens (full_sequence: every one is a row of a site's shards; pooled: what the index counts)."""
+    site_row_bytes: tuple[int, ...]
+    """Bytes of one row of each stored site (layer x hookpoint): width x the stored dtype's size."""
+    logits_k: int | None = None
+    token_ids: bool = False
+    perplexity: bool = False
+    hookpoints: int = 1
+    exact: bool = True
+    """False: the rows are an estimate (a corpus whose documents may be shorter than a window)."""
+    known: bool = True
+    """False: the size is unknown (a corpus without --max-tokens): nothing is sized."""
+    model_bytes: int = 0
+    """The weights in the dtype the model runs in (0: unknown)."""
+    text_bytes_per_token: float = DEFAULT_TEXT_BYTES_PER_TOKEN
+    """The index's text column, compressed, per token (measured on a sample of the source)."""
+    id_bytes_per_token: float = INDEX_BYTES_PER_TOKEN_ID
+    """With ``token_ids``: the index's token_ids column per token (measured on a sample of the source)."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs a job runs on."""
+
+    gpus: int
+    gpus_per_node: int
+    gpu_memory: int
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+
+@dataclass
+class JobPlan:
+    """What :func:`make_plan` decided and predicts. ``as_json`` has the keys ``--dry-run json`` prints."""
+
+    destination: str
+    ranks: int
+    gpus_per_rank: int
+    placement: str
+    shard_bytes: int
+    shard_reason: str
+    layout: str
+    site_bytes: list[int]
+    dataset_bytes: int
+    shards_per_site: int
+    files: int
+    largest_folder_entries: int
+    largest_file_bytes: int
+    index_files: list[int]
+    staging_bytes_per_node: int
+    commits: int
+    tail_commits: int
+    tail_seconds: float
+    refused: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    known: bool = True
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """The plan in a few lines, for a person."""
+        if not self.known:
+            return "\n".join(["plan: the size is unknown (a corpus without --max-tokens): give --max-tokens to plan",
+                              f"  model: {self.placement}", *(f"  warning: {w}" for w in self.warnings)])
+        sites = len(self.site_bytes)
+        per_site = format_size(self.site_bytes[0]) if len(set(self.site_bytes)) == 1 else \
+            ", ".join(format_size(b) for b in self.site_bytes)
+        lines = [
+            f"plan: {format_size(self.dataset_bytes)} in {self.files:,} files to {self.destination}",
+            f"  per layer and site: {per_site} ({sites} site{'s' if sites != 1 else ''})",
+            f"  shard size: {format_size(self.shard_bytes)} ({self.shard_reason}); {self.shards_per_site:,} shards "
+            f"per site, {self.layout} layout",
+            f"  largest folder: {self.largest_folder_entries:,} entries (the Hub takes {HUB_FOLDER_ENTRIES:,}); "
+            f"largest file: {format_size(self.largest_file_bytes)}",
+            f"  index: {', '.join(format_size(b) for b in self.index_files)} in {len(self.index_files)} file(s), "
+            "built in bounded memory",
+            f"  staging disk per node: {format_size(self.staging_bytes_per_node)}",
+            f"  model: {self.placement}",
+        ]
+        if self.destination.startswith("hf://"):
+            lines.append(f"  commits: {self.commits:,} for the job (one committer, up to {MAX_COMMIT_FILES:,} files "
+                         f"each); after the last shard is written: {self.tail_commits} commit(s), about "
+                         f"{_duration(self.tail_seconds)} until the dataset is complete")
+            lines.append(f"  Hub storage: {format_size(self.dataset_bytes)} (a free account: public repos usually up "
+                         "to 5 TB, private 100 GB)")
+        lines += [f"  warning: {w}" for w in self.warnings]
+        if self.refused:
+            lines.append(f"  refused: {self.refused}")
+        return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+# ---------------------------------------------------------------------------------------------- placement
+
+
+def place_model(model_bytes: int, cluster: Cluster | None) -> tuple[int, int, str, str | None]:
+    """(ranks, GPUs per rank, a description, a refusal or None): the fewest GPUs of a node that hold the model
+    (a divisor of the node's GPUs, so that each node runs whole ranks); one rank per GPU when one holds it.
+
+    >>> place_model(16 * 10**9, Cluster(64, 8, 80 * 10**9))[:2]
+    (64, 1)
+    >>> place_model(141 * 10**9, Cluster(128, 8, 80 * 10**9))[:2]
+    (32, 4)
+    """
+    if cluster is None:
+        return 1, 0, "on the CPU", None
+    per_gpu = cluster.gpu_memory * GPU_WEIGHT_SHARE
+    node = min(cluster.gpus_per_node, cluster.gpus)
+    size = format_size(model_bytes) if model_bytes else "size unknown"
+    for g in range(1, node + 1):
+        if node % g == 0 and model_bytes <= g * per_gpu:
+            ranks = max(1, cluster.gpus // g)
+            if g == 1:
+                return ranks, 1, f"{size}, one GPU a rank, {ranks} rank{'s' if ranks != 1 else ''}", None
+            return ranks, g, (f"{size} > {GPU_WEIGHT_SHARE:.0%} of one {format_size(cluster.gpu_memory)} GPU: spread "
+                              f"over {g} GPUs a rank (--device-map auto), {node // g} rank(s) a node, {ranks} "
+                              f"ranks: torchrun --nnodes {cluster.nodes} --nproc_per_node {node // g}"), None
+    why = (f"the model's weights ({size}) do not fit the {node} GPU(s) of a node ({node} x "
+           f"{format_size(cluster.gpu_memory)}, {GPU_WEIGHT_SHARE:.0%} of each for weights); use GPUs with more "
+           "memory (--gpu-memory), more GPUs a node (--gpus-per-node), or a smaller --compute-dtype")
+    return 0, node, f"{size}, does not fit a node", why
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+@dataclass(frozen=True)
+class _Files:
+    shards_per_site: int  # every rank's, together
+    logits_shards: int
+    files: int
+    largest_folder: int
+    largest_shard: int
+    layout: str
+
+
+def _count(shape: Shape, shard_bytes: int, ranks: int, layout: str | None = None) -> _Files:
+    """Shards and files when ``ranks`` ranks each write a part of ``shard_bytes`` shards (parts merged: each part's
+    last shard of a series is partial)."""
+    widest = max(shape.site_row_bytes)
+    cap = max(1, shard_bytes // widest)
+    rows_r = -(-shape.rows // ranks)
+    last = -(-rows_r // cap) if rows_r else 0
+    seq = items = 0
+    per_item = 0.0
+    if shape.storage == "full_sequence" and rows_r:
+        seq_rows_r = max(0, -(-(shape.tokens - shape.rows) // ranks))
+        per_item = seq_rows_r / rows_r
+        if per_item > 0:
+            # a prompt's rows never straddle two shards: a shard takes whole windows (or prompts)
+            items = max(1, int(cap // per_item)) if per_item <= cap else 1
+            seq = -(-rows_r // items)
+    per_site = (last + seq) * ranks
+    logits = 0
+    if shape.logits_k:
+        lcap = max(1, shard_bytes // (8 * shape.logits_k))
+        logits = -(-rows_r // lcap) * ranks if rows_r else 0
+    sites = len(shape.site_row_bytes)
+    stats = shape.hookpoints
+    files = per_site * sites + logits + stats + 2  # + the index and the card
+    flat_tensors = per_site * sites + logits + stats
+    if layout is None:
+        layout = "nested" if per_site >= NESTED_FROM_SHARDS or flat_tensors > HUB_FOLDER_ENTRIES else "flat"
+    largest = max(per_site, logits) if layout == "nested" else flat_tensors
+    largest_rows = min(cap, rows_r)  # a last-token shard
+    if seq:
+        largest_rows = max(largest_rows, int(per_item * min(items, rows_r)) if per_item <= cap else int(per_item))
+    largest_shard = largest_rows * widest
+    return _Files(per_site, logits, files, largest, largest_shard, layout)
+
+
+def index_bytes(shape: Shape, shards: int) -> int:
+    """The index file's size on disk (measured constants above)."""
+    per_token = shape.text_bytes_per_token + (INDEX_BYTES_PER_TOKEN if shape.storage == "full_sequence" else 0.0)
+    per_row = INDEX_BYTES_PER_ROW
+    if shape.token_ids:
+        per_token += shape.id_bytes_per_token
+    if shape.perplexity:
+        per_token += INDEX_BYTES_PER_TOKEN_PERPLEXITY
+        per_row += INDEX_BYTES_PER_ROW_PERPLEXITY
+    return int(INDEX_FIXED_BYTES + shape.rows * per_row + shape.tokens * per_token + shards * INDEX_BYTES_PER_SHARD)
+
+
+def _smallest_shard(shape: Shape, ranks: int, fits) -> int | None:
+    """The smallest shard size, 1 GiB up in whole GiB to 16 GiB, for which ``fits(files)`` holds; None: none."""
+    for g in range(1, MAX_SHARD_SIZE // GiB + 1):
+        if fits(_count(shape, g * GiB, ranks)):
+            return g * GiB
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_bytes: int | None = None,
+              commits_per_hour: float = 100.0) -> JobPlan:
+    """The plan of a job (see the module docstring): pure arithmetic on whole-job totals.
+
+    >>> w1 = Shape("full_sequence", rows=10**9 // 8192, tokens=10**9, site_row_bytes=(8192,) * 3, exact=False,
+    ...            model_bytes=16 * 10**9)
+    >>> p = make_plan(w1, destination="hf://datasets/me/acts", cluster=Cluster(64, 8, 80 * 10**9))
+    >>> p.refused, p.shard_bytes == 2**30, p.files > 20_000, p.tail_seconds < 15 * 60
+    (None, True, True, True)
+    """
+    kind = _kind(destination)
+    ranks, gpus_per_rank, placement, refused = place_model(shape.model_bytes, cluster)
+    ranks = max(ranks, 1)
+    warnings: list[str] = []
+    if not shape.known:
+        return JobPlan(destination, ranks, gpus_per_rank, placement, shard_bytes or DEFAULT_SHARD_BYTES,
+                       "the default", "nested", [], 0, 0, 0, 0, 0, [], 0, 0, 0, 0.0, refused,
+                       ["the job's size is unknown until the source is read: pass --max-tokens to plan it, and to "
+                        "make the space check and the shard size fit it"], known=False)
+    hub = kind == "hub"
+
+    def fits(f: _Files) -> bool:
+        return f.largest_folder <= HUB_FOLDER_ENTRIES and f.files <= HUB_REPO_FILES
+
+    if shard_bytes is not None:
+        size, reason = shard_bytes, "--shard-size"
+    else:
+        grown = _smallest_shard(shape, ranks, fits)
+        size = grown or MAX_SHARD_SIZE
+        reason = "the default" if size == DEFAULT_SHARD_BYTES else \
+            f"grown from 1 GiB so that no folder passes {HUB_FOLDER_ENTRIES:,} entries"
+    f = _count(shape, size, ranks)
+    if not fits(f):
+        need = _smallest_shard(shape, ranks, fits)
+        fix = f"pass --shard-size {need // GiB}GiB" if need else \
+            "split the job into several datasets (fewer tokens or layers each)"
+        what = (f"{f.largest_folder:,} entries in one folder" if f.largest_folder > HUB_FOLDER_ENTRIES
+                else f"{f.files:,} files")
+        limit = f"{HUB_FOLDER_ENTRIES:,} entries a folder and {HUB_REPO_FILES:,} files a repo"
+        message = f"this job makes {what} at {format_size(size)} shards, past the Hub's {limit}; {fix}"
+        if hub:
+            refused = refused or message
+        else:
+            warnings.append(message + " (a local folder or a bucket takes it, a later push to the Hub would not)")
+    site_bytes = [shape.tokens * b if shape.storage == "full_sequence" else shape.rows * b
+                  for b in shape.site_row_bytes]
+    if shape.storage == "full_sequence":  # the last-token shards hold each row's last token again
+        site_bytes = [s + shape.rows * b for s, b in zip(site_bytes, shape.site_row_bytes, strict=True)]
+    index = index_bytes(shape, f.shards_per_site * len(shape.site_row_bytes) + f.logits_shards)
+    logits_bytes = shape.rows * 8 * (shape.logits_k or 0)
+    dataset = sum(site_bytes) + logits_bytes + index
+    if index > HUB_FILE_LIMIT and hub:
+        refused = refused or (f"the index would be {format_size(index)}, past the Hub's 50 GB a file; drop --token-ids "
+                              "and --token-strings, or split the job into several datasets")
+    elif index > HUB_FILE_ADVISED:
+        warnings.append(f"the index will be {format_size(index)}, past the 20 GB a file the Hub advises; drop "
+                        "--token-ids and --token-strings, or split the job into several datasets")
+    if not shape.exact:
+        warnings.append("rows are planned from full windows: documents shorter than a window make more rows, and "
+                        "the corpus may hold fewer tokens than --max-tokens")
+    sites_open = len(shape.site_row_bytes) + (1 if shape.logits_k else 0)
+    per_rank_index = index // ranks
+    ranks_per_node = ranks if cluster is None else max(1, min(ranks, cluster.gpus_per_node // max(gpus_per_rank, 1)))
+    if kind == "local":
+        staging = dataset  # the output is the staging: every node writes its part into it (a shared disk)
+    else:
+        per_rank = (sites_open + IN_FLIGHT_FILES) * f.largest_shard + per_rank_index
+        staging = min(dataset // max(1, -(-ranks // ranks_per_node)), per_rank * ranks_per_node) \
+            if ranks > 1 else min(dataset, per_rank)
+    commits = tail = 0
+    seconds = 0.0
+    if hub:
+        data_files = f.files - 2 - shape.hookpoints
+        if ranks > 1:
+            during = commits_for(data_files)
+            copies = -(-data_files // MAX_COMMIT_FILES)
+            tail = 1 + copies + 1  # the parts' last files; the copies out of the parts; stats, card, index
+            commits = during + copies + 1
+        else:
+            during = commits_for(data_files)
+            tail = 1
+            commits = during + 1
+        last_uploads = sites_open * f.largest_shard / UPLOAD_BYTES_PER_SECOND
+        seconds = last_uploads + tail_seconds(tail, earlier=max(0, during - 1), per_hour=commits_per_hour,
+                                              commit_seconds=COMMIT_SECONDS)
+        if dataset > HUB_PUBLIC_STORAGE:
+            warnings.append(f"{format_size(dataset)} is past the {format_size(HUB_PUBLIC_STORAGE)} of public storage "
+                            "a free Hub account usually has: ask Hugging Face for more first, or write to a bucket "
+                            "(--out s3://...)")
+    return JobPlan(destination, ranks, gpus_per_rank, placement, size, reason, f.layout, site_bytes, dataset,
+                   f.shards_per_site, f.files, f.largest_folder, max(f.largest_shard, index), [index],
+                   staging, commits, tail, seconds, refused, warnings)
+
+
+def _kind(destination: str) -> Destination:
+    if destination.startswith("hf://"):
+        return "hub"
+    if "://" in destination:
+        return "object"
+    return "local"
