@@ -7,16 +7,12 @@ shard size, the layout, the space check, the refusal), so the two cannot disagre
 :class:`Shape` (what the job stores, whole-job totals) and a :class:`Cluster` (the GPUs it runs on, or None on a
 CPU). At full size (docs/publishing.md, "Jobs at full size"):
 
-======================  =======================  =====================  ==========================
-job                     W1: 8B, 10^9 tokens,      W2: 8B, 10^10 tokens,  W3: 70B, 2 x 10^9 tokens,
-                        3 layers, 64 GPUs         1 layer, 64 GPUs       1 layer, 128 GPUs
-======================  =======================  =====================  ==========================
-bytes (bfloat16)        24.6 TB                   81.9 TB                32.8 TB
-shard size              1 GiB (default)           8 GiB (grown)          2 GiB (grown)
-files                   ~23,200                   ~9,700                 ~15,300
-model placement         1 GPU a rank, 64 ranks    1 GPU a rank           4 GPUs a rank, 32 ranks
-tail after last shard   ~7 min (26 commits)       ~4 min                 ~5 min
-======================  =======================  =====================  ==========================
+- W1, an 8B model, 10^9 tokens, 3 layers, bfloat16, 64 GPUs: 22.4 TiB in 23,235 files of 1 GiB (7,744 a
+  folder), one GPU a rank, 50 commits for the job, 26 after the last shard: about 7 minutes.
+- W2, the same, 10^10 tokens, 1 layer: shards grow to 8 GiB (9,664 a folder; at 1 GiB one folder would hold
+  76,000), 12 commits after the last shard.
+- W3, a 70B model (141 GB of weights), 2 x 10^9 tokens, 128 GPUs: 4 GiB shards, the model spread over
+  4 GPUs a rank, 32 ranks (two a node).
 
 The assumptions that are not arithmetic are named constants below (how long a commit takes, the upload
 bandwidth of a rank, the memory headroom of a GPU); the scale benchmark (benchmarks/bench_scale.py) checks
@@ -368,8 +364,7 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
         seconds = last_uploads + tail_seconds(tail, earlier=max(0, during - 1), per_hour=commits_per_hour,
                                               commit_seconds=COMMIT_SECONDS)
         if dataset > HUB_PUBLIC_STORAGE:
-            warnings.append(f"{format_size(dataset)} is past the {format_size(HUB_PUBLIC_STORAGE)} of public storage "
-                            "a free Hub account usually has: ask Hugging Face for more first, or write to a bucket "
+            warnings.append(f"{format_size(dataset)} is past the 5 TB of public storage a free Hub account usually has: ask Hugging Face for more first, or write to a bucket "
                             "(--out s3://...)")
     return JobPlan(destination, ranks, gpus_per_rank, placement, size, reason, f.layout, site_bytes, dataset,
                    f.shards_per_site, f.files, f.largest_folder, max(f.largest_shard, index), [index],

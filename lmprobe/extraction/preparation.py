@@ -197,7 +197,7 @@ def job_shape(job: Job) -> Shape:
         tokens = job.corpus.max_tokens
         texts = [r.values.get(cfg.text_column) for r in job.corpus.source.head(TEXT_SAMPLE_RECORDS)]
         texts = [t for t in texts if isinstance(t, str)]
-        ids = job.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        ids = job.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
         return Shape(rows=-(-tokens // job.corpus.context_len), tokens=tokens, exact=False,
                      **_sample_bytes(texts, ids), **common)
     assert job.prompts is not None and job.lengths is not None
@@ -205,7 +205,7 @@ def job_shape(job: Job) -> Shape:
     rows, tokens = mine if job.ranks.world == 1 else [sum(x) for x in zip(*job.ranks.all_gather(mine), strict=True)]
     texts = list(job.prompts.texts[:TEXT_SAMPLE_PROMPTS])
     ids = job.prompts.input_ids[:TEXT_SAMPLE_PROMPTS] if job.prompts.input_ids is not None else \
-        job.tokenizer(texts, add_special_tokens=True)["input_ids"]
+        job.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]
     return Shape(rows=rows, tokens=tokens, **_sample_bytes(texts, ids), **common)
 
 
@@ -240,7 +240,9 @@ def model_bytes(job: Job) -> int:
     name = job.config.compute_dtype
     if name == "auto":  # float32 on a CPU; the checkpoint's own dtype on a GPU
         stored = getattr(job.spec.config, "dtype", None) or getattr(job.spec.config, "torch_dtype", None)
-        on_gpu = not job.device.startswith("cpu")
+        cfg = job.config
+        on_gpu = not job.device.startswith("cpu") or any(v is not None for v in (cfg.world_size, cfg.gpus_per_node,
+                                                                                 cfg.gpu_memory))
         dtype = stored if on_gpu and isinstance(stored, torch.dtype) else torch.float32
         if on_gpu and isinstance(stored, str) and stored in DTYPES:
             dtype = torch_dtype(stored)
