@@ -179,7 +179,7 @@ def _duration(seconds: float) -> str:
 # ---------------------------------------------------------------------------------------------- placement
 
 
-def place_model(model_bytes: int, cluster: Cluster | None) -> tuple[int, int, str, str | None]:
+def place_model(model_bytes: int, cluster: Cluster | None, *, world: int = 1) -> tuple[int, int, str, str | None]:
     """(ranks, GPUs per rank, a description, a refusal or None): the fewest GPUs of a node that hold the model
     (a divisor of the node's GPUs, so that each node runs whole ranks); one rank per GPU when one holds it.
 
@@ -188,8 +188,8 @@ def place_model(model_bytes: int, cluster: Cluster | None) -> tuple[int, int, st
     >>> place_model(141 * 10**9, Cluster(128, 8, 80 * 10**9))[:2]
     (32, 4)
     """
-    if cluster is None:
-        return 1, 0, "on the CPU", None
+    if cluster is None:  # processes on CPUs: ``world`` of them
+        return world, 0, "on the CPU" + (f", {world} ranks" if world > 1 else ""), None
     per_gpu = cluster.gpu_memory * GPU_WEIGHT_SHARE
     node = min(cluster.gpus_per_node, cluster.gpus)
     size = format_size(model_bytes) if model_bytes else "size unknown"
@@ -279,8 +279,9 @@ def _smallest_shard(shape: Shape, ranks: int, fits) -> int | None:
 
 
 def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_bytes: int | None = None,
-              commits_per_hour: float = 100.0) -> JobPlan:
-    """The plan of a job (see the module docstring): pure arithmetic on whole-job totals.
+              commits_per_hour: float = 100.0, world: int = 1) -> JobPlan:
+    """The plan of a job (see the module docstring): pure arithmetic on whole-job totals; ``world``: the
+    processes of a job on CPUs (``cluster`` None).
 
     >>> w1 = Shape("full_sequence", rows=10**9 // 8192, tokens=10**9, site_row_bytes=(8192,) * 3, exact=False,
     ...            model_bytes=16 * 10**9)
@@ -289,7 +290,7 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
     (None, True, True, True)
     """
     kind = _kind(destination)
-    ranks, gpus_per_rank, placement, refused = place_model(shape.model_bytes, cluster)
+    ranks, gpus_per_rank, placement, refused = place_model(shape.model_bytes, cluster, world=world)
     ranks = max(ranks, 1)
     warnings: list[str] = []
     if not shape.known:

@@ -278,7 +278,7 @@ def plan_job(job: Job) -> JobPlan:
     out = os.fspath(cfg.out)
     return make_plan(job_shape(job), destination=out, cluster=cluster_of(cfg, job.device, job.ranks.world),
                      shard_bytes=cfg.shard_bytes, commits_per_hour=commits_per_hour() if out.startswith("hf://")
-                     else DEFAULT_COMMITS_PER_HOUR)
+                     else DEFAULT_COMMITS_PER_HOUR, world=job.ranks.world)
 
 
 def follow_plan(job: Job) -> None:
