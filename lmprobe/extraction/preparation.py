@@ -255,8 +255,8 @@ def cluster_of(cfg: ExtractionConfig, device: str, world: int) -> Cluster | None
     """The GPUs the job runs on: the plan options (a cluster that is not here), else torchrun's world and this
     machine's GPUs; None on a CPU."""
     asked = cfg.world_size is not None or cfg.gpus_per_node is not None or cfg.gpu_memory is not None
-    if not asked and not device.startswith("cuda"):
-        return None
+    if cfg.device == "cpu" or not asked and not device.startswith("cuda"):
+        return None  # processes on CPUs (--device cpu --world-size N: N of them, on one machine)
     count, memory = 0, 0
     if device.startswith("cuda"):
         import torch
@@ -278,7 +278,7 @@ def plan_job(job: Job) -> JobPlan:
     out = os.fspath(cfg.out)
     return make_plan(job_shape(job), destination=out, cluster=cluster_of(cfg, job.device, job.ranks.world),
                      shard_bytes=cfg.shard_bytes, commits_per_hour=commits_per_hour() if out.startswith("hf://")
-                     else DEFAULT_COMMITS_PER_HOUR, world=job.ranks.world)
+                     else DEFAULT_COMMITS_PER_HOUR, world=cfg.world_size or job.ranks.world)
 
 
 def follow_plan(job: Job) -> None:
