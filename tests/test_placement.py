@@ -215,3 +215,30 @@ def test_cli_device_map_auto_end_to_end(llama_dir, tmp_path, capsys):
                           device="cpu", quiet=True)
     for layer in ref.layers:
         np.testing.assert_allclose(ds.hidden(layer), ref.hidden(layer), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # end-to-end: torchrun, two processes (gloo)
+def test_torchrun_ranks_each_spread_their_model_and_divide_the_prompts(llama_dir, tmp_path):
+    import os
+    import subprocess
+
+    many = [dict(p, text=p["text"] + f" #{i}") for i in range(3) for p in PROMPTS]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in many) + "\n")
+    single = lmprobe.extract(str(llama_dir), f, out=tmp_path / "one", layers="0,3", storage="full_sequence",
+                             logits_topk=3, batch_size=4, device="cpu", quiet=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "lmprobe", "extract", "--model", str(llama_dir), "--prompts", str(f), "--layers", "0,3",
+                        "--storage", "full_sequence", "--logits-topk", "3", "--batch-size", "4", "--device", "cpu",
+                        "--device-map", "auto", "--max-memory", _forcing_disk(llama_dir), "--out",
+                        str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("model spread by accelerate:") == 2 and "disk:" in r.stderr  # on each rank
+    two = lmprobe.load(tmp_path / "two")
+    assert two.texts == single.texts and two.num_prompts == len(many)
+    for layer in (0, 3):
+        np.testing.assert_allclose(two.hidden(layer), single.hidden(layer), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(two.logits_topk()[1], single.logits_topk()[1])
+    runs = two.info["runs"]
+    assert sorted(run["part"] for run in runs) == [0, 1] and all(run["device_map"] == "auto" for run in runs), runs

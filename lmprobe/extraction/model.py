@@ -15,7 +15,7 @@ from ..base.progress import logger, third_party_bars
 from ..base.tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access
 from ..errors import LmprobeError, ModelError
 from ..format.values import torch_dtype
-from .placement import Placement, describe_spread, require_accelerate
+from .placement import Placement, describe_spread, input_device, require_accelerate
 
 
 def resolve_model_path(name: str) -> tuple[str, bool]:
@@ -172,7 +172,8 @@ def load_model(spec: ModelSpec, *, placement: Placement, compute_dtype: str = "a
             model._lmprobe_offload = offload  # removed with the model
         else:
             offload.cleanup()
-        logger.info(describe_spread(where))
+        logger.info(describe_spread(where) if where else "--device-map auto: the whole model fits "
+                    f"{input_device(model)}")
     else:
         model.to(device)
     model.eval()
