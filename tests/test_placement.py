@@ -23,6 +23,14 @@ GiB = 2**30
 # ---------------------------------------------------------------- the arithmetic
 
 
+def test_the_modules_examples_run():
+    import doctest
+
+    from lmprobe.extraction import placement
+
+    assert doctest.testmod(placement).attempted >= 5 and doctest.testmod(placement).failed == 0
+
+
 def test_max_memory_is_read_as_accelerate_takes_it():
     assert parse_max_memory("0=70GiB,1=70GiB,cpu=200GiB,disk=1TB") == {0: 70 * GiB, 1: 70 * GiB, "cpu": 200 * GiB,
                                                                        "disk": 10**12}
@@ -242,3 +250,30 @@ def test_torchrun_ranks_each_spread_their_model_and_divide_the_prompts(llama_dir
     np.testing.assert_array_equal(two.logits_topk()[1], single.logits_topk()[1])
     runs = two.info["runs"]
     assert sorted(run["part"] for run in runs) == [0, 1] and all(run["device_map"] == "auto" for run in runs), runs
+
+
+@pytest.mark.slow  # a subprocess killed like kill -9
+def test_a_run_killed_in_memory_resumes_spread_over_the_cpu_and_disk(llama_dir, tmp_path):
+    """Placement is not part of the extraction: an output begun with the model in memory finishes with the model
+    spread (after an out-of-memory error, say), and each run is recorded with its placement."""
+    import subprocess
+    from pathlib import Path
+
+    many = [dict(p, text=p["text"] + f" #{i}") for i in range(3) for p in PROMPTS]
+    kw = dict(layers="0,2", storage="full_sequence", batch_size=3, shard_size="3KB", logits_topk=3, perplexity=True,
+              device="cpu", quiet=True)
+    ref = lmprobe.extract(str(llama_dir), many, out=tmp_path / "ref", **kw)
+    out = tmp_path / "ds"
+    crash = Path(__file__).parent / "_crash_extract.py"
+    r = subprocess.run([sys.executable, str(crash), json.dumps([many, str(llama_dir), str(out), 3, kw])],
+                       capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    done = json.loads((out / ".lmprobe-staging" / "state.json").read_text())["num_prompts"]
+    assert 0 < done < len(many)
+    ds = lmprobe.extract(str(llama_dir), many, out=out, device_map="auto", max_memory=_forcing_disk(llama_dir), **kw)
+    assert ds.texts == ref.texts
+    for layer in (0, 2):
+        np.testing.assert_allclose(ds.hidden(layer), ref.hidden(layer), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ds.index["perplexity_mean"], ref.index["perplexity_mean"], rtol=1e-6)
+    runs = ds.info["runs"]
+    assert [(r["first_row"], r.get("device_map")) for r in runs] == [(0, None), (done, "auto")], runs

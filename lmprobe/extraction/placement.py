@@ -161,7 +161,7 @@ def plan_placement(device: str, *, device_map: str | None, max_memory: str | Non
             else:
                 plan[key] = size
         return Placement(device, device_map, plan, tuple(gpus))
-    if on_gpus and local_world == 1:  # accelerate's own: every visible GPU, then the CPU
+    if device != "cpu" and local_world == 1:  # accelerate's own: every visible GPU (or mps), then the CPU
         return Placement(device, device_map, None, tuple(gpus))
     if free is None:
         raise ValueError("free memory is needed to keep a rank's model to its own GPUs")
@@ -171,12 +171,15 @@ def plan_placement(device: str, *, device_map: str | None, max_memory: str | Non
     return Placement(device, device_map, plan, tuple(gpus))
 
 
-def free_memory() -> dict[int | str, int]:
-    """What each device of this process can hold now (accelerate's ``get_max_memory``: GPU indices and ``cpu``)."""
-    require_accelerate()
-    from accelerate.utils import get_max_memory
+def free_memory(gpus: range) -> dict[int | str, int]:
+    """What ``gpus`` and the CPU can hold now, as accelerate's ``get_max_memory`` counts it (a GPU's free memory,
+    the CPU's available memory); only ``gpus`` are asked, so that a rank opens no CUDA context on the others."""
+    import psutil  # accelerate's own dependency
+    import torch
 
-    return dict(get_max_memory())
+    out: dict[int | str, int] = {g: int(torch.cuda.mem_get_info(g)[0]) for g in gpus}
+    out["cpu"] = int(psutil.virtual_memory().available)
+    return out
 
 
 def placement_of(device: str, *, device_map: str | None, max_memory: str | None, world: int = 1) -> Placement:
@@ -194,9 +197,10 @@ def placement_of(device: str, *, device_map: str | None, max_memory: str | None,
     n_gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
     local_rank = local_rank if world > 1 else 0
-    needs_free = max_memory is None and (n_gpus == 0 or local_world > 1)
+    needs_free = max_memory is None and (device == "cpu" or local_world > 1)
+    gpus = rank_gpus(local_rank, local_world, n_gpus)
     return plan_placement(device, device_map=device_map, max_memory=max_memory, n_gpus=n_gpus, local_rank=local_rank,
-                          local_world=local_world, free=free_memory() if needs_free else None)
+                          local_world=local_world, free=free_memory(gpus if n_gpus else range(0)) if needs_free else None)
 
 
 def execution_device(module: Any) -> Any:
