@@ -11,6 +11,7 @@ from ..errors import ModelError
 from ..format.statistics import RunningStats, batch_statistics
 from .examine import InputPolicy, forward_kwargs
 from .hookpoints import Capture, Site, assemble_readings, first_input, first_output
+from .placement import input_device
 
 
 def as_batch_tokens(h: Any, shape: tuple, name: str) -> Any:
@@ -108,7 +109,8 @@ class TransformersBackend:
         self.blocks = blocks
         self.causal_lm = causal_lm
         self.inputs = inputs
-        self.device = next(model.parameters()).device
+        # where the inputs go and the captured vectors gather: the first device of a spread model (placement.py)
+        self.device = input_device(model)
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
             logits_k: int | None, perplexity: bool, captures: list[Capture], keep=None,
@@ -142,8 +144,19 @@ class TransformersBackend:
         kept: dict[tuple[int, Site, str], Any] = {}
 
         def keep_rows(name: str, h: Any) -> Any:
+            # a block of a spread model computes on its own device: pick the rows there (the indices are small),
+            # then bring them to the inputs' device, where the readings are assembled and the statistics taken
             h = as_batch_tokens(h, input_ids.shape, name)
-            return h[rows, last] if storage == "pooled" else h[real]
+            where = on(h.device)
+            return h[where["rows"], where["last"]] if storage == "pooled" else h[where["real"]]
+
+        by_device: dict[Any, dict[str, Any]] = {}
+
+        def on(device: Any) -> dict[str, Any]:
+            """``rows``, ``last`` and ``real`` on ``device`` (copied once per device and batch)."""
+            if device not in by_device:
+                by_device[device] = {"rows": rows.to(device), "last": last.to(device), "real": real.to(device)}
+            return by_device[device]
 
         def store(key: tuple[int, Site], value: Any) -> None:
             layer, site = key
@@ -151,9 +164,9 @@ class TransformersBackend:
                 return
             for form in forms[key]:  # a copy each: later in-place updates of the stream cannot reach it
                 if form == "out":
-                    kept[(layer, site, form)] = keep_rows(str(site), value).to(out_dtype)
+                    kept[(layer, site, form)] = keep_rows(str(site), value).to(out_dtype).to(self.device)
                 else:
-                    kept[(layer, site, form)] = keep_rows(str(site), value).float()
+                    kept[(layer, site, form)] = keep_rows(str(site), value).float().to(self.device)
             if not need_head and len(kept) == wanted:
                 raise _StopForward  # everything asked for is read: nothing after this point is needed
 
@@ -173,8 +186,9 @@ class TransformersBackend:
         if logits_k and not perplexity and head is not None:
             # only the last token's logits are needed: feed the head one row per prompt
             def gather_last(_module, args):
-                hs = args[0]
-                return (hs[rows, last].unsqueeze(1), *args[1:])
+                hs = args[0]  # on the head's device
+                where = on(hs.device)
+                return (hs[where["rows"], where["last"]].unsqueeze(1), *args[1:])
 
             handles.append(head.register_forward_pre_hook(gather_last))
         result = None
@@ -201,12 +215,13 @@ class TransformersBackend:
             statistics=device_statistics(captured) if statistics else None,
         )
         if need_head:
-            logits = result.logits if hasattr(result, "logits") else result[0]
+            logits = result.logits if hasattr(result, "logits") else result[0]  # on the head's device, when spread
+            where = on(logits.device)
             if perplexity:
-                out.perplexity = perplexity_from_logits(logits, input_ids, real)
-                last_logits = logits[rows, last]
+                out.perplexity = perplexity_from_logits(logits, input_ids.to(logits.device), where["real"])
+                last_logits = logits[where["rows"], where["last"]]
             else:
-                last_logits = logits[:, -1] if logits.shape[1] == 1 else logits[rows, last]
+                last_logits = logits[:, -1] if logits.shape[1] == 1 else logits[where["rows"], where["last"]]
             if logits_k:
                 top = torch.topk(last_logits.float(), logits_k, dim=-1)
                 out.logits_values = top.values.cpu().numpy().astype(np.float32)

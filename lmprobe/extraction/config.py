@@ -17,6 +17,7 @@ from ..errors import ExtractionError, InvalidArgumentError
 from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, MAX_SHARD_SIZE, RUN_SETTINGS, STORAGES
 from ..storage.hub import check_repo_id
 from .hookpoints import parse_hookpoints
+from .placement import parse_max_memory
 
 BACKENDS = ("transformers", "nnsight")
 #: recorded settings that change no stored value beyond float rounding: an output made under other values of
@@ -230,6 +231,8 @@ class ExtractionConfig:
             bad(f"device_map must be 'auto' or None, got {self.device_map!r}")
         if self.max_memory is not None and self.device_map is None:
             bad("--max-memory applies to a model spread with --device-map auto; pass --device-map auto too")
+        if self.max_memory is not None:
+            parse_max_memory(self.max_memory)  # raises on a bad map, naming it
         if self.device_map is not None and self.backend != "transformers":
             bad("--device-map spreads a model the transformers backend runs; it does not apply to --backend nnsight")
         if self.shard_size is not None and parse_size(self.shard_size) > MAX_SHARD_SIZE:  # parse_size raises on a bad size

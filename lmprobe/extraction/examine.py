@@ -29,6 +29,7 @@ from ..errors import ModelError
 from .anatomy import BlockAnatomy, BlockRecord, block_anatomy, close
 from .hookpoints import NAMED, Capture, Reading, Site, first_input, first_output
 from .model import forward_takes
+from .placement import input_device
 
 __all__ = ["Architecture", "InputPolicy", "examine", "first_jump", "forward_kwargs", "plan_captures",
            "position_ids_for", "ranges", "record_blocks", "relative_difference", "site_widths"]
@@ -287,7 +288,7 @@ def _examine(model: Any, *, pad_token_id: int | None, padding_side: str, block_p
              checked_on: str, tolerance: float) -> Architecture:
     import torch
 
-    device = next(model.parameters()).device
+    device = input_device(model)  # the first device of a spread model
     avoid = _special_ids(model, pad_token_id)
     encdec = bool(getattr(model.config, "is_encoder_decoder", False)) and forward_takes(model, "decoder_input_ids", via_kwargs=False)
     base = InputPolicy(padding_side=padding_side, attention_mask=forward_takes(model, "attention_mask", via_kwargs=False),
@@ -438,7 +439,7 @@ def _choose_inputs(model: Any, base: InputPolicy, avoid: set[int], pad_token_id:
 
     import torch
 
-    device = next(model.parameters()).device
+    device = input_device(model)  # the first device of a spread model
     lengths = (5, 2, 3)
     prompts = [_probe_ids(model, n, avoid=avoid, seed=1 + k).to(device) for k, n in enumerate(lengths)]
     alone = []
@@ -525,7 +526,7 @@ def site_widths(model: Any, block_path: str, sites: dict[int, list[Site]], *, n_
 
     blocks = _module_lists(model, block_path)[0][1]
     wanted = sorted(sites)
-    device = next(model.parameters()).device
+    device = input_device(model)  # the first device of a spread model
     ids = torch.zeros((1, n_tokens), dtype=torch.long, device=device)
     encdec = bool(getattr(model.config, "is_encoder_decoder", False)) and forward_takes(model, "decoder_input_ids",
                                                                                          via_kwargs=False)

@@ -35,11 +35,11 @@ def load_backend(job: Job) -> Any:
     model, job.model = job.model, None  # loaded early to locate the hookpoints, or loaded now
     if cfg.backend == "nnsight":
         if model is None and cfg.remote is not True:
-            model = load_model(job.spec, device=job.device, compute_dtype=cfg.compute_dtype, quiet=no_bars(cfg))[0]
+            model = load_model(job.spec, placement=job.placement, compute_dtype=cfg.compute_dtype, quiet=no_bars(cfg))[0]
         return build_backend(job.spec, model, job.tokenizer, block_path=job.arch.block_path, inputs=job.arch.inputs,
                              remote=cfg.remote)
     if model is None:
-        model, _commit = load_model(job.spec, device=job.device, compute_dtype=cfg.compute_dtype, quiet=no_bars(cfg))
+        model, _commit = load_model(job.spec, placement=job.placement, compute_dtype=cfg.compute_dtype, quiet=no_bars(cfg))
     blocks = get_module(model, job.arch.block_path)
     return TransformersBackend(model, blocks, causal_lm=job.spec.causal_lm, inputs=job.arch.inputs)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,10 +11,11 @@ from typing import Any
 from ..base.display import one_line
 from ..base.hashing import sha256_file
 from ..base.layers import parse_layers as parse_layer_spec
-from ..base.progress import third_party_bars
+from ..base.progress import logger, third_party_bars
 from ..base.tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access
 from ..errors import LmprobeError, ModelError
 from ..format.values import torch_dtype
+from .placement import Placement, describe_spread, input_device, require_accelerate
 
 
 def resolve_model_path(name: str) -> tuple[str, bool]:
@@ -139,20 +141,42 @@ def pick_device(device: str) -> str:
     return device
 
 
-def load_model(spec: ModelSpec, *, device: str, compute_dtype: str = "auto", quiet: bool = False):
-    """Load the weights onto ``device``. Returns (model, commit hash or None)."""
+def load_model(spec: ModelSpec, *, placement: Placement, compute_dtype: str = "auto", quiet: bool = False):
+    """Load the weights where ``placement`` says: the whole model on its device, or (``device_map``) spread by
+    accelerate over the process's GPUs, then the CPU, then disk (a temporary folder that lives as long as the
+    model; never ``model.to``, which would gather it on one device). Returns (model, commit hash or None)."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
+    device = placement.device
     if compute_dtype == "auto":
         dtype = torch.float32 if device == "cpu" else "auto"
     else:
         dtype = torch_dtype(compute_dtype)
     cls = AutoModelForCausalLM if spec.causal_lm else AutoModel
+    spread: dict[str, Any] = {}
+    offload = None
+    if placement.spread:
+        require_accelerate()
+        # offloaded layers are written here when they cannot be read from the checkpoint as they are (another dtype)
+        offload = tempfile.TemporaryDirectory(prefix="lmprobe-offload-")
+        spread = {"device_map": placement.device_map, "offload_folder": offload.name}
+        if placement.max_memory is not None:
+            spread["max_memory"] = placement.max_memory
     with third_party_bars(not quiet):  # restores the bars as they were (an upload to the Hub may run meanwhile)
         model = cls.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code,
-                                    dtype=dtype, local_files_only=spec.cached_only)
-    model.to(device).eval()
+                                    dtype=dtype, local_files_only=spec.cached_only, **spread)
+    if placement.spread:
+        where = getattr(model, "hf_device_map", None) or {}
+        if "disk" in where.values():
+            model._lmprobe_offload = offload  # removed with the model
+        else:
+            offload.cleanup()
+        logger.info(describe_spread(where) if where else "--device-map auto: the whole model fits "
+                    f"{input_device(model)}")
+    else:
+        model.to(device)
+    model.eval()
     commit = None if spec.local else getattr(model.config, "_commit_hash", None)
     return model, commit
 

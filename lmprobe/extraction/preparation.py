@@ -44,6 +44,7 @@ from .model import (
     pick_device,
     read_model_spec,
 )
+from .placement import Placement, placement_of
 from .plan import Cluster, JobPlan, Shape, make_plan
 from .prompts import Prompts, check_token_ids, read_prompts
 from .sources import Record, open_source
@@ -62,7 +63,7 @@ class Job:
     tokenizer: Any
     lengths: np.ndarray | None  # prompt mode: model input length of every prompt (after truncation)
     settings: dict[str, Any]  # recorded in the dataset and compared on resume
-    device: str
+    placement: Placement  # where the weights go: one device, or spread by accelerate (placement.py)
     corpus: CorpusPlan | None = None  # corpus mode: the source and its windows
     captures: list[Capture] = field(default_factory=list)  # what to read in each block
     model: Any = None  # the loaded model, when examining the model needed it before the writer opened
@@ -72,6 +73,11 @@ class Job:
     ranks: Ranks = field(default_factory=lambda: Ranks(0, 1, None))  # this process's place in a torchrun job
     shard_bytes: int = DEFAULT_SHARD_SIZE  # the shard size: --shard-size, or the plan's choice (plan.py)
     plan: JobPlan | None = None  # the job's plan (plan.py): files, staging, commits, placement
+
+    @property
+    def device(self) -> str:
+        """The device of a model on one device; with ``--device-map``, the process's device before it loads."""
+        return self.placement.device
 
     @property
     def hookpoint_dims(self) -> tuple[int, ...]:
@@ -131,7 +137,9 @@ def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> Job:
     vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
     if cfg.logits_topk and vocab and cfg.logits_topk > vocab:
         raise ExtractionError(f"logits_topk={cfg.logits_topk} is larger than the vocabulary ({vocab})")
-    dev = pick_device(cfg.device)
+    # where the weights will go, settled before they load (a bad --max-memory, accelerate missing: errors now)
+    dev = placement_of(pick_device(cfg.device), device_map=cfg.device_map, max_memory=cfg.max_memory,
+                       world=ranks.world)
     tok = load_tokenizer(spec)
     arch, model = _examine_model(cfg, spec, tok, dev)
     if arch.num_layers != spec.num_layers:
@@ -321,12 +329,12 @@ def examine_model(model: str, *, revision: str | None = None, trust_remote_code:
     cfg = ExtractionConfig(model=model, prompts=[], out=".", revision=revision, trust_remote_code=trust_remote_code,
                            block_path=block_path, device=device, compute_dtype=compute_dtype, quiet=True)
     spec = read_model_spec(model, revision=revision, trust_remote_code=trust_remote_code)
-    arch, loaded = _examine_model(cfg, spec, load_tokenizer(spec), pick_device(device))
+    arch, loaded = _examine_model(cfg, spec, load_tokenizer(spec), Placement(pick_device(device)))
     del loaded
     return arch
 
 
-def _examine_model(cfg: ExtractionConfig, spec: ModelSpec, tok: Any, dev: str) -> tuple[Architecture, Any]:
+def _examine_model(cfg: ExtractionConfig, spec: ModelSpec, tok: Any, dev: Placement) -> tuple[Architecture, Any]:
     """The model's blocks, hookpoints and inputs, found and checked on a miniature of it with random weights
     (examine.py), so that a hookpoint this architecture lacks, or an architecture lmprobe cannot read right,
     is an error before the weights load. When no miniature can be built or run, the loaded model is
@@ -357,7 +365,7 @@ def _examine_model(cfg: ExtractionConfig, spec: ModelSpec, tok: Any, dev: str) -
             del mini
     if cfg.backend == "nnsight" and cfg.remote is True:
         raise ModelError(f"cannot check this architecture without its weights here ({why}); run with --remote local")
-    model, _ = load_model(spec, device=dev, compute_dtype=cfg.compute_dtype, quiet=no_bars(cfg))
+    model, _ = load_model(spec, placement=dev, compute_dtype=cfg.compute_dtype, quiet=no_bars(cfg))
     low = next(model.parameters()).dtype.itemsize < 4
     try:
         arch = examine(model, pad_token_id=tok.pad_token_id, padding_side=tok.padding_side,
@@ -372,7 +380,7 @@ def _examine_model(cfg: ExtractionConfig, spec: ModelSpec, tok: Any, dev: str) -
 
 
 def _plan_captures(cfg: ExtractionConfig, spec: ModelSpec, arch: Architecture, layers: list[int], model: Any,
-                   dev: str) -> tuple[list[Capture], Any]:
+                   dev: Placement) -> tuple[list[Capture], Any]:
     """The captures of ``cfg.hookpoints`` on ``layers``. Module paths are measured on a weightless skeleton of
     the model (the meta device), else on the loaded model (loaded here if it was not, and returned)."""
     custom = [hp for hp in cfg.hookpoints if hp not in NAMED]
@@ -384,7 +392,7 @@ def _plan_captures(cfg: ExtractionConfig, spec: ModelSpec, arch: Architecture, l
                                           trust_remote_code=spec.trust_remote_code), arch.block_path, sites)
         except Exception:  # an architecture that cannot run on meta: measure the real one
             if model is None:
-                model, _ = load_model(spec, device=dev, compute_dtype=cfg.compute_dtype, quiet=no_bars(cfg))
+                model, _ = load_model(spec, placement=dev, compute_dtype=cfg.compute_dtype, quiet=no_bars(cfg))
             widths = site_widths(model, arch.block_path, sites)
     return plan_captures(arch, cfg.hookpoints, layers, hidden_size=spec.hidden_size, widths=widths), model
 
@@ -402,7 +410,7 @@ def _check_pretokenized(cfg: ExtractionConfig, p: Prompts, tok: Any, vocab: int 
 
 
 def _prepare_corpus(cfg: ExtractionConfig, source: Any, spec: ModelSpec, tok: Any, limit: int | None,
-                    vocab: int | None, layer_list: list[int], dev: str, ranks: Ranks) -> Job:
+                    vocab: int | None, layer_list: list[int], dev: Placement, ranks: Ranks) -> Job:
     context_len = cfg.context_len or limit
     if context_len is None:
         raise ExtractionError(f"{spec.name} states no length limit; pass --context-len to choose the window length")

@@ -8,7 +8,6 @@ before the model runs.
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,7 +162,7 @@ def _extract(job: Job, output: Output) -> Dataset:
             resumable=RESUMABLE_SETTINGS + (("max_tokens",) if job.corpus is not None else ()),
             overwrite=cfg.overwrite,
             checkpoint_interval=cfg.checkpoint_interval,
-            run={"batch_size": cfg.batch_size, "device": job.device, "checkpoint_interval": cfg.checkpoint_interval},
+            run={"batch_size": cfg.batch_size, **job.placement.record(), "checkpoint_interval": cfg.checkpoint_interval},
             name=str(output) if output.local else f"{output} (staged in {out})",
             **session.writer_callbacks(),
         )
@@ -194,12 +193,9 @@ def _extract_parallel(job: Job, output: Output, rank: int, world: int) -> Datase
     and every rank returns it."""
     import dataclasses
 
-    import torch
     import torch.distributed as dist
 
-    cfg = job.config
-    if job.device.startswith("cuda") and torch.cuda.device_count() > 1:
-        job.device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % torch.cuda.device_count()}"
+    cfg = job.config  # the rank's GPU (or, with --device-map, its group of GPUs) was chosen in prepare: placement.py
     part = output.part(rank)
     if job.prompts is not None:
         what = {"prompts_sha256": job.prompts.fingerprint(), "num_prompts": len(job.prompts)}
