@@ -11,7 +11,7 @@ per-token columns of a few prompts without reading them all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -76,19 +76,33 @@ def final_schema(spec: DatasetSpec) -> pa.Schema:
     return pa.schema(fields)
 
 
-def encoding_options(schema: pa.Schema) -> dict:
-    """Parquet writer options for an index: per-token addresses delta-encoded.
+#: integer columns that run arithmetically from row to row (addresses, windows): delta-encoded
+_DELTA_COLUMNS = ("num_tokens", "shard_index", "row_offset", "token_offset", "document", "window_start",
+                  "truncated_tokens", "shard_index_logits", "row_offset_logits")
+#: per-token integer lists, delta-encoded element by element: addresses are runs of consecutive rows of one shard
+#: (a few bits a token), token ids small numbers (about 17 bits a token against 64)
+_DELTA_LISTS = ("token_shard_ids", "token_shard_offsets", "token_ids")
 
-    A prompt's token addresses are runs of consecutive rows of one shard: delta encoding stores
-    them in a few bits each (a 30M-token index shrinks from ~120 MB to a few MB) and decodes
-    faster than the default dictionary-or-plain pages. Every parquet reader (pyarrow, datasets,
-    duckdb, polars, parquet-mr) reads DELTA_BINARY_PACKED, a core encoding of the format.
+
+def encoding_options(schema: pa.Schema) -> dict:
+    """Parquet writer options for an index: integer columns delta-encoded, pages compressed with zstd.
+
+    A prompt's token addresses are runs of consecutive rows of one shard and a corpus's rows
+    step ``window_start`` and ``row_offset`` by a constant: DELTA_BINARY_PACKED stores them in a
+    few bits each (a 30M-token index shrinks from ~120 MB to a few MB) and decodes faster than
+    the default dictionary-or-plain pages. zstd compresses the rest (``text``: a corpus index
+    holds every window's text, most of its bytes). Both are core parts of the parquet format
+    that every reader (pyarrow, datasets, duckdb, polars, parquet-mr, lmprobe 0.10.3) reads.
+    Statistics (min/max) are kept for the per-prompt numbers only: a corpus's ``text`` would put
+    two windows' text per row group into the footer, which every reader parses at open.
     """
-    delta = [f"{n}.list.element" for n in ("token_shard_ids", "token_shard_offsets") if n in schema.names]
-    if not delta:
-        return {}
-    return {"use_dictionary": [n for n in schema.names if n not in ("token_shard_ids", "token_shard_offsets")],
-            "column_encoding": dict.fromkeys(delta, "DELTA_BINARY_PACKED")}
+    delta = [n for n in _DELTA_COLUMNS if n in schema.names and pa.types.is_integer(schema.field(n).type)]
+    delta += [f"{n}.list.element" for n in _DELTA_LISTS
+              if n in schema.names and pa.types.is_integer(schema.field(n).type.value_type)]
+    plain = {d.split(".")[0] for d in delta}
+    stats = [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_string(f.type)]
+    return {"compression": "zstd", "use_dictionary": [n for n in schema.names if n not in plain],
+            "column_encoding": dict.fromkeys(delta, "DELTA_BINARY_PACKED"), "write_statistics": stats}
 
 
 def write_part(path: Path, columns: dict[str, list], spec: DatasetSpec) -> None:
@@ -174,15 +188,50 @@ def _in_position_order(parts: list[Path], load: Callable[[Path], pa.Table]) -> I
         )
 
 
-def _token_entries(t: pa.Table, spec: DatasetSpec) -> np.ndarray:
-    """Per-token list entries each staging row becomes in the final index (over all per-token columns)."""
+def list_entries(t: pa.Table | pa.RecordBatch) -> np.ndarray:
+    """Each row's per-token list entries, summed over ``t``'s list columns (what bounds a row group's size)."""
     total = np.zeros(t.num_rows, dtype=np.int64)
-    if spec.full_sequence:  # token_shard_ids and token_shard_offsets, built at finalisation
-        total += 2 * t.column("num_tokens").to_numpy().astype(np.int64)
     for f in t.schema:
-        if pa.types.is_list(f.type):
+        if pa.types.is_list(f.type) or pa.types.is_large_list(f.type):
             total += pc.list_value_length(t.column(f.name)).to_numpy(zero_copy_only=False).astype(np.int64)
     return total
+
+
+def _token_entries(t: pa.Table, spec: DatasetSpec) -> np.ndarray:
+    """Per-token list entries each staging row becomes in the final index (over all per-token columns)."""
+    total = list_entries(t)
+    if spec.full_sequence:  # token_shard_ids and token_shard_offsets, built at finalisation
+        total += 2 * t.column("num_tokens").to_numpy().astype(np.int64)
+    return total
+
+
+def row_groups(tables: Iterable[pa.Table], entries: Callable[[pa.Table], np.ndarray]) -> Iterator[pa.Table]:
+    """The rows of ``tables`` regrouped into the index's row groups: at most ``ROW_GROUP_ROWS`` rows and
+    ``ROW_GROUP_TOKENS`` per-token entries (``entries(table)``: each row's) each, a longer row alone.
+
+    Holds one group at a time, whatever the stream's length: what the writer's close and a merge write.
+    """
+    pending: list[pa.Table] = []
+    rows = tokens = 0
+    for chunk in tables:
+        per_row = entries(chunk)
+        start = 0
+        while start < chunk.num_rows:
+            # rows that still fit in the current row group (at least one row per group)
+            cum = np.cumsum(per_row[start : start + ROW_GROUP_ROWS - rows])
+            fit = int(np.searchsorted(cum, ROW_GROUP_TOKENS - tokens, side="right"))
+            if fit == 0 and rows == 0:
+                fit = 1
+            if fit:
+                pending.append(chunk.slice(start, fit))
+                rows += fit
+                tokens += int(cum[fit - 1])
+                start += fit
+            if fit == 0 or rows >= ROW_GROUP_ROWS or tokens >= ROW_GROUP_TOKENS:
+                yield pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+                pending, rows, tokens = [], 0, 0
+    if pending:
+        yield pa.concat_tables(pending) if len(pending) > 1 else pending[0]
 
 
 def write_index(final: Path, parts: list[Path], *, spec: DatasetSpec, n_last: int, metadata: dict[bytes, bytes],
@@ -190,40 +239,11 @@ def write_index(final: Path, parts: list[Path], *, spec: DatasetSpec, n_last: in
     """Write the final index from the staging parts (atomically; the schema carries ``metadata``)."""
     schema = final_schema(spec)
     final.parent.mkdir(parents=True, exist_ok=True)
-
     with atomic_output(final, fsync=fsync) as tmp:
         with pq.ParquetWriter(tmp, schema.with_metadata(metadata), **encoding_options(schema)) as pw:
-            pending: list[pa.Table] = []
-            rows = tokens = 0
-
-            def flush() -> None:
-                # per-token address lists are built here, one row group at a time: memory stays at one group
-                nonlocal pending, rows, tokens
-                if pending:
-                    staged = pa.concat_tables(pending)
-                    group = finalize_part(staged, spec, n_last, schema).drop_columns(["_position"])
-                    pw.write_table(group, row_group_size=max(1, group.num_rows))
-                pending, rows, tokens = [], 0, 0
-
-            for chunk in _in_position_order(parts, pq.read_table):
-                entries = _token_entries(chunk, spec)
-                start = 0
-                while start < chunk.num_rows:
-                    # rows that still fit in the current row group (at least one row per group)
-                    room_rows = ROW_GROUP_ROWS - rows
-                    cum = np.cumsum(entries[start : start + room_rows])
-                    fit = int(np.searchsorted(cum, ROW_GROUP_TOKENS - tokens, side="right"))
-                    if fit == 0 and rows == 0:
-                        fit = 1
-                    if fit == 0:
-                        flush()
-                        continue
-                    pending.append(chunk.slice(start, fit))
-                    rows += fit
-                    tokens += int(cum[fit - 1])
-                    start += fit
-                    if rows >= ROW_GROUP_ROWS or tokens >= ROW_GROUP_TOKENS:
-                        flush()
-            flush()
+            # per-token address lists are built here, one row group at a time: memory stays at one group
+            for staged in row_groups(_in_position_order(parts, pq.read_table), lambda t: _token_entries(t, spec)):
+                group = finalize_part(staged, spec, n_last, schema).drop_columns(["_position"])
+                pw.write_table(group, row_group_size=max(1, group.num_rows))
             if not parts:
                 pw.write_table(schema.empty_table())
