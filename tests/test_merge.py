@@ -201,3 +201,21 @@ def test_row_groups_are_bounded_by_rows_and_entries_and_keep_every_row(monkeypat
     assert pa.concat_tables(groups).equals(pa.concat_tables(tables))
     assert [g.num_rows for g in groups] == [2, 1, 4, 2, 4, 3]
     assert all(g.num_rows == 1 or index.list_entries(g).sum() <= 10 for g in groups)
+
+
+@pytest.mark.parametrize("storage", ["pooled", "full_sequence"])
+def test_an_index_past_max_row_groups_gets_larger_groups_not_more(tmp_path, rng, monkeypatch, storage):
+    """A parquet writer holds every row group's metadata until it closes (~8 KB each): at the default group size
+    a 10^10-token index would be 150,000 groups, 1.2 GB in the process that writes it. Both the writer's index
+    and the merge's keep to about MAX_ROW_GROUPS (twice at worst: a group closes early when the next row does
+    not fit), with every row; at the test's default bounds they would have 12 or more."""
+    small_budgets(monkeypatch)
+    monkeypatch.setattr(index, "MAX_ROW_GROUPS", 3, raising=False)
+    for k in range(2):
+        write_dataset(tmp_path / f"p{k}", rng, n=20, layers=(0,), dim=4, storage=storage, token_ids=True)
+        assert pq.ParquetFile(tmp_path / f"p{k}" / INDEX_PATH).metadata.num_row_groups <= 2 * 3
+    out = merge_datasets([tmp_path / "p0", tmp_path / "p1"], tmp_path / "m")
+    assert pq.ParquetFile(out / INDEX_PATH).metadata.num_row_groups <= 2 * 3
+    want = pa.concat_tables([pq.read_table(tmp_path / f"p{k}" / INDEX_PATH, columns=["text", "num_tokens"])
+                             .replace_schema_metadata(None) for k in range(2)])
+    assert pq.read_table(out / INDEX_PATH, columns=["text", "num_tokens"]).replace_schema_metadata(None).equals(want)

@@ -193,7 +193,9 @@ class MergePlan:
         with (atomic_output(out / INDEX_PATH) as tmp,  # last
               pq.ParquetWriter(tmp, schema, **index.encoding_options(columns)) as pw):
             # parts read a bounded table at a time, written a row group at a time: never the whole index in memory
-            for group in index.row_groups(_ordered(dss, self), index.list_entries):
+            bounds = index.group_bounds(sum(d.num_prompts for d in dss),
+                                        sum(index.file_entries(pq.read_metadata(d.index_path)) for d in dss))
+            for group in index.row_groups(_ordered(dss, self), index.list_entries, bounds=bounds):
                 pw.write_table(group.cast(columns), row_group_size=max(1, group.num_rows))
         return [*written, CARD_PATH, INDEX_PATH]
 

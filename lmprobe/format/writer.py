@@ -599,7 +599,8 @@ class DatasetWriter:
         schema = index.final_schema(self.spec)
         atomic_write(self.out_dir / CARD_PATH, card.render_card(info, schema), fsync=self.fsync)
         index.write_index(self.out_dir / INDEX_PATH, self.staging.parts(self._n_parts), spec=self.spec, n_last=n_last,
-                          metadata=encode_schema_metadata(info), fsync=self.fsync)
+                          metadata=encode_schema_metadata(info), fsync=self.fsync, num_rows=self.num_prompts,
+                          num_tokens=self.num_tokens)
         self.staging.remove()
 
 
