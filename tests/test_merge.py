@@ -44,7 +44,10 @@ def held_merge(parts: list[Path], order: str) -> pa.Table:
         if "shard_index_logits" in cols:
             cols["shard_index_logits"] = [s + sum(n_logits[:k]) for s in cols["shard_index_logits"]]
         tables.append(pa.table(cols, schema=t.schema))
-        keys += [(i * n + k) if order == "positions" else (k, i) for i in range(t.num_rows)]
+        if order == "documents":
+            keys += list(zip(cols["document"], cols["window_start"], strict=True))
+        else:
+            keys += [(i * n + k) if order == "positions" else (k, i) for i in range(t.num_rows)]
     whole = pa.concat_tables(tables)
     return whole.take(pa.array(sorted(range(len(keys)), key=keys.__getitem__)))
 
@@ -96,6 +99,47 @@ def test_merged_index_and_shards_equal_a_merge_that_holds_the_whole_index(tmp_pa
             assert b - a == len(ds.token_hidden(row, 2))
         np.testing.assert_array_equal(ds.hidden(0, [row]), dss[k].hidden(0, [i]))
     assert ds.statistics(0)["count"] == sum(open_local(p).statistics(0)["count"] for p in parts)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_corpus_parts_merge_back_in_document_order_as_a_held_merge_would(tmp_path, rng, monkeypatch, dtype):
+    """A multi-process corpus extraction deals documents round-robin; its parts merge back by (document,
+    window_start), read a few rows at a time."""
+    from lmprobe.format.writer import DatasetWriter
+
+    small_budgets(monkeypatch)
+    n_parts, windows = 3, {}
+    for k in range(n_parts):
+        with DatasetWriter(tmp_path / f"p{k}", layers=[0], dim=4, model_name="m", storage="full_sequence",
+                           corpus=True, dtype=dtype, shard_size="64B", token_ids=True) as w:
+            for doc in range(k, 20, n_parts):  # documents k, k + 3, ... with 1 to 3 windows each
+                n_win = 1 + doc % 3
+                counts = rng.integers(2, 6, size=n_win)
+                h = rng.normal(size=(int(counts.sum()), 4)).astype(np.float32)
+                windows.update({(doc, 8 * j): h[counts[:j].sum():counts[: j + 1].sum()] for j in range(n_win)})
+                w.add_batch(texts=[f"doc {doc} window {j}" for j in range(n_win)], num_tokens=counts,
+                            hidden={0: h}, document=[doc] * n_win, window_start=[8 * j for j in range(n_win)],
+                            token_ids=[list(range(c)) for c in counts])
+    parts = [tmp_path / f"p{k}" for k in range(n_parts)]
+    dss = [open_local(p) for p in parts]
+    plan = plan_merge(dss, order="documents")
+    out = tmp_path / "m"
+    for k, src, dst in plan.moves:
+        (out / dst).parent.mkdir(parents=True, exist_ok=True)
+        os.link(parts[k] / src, out / dst)
+    plan.finish(dss, out)
+    assert pq.read_table(out / INDEX_PATH).replace_schema_metadata(None).equals(held_merge(parts, "documents"))
+    ds = lmprobe.load(out)
+    assert list(zip(ds.column("document"), ds.column("window_start"), strict=True)) == sorted(windows)
+    where = {(int(d), int(w)): (k, i) for k, part in enumerate(dss)
+             for i, (d, w) in enumerate(zip(part.column("document"), part.column("window_start"), strict=True))}
+    for row, key in enumerate(sorted(windows)):
+        got = ds.token_hidden(row, 0)
+        k, i = where[key]
+        np.testing.assert_array_equal(got, dss[k].token_hidden(i, 0))  # the part's stored vectors, bit for bit
+        if dtype == "float32":
+            np.testing.assert_array_equal(got, windows[key])
+        assert len(got) == len(windows[key])
 
 
 def test_merge_datasets_writes_the_index_with_delta_and_zstd(tmp_path, rng):
