@@ -277,6 +277,8 @@ def test_opening_leaves_per_token_columns_on_disk_and_reads_them_by_row_group(tm
     monkeypatch.setattr(pq.ParquetFile, "read", lambda self, columns=None, **kw: (
         read_columns.append(columns), real_read(self, columns=columns, **kw))[1])
     ds = lmprobe.load(tmp_path / "ds")
+    assert not read_columns  # opening reads the footer only (a merge opens every part)
+    assert ds.labels is not None  # the per-prompt columns, on first use
     assert read_columns and all(c is not None and "token_shard_ids" not in c for c in read_columns)
     full = pq.read_table(path)
     for rows in ([7], [39, 2, 15, 2], list(rng.permutation(40)[:17])):

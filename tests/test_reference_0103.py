@@ -92,3 +92,25 @@ def test_reference_implementation_reads_hidden_layers_of_hookpoint_datasets(ref_
         np.testing.assert_array_equal(got[f"load_activations/{layer}"], want)
         np.testing.assert_array_equal(got[f"ActivationStore/{layer}"], want)
         np.testing.assert_array_equal(got[f"load_activation_dataset/hidden.layer_{layer}"], shard_order_rows(ds, layer))
+
+
+@pytest.mark.parametrize(("storage", "dtype"), [("pooled", "float32"), ("full_sequence", "bfloat16")])
+def test_reference_implementation_reads_a_merged_dataset(ref_python, tmp_path, storage, dtype):
+    """The merge writes its index streaming, with the index's encodings (delta-encoded integers, zstd): 0.10.3
+    reads it as it reads one extraction's."""
+    from lmprobe.format.merge import merge_datasets
+
+    parts = []
+    for k, prompts in enumerate((PROMPTS[:8], PROMPTS[8:])):
+        parts.append(tmp_path / f"part{k}")
+        lmprobe.extract("lmprobe-tiny", prompts, out=parts[-1], layers="0,-1", storage=storage, dtype=dtype,
+                        logits_topk=4, token_ids=True, shard_size="3KB", batch_size=4, quiet=True)
+    out = merge_datasets(parts, tmp_path / "merged")
+    ds = lmprobe.load(out)
+    got, summary = read_with_reference(ref_python, out, tmp_path)
+    assert summary["pulled"] == len(PROMPTS) and summary["store_prompts"] == ds.texts
+    for layer in ds.layers:
+        want = np.asarray(ds.hidden(layer), dtype=np.float32)
+        np.testing.assert_array_equal(got[f"load_activations/{layer}"], want)
+        np.testing.assert_array_equal(got[f"ActivationStore/{layer}"], want)
+        np.testing.assert_array_equal(got[f"load_activation_dataset/hidden.layer_{layer}"], shard_order_rows(ds, layer))

@@ -11,7 +11,7 @@ per-token columns of a few prompts without reading them all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +22,32 @@ import pyarrow.parquet as pq
 from ..base.atomic import atomic_output
 from ..errors import FormatError
 from .datasetspec import DatasetSpec
-from .spec import CORPUS_COLUMNS, TRUNCATION_COLUMNS
+from .spec import CORPUS_COLUMNS, PER_TOKEN_COLUMNS, TRUNCATION_COLUMNS
 from .values import COLUMN_TYPES
 
-#: Most rows in one row group of the index.
+#: Most rows in one row group of the index (of an index of up to MAX_ROW_GROUPS x this many rows).
 ROW_GROUP_ROWS = 65536
-#: Most per-token list entries (summed over the per-token columns' tokens) in one row group.
+#: Most per-token list entries (summed over the per-token columns' tokens) in one row group (of an index of up to
+#: MAX_ROW_GROUPS x this many entries: 2^30, 5.4 x 10^8 tokens with their two address lists).
 ROW_GROUP_TOKENS = 1 << 17
+#: Row groups in one index file, about at most (twice at worst: a group closes early when the next row does not fit);
+#: a larger index gets larger groups. A parquet writer holds every group's
+#: metadata until it closes (~8 KB a group in pyarrow 26) and the footer, which every reader parses at open, has
+#: ~0.9 KB a group: at 2^17 entries a group, 10^10 tokens would be 150,000 groups, 1.2 GB in the writer that
+#: writes the index (the merge's) and a 130 MB footer. At most 8,192: 64 MiB and 7 MB.
+MAX_ROW_GROUPS = 8192
+
+# What an index takes on disk, for the job's plan (measured with benchmarks/bench_merge_memory.py and
+# docs/performance.md, "The merge and the index at scale": corpus windows of 1,024 tokens, pyarrow 26,
+# zstd level 1). A corpus index holds every window's text: English compresses to ~1.4 bytes a token (3.3
+# characters a byte, 4.2 a token), most of the index; token addresses are delta-encoded runs (~0.05 bytes
+# a token), the per-row numbers ~1-2 bytes a column.
+#: bytes of index a stored token costs (full_sequence, text ~4.2 characters a token), without ``--token-ids``
+INDEX_BYTES_PER_TOKEN = 1.5
+#: ... with ``--token-ids`` (ids of a 128k vocabulary: ~17 bits of entropy each, which no encoding removes)
+INDEX_BYTES_PER_TOKEN_WITH_IDS = 3.8
+#: bytes of index a row costs beyond its tokens (pooled rows, windows): its numbers and its column chunks' share
+INDEX_BYTES_PER_ROW = 16
 
 
 def staging_schema(spec: DatasetSpec) -> pa.Schema:
@@ -76,19 +95,33 @@ def final_schema(spec: DatasetSpec) -> pa.Schema:
     return pa.schema(fields)
 
 
-def encoding_options(schema: pa.Schema) -> dict:
-    """Parquet writer options for an index: per-token addresses delta-encoded.
+#: integer columns that run arithmetically from row to row (addresses, windows): delta-encoded
+_DELTA_COLUMNS = ("num_tokens", "shard_index", "row_offset", "token_offset", "document", "window_start",
+                  "truncated_tokens", "shard_index_logits", "row_offset_logits")
+#: per-token integer lists, delta-encoded element by element: addresses are runs of consecutive rows of one shard
+#: (a few bits a token), token ids small numbers (about 17 bits a token against 64)
+_DELTA_LISTS = ("token_shard_ids", "token_shard_offsets", "token_ids")
 
-    A prompt's token addresses are runs of consecutive rows of one shard: delta encoding stores
-    them in a few bits each (a 30M-token index shrinks from ~120 MB to a few MB) and decodes
-    faster than the default dictionary-or-plain pages. Every parquet reader (pyarrow, datasets,
-    duckdb, polars, parquet-mr) reads DELTA_BINARY_PACKED, a core encoding of the format.
+
+def encoding_options(schema: pa.Schema) -> dict:
+    """Parquet writer options for an index: integer columns delta-encoded, pages compressed with zstd.
+
+    A prompt's token addresses are runs of consecutive rows of one shard and a corpus's rows
+    step ``window_start`` and ``row_offset`` by a constant: DELTA_BINARY_PACKED stores them in a
+    few bits each (a 30M-token index shrinks from ~120 MB to a few MB) and decodes faster than
+    the default dictionary-or-plain pages. zstd compresses the rest (``text``: a corpus index
+    holds every window's text, most of its bytes). Both are core parts of the parquet format
+    that every reader (pyarrow, datasets, duckdb, polars, parquet-mr, lmprobe 0.10.3) reads.
+    Statistics (min/max) are kept for the per-prompt numbers only: a corpus's ``text`` would put
+    two windows' text per row group into the footer, which every reader parses at open.
     """
-    delta = [f"{n}.list.element" for n in ("token_shard_ids", "token_shard_offsets") if n in schema.names]
-    if not delta:
-        return {}
-    return {"use_dictionary": [n for n in schema.names if n not in ("token_shard_ids", "token_shard_offsets")],
-            "column_encoding": dict.fromkeys(delta, "DELTA_BINARY_PACKED")}
+    delta = [n for n in _DELTA_COLUMNS if n in schema.names and pa.types.is_integer(schema.field(n).type)]
+    delta += [f"{n}.list.element" for n in _DELTA_LISTS
+              if n in schema.names and pa.types.is_integer(schema.field(n).type.value_type)]
+    plain = {d.split(".")[0] for d in delta}
+    stats = [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_string(f.type)]
+    return {"compression": "zstd", "use_dictionary": [n for n in schema.names if n not in plain],
+            "column_encoding": dict.fromkeys(delta, "DELTA_BINARY_PACKED"), "write_statistics": stats}
 
 
 def write_part(path: Path, columns: dict[str, list], spec: DatasetSpec) -> None:
@@ -174,56 +207,87 @@ def _in_position_order(parts: list[Path], load: Callable[[Path], pa.Table]) -> I
         )
 
 
-def _token_entries(t: pa.Table, spec: DatasetSpec) -> np.ndarray:
-    """Per-token list entries each staging row becomes in the final index (over all per-token columns)."""
+def list_entries(t: pa.Table | pa.RecordBatch) -> np.ndarray:
+    """Each row's per-token list entries, summed over ``t``'s list columns (what bounds a row group's size)."""
     total = np.zeros(t.num_rows, dtype=np.int64)
-    if spec.full_sequence:  # token_shard_ids and token_shard_offsets, built at finalisation
-        total += 2 * t.column("num_tokens").to_numpy().astype(np.int64)
     for f in t.schema:
-        if pa.types.is_list(f.type):
+        if pa.types.is_list(f.type) or pa.types.is_large_list(f.type):
             total += pc.list_value_length(t.column(f.name)).to_numpy(zero_copy_only=False).astype(np.int64)
     return total
 
 
+def _token_entries(t: pa.Table, spec: DatasetSpec) -> np.ndarray:
+    """Per-token list entries each staging row becomes in the final index (over all per-token columns)."""
+    total = list_entries(t)
+    if spec.full_sequence:  # token_shard_ids and token_shard_offsets, built at finalisation
+        total += 2 * t.column("num_tokens").to_numpy().astype(np.int64)
+    return total
+
+
+def group_bounds(num_rows: int, num_entries: int) -> tuple[int, int]:
+    """(rows, per-token entries) at most in one row group of an index of ``num_rows`` rows and ``num_entries``
+    per-token entries: ``ROW_GROUP_ROWS`` and ``ROW_GROUP_TOKENS``, or more where the index would otherwise pass
+    ``MAX_ROW_GROUPS`` groups.
+
+    >>> group_bounds(10**6, 10**9)[1] == ROW_GROUP_TOKENS, group_bounds(10**7, 2 * 10**10)
+    (True, (65536, 2441407))
+    """
+    return (max(ROW_GROUP_ROWS, -(-num_rows // MAX_ROW_GROUPS)),
+            max(ROW_GROUP_TOKENS, -(-num_entries // MAX_ROW_GROUPS)))
+
+
+def file_entries(md: pq.FileMetaData) -> int:
+    """The per-token list entries of an index file, from its footer (nothing else is read)."""
+    lists = [i for i in range(md.num_columns) if md.schema.column(i).path.split(".")[0] in PER_TOKEN_COLUMNS]
+    return sum(md.row_group(g).column(i).num_values for g in range(md.num_row_groups) for i in lists)
+
+
+def row_groups(tables: Iterable[pa.Table], entries: Callable[[pa.Table], np.ndarray], *,
+               bounds: tuple[int, int] | None = None) -> Iterator[pa.Table]:
+    """The rows of ``tables`` regrouped into the index's row groups: at most ``bounds`` (``group_bounds``; by
+    default ``ROW_GROUP_ROWS`` rows and ``ROW_GROUP_TOKENS`` per-token entries) each, a longer row alone
+    (``entries(table)``: each row's entries).
+
+    Holds one group at a time, whatever the stream's length: what the writer's close and a merge write.
+    """
+    max_rows, max_entries = bounds or (ROW_GROUP_ROWS, ROW_GROUP_TOKENS)
+    pending: list[pa.Table] = []
+    rows = tokens = 0
+    for chunk in tables:
+        per_row = entries(chunk)
+        start = 0
+        while start < chunk.num_rows:
+            # rows that still fit in the current row group (at least one row per group)
+            cum = np.cumsum(per_row[start : start + max_rows - rows])
+            fit = int(np.searchsorted(cum, max_entries - tokens, side="right"))
+            if fit == 0 and rows == 0:
+                fit = 1
+            if fit:
+                pending.append(chunk.slice(start, fit))
+                rows += fit
+                tokens += int(cum[fit - 1])
+                start += fit
+            if fit == 0 or rows >= max_rows or tokens >= max_entries:
+                yield pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+                pending, rows, tokens = [], 0, 0
+    if pending:
+        yield pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+
+
 def write_index(final: Path, parts: list[Path], *, spec: DatasetSpec, n_last: int, metadata: dict[bytes, bytes],
-                fsync: bool = False) -> None:
-    """Write the final index from the staging parts (atomically; the schema carries ``metadata``)."""
+                fsync: bool = False, num_rows: int = 0, num_tokens: int = 0) -> None:
+    """Write the final index from the staging parts (atomically; the schema carries ``metadata``); ``num_rows``
+    and ``num_tokens``: what the parts hold, which sizes the row groups (``group_bounds``)."""
     schema = final_schema(spec)
     final.parent.mkdir(parents=True, exist_ok=True)
-
+    per_token = 2 * spec.full_sequence + spec.token_ids + spec.token_strings + spec.token_perplexity
+    bounds = group_bounds(num_rows, per_token * num_tokens)
     with atomic_output(final, fsync=fsync) as tmp:
         with pq.ParquetWriter(tmp, schema.with_metadata(metadata), **encoding_options(schema)) as pw:
-            pending: list[pa.Table] = []
-            rows = tokens = 0
-
-            def flush() -> None:
-                # per-token address lists are built here, one row group at a time: memory stays at one group
-                nonlocal pending, rows, tokens
-                if pending:
-                    staged = pa.concat_tables(pending)
-                    group = finalize_part(staged, spec, n_last, schema).drop_columns(["_position"])
-                    pw.write_table(group, row_group_size=max(1, group.num_rows))
-                pending, rows, tokens = [], 0, 0
-
-            for chunk in _in_position_order(parts, pq.read_table):
-                entries = _token_entries(chunk, spec)
-                start = 0
-                while start < chunk.num_rows:
-                    # rows that still fit in the current row group (at least one row per group)
-                    room_rows = ROW_GROUP_ROWS - rows
-                    cum = np.cumsum(entries[start : start + room_rows])
-                    fit = int(np.searchsorted(cum, ROW_GROUP_TOKENS - tokens, side="right"))
-                    if fit == 0 and rows == 0:
-                        fit = 1
-                    if fit == 0:
-                        flush()
-                        continue
-                    pending.append(chunk.slice(start, fit))
-                    rows += fit
-                    tokens += int(cum[fit - 1])
-                    start += fit
-                    if rows >= ROW_GROUP_ROWS or tokens >= ROW_GROUP_TOKENS:
-                        flush()
-            flush()
+            # per-token address lists are built here, one row group at a time: memory stays at one group
+            for staged in row_groups(_in_position_order(parts, pq.read_table), lambda t: _token_entries(t, spec),
+                                     bounds=bounds):
+                group = finalize_part(staged, spec, n_last, schema).drop_columns(["_position"])
+                pw.write_table(group, row_group_size=max(1, group.num_rows))
             if not parts:
                 pw.write_table(schema.empty_table())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from ..base.lock import OutputLock
 from ..base.paths import check_output_path, format_relpath
 from ..base.safeio import read_json
 from ..errors import FormatError, InvalidArgumentError, OutputExistsError
-from . import card
+from . import card, index
 from .files import LocalFiles
 from .metadata import encode_schema_metadata
 from .reader import Dataset, open_local
@@ -188,9 +189,14 @@ class MergePlan:
         schema = first.schema.remove_metadata().with_metadata(encode_schema_metadata(info))
         atomic_write(out / CARD_PATH, card.render_card(info, schema))
         (out / "index").mkdir(parents=True, exist_ok=True)
-        with atomic_output(out / INDEX_PATH) as tmp, pq.ParquetWriter(tmp, schema) as pw:  # last
-            for t in _ordered(dss, self):  # row group by row group: the index is never whole in memory
-                pw.write_table(t.cast(schema.remove_metadata()))
+        columns = schema.remove_metadata()
+        with (atomic_output(out / INDEX_PATH) as tmp,  # last
+              pq.ParquetWriter(tmp, schema, **index.encoding_options(columns)) as pw):
+            # parts read a bounded table at a time, written a row group at a time: never the whole index in memory
+            bounds = index.group_bounds(sum(d.num_prompts for d in dss),
+                                        sum(index.file_entries(pq.read_metadata(d.index_path)) for d in dss))
+            for group in index.row_groups(_ordered(dss, self), index.list_entries, bounds=bounds):
+                pw.write_table(group.cast(columns), row_group_size=max(1, group.num_rows))
         return [*written, CARD_PATH, INDEX_PATH]
 
     def renumbered(self, k: int, ds: Dataset, t: pa.Table) -> pa.Table:
@@ -198,11 +204,12 @@ class MergePlan:
         cols = {name: t.column(name) for name in t.column_names}
         cols["shard_index"] = pc.add(t.column("shard_index"), int(self.offsets["last"][k])).cast(pa.int32())
         if "token_shard_ids" in cols:
+            # on the lists' flat values (a prompt's tokens: in the last-token shards or the sequence shards)
             ids = t.column("token_shard_ids").combine_chunks()
-            flat = ids.values.to_numpy().astype(np.int64)
-            n_last = self.last_token_shards[k]
-            new_flat = np.where(flat < n_last, flat + self.offsets["last"][k], flat - n_last + self.offsets["seq"][k])
-            cols["token_shard_ids"] = pa.ListArray.from_arrays(ids.offsets, pa.array(new_flat, pa.int64()))
+            flat, n_last = ids.values, self.last_token_shards[k]
+            new_flat = pc.if_else(pc.less(flat, n_last), pc.add(flat, int(self.offsets["last"][k])),
+                                  pc.add(flat, int(self.offsets["seq"][k]) - n_last))
+            cols["token_shard_ids"] = pa.ListArray.from_arrays(ids.offsets, new_flat.cast(pa.int64()))
         if "shard_index_logits" in cols:
             cols["shard_index_logits"] = pc.add(t.column("shard_index_logits"), int(self.offsets["logits"][k])).cast(
                 pa.int32())
@@ -281,15 +288,24 @@ def plan_merge(dss: list[Dataset], *, sources: list[str] | None = None, settings
     return MergePlan(moves, info, {"last": lt_off, "seq": seq_off, "logits": lg_off}, n_lts, order)
 
 
-def _ordered(dss: list[Dataset], merge: MergePlan, chunk: int = 1 << 16):
-    """The merged index's rows in ``merge.order``, a bounded table at a time (parts read row group by row group)."""
+#: bytes of index rows read ahead from all parts together while putting rows back in source order
+#: (``_ordered``), shared among the parts: the merge's memory, whatever the number of parts or tokens
+_READ_AHEAD_BYTES = 4 << 20
+#: bytes of index rows read at a time from a part merged part after part
+_READ_BYTES = 4 << 20
+
+
+def _ordered(dss: list[Dataset], merge: MergePlan) -> Iterator[pa.Table]:
+    """The merged index's rows in ``merge.order``, a bounded table at a time (each part read a bounded table at a
+    time: memory stays the same whatever the parts hold)."""
+    n = len(dss)
     if merge.order == "concat":
         for k, ds in enumerate(dss):
-            for t in ds.iter_index():
+            for t in ds.iter_index(max_bytes=_READ_BYTES):
                 yield merge.renumbered(k, ds, t)
         return
-    n = len(dss)
-    streams = [ds.iter_index() for ds in dss]
+    share = max(2, _READ_AHEAD_BYTES // n)  # each part's read-ahead, read in halves (a row at least)
+    streams = [iter(ds.iter_index(max_bytes=share // 2)) for ds in dss]
     seen = [0] * n  # rows of each part read so far
     done = [False] * n
 
@@ -302,9 +318,10 @@ def _ordered(dss: list[Dataset], merge: MergePlan, chunk: int = 1 << 16):
         return doc * (1 << 32) + win  # windows start within a document of under 4 G tokens
 
     pending: list[tuple[pa.Table, np.ndarray] | None] = [None] * n  # rows read and not written yet, with keys
+    held = [0] * n  # bytes in pending[k]
     while True:
-        for k in range(n):  # at least one row group of every part not yet exhausted
-            while not done[k] and (pending[k] is None or len(pending[k][1]) < chunk):
+        for k in range(n):  # a bounded read-ahead of every part not yet exhausted
+            while not done[k] and (pending[k] is None or held[k] < share):
                 t = next(streams[k], None)
                 if t is None:
                     done[k] = True
@@ -312,6 +329,7 @@ def _ordered(dss: list[Dataset], merge: MergePlan, chunk: int = 1 << 16):
                 t = merge.renumbered(k, dss[k], t)
                 kk = keys(k, t, seen[k])
                 seen[k] += t.num_rows
+                held[k] += t.nbytes
                 pending[k] = (t, kk) if pending[k] is None else (
                     pa.concat_tables([pending[k][0], t]), np.concatenate([pending[k][1], kk]))
         live = [k for k in range(n) if pending[k] is not None and len(pending[k][1])]
@@ -327,6 +345,7 @@ def _ordered(dss: list[Dataset], merge: MergePlan, chunk: int = 1 << 16):
                 out_t.append(t.slice(0, take))
                 out_k.append(kk[:take])
                 pending[k] = (t.slice(take), kk[take:])
+                held[k] = pending[k][0].nbytes
         if out_t:
             table = pa.concat_tables(out_t)
             order = np.argsort(np.concatenate(out_k), kind="stable")

@@ -46,10 +46,10 @@ class Dataset:
     >>> ds = lmprobe.load("my-dataset")          # doctest: +SKIP
     >>> X, y = ds.hidden(16), ds.labels           # (num_prompts, dim), (num_prompts,)
 
-    Opening reads the index's per-prompt columns only. The per-token columns (token addresses,
-    ids, strings, perplexities) stay on disk until a call needs some prompts' tokens, and then
-    only the row groups holding those prompts are read, so opening costs the same for a million
-    tokens as for a billion.
+    Opening reads the index's footer and metadata; the per-prompt columns are read on first use.
+    The per-token columns (token addresses, ids, strings, perplexities) stay on disk until a call
+    needs some prompts' tokens, and then only the row groups holding those prompts are read, so
+    opening costs the same for a million tokens as for a billion.
     """
 
     def __init__(self, files: Any, index_path: str | os.PathLike):
@@ -65,16 +65,13 @@ class Dataset:
             raise FormatError(f"{files}: the index has no 'lmprobe:' schema metadata; it is not an lmprobe dataset")
         self.meta: DatasetInfo = parse_info(raw)
         self.schema = schema
-        per_prompt = [n for n in schema.names if n not in PER_TOKEN_COLUMNS]
-        self._prompt_table = self._parquet.read(columns=per_prompt)
         md = self._parquet.metadata
         self._group_starts = np.zeros(md.num_row_groups + 1, dtype=np.int64)
         np.cumsum([md.row_group(g).num_rows for g in range(md.num_row_groups)], out=self._group_starts[1:])
         self._groups: OrderedDict[tuple[int, tuple[str, ...]], pa.Table] = OrderedDict()
-        if self.meta.num_prompts != self._prompt_table.num_rows:
+        if self.meta.num_prompts != md.num_rows:
             raise FormatError(
-                f"{files}: metadata says num_prompts={self.meta.num_prompts} but the index has "
-                f"{self._prompt_table.num_rows} rows"
+                f"{files}: metadata says num_prompts={self.meta.num_prompts} but the index has {md.num_rows} rows"
             )
         #: the shards: files fetched, located and checked against the metadata, rows gathered (gather.py)
         self.shards = ShardGather(self)
@@ -118,8 +115,17 @@ class Dataset:
 
     @property
     def prompt_table(self) -> pa.Table:
-        """The index's per-prompt columns (everything but the per-token lists), as read when the dataset opened."""
+        """The index's per-prompt columns (everything but the per-token lists), read on first use."""
         return self._prompt_table
+
+    @cached_property
+    def _prompt_table(self) -> pa.Table:
+        # not at open: a corpus index holds every window's text, and a merge of many parts opens them all
+        t = self._parquet.read(columns=[n for n in self.schema.names if n not in PER_TOKEN_COLUMNS])
+        if t.num_rows != self.meta.num_prompts:
+            raise FormatError(f"{self.files}: metadata says num_prompts={self.meta.num_prompts} but the index has "
+                              f"{t.num_rows} rows")
+        return t
 
     @property
     def column_names(self) -> list[str]:
@@ -156,10 +162,23 @@ class Dataset:
             parts[n] = joined.column(n)
         return parts
 
-    def iter_index(self) -> Iterable[pa.Table]:
-        """The whole index, every column, one row group at a time (for copying it, never whole in memory)."""
-        for g in range(self._parquet.metadata.num_row_groups):
-            yield self._parquet.read_row_group(g)
+    def iter_index(self, *, max_bytes: int = 8 << 20) -> Iterable[pa.Table]:
+        """The whole index, every column, in tables of about ``max_bytes`` in memory (and at most 65,536 rows)
+        each, whatever the file's row groups: for copying it, never whole in memory."""
+        md = self._parquet.metadata
+        held = 0  # the file's rows in memory, estimated from its footer: per-token lists decode to 8 bytes an entry
+        for g in range(md.num_row_groups):
+            rg = md.row_group(g)
+            for i in range(md.num_columns):
+                c = rg.column(i)
+                per_token = md.schema.column(i).path.split(".")[0] in PER_TOKEN_COLUMNS
+                held += max(c.total_uncompressed_size, 12 * c.num_values) if per_token else c.total_uncompressed_size
+        rows = max(1, min(1 << 16, max_bytes * md.num_rows // max(1, held)))
+        # a reader of its own, closed at the end: the dataset's keeps what it read (~5 MiB a 4-MiB batch), and a
+        # merge reads a hundred parts
+        with pq.ParquetFile(self.index_path) as f:
+            for batch in f.iter_batches(batch_size=rows):
+                yield pa.Table.from_batches([batch])
 
     def _row_group(self, g: int, names: tuple[str, ...]) -> pa.Table:
         key = (g, names)

@@ -55,8 +55,11 @@ from .values import one_torch_thread, to_numpy
 
 _MAX_PENDING_ROWS = 65536
 #: index rows wait in memory until a checkpoint writes them as a part: bounded by prompts and by tokens,
-#: so that a part, and the memory to finalize it, stays small whatever the prompts' lengths
-_MAX_PENDING_TOKENS = 1 << 20
+#: so that a part, and the memory to finalize it, stays small whatever the prompts' lengths. A corpus row holds
+#: its window's text and, with token ids, 8 bytes a token: at 2^20 tokens a rank's writer grew 40-50 MiB
+#: between 6 x 10^5 and 2.4 x 10^6 tokens (the buffer filling up) and its close 50-70 MiB more; at 2^18 it is
+#: flat from 6 x 10^5 tokens on (docs/performance.md, "The merge and the index at scale")
+_MAX_PENDING_TOKENS = 1 << 18
 #: with ``on_file_complete`` (files that leave the machine), a checkpoint hands shards over as soon as this many
 #: have closed since the last one, whatever the interval: local staging holds a few shards, not 30 s of them
 _HANDOVER_SHARDS = 2
@@ -599,7 +602,8 @@ class DatasetWriter:
         schema = index.final_schema(self.spec)
         atomic_write(self.out_dir / CARD_PATH, card.render_card(info, schema), fsync=self.fsync)
         index.write_index(self.out_dir / INDEX_PATH, self.staging.parts(self._n_parts), spec=self.spec, n_last=n_last,
-                          metadata=encode_schema_metadata(info), fsync=self.fsync)
+                          metadata=encode_schema_metadata(info), fsync=self.fsync, num_rows=self.num_prompts,
+                          num_tokens=self.num_tokens)
         self.staging.remove()
 
 
