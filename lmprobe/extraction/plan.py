@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from ..base.units import format_size
+from ..format.index import INDEX_BYTES_PER_ROW, INDEX_BYTES_PER_TOKEN, INDEX_BYTES_PER_TOKEN_WITH_IDS
 from ..format.spec import HUB_FOLDER_ENTRIES, HUB_REPO_FILES, MAX_SHARD_SIZE, NESTED_FROM_SHARDS
 from ..storage.budget import MAX_COMMIT_FILES, commits_for, tail_seconds
 
@@ -37,23 +38,20 @@ HUB_FILE_LIMIT = 50 * 10**9
 HUB_PUBLIC_STORAGE = 5 * 10**12
 HUB_PRIVATE_STORAGE = 100 * 10**9
 
-#: index bytes on disk, measured on real indexes (tests/test_plan.py checks them against a real job): per row
-#: (its scalar columns: num_tokens, addresses, document, window_start, label), per stored token of a
-#: full_sequence dataset (token_shard_ids and token_shard_offsets: arithmetic runs that parquet's
-#: DELTA_BINARY_PACKED stores in a few bits), with --token-ids (one id a token, which does not pack) and with
-#: --perplexity (a float a token). The text column is measured on a sample of the source (Shape.text_bytes_per_token).
-INDEX_BYTES_PER_ROW = 16
-INDEX_BYTES_PER_TOKEN = 0.35
-INDEX_BYTES_PER_TOKEN_ID = 3.0
+#: index bytes on disk (format/index.py holds what a corpus index costs; benchmarks/bench_merge_memory.py measures
+#: it): per row, per stored token of a full_sequence dataset (token_shard_ids and token_shard_offsets: runs that
+#: DELTA_BINARY_PACKED stores in a few bits), with --perplexity (a float a token, which does not pack). The text
+#: column and --token-ids are measured on a sample of the source (Shape.text_bytes_per_token, id_bytes_per_token);
+#: without a sample, English (~4.2 characters a token, zstd) and a 128k vocabulary (~17 bits an id).
+INDEX_ADDRESS_BYTES_PER_TOKEN = 0.05
+DEFAULT_TEXT_BYTES_PER_TOKEN = INDEX_BYTES_PER_TOKEN - INDEX_ADDRESS_BYTES_PER_TOKEN
+DEFAULT_ID_BYTES_PER_TOKEN = INDEX_BYTES_PER_TOKEN_WITH_IDS - INDEX_BYTES_PER_TOKEN
 INDEX_BYTES_PER_TOKEN_PERPLEXITY = 8.0
 INDEX_BYTES_PER_ROW_PERPLEXITY = 28
 INDEX_FIXED_BYTES = 12 * 1024
 #: the index's footer holds the schema metadata twice (as key-value pairs and in the arrow schema), and it lists
 #: every shard (its rows, tokens, bytes, checksum)
 INDEX_BYTES_PER_SHARD = 300
-#: text bytes a token when no sample says (English with a byte-pair tokenizer: ~4.2 characters a token, and
-#: parquet's snappy keeps about half)
-DEFAULT_TEXT_BYTES_PER_TOKEN = 2.0
 
 #: files a rank has in flight to the Hub or a bucket (written, not yet uploaded), besides the shards it is filling
 IN_FLIGHT_FILES = 8
@@ -90,7 +88,7 @@ class Shape:
     """The weights in the dtype the model runs in (0: unknown)."""
     text_bytes_per_token: float = DEFAULT_TEXT_BYTES_PER_TOKEN
     """The index's text column, compressed, per token (measured on a sample of the source)."""
-    id_bytes_per_token: float = INDEX_BYTES_PER_TOKEN_ID
+    id_bytes_per_token: float = DEFAULT_ID_BYTES_PER_TOKEN
     """With ``token_ids``: the index's token_ids column per token (measured on a sample of the source)."""
 
 
@@ -249,15 +247,16 @@ def _count(shape: Shape, shard_bytes: int, ranks: int, layout: str | None = None
         layout = "nested" if per_site >= NESTED_FROM_SHARDS or flat_tensors > HUB_FOLDER_ENTRIES else "flat"
     largest = max(per_site, logits) if layout == "nested" else flat_tensors
     largest_rows = min(cap, rows_r)  # a last-token shard
-    if seq:
-        largest_rows = max(largest_rows, int(per_item * min(items, rows_r)) if per_item <= cap else int(per_item))
+    if seq:  # a sequence shard fills up to its cap (windows and prompts of other lengths fill the gaps)
+        largest_rows = max(largest_rows, min(cap, int(per_item * rows_r)) if per_item <= cap else int(per_item))
     largest_shard = largest_rows * widest
     return _Files(per_site, logits, files, largest, largest_shard, layout)
 
 
 def index_bytes(shape: Shape, shards: int) -> int:
     """The index file's size on disk (measured constants above)."""
-    per_token = shape.text_bytes_per_token + (INDEX_BYTES_PER_TOKEN if shape.storage == "full_sequence" else 0.0)
+    per_token = shape.text_bytes_per_token + (INDEX_ADDRESS_BYTES_PER_TOKEN if shape.storage == "full_sequence"
+                                              else 0.0)
     per_row = INDEX_BYTES_PER_ROW
     if shape.token_ids:
         per_token += shape.id_bytes_per_token

@@ -24,6 +24,7 @@ from ..errors import (
     InvalidArgumentError,
     ModelError,
 )
+from ..format.index import encoding_options
 from ..format.spec import DEFAULT_SHARD_SIZE, DTYPES
 from ..format.values import torch_dtype
 from ..storage.budget import DEFAULT_COMMITS_PER_HOUR, commits_per_hour
@@ -224,9 +225,10 @@ def _sample_bytes(texts: list[str], ids: list[list[int]]) -> dict[str, float]:
     if not texts or tokens < 1:
         return {}
 
-    def size(column: pa.Array) -> int:  # written as the index writes the column (format/index.py)
+    def size(column: pa.Array) -> int:  # written as the index writes its columns (format/index.py)
+        table = pa.table({"token_ids": column} if pa.types.is_list(column.type) else {"text": column})
         buf = io.BytesIO()
-        pq.write_table(pa.table({"c": column}), buf, use_dictionary=pa.types.is_string(column.type))
+        pq.write_table(table, buf, **encoding_options(table.schema))
         return len(buf.getvalue())
 
     return {"text_bytes_per_token": max(0, size(pa.array(texts, pa.string())) - size(pa.array([""] * len(texts))))
