@@ -121,6 +121,19 @@ def test_an_oversized_config_file_is_refused_before_it_is_read(tmp_path):
         check_config_file(p, model="m", trust_remote_code=False)
 
 
+def test_a_config_that_is_not_a_regular_file_is_refused_without_blocking(llama_dir, tmp_path,
+                                                                        no_transformers_config, capsys):
+    import os
+
+    folder = tmp_path / "fifo"
+    shutil.copytree(llama_dir, folder)
+    (folder / "config.json").unlink()
+    os.mkfifo(folder / "config.json")  # an open for reading would wait for a writer forever
+    assert cli_main(["hookpoints", "--model", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a regular file" in err, err
+
+
 def test_nesting_is_counted_outside_strings():
     assert nesting_depth(b'{"a": "[[[[{{{{", "b": [[1]], "c": "\\"[["}') == 3
     assert nesting_depth(b"[" * 5000 + b"]" * 5000) == 5000

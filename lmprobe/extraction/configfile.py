@@ -80,7 +80,7 @@ def check_config_file(path: str | os.PathLike, *, model: str, trust_remote_code:
     """
     where = f"the config.json of model {model!r}"
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block the open
     except OSError as exc:
         raise ModelError(f"cannot read {where}: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as f:

@@ -70,7 +70,7 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
     try:
         # the file is untrusted: its sizes, depth and code are checked before transformers reads it (configfile.py)
         file = Path(path) / "config.json" if local else _hub_config(path, revision, access)
-        if file.is_file():
+        if file.exists():  # a FIFO or a folder named config.json is refused, not handed to transformers
             check_config_file(file, model=name, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code, **access)
     except OSError as exc:
