@@ -380,17 +380,17 @@ def vm():
     for line in open("/proc/self/status"):
         if line.startswith("VmSize:"):
             return int(line.split()[1]) * 1024
-limit = vm() + (600 << 20)  # 600 MiB of address space left: a container's or `ulimit -v`'s limit
+limit = vm() + (1536 << 20)  # 1.5 GiB of address space left: a container's or `ulimit -v`'s limit
 resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 sys.exit(lmprobe.cli.main(sys.argv[1:]))
 """
 
 
 def _features_limited(tmp_path, root):
-    """`lmprobe features` in a process with 600 MiB of address space left, as under a container's limit."""
+    """`lmprobe features` in a process with 1.5 GiB of address space left, as under a container's limit."""
     r = subprocess.run([sys.executable, "-c", _LIMITED, "features", str(tmp_path / "ds"), "--sae", str(root),
                         "--dict", "d", "--layer", "0", "--out", str(tmp_path / f"out-{root.name}"), "--quiet"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return r.returncode, r.stderr.strip()
 
 
@@ -422,11 +422,11 @@ def test_a_small_file_declaring_2_24_features_is_refused_by_its_declared_sizes(t
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status")
 def test_a_dense_expansion_past_the_process_limit_is_one_line(tmp_path, rng):
-    """R31: an honest sparse dictionary (100,000 features of one weight each over 2,048 dims: ~1 MB on disk) whose
-    dense expansion (800 MB) passes MemAvailable but not the process's own limit: one line, before allocating."""
+    """R31: an honest sparse dictionary (200,000 features of one weight each over 4,096 dims: 2.4 MB on disk) whose
+    dense expansion (3.1 GiB) may pass MemAvailable but not the process's own limit: one line, before allocating."""
     from conftest import write_dataset
 
-    dim, n = 2048, 100_000
+    dim, n = 4096, 200_000
     write_dataset(tmp_path / "ds", rng, n=3, layers=(0,), dim=dim, storage="full_sequence")
     (tmp_path / "sparse/d/layer_0").mkdir(parents=True)
     W, b = make_encoder(rng)
