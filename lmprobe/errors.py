@@ -162,5 +162,19 @@ class HubUnreachableError(HubError):
         return str(self.args[0]) if self.args else ""
 
 
+class HubBusyError(HubError):
+    """The Hub asks for a longer wait than lmprobe takes (``Retry-After: 100000``): ``.what`` was asked,
+    ``.asked`` seconds from ``.status`` (an HTTP status), until ``.until`` (UTC, as text), so that a caller can
+    say how to go on in its own terms."""
+
+    def __init__(self, message: str, *, what: str = "", status: int | None = None, asked: float = 0.0,
+                 until: str = ""):
+        super().__init__(message)
+        self.what, self.status, self.asked, self.until = what, status, asked, until
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class ObjectStoreError(LmprobeError, OSError):
     """Object storage could not be reached or written after retries."""

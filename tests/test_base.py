@@ -72,6 +72,22 @@ def test_retry_by_status_code_and_retry_after():
     assert calls["n"] == 1
 
 
+def test_a_wait_longer_than_the_caller_takes_ends_the_call_at_once():
+    """Issue 44 finding 11: a command refuses to sleep through `Retry-After: 100000`; the log says what was asked."""
+    from lmprobe.base.retry import RetryLog
+
+    waits = []
+    policy = RetryPolicy(retry_on_status_codes=frozenset({429}), rate_limit_status_codes=frozenset({429}),
+                         max_wait=60.0, deadline=300.0, longest_asked_wait=60.0)
+    fn, calls = failing(99, HTTPFailure(429, {"Retry-After": "100000"}))
+    log = RetryLog()
+    with pytest.raises(HTTPFailure):
+        call_with_retry(fn, policy=policy, sleep=waits.append, log=log)
+    assert calls["n"] == 1 and waits == [] and log.asked == 100000.0
+    fn, calls = failing(2, HTTPFailure(429, {"Retry-After": "45"}))  # a wait it takes is taken
+    assert call_with_retry(fn, policy=policy, sleep=waits.append) == "ok" and waits == [45.0, 45.0]
+
+
 def test_never_retry_excludes_subclasses():
     policy = RetryPolicy(retry_on_exceptions=(OSError,), never_retry=(FileNotFoundError,), base_wait=0)
     assert policy.is_transient(OSError("io"))

@@ -124,3 +124,60 @@ def test_info_on_a_folder_another_process_is_writing_says_so(tmp_path, rng, caps
         child.wait()
     assert cli_main(["info", str(out)]) == 2  # its writer died: an interrupted run, to resume
     assert "unfinished dataset (no index yet); re-run the command that wrote it to resume" in capsys.readouterr().err
+
+
+TOKEN = "hf_testSECRETtoken1234567890"
+
+
+def test_a_push_refuses_a_folder_under_rewrite_in_one_line(hub, tmp_path, rng, capsys):
+    """R40 (issue 44 finding 13): a push while `extract --overwrite` rewrote the folder published a mix (12 of 48
+    prompts paired with another prompt's vector). The rewrite holds the output lock: the push is refused at once,
+    in one line naming the writer, and nothing reaches the Hub."""
+    import uuid
+
+    from huggingface_hub import HfApi
+
+    out = tmp_path / "ds"
+    write_dataset(out, rng, n=12)
+    repo = f"tester/rewrite-{uuid.uuid4().hex[:8]}"
+    child = hold_lock(out)  # an `extract --overwrite` of the same folder, running
+    try:
+        with pytest.raises(OutputInUseError, match=f"being written by process {child.pid}.*push again"):
+            lmprobe.push_to_hub(out, repo, token=TOKEN, quiet=True)
+        capsys.readouterr()
+        assert cli_main(["push", str(out), repo, "--token", TOKEN, "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"process {child.pid}" in err and "push" in err, err
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert not HfApi(token=TOKEN).repo_exists(repo, repo_type="dataset")
+    lmprobe.push_to_hub(out, repo, token=TOKEN, quiet=True)  # the writer gone, the push goes on
+
+
+def test_a_rewrite_that_starts_during_a_push_is_refused_and_the_push_publishes_one_dataset(hub, tmp_path, rng,
+                                                                                          monkeypatch):
+    """R40, the other order: `extract --overwrite` of a folder a push is sending is refused at once (the push holds
+    the output lock), so the published rows are the ones the pushed index names."""
+    import uuid
+
+    from lmprobe.storage import commits
+
+    out = tmp_path / "ds"
+    src = write_dataset(out, rng, n=12)
+    repo = f"tester/pushing-{uuid.uuid4().hex[:8]}"
+    real = commits.HubCommitter.push_files
+    refused = []
+
+    def push_files(self, *a, **k):  # mid-push, a rewrite of the same folder starts
+        try:
+            DatasetWriter(out, layers=[0], dim=8, model_name="m", overwrite=True).abort()
+        except OutputInUseError as exc:
+            refused.append(str(exc))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(commits.HubCommitter, "push_files", push_files)
+    lmprobe.push_to_hub(out, repo, token=TOKEN, quiet=True)
+    assert len(refused) == 1 and f"process {__import__('os').getpid()}" in refused[0], refused
+    ds = lmprobe.load(f"hf://datasets/{repo}")
+    np.testing.assert_array_equal(ds.hidden(0), src["hidden"][0])

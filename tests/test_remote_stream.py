@@ -444,9 +444,8 @@ def test_a_stalled_range_request_times_out_and_is_tried_again(hub, tmp_path, rng
 @pytest.mark.parametrize("command", ["pull", "export-saev"])
 def test_commands_cap_a_servers_retry_after_and_do_not_multiply_tries(hub, tmp_path, rng, fresh_hf_cache,
                                                                      monkeypatch, capsys, command):
-    """Finding 10: `pull` and `export-saev` against `Retry-After: 100000`: no wait longer than a minute is taken
-    (huggingface_hub's included), a passing storm is waited out, and a lasting one ends in one line after a few
-    tries (lmprobe's tries do not multiply huggingface_hub's)."""
+    """Finding 10: `pull` and `export-saev` against 429s asking for 45 s: a passing storm is waited out, and a
+    lasting one ends in one line after a few tries (lmprobe's tries do not multiply huggingface_hub's)."""
     from lmprobe.cli import main as cli_main
 
     _, url = _push(hub, tmp_path, rng, n=40, shard_size="1KiB")
@@ -459,7 +458,7 @@ def test_commands_cap_a_servers_retry_after_and_do_not_multiply_tries(hub, tmp_p
             ["export-saev", url, "--out", str(out), "--cache", "1MiB", "--context-len", "4"]
         return cli_main([*args, "--quiet"] if command == "pull" else args)
 
-    hub.fail("*", shard, 429, times=2, headers={"Retry-After": "100000"})
+    hub.fail("*", shard, 429, times=2, headers={"Retry-After": "45"})
     try:
         assert run(tmp_path / "a") == 0
     finally:
@@ -471,7 +470,7 @@ def test_commands_cap_a_servers_retry_after_and_do_not_multiply_tries(hub, tmp_p
 
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hf-cache-2"))  # nothing cached from the first run
     before = len(hub.log)
-    hub.fail("*", shard, 429, times=10**6, headers={"Retry-After": "100000"})
+    hub.fail("*", shard, 429, times=10**6, headers={"Retry-After": "45"})
     try:
         assert run(tmp_path / "b") == 2
     finally:
@@ -481,6 +480,58 @@ def test_commands_cap_a_servers_retry_after_and_do_not_multiply_tries(hub, tmp_p
     tries = [p for m, p in hub.log[before:] if re.search(shard, p)]
     assert len(tries) <= 12, len(tries)  # one tool's tries, not four times five
     assert max(waits) <= 61
+
+
+@pytest.mark.parametrize("command", ["pull", "export-saev"])
+def test_a_retry_after_of_a_day_stops_a_command_at_once_and_says_when_to_come_back(hub, tmp_path, rng,
+                                                                                  fresh_hf_cache, monkeypatch,
+                                                                                  capsys, command):
+    """Issue 44 finding 11 (R28): `Retry-After: 100000` during `pull` and `export-saev` was waited out at 61 s a try,
+    5 tries. A command that cannot go on within a minute says so at once, in one line: the server's time, and
+    running the same command again then."""
+    from lmprobe.cli import main as cli_main
+
+    _, url = _push(hub, tmp_path, rng, n=40, shard_size="1KiB")
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", lambda s: waits.append(float(s)))
+    shard = r"/resolve/.*tensors/hidden_layer000_shard0*1\.safetensors"
+    args = ["pull", url, "--out", str(tmp_path / "a"), "--quiet"] if command == "pull" else \
+        ["export-saev", url, "--out", str(tmp_path / "a"), "--cache", "1MiB", "--context-len", "4"]
+    before = len(hub.log)
+    hub.fail("*", shard, 429, times=10**6, headers={"Retry-After": "100000"})
+    try:
+        assert cli_main(args) == 2
+    finally:
+        hub.clear_faults()
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    line = errors[0]
+    assert "100000 s" in line and "UTC" in line and "429" in line, line
+    assert "run the same" in line and "again" in line, line
+    assert sum(waits) < 5, waits  # no minute-long waits at all
+    tries = [p for m, p in hub.log[before:] if re.search(shard, p)]
+    assert len(tries) == 1, tries
+    # after the server's time the same command goes on
+    assert cli_main(args) == 0
+
+
+def test_a_retry_after_of_a_day_on_the_repo_itself_stops_a_pull_at_once(hub, tmp_path, rng, fresh_hf_cache,
+                                                                       monkeypatch, capsys):
+    """The first request of a pull (the repo's description) asking for a day: one line, not 'cannot reach'."""
+    from lmprobe.cli import main as cli_main
+
+    _, url = _push(hub, tmp_path, rng, n=40, shard_size="1KiB")
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", lambda s: waits.append(float(s)))
+    hub.fail("GET", r"/api/datasets/", 429, times=10**6, headers={"Retry-After": "100000"})
+    try:
+        assert cli_main(["pull", url, "--out", str(tmp_path / "a"), "--quiet"]) == 2
+    finally:
+        hub.clear_faults()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "100000 s" in err and "run the same pull again" in err, err
+    assert "cannot reach" not in err and sum(waits) < 5, (err, waits)
 
 
 def test_a_full_disk_under_the_cache_is_one_line(hub, tmp_path, rng, fresh_hf_cache, monkeypatch, capsys):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from lmprobe.cli import main as cli_main
+from lmprobe.errors import DictionaryError
 from lmprobe.sae import SAEConfig, load_dictionary, project_topk, project_topk_batch, validate_dictionary
 from lmprobe.sae.export import export_sae
 
@@ -324,7 +325,7 @@ def test_a_dictionary_with_nan_or_inf_is_refused_before_features_run(tmp_path, r
 
 
 def test_damaged_shapes_and_huge_requests_are_one_line_errors(tmp_path, rng, capsys, monkeypatch):
-    """2-D bias or shape, a tiny file claiming 2^24 features, --top 10^9, --prompt -99999 (issue 36, finding 13)."""
+    """2-D bias or shape, a dense expansion past the memory, --top 10^9, --prompt -99999 (issue 36, finding 13)."""
     import shutil
 
     from conftest import write_dataset
@@ -348,18 +349,19 @@ def test_damaged_shapes_and_huge_requests_are_one_line_errors(tmp_path, rng, cap
         tamper(tmp_path / name)
         rc, err = run_cli(capsys, ["sae-topk", "--root", tmp_path / name, "--dict", "d", "--layer", 0])
         assert rc == 2 and message in err, (name, err)
-    # 2^24 empty features in a ~66 KB file: expanding them densely takes 2.5 GiB, refused before allocating
+    # 20,000 features of one weight each: expanding them densely takes 1.8 MiB, refused before allocating on a
+    # machine with 1 MiB free (2^24 empty features in a 66 KB file: test_a_small_file_declaring_2_24_features...)
     (tmp_path / "huge/d/layer_0").mkdir(parents=True)
+    n = 20_000
     meta = json.loads((tmp_path / "good/d/meta.json").read_text())
-    meta.update(feature_count=2**24, layer_ranges={"0": [0, 2**24]})
+    meta.update(feature_count=n, layer_ranges={"0": [0, n]})
     (tmp_path / "huge/d/meta.json").write_text(json.dumps(meta))
-    np.savez_compressed(tmp_path / "huge" / enc, data=np.zeros(0, np.float16), indices=np.zeros(0, np.int32),
-                        indptr=np.zeros(2**24 + 1, np.int32), shape=np.array([2**24, 24]))
-    assert (tmp_path / "huge" / enc).stat().st_size < 100_000
-    monkeypatch.setattr(lmprobe.base.allocator, "available_memory", lambda: 2**30)  # a machine with 1 GiB free
+    np.savez(tmp_path / "huge" / enc, data=np.ones(n, np.float16), indices=np.zeros(n, np.int32),
+             indptr=np.arange(n + 1, dtype=np.int32), shape=np.array([n, 24]))
+    monkeypatch.setattr(lmprobe.base.allocator, "available_memory", lambda: 2**20)  # a machine with 1 MiB free
     rc, err = run_cli(capsys, ["features", tmp_path / "ds", "--sae", tmp_path / "huge", "--dict", "d", "--layer", 0,
                                "--out", tmp_path / "f1", "--quiet"])
-    assert rc == 2 and "16777216 x 24" in err and "1.5 GiB" in err and "1.0 GiB available" in err, err
+    assert rc == 2 and "20000 x 24" in err and "1.8 MiB" in err and "1.0 MiB available" in err, err
     monkeypatch.undo()
     rc, err = run_cli(capsys, ["features", tmp_path / "ds", "--sae", tmp_path / "good", "--dict", "d", "--layer", 0,
                                "--out", tmp_path / "f2", "--quiet", "--top", 10**9])
@@ -369,6 +371,75 @@ def test_damaged_shapes_and_huge_requests_are_one_line_errors(tmp_path, rng, cap
         rc, err = run_cli(capsys, ["sae-topk", "--root", tmp_path / "good", "--dict", "d", "--layer", 0, "--dataset",
                                    tmp_path / "ds", "--prompt", prompt])
         assert rc == 2 and f"prompt {prompt} is not in" in err and "0..5" in err, err
+
+
+_LIMITED = """
+import resource, sys
+import lmprobe.cli, lmprobe.sae.features, lmprobe.pages.features, pyarrow.parquet  # what `features` imports
+def vm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+limit = vm() + (1536 << 20)  # 1.5 GiB of address space left: a container's or `ulimit -v`'s limit
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+sys.exit(lmprobe.cli.main(sys.argv[1:]))
+"""
+
+
+def _features_limited(tmp_path, root):
+    """`lmprobe features` in a process with 1.5 GiB of address space left, as under a container's limit."""
+    r = subprocess.run([sys.executable, "-c", _LIMITED, "features", str(tmp_path / "ds"), "--sae", str(root),
+                        "--dict", "d", "--layer", "0", "--out", str(tmp_path / f"out-{root.name}"), "--quiet"],
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return r.returncode, r.stderr.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status")
+def test_a_small_file_declaring_2_24_features_is_refused_by_its_declared_sizes(tmp_path, rng):
+    """R31 (issue 44 finding 12): a 66 KB dictionary declaring 2^24 features died with numpy's _ArrayMemoryError
+    traceback where memory is limited (MemAvailable said there was room). The declared sizes are checked against
+    the file: a few KB cannot hold 2^24 features' weights."""
+    from conftest import write_dataset
+
+    write_dataset(tmp_path / "ds", rng, n=6, layers=(0,), dim=24, storage="full_sequence")
+    W, b = make_encoder(rng)
+    export_sae(layer=0, root=tmp_path / "good", dictionary="d", W_enc=W, b_enc=b)
+    (tmp_path / "huge/d/layer_0").mkdir(parents=True)
+    meta = json.loads((tmp_path / "good/d/meta.json").read_text())
+    meta.update(feature_count=2**24, layer_ranges={"0": [0, 2**24]})
+    (tmp_path / "huge/d/meta.json").write_text(json.dumps(meta))
+    enc = tmp_path / "huge/d/layer_0/encoder.npz"
+    np.savez_compressed(enc, data=np.zeros(0, np.float16), indices=np.zeros(0, np.int32),
+                        indptr=np.zeros(2**24 + 1, np.int32), shape=np.array([2**24, 24]))
+    assert enc.stat().st_size < 100_000
+    rc, err = _features_limited(tmp_path, tmp_path / "huge")
+    assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "encoder.npz" in err and "arrays declare" in err and "export it again" in err, err
+    assert not (tmp_path / "out-huge").exists()
+    with pytest.raises(DictionaryError, match="arrays declare"):
+        load_dictionary(SAEConfig(root_path=tmp_path / "huge", dictionary_name="d")).get_layer(0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status")
+def test_a_dense_expansion_past_the_process_limit_is_one_line(tmp_path, rng):
+    """R31: an honest sparse dictionary (200,000 features of one weight each over 4,096 dims: 2.4 MB on disk) whose
+    dense expansion (3.1 GiB) may pass MemAvailable but not the process's own limit: one line, before allocating."""
+    from conftest import write_dataset
+
+    dim, n = 4096, 200_000
+    write_dataset(tmp_path / "ds", rng, n=3, layers=(0,), dim=dim, storage="full_sequence")
+    (tmp_path / "sparse/d/layer_0").mkdir(parents=True)
+    W, b = make_encoder(rng)
+    export_sae(layer=0, root=tmp_path / "good", dictionary="d", W_enc=W, b_enc=b)
+    meta = json.loads((tmp_path / "good/d/meta.json").read_text())
+    meta.update(feature_count=n, layer_ranges={"0": [0, n]})
+    (tmp_path / "sparse/d/meta.json").write_text(json.dumps(meta))
+    np.savez(tmp_path / "sparse/d/layer_0/encoder.npz", data=rng.normal(size=n).astype(np.float16),
+             indices=rng.integers(0, dim, n).astype(np.int32), indptr=np.arange(n + 1, dtype=np.int32),
+             shape=np.array([n, dim]))
+    rc, err = _features_limited(tmp_path, tmp_path / "sparse")
+    assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{n} x {dim}" in err and "available here" in err, err  # counted before allocating
 
 
 def test_auto_device_on_a_machine_without_a_gpu_does_not_import_torch():

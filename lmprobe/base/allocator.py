@@ -118,7 +118,15 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def available_memory() -> int | None:
-    """Bytes the machine can still give without swapping (Linux ``MemAvailable``), or None where unknown."""
+    """Bytes this process can still allocate, or None where unknown: the least of what the machine can give
+    without swapping (Linux ``MemAvailable``), what the process's cgroup allows beyond what it uses (a container's
+    ``memory.max``) and the address space its ``RLIMIT_AS`` leaves (``ulimit -v``). MemAvailable alone
+    said 20 GiB where a container's limit left 2 GiB, and numpy's allocation then died with a traceback (R31)."""
+    found = [v for v in (_meminfo_available(), _cgroup_room(), _address_space_room()) if v is not None]
+    return max(0, min(found)) if found else None
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo", "rb") as f:
             for line in f:
@@ -130,6 +138,59 @@ def available_memory() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * _PAGE
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            text = f.read(64).strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _cgroup_room() -> int | None:
+    """The cgroup's memory limit less its use (cgroup v2, else v1), for the cgroup this process is in."""
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8", errors="replace") as f:
+            lines = f.read(4096).splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":  # v2: one unified tree
+            base = "/sys/fs/cgroup" + path.rstrip("/")
+            limit, used = _read_int(base + "/memory.max"), _read_int(base + "/memory.current")
+        elif "memory" in controllers.split(","):
+            base = "/sys/fs/cgroup/memory" + path.rstrip("/")
+            limit, used = _read_int(base + "/memory.limit_in_bytes"), _read_int(base + "/memory.usage_in_bytes")
+        else:
+            continue
+        if limit is not None and used is not None and limit < 1 << 60:  # v1 writes "no limit" as a huge number
+            return limit - used
+    return None
+
+
+def _address_space_room() -> int | None:
+    """``RLIMIT_AS`` less this process's virtual size (None: no limit)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmSize:"):
+                    return soft - int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def check_memory(n_bytes: int, what: str, *, fix: str, error: type[LmprobeError] = InvalidArgumentError) -> None:

@@ -11,7 +11,9 @@ message can say so. ``what`` names what is waited for; a long wait is logged wit
 
 Rate limits (``rate_limit_status_codes``, 429 for the Hub) are the server pacing the client, not a
 failure: they are waited out until the deadline however many there are, without counting against
-``max_retries``. After a failure that may have taken effect (an answer lost), ``landed`` is asked
+``max_retries``. A caller may instead refuse to wait longer than it is willing to
+(``longest_asked_wait``): a server asking for a day ends the call at once, and the caller names the time.
+After a failure that may have taken effect (an answer lost), ``landed`` is asked
 before anything is tried again, and asked again if asking fails: an operation is never repeated on
 a guess (a commit made twice).
 
@@ -65,12 +67,25 @@ class RetryPolicy:
     rate_limit_status_codes: frozenset[int] = frozenset()
     """Transient answers that mean "too many requests, wait" (429): waited out until ``deadline``, however
     many, without counting against ``max_retries`` (they are the server pacing us, not failing)."""
+    longest_asked_wait: float | None = None
+    """A server that asks for a longer wait than this (``retry_after``) is not waited for: its error propagates
+    at once and ``RetryLog.asked`` says what it asked, so that the caller can say when to come back. None: the
+    wait is cut to ``max_wait`` and taken (the reader, which waits until its deadline, and commits)."""
 
     def __post_init__(self) -> None:
         if self.max_retries < 0 or self.base_wait < 0 or self.max_wait < 0:
             raise ValueError("max_retries, base_wait and max_wait must be >= 0")
         if self.deadline is not None and self.deadline < 0:
             raise ValueError("deadline must be >= 0")
+        if self.longest_asked_wait is not None and self.longest_asked_wait < 0:
+            raise ValueError("longest_asked_wait must be >= 0")
+
+    def asks_too_long(self, exc: BaseException) -> float | None:
+        """The seconds ``exc``'s server asks to wait when that is longer than ``longest_asked_wait``, else None."""
+        asked = retry_after(exc)
+        if self.longest_asked_wait is None or asked is None or asked <= self.longest_asked_wait:
+            return None
+        return asked
 
     def is_transient(self, exc: BaseException) -> bool:
         """Whether ``exc`` (or an exception it was explicitly raised from) is one this policy retries.
@@ -143,6 +158,7 @@ class RetryLog:
     tries: int = 0
     seconds: float = 0.0
     deadline_passed: bool = False
+    asked: float | None = None  # the server asked for a longer wait than the policy's longest_asked_wait
 
 
 def status_code(exc: BaseException) -> int | None:
@@ -197,6 +213,9 @@ def call_with_retry(
         except BaseException as exc:
             log.seconds = clock() - start
             if not policy.is_transient(exc):
+                raise
+            log.asked = policy.asks_too_long(exc)
+            if log.asked is not None:  # the caller says when to come back rather than sleep through it
                 raise
             limited = policy.is_rate_limit(exc)
             if not limited:

@@ -125,6 +125,16 @@ def _role(key: str) -> str | None:
     return None
 
 
+def attribute_role(key: str) -> str | None:
+    """What an integer config attribute called ``key`` measures ("width", "heads", "head_dim", "kv_heads",
+    "vocab", "experts", ...), or None when a miniature keeps it as it is (configfile.py bounds the same names).
+
+    >>> attribute_role("num_key_value_heads"), attribute_role("intermediate_size"), attribute_role("rope_theta")
+    ('kv_heads', 'width', None)
+    """
+    return _role(key)
+
+
 # ---------------------------------------------------------------------------------------------- the scale
 
 

@@ -15,6 +15,7 @@ from ..base.progress import logger, third_party_bars
 from ..base.tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access
 from ..errors import LmprobeError, ModelError
 from ..format.values import torch_dtype
+from .configfile import check_config_file
 from .placement import Placement, describe_spread, input_device, require_accelerate
 
 
@@ -67,11 +68,20 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
 
     path, local = resolve_model_path(name)
     access = {} if local else hub_access(path, revision, "model")
+    hint = "" if local else " (is it a Hub id you can reach, or a local folder with config.json?)"
     try:
+        # the file is untrusted: its sizes, depth and code are checked before transformers reads it (configfile.py)
+        file = Path(path) / "config.json" if local else _hub_config(path, revision, access)
+        if file.exists():  # a FIFO or a folder named config.json is refused, not handed to transformers
+            check_config_file(file, model=name, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code, **access)
     except OSError as exc:
-        hint = "" if local else " (is it a Hub id you can reach, or a local folder with config.json?)"
         raise ModelError(f"cannot load the config of model {name!r}{hint}: {one_line(exc)}") from None
+    except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
+        if isinstance(exc, LmprobeError):
+            raise
+        # transformers refuses the file (an unknown model type, values its config class rejects)
+        raise ModelError(f"transformers cannot read the config of model {name!r}: {one_line(exc)}"[:600]) from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     # an encoder-decoder's layers are its decoder's (BART's num_hidden_layers means its encoder's)
     n_layers = next((getattr(text, a) for a in ("decoder_layers", "num_decoder_layers", "num_hidden_layers", "n_layer",
@@ -79,6 +89,9 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
     hidden = next((getattr(text, a) for a in ("hidden_size", "n_embd", "d_model") if hasattr(text, a)), None)
     if not isinstance(n_layers, int) or not isinstance(hidden, int):
         raise ModelError(f"cannot tell the number of layers or the hidden size of {name!r} from its config")
+    if n_layers < 1 or hidden < 1:
+        raise ModelError(f"the config of model {name!r} gives {n_layers} layers of width {hidden}; a model has at "
+                         "least one layer of positive width (check its config.json)")
     embedded = name.removeprefix("builtin:") in EMBEDDED_MODELS
     display = name.removeprefix("builtin:") if embedded else name
     if embedded:  # shipped inside lmprobe: its weights are its identity
@@ -89,6 +102,18 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
         recorded = getattr(config, "_commit_hash", None) or revision
     return ModelSpec(display, path, local, revision, trust_remote_code, config, n_layers, hidden, _is_causal_lm(config),
                      recorded, bool(access))
+
+
+def _hub_config(repo_id: str, revision: str | None, access: dict) -> Path:
+    """The local copy of a Hub model's config.json (the one AutoConfig then reads from the cache)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json", revision=revision, **access))
+    except EntryNotFoundError:
+        raise ModelError(f"the Hub repo {repo_id!r} holds no config.json; lmprobe reads transformers models "
+                         "(a repo with config.json and weights)") from None
 
 
 def weights_revision(folder: Path) -> str:

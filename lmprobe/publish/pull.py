@@ -24,6 +24,7 @@ from ..base.progress import Progress, logger, on_terminal, third_party_bars
 from ..base.safeio import read_json
 from ..errors import (
     FormatError,
+    HubBusyError,
     HubUnreachableError,
     InvalidArgumentError,
     LayerNotFoundError,
@@ -69,6 +70,11 @@ def pull(
         with OutputLock(out):
             return _pull(ref, out, layers=layers, hookpoints=hookpoints, logits=logits, only=only, token=token,
                          overwrite=overwrite, quiet=quiet)
+    except HubBusyError as exc:  # the server's time, and how a pull goes on
+        raise HubBusyError(f"{exc.what}: the Hub answers HTTP {exc.status} and asks lmprobe to wait "
+                           f"{exc.asked:.0f} s, until {exc.until}; a pull waits at most a minute, so it stops here: run "
+                           f"the same pull again after {exc.until}: files already here are not fetched again",
+                           what=exc.what, status=exc.status, asked=exc.asked, until=exc.until) from None
     except HubUnreachableError as exc:  # a pull cannot read a local copy instead: it makes one
         raise HubUnreachableError(
             f"cannot reach the Hub at {exc.endpoint} to pull {exc.repo_id} ({exc.reason}); check the network (or "

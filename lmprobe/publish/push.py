@@ -7,8 +7,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..base.display import hide_credentials
+from ..base.lock import OutputLock
 from ..base.progress import logger
-from ..errors import DatasetNotFoundError
+from ..errors import DatasetNotFoundError, OutputInUseError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..storage.commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, PushConfig, RepoFile
@@ -60,6 +61,8 @@ def push_to_hub(
     ``commit_deadline`` seconds. Safe to re-run: an interrupted push resumes, and files already on
     the Hub are skipped.
     The token (``token=``, else HF_TOKEN or the saved login) is never printed or stored.
+    The push holds the folder's output lock: a folder another run is writing is refused in one line, and a run
+    that starts writing it during the push is refused.
     """
     check_repo_id(repo_id)
     config = PushConfig(commit_files=commit_files, commit_bytes=commit_bytes, workers=workers,
@@ -68,6 +71,24 @@ def push_to_hub(
     if not root.exists():  # not a Hub name: push sends a local folder
         raise DatasetNotFoundError(f"{root} does not exist; push publishes a local dataset folder "
                                    "(lmprobe push DIR OWNER/NAME)")
+    # the output lock for the whole push: a folder that a run rewrites (extract --overwrite, merge) is refused,
+    # and a rewrite that starts meanwhile is refused, so the files sent are the ones the index names (R40)
+    try:
+        lock = OutputLock(root).acquire()
+    except OutputInUseError as exc:
+        who = f"process {exc.pid}" if exc.pid else "another process"
+        raise OutputInUseError(f"{root} is being written by {who} (an extraction, merge or export into it); pushing "
+                               "it now would publish a mix of old and new files: wait for that run to finish, then "
+                               "push again", path=root, pid=exc.pid) from None
+    try:
+        return _push(root, repo_id, private=private, revision=revision, token=token, config=config, quiet=quiet,
+                     saev=saev, sae=sae)
+    finally:
+        lock.release()
+
+
+def _push(root: Path, repo_id: str, *, private: bool, revision: str | None, token: str | None, config: PushConfig,
+          quiet: bool, saev: Iterable[str | os.PathLike], sae: Iterable[str | os.PathLike]) -> str:
     ds = open_local(root)
     shards = dataset_files(ds)  # loads and checks the metadata before anything is sent
     for kind, folders in ((SAEV_DIR, saev), (SAE_DIR, sae)):

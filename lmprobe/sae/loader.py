@@ -609,7 +609,12 @@ def dense_encoder(layer: SAELayerWeights):
         rows, cols = layer.shape  # from the file: a small one may claim millions of features
         check_memory(rows * cols * 4, f"layer {layer.layer} as a dense {rows} x {cols} float32 matrix",
                      fix="use a machine with more memory, or a dictionary with fewer features", error=DictionaryError)
-        W = np.zeros(layer.shape, dtype=np.float32)
+        try:
+            W = np.zeros(layer.shape, dtype=np.float32)
+        except MemoryError:  # a limit check_memory could not see: still one line
+            raise DictionaryError(f"layer {layer.layer} as a dense {rows} x {cols} float32 matrix needs "
+                                  f"{rows * cols * 4:,} bytes of memory, more than this process can allocate; use a "
+                                  "machine with more memory, or a dictionary with fewer features") from None
         rows = np.repeat(np.arange(layer.feature_count), np.diff(np.asarray(layer.indptr, dtype=np.int64)))
         W[rows, layer.indices] = layer.data.astype(np.float32)
         layer._dense = W

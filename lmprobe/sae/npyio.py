@@ -78,6 +78,11 @@ def load_safetensors(path: Path) -> dict[str, tuple[list, tuple[int, ...]]]:
 
 #: deflate cannot expand data more than ~1032 times: a zip member that claims more is lying about its size
 _MAX_DEFLATE_RATIO = 1100
+#: an encoder's weights (float16 values, int32 columns) compress less than 2x with np.savez_compressed, a dense
+#: layer's columns (0..d-1 again and again) at most ~4x overall; runs of zeros declaring millions of empty
+#: features compress ~1000x (a 66 KB file declaring 2^24 features): an .npz whose arrays declare more than this
+#: many times its size is refused before any array is read (R31)
+MAX_NPZ_EXPANSION = 64
 
 
 def check_declared_sizes(path: Path) -> int:
@@ -119,4 +124,9 @@ def check_declared_sizes(path: Path) -> int:
                     total += declared(f, f"{path}:{info.filename}", info.file_size)
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
         raise DictionaryError(f"{path}: not a readable .npz ({type(exc).__name__}: {exc})") from None
+    size = path.stat().st_size
+    if total > size * MAX_NPZ_EXPANSION + (1 << 20):
+        raise DictionaryError(f"{path}: its arrays declare {total:,} bytes in a file of {size:,} (more than "
+                              f"{MAX_NPZ_EXPANSION} times): weights do not compress so far, so its sizes are not "
+                              "what it holds; the dictionary is damaged: export it again")
     return total

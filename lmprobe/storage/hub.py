@@ -34,6 +34,7 @@ from ..base.retry import (
 )
 from ..errors import (
     DatasetNotFoundError,
+    HubBusyError,
     HubError,
     HubUnreachableError,
     InvalidArgumentError,
@@ -78,19 +79,36 @@ def transport_errors() -> tuple[type[BaseException], ...]:
 
 
 def hub_read_policy(*, deadline: float | None = COMMAND_DEADLINE, max_retries: int = 3,
-                    base_wait: float | None = None) -> RetryPolicy:
-    """Reads from the Hub retry dropped connections, timeouts and 429/5xx answers: waits of at most ``MAX_WAIT``
-    (a longer Retry-After is cut), no try after ``deadline`` seconds. Commands give up after ``max_retries``;
-    the training reader (``reader_policy``) waits a storm out until its deadline."""
+                    base_wait: float | None = None, wait_what_is_asked: bool = False) -> RetryPolicy:
+    """Reads from the Hub retry dropped connections, timeouts and 429/5xx answers: waits of at most ``MAX_WAIT``,
+    no try after ``deadline`` seconds. Commands give up after ``max_retries``, and at once when the server asks for
+    a wait longer than ``MAX_WAIT`` (``Retry-After: 100000``: one line naming the server's time, ``busy``); the
+    training reader (``reader_policy``, ``wait_what_is_asked``) cuts such a wait to ``MAX_WAIT`` and waits a storm
+    out until its deadline."""
     return RetryPolicy(retry_on_exceptions=transport_errors(), retry_on_status_codes=TRANSIENT_HTTP_STATUS,
                        max_retries=max_retries, base_wait=BASE_WAIT if base_wait is None else base_wait,
-                       max_wait=MAX_WAIT, deadline=deadline)
+                       max_wait=MAX_WAIT, deadline=deadline,
+                       longest_asked_wait=None if wait_what_is_asked else MAX_WAIT)
 
 
 def reader_policy(deadline: float = READER_DEADLINE, *, base_wait: float | None = None) -> RetryPolicy:
     """The training reader's: 429/5xx answers and dropped or stalled connections are waited out, however many,
     for ``deadline`` seconds from the first failed try of a piece."""
-    return hub_read_policy(deadline=deadline, max_retries=1 << 30, base_wait=base_wait)
+    return hub_read_policy(deadline=deadline, max_retries=1 << 30, base_wait=base_wait, wait_what_is_asked=True)
+
+
+def busy(what: str, exc: BaseException, asked: float) -> HubBusyError:
+    """One line: the Hub asks for a longer wait than a command takes; the server's time and how to go on."""
+    import datetime
+
+    until = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=min(asked, 10**9))
+             ).strftime("%Y-%m-%d %H:%M UTC")
+    status = status_code(exc)
+    hours = f", {asked / 3600:.1f} h" if asked >= 3600 else ""
+    return HubBusyError(f"{what}: the Hub at {endpoint_for_messages()} answers HTTP {status} and asks lmprobe to "
+                        f"wait {asked:.0f} s{hours}, until {until}; a command waits at most {MAX_WAIT:.0f} s, so it "
+                        f"stops here: run the same command again after {until} (what is already fetched is kept)",
+                        what=what, status=status, asked=asked, until=until)
 
 
 @dataclass(frozen=True)
@@ -114,6 +132,8 @@ def _cap_waits(response: Any) -> None:
     cap = int(guard.policy.max_wait)
     headers = response.headers
     asked = retry_after(response_error(response))
+    if guard.policy.asks_too_long(response_error(response)) is not None:
+        raise busy(guard.what, response_error(response), asked)
     if asked is not None and asked > cap:
         headers["Retry-After"] = str(cap)
     for key in [k for k in headers if k.lower() == "ratelimit"]:
@@ -251,10 +271,11 @@ def resolve_commit(ref: HubRef, *, token: str | bool | None = None) -> tuple[str
 
     api = hub_api(token)
     what = f"reading the description of {ref.repo_id} from the Hub"
+    log = RetryLog()
     try:
         info = call_with_retry(lambda: api.repo_info(ref.repo_id, repo_type=ref.repo_type, revision=ref.revision,
                                                      files_metadata=False, timeout=READ_TIMEOUT),
-                               policy=hub_read_policy(), what=what)
+                               policy=hub_read_policy(), what=what, log=log)
     except RevisionNotFoundError:
         raise DatasetNotFoundError(f"{ref.repo_id} has no revision {ref.revision!r}") from None
     except (RepositoryNotFoundError, GatedRepoError):
@@ -265,6 +286,8 @@ def resolve_commit(ref: HubRef, *, token: str | bool | None = None) -> tuple[str
             f"no {ref.repo_type} repo {ref.repo_id!r} on the Hub (or it is private: log in or pass token=){hint}"
         ) from None
     except Exception as exc:
+        if log.asked is not None:
+            raise busy(what, exc, log.asked) from None
         if hub_read_policy().is_transient(exc):
             raise _unreachable(ref, exc) from exc
         raise
@@ -301,6 +324,8 @@ class HubFiles:
 
     def _gave_up(self, what: str, exc: BaseException, log: RetryLog, policy: RetryPolicy) -> HubError:
         """One line: the Hub kept failing a read, what was tried for how long, and what to do."""
+        if log.asked is not None:
+            return busy(what, exc, log.asked)
         endpoint = endpoint_for_messages()
         over = f" after {log.tries} tries over {log.seconds:.0f} s" if log.tries > 1 else ""
         limit = f" (lmprobe waits {policy.deadline:.0f} s)" if log.deadline_passed and policy.deadline else ""
@@ -324,6 +349,8 @@ class HubFiles:
         except LmprobeError:
             raise
         except LocalEntryNotFoundError as exc:  # not in the cache, and the Hub could not be asked (or refused)
+            if isinstance(exc.__cause__, HubBusyError):
+                raise exc.__cause__ from None
             raise self._gave_up(what, exc.__cause__ or exc, log, policy) from exc
         except EntryNotFoundError:
             raise ShardMissingError(self.missing_hint(rel)) from None
