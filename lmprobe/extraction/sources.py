@@ -20,6 +20,13 @@ counted from the footer) that hold none of them; a CSV file's parser finds every
 the rank's rows become records; a Hugging Face stream drops the other ranks' examples as Arrow
 rows, before they are decoded.
 
+A source of many files deals whole pieces instead (:meth:`Source.pieces`): a piece is a file, or one
+row group of a parquet file, and piece ``p`` belongs to rank ``p % world``, so that a rank opens and
+reads only its own files (about ``1/world`` of the bytes). The documents keep their numbers in the
+whole source: a parquet piece's first record is known from the footers (every rank reads them: a
+few KiB a file), another file's from the record counts the ranks exchange (:mod:`.dealing`). Every
+file is opened through :meth:`FilesSource.open`, the one place its bytes are read.
+
 >>> src = MemorySource(["a", "b", "c", "d", "e"], text_column="text")
 >>> [(r.index, r.values["text"]) for r in src.records(1, rank=1, world=2)]
 [(1, 'b'), (3, 'd')]
@@ -33,10 +40,10 @@ import itertools
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..base.display import one_line
 from ..base.safeio import loads
@@ -89,10 +96,32 @@ class Record:
         return f"{self.file}, {self.at}"
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A unit a source of many files deals to ranks: a whole file, or one row group of a parquet file."""
+
+    number: int  # its place in the source's pieces, which are in source order
+    file: int  # the file it is in (an index into the source's files)
+    row_group: int | None  # the parquet row group, or None: the whole file
+    first_row: int  # the piece's first row in its file (0 for a whole file)
+    rows: int | None  # records it holds when known without reading it (a parquet footer), else None
+    nbytes: int  # its bytes in the file (a row group: its compressed size), for plans and benchmarks
+
+
 class Source(ABC):
     """A stream of records with a description (for messages) and an identity (for resuming)."""
 
     description: str = "prompts"
+
+    def pieces(self) -> list[Piece] | None:
+        """The pieces many ranks deal (piece ``p`` is rank ``p % world``'s), in source order; None: a source
+        without files, or of one file, whose records are dealt one by one (:func:`owner`)."""
+        return None
+
+    def piece_records(self, piece: Piece, first: int, *, skip: int = 0) -> Generator[Record, None, int]:
+        """The records of ``piece`` from its ``skip``-th on (the ones before are not parsed), numbered in the
+        whole source from ``first`` (the piece's first record); returns how many records the piece holds."""
+        raise NotImplementedError(f"{type(self).__name__} is not dealt by piece")
 
     @abstractmethod
     def identity(self) -> dict[str, Any]:
@@ -163,6 +192,7 @@ class FilesSource(Source):
                                   ".parquet or .txt")
             self.files = [path]
         self.description = str(path)
+        self._pieces: list[Piece] | None = None
 
     def identity(self) -> dict[str, Any]:
         files = []
@@ -175,20 +205,87 @@ class FilesSource(Source):
     def _name(self, f: Path) -> str:
         return str(f) if not self.path.is_dir() else str(self.path / f.relative_to(self.path))
 
+    def open(self, f: Any) -> BinaryIO:
+        """One of the source's files, opened for reading: every byte of the source is read through it."""
+        return open(f, "rb")
+
     def records(self, start: int = 0, *, rank: int = 0, world: int = 1) -> Iterator[Record]:
         check_share(rank, world)
         offset = 0  # index of the file's first record in the whole source
         for f in self.files:
-            reader = {".parquet": _parquet_records, ".csv": _csv_records, ".tsv": _csv_records}.get(
-                f.suffix.lower(), _line_records)
             first = first_owned(max(start, offset), rank, world) - offset  # the file's first record to read
-            offset += yield from _indexed(reader(f, self._name(f), self.text_column, first=first, step=world), offset,
-                                          self._name(f))
+            offset += yield from _indexed(_reader(f)(self.open, f, self._name(f), self.text_column, first=first,
+                                                     step=world), offset, self._name(f))
+
+    def pieces(self) -> list[Piece] | None:
+        if len(self.files) < 2:
+            return None
+        if self._pieces is None:
+            self._pieces = file_pieces(self.open, self.files, [f.stat().st_size for f in self.files])
+        return self._pieces
+
+    def piece_records(self, piece: Piece, first: int, *, skip: int = 0) -> Generator[Record, None, int]:
+        f = self.files[piece.file]
+        return read_piece(self.open, f, self._name(f), self.text_column, piece, first, skip=skip)
 
 
 #: A reader of one file: yields (record number in the file, where, values) for the records ``first``,
 #: ``first + step``, ... only, and returns how many records the file holds.
 FileRecords = Generator[tuple[int, str, dict], None, int]
+#: Opens one of a source's files for reading (a local path, or a file on the Hub).
+Opener = Callable[[Any], BinaryIO]
+#: Records to ask a reader for when only its count of records is wanted.
+NONE_WANTED = 2**62
+
+
+def _suffix(f: Any) -> str:
+    return os.path.splitext(str(f))[1].lower()
+
+
+def _reader(f: Any) -> Callable[..., FileRecords]:
+    return {".parquet": _parquet_records, ".csv": _csv_records, ".tsv": _csv_records}.get(_suffix(f), _line_records)
+
+
+def file_pieces(opener: Opener, files: Sequence[Any], sizes: Sequence[int]) -> list[Piece]:
+    """The pieces of a source of many files, in source order: a parquet file's row groups, counted from its
+    footer (a small read at the end of the file), and every other file whole, its records not yet counted."""
+    import pyarrow.parquet as pq
+
+    out: list[Piece] = []
+    for k, (f, size) in enumerate(zip(files, sizes, strict=True)):
+        if _suffix(f) != ".parquet":
+            out.append(Piece(len(out), k, None, 0, None, size))
+            continue
+        with opener(f) as fh:
+            meta = pq.ParquetFile(fh).metadata
+        row = 0
+        for g in range(meta.num_row_groups):
+            rg = meta.row_group(g)
+            nbytes = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
+            out.append(Piece(len(out), k, g, row, rg.num_rows, nbytes))
+            row += rg.num_rows
+    return out
+
+
+def read_piece(opener: Opener, f: Any, name: str, text_column: str, piece: Piece, first: int, *,
+               skip: int = 0) -> Generator[Record, None, int]:
+    """The records of one piece of file ``f`` from its ``skip``-th on, numbered from ``first`` in the whole
+    source; returns the piece's count of records. ``skip`` past the end: nothing parsed, only counted (a
+    parquet piece: not even read)."""
+    if piece.row_group is None:
+        return (yield from _indexed(_reader(f)(opener, f, name, text_column, first=skip, step=1), first, name))
+    if skip >= piece.rows:
+        return piece.rows
+    import pyarrow.parquet as pq
+
+    with opener(f) as fh:
+        pos = 0
+        for batch in pq.ParquetFile(fh).iter_batches(batch_size=1024, row_groups=[piece.row_group]):
+            if skip < pos + batch.num_rows:
+                for k, rec in enumerate(batch.slice(max(0, skip - pos)).to_pylist(), start=max(skip, pos)):
+                    yield Record(first + k, name, f"row {piece.first_row + k}", rec)
+            pos += batch.num_rows
+    return piece.rows
 
 
 def _indexed(rows: FileRecords, offset: int, name: str) -> Generator[Record, None, int]:
@@ -201,13 +298,13 @@ def _indexed(rows: FileRecords, offset: int, name: str) -> Generator[Record, Non
         yield Record(offset + k, name, at, values)
 
 
-def _line_records(path: Path, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
+def _line_records(opener: Opener, path: Any, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
     """Records of a .jsonl or .txt file, one a non-blank line (blank lines are skipped, not counted).
 
     Every line is found, but only the records asked for are decoded and parsed."""
-    jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
+    jsonl = _suffix(path) in (".jsonl", ".ndjson")
     n, want = 0, first
-    with open(path, "rb") as f:
+    with opener(path) as f:
         for lineno, raw in enumerate(f, start=1):
             if raw.isspace():
                 continue
@@ -237,12 +334,18 @@ def _line_values(raw: bytes, name: str, lineno: int, text_column: str, jsonl: bo
     return obj
 
 
-def _parquet_records(path: Path, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
+def _parquet_records(opener: Opener, path: Any, name: str, text_column: str, *, first: int, step: int
+                     ) -> FileRecords:
     """Rows of a parquet file: row groups that hold no row asked for are not read (the footer counts them),
     and only the rows asked for become Python values."""
+    with opener(path) as fh:
+        return (yield from _parquet_rows(fh, first=first, step=step))
+
+
+def _parquet_rows(fh: BinaryIO, *, first: int, step: int) -> FileRecords:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    pf = pq.ParquetFile(fh)
     meta = pf.metadata
     row, want = 0, first  # the row group's first row; the next row asked for
     for g in range(meta.num_row_groups):
@@ -271,14 +374,19 @@ def _materialise(batch: Any, first: int, step: int) -> list[dict]:
     return batch.take(pa.array(range(first, batch.num_rows, step), type=pa.int64())).to_pylist()
 
 
-def _csv_records(path: Path, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
+def _csv_records(opener: Opener, path: Any, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
     """Rows of a CSV/TSV file: pandas' parser finds every row (quoted fields may span lines), and only the rows
     asked for become records."""
+    with opener(path) as fh:
+        return (yield from _csv_rows_of(fh, _suffix(path), name, text_column, first=first, step=step))
+
+
+def _csv_rows_of(fh: BinaryIO, suffix: str, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
     import pandas as pd
 
     row, want = 0, first
     # the text column is text even when it looks like a number ("007")
-    chunks = pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",", keep_default_na=True,
+    chunks = pd.read_csv(fh, sep="\t" if suffix == ".tsv" else ",", keep_default_na=True,
                          dtype_backend="numpy_nullable", dtype={text_column: str}, encoding="utf-8", chunksize=4096)
     try:
         for df in chunks:
