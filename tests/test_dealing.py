@@ -11,6 +11,7 @@ import io
 import json
 import random
 import tempfile
+import uuid
 from pathlib import Path
 
 import pandas as pd
@@ -304,3 +305,67 @@ def test_the_modules_examples_run():
     import doctest
 
     assert doctest.testmod(dealing).failed == 0
+
+
+class CountedHubFile:
+    """A file of HfFileSystem whose reads are counted in ``tally[name]`` (what pyarrow asks of it)."""
+
+    def __init__(self, f, name, tally):
+        self._f, self._name, self._tally = f, name, tally
+
+    def read(self, n=-1):
+        out = self._f.read(n)
+        self._tally[self._name] = self._tally.get(self._name, 0) + len(out)
+        return out
+
+    def __getattr__(self, attr):
+        return getattr(self._f, attr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def test_a_hub_dataset_of_many_parquet_files_is_dealt_by_row_group(hub, tmp_path):
+    """The same dealing for a Hub dataset of many parquet files (read with pyarrow through HfFileSystem): each
+    rank reads its own row groups past the footers, and the ranks store what one process streaming the dataset
+    with `datasets` stores."""
+    from huggingface_hub import HfApi
+
+    from lmprobe.extraction.sources import HubDatasetSource
+
+    repo = f"tester/dealt-{uuid.uuid4().hex[:8]}"
+    api = HfApi()
+    api.create_repo(repo, repo_type="dataset")
+    folder = write_parquet_folder(tmp_path / "up", n_files=4, docs=60, words=30)
+    for k, f in enumerate(sorted(folder.iterdir())):
+        api.upload_file(path_or_fileobj=str(f), path_in_repo=f"data/train-{k:05d}-of-00004.parquet", repo_id=repo,
+                        repo_type="dataset")
+
+    class CountingHub(HubDatasetSource):
+        def __init__(self):
+            super().__init__(repo, config=None, split="train")
+            self.tally = {}
+
+        def open(self, f):
+            return CountedHubFile(super().open(f), f.rsplit("/", 1)[-1], self.tally)
+
+    def counted():
+        src = CountingHub()
+        assert len(src.pieces()) == 4
+        src.tally.clear()
+        return src
+
+    streamed = open_source(f"hf://datasets/{repo}")
+    want = single(streamed, 2000)
+    assert want == single(open_source(folder), 2000)  # `datasets` streams the files in the same order
+    results, errors, _ = rank_run(counted, 3, 2000)
+    assert errors == [None] * 3
+    assert sorted(key(w) for stored, _ in results for w in stored) == sorted(want)
+    results, errors, sources = rank_run(counted, 2, None)
+    assert errors == [None, None]
+    assert sorted(key(w) for stored, _ in results for w in stored) == sorted(single(streamed, None))
+    for rank, src in enumerate(sources):
+        assert set(src.tally) == {f"train-{k:05d}-of-00004.parquet" for k in (rank, rank + 2)}, src.tally

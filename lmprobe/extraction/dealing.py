@@ -32,6 +32,8 @@ with one message, a part whose last stored window the new plan does not keep as 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,15 +80,27 @@ def rank_pieces(pieces: Sequence[Piece], rank: int, world: int) -> list[Piece]:
     return [p for p in pieces if owner_of_piece(p.number, world) == rank]
 
 
-def starting_dealt(progress: Mapping[str, int] | None) -> dict[str, Any]:
-    """What a rank sends in the first exchange of a dealt plan: its position, and how its part was dealt."""
+def pieces_digest(pieces: Sequence[Piece]) -> str:
+    """What every rank must agree on before dealing: the same pieces (files, row groups, their sizes)."""
+    text = json.dumps([[p.file, p.row_group, p.rows, p.nbytes] for p in pieces])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def starting_dealt(progress: Mapping[str, int] | None, pieces: Sequence[Piece]) -> dict[str, Any]:
+    """What a rank sends in the first exchange of a dealt plan: its position, how its part was dealt, and the
+    pieces it sees."""
     return {"position": Position.from_progress(progress).to_json(),
-            "dealt": None if not progress else DEALT_KEY in progress}
+            "dealt": None if not progress else DEALT_KEY in progress, "pieces": pieces_digest(pieces)}
 
 
 def check_started(gathered: list[Mapping[str, Any]], limit: int | None) -> tuple[list[Position], Cutoff | None]:
     """Every rank's position, and the budget's end recorded for ``limit`` (a pure function: every rank raises
     the same error or computes the same result)."""
+    for rank, g in enumerate(gathered):
+        if g["pieces"] != gathered[0]["pieces"]:
+            raise ExtractionError(f"rank {rank} sees other files than rank 0 in the source (another copy, or a "
+                                  "revision committed meanwhile): every rank must read the same files, of the same "
+                                  "sizes")
     for rank, g in enumerate(gathered):
         if g["dealt"] is False:
             raise ExtractionError(f"rank {rank}'s partial part was written with documents dealt one by one to the "
@@ -109,7 +123,7 @@ def deal_pieces(pieces: Sequence[Piece], *, rank: int, world: int, limit: int | 
     ``context_len``; ``count`` counts one of the rank's own pieces; ``progress`` is the rank's writer progress.
     The last piece yielded holds the cutoff when the budget ends before the source does.
     """
-    start = gather_checked(all_gather, starting_dealt(progress), world)
+    start = gather_checked(all_gather, starting_dealt(progress, pieces), world)
     positions, recorded = check_started(start, limit)
     plan_tokens = limit is not None and recorded is None
     exchanging = plan_tokens or any(p.rows is None for p in pieces)

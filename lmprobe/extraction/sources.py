@@ -415,6 +415,46 @@ class HubDatasetSource(Source):
         self.repo, self.config, self.split, self.token = repo, config, split, token
         self.description = f"hf://datasets/{repo}" + (f" ({config})" if config else "") + f" [{split}]"
         self._revision: str | None = None
+        self._files: list[str] | None = None  # the split's parquet data files, when it is dealt by piece
+        self._pieces: list[Piece] | None = None
+
+    def pieces(self) -> list[Piece] | None:
+        """A split of many parquet files (the Hub's own form of a dataset) is dealt by row group and read with
+        pyarrow through ``HfFileSystem``; any other split is streamed with ``datasets`` and dealt by record."""
+        if self._files is None:
+            self._files = self._parquet_files()
+            if len(self._files) >= 2:
+                fs = self._fs()
+                self._pieces = file_pieces(self.open, self._files, [fs.size(f) for f in self._files])
+        return self._pieces
+
+    def _parquet_files(self) -> list[str]:
+        """The split's data files, in the order ``datasets`` streams them, when they are all parquet files."""
+        try:
+            import datasets
+
+            builder = datasets.load_dataset_builder(self.repo, self.config, token=self.token)
+            files = list((builder.config.data_files or {}).get(self.split, []))
+        except Exception:  # noqa: BLE001 - not a plain dataset of files: streamed (and any error said) as before
+            return []
+        if builder.name != "parquet" or not all(_suffix(f) == ".parquet" for f in files):
+            return []
+        return [f.removeprefix("hf://") for f in files]
+
+    def _fs(self) -> Any:
+        from huggingface_hub import HfFileSystem
+
+        return HfFileSystem(token=self.token)
+
+    def open(self, f: Any) -> BinaryIO:
+        """One of the split's data files on the Hub, opened for reading (byte ranges, as pyarrow asks)."""
+        return self._fs().open(f, "rb")
+
+    def piece_records(self, piece: Piece, first: int, *, skip: int = 0) -> Generator[Record, None, int]:
+        assert self._files is not None, "pieces() first"
+        f = self._files[piece.file]
+        name = f"hf://{f.split('@', 1)[0]}/{f.split('/', 3)[-1]}" if "@" in f else f"hf://{f}"  # without the revision
+        return read_piece(self.open, f, name, "", piece, first, skip=skip)
 
     def _stream(self):
         try:
