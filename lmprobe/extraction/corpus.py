@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..base.replay import Recorder
 from ..errors import ExtractionError, PromptError
 from .dealing import Placed, deal_pieces
 from .prompts import check_token_ids, record_text
@@ -47,6 +48,10 @@ from .windows import Affixes, Budget, Cutoff, stored_tokens, windows
 
 #: Documents tokenized together (fast tokenizers run a batch in parallel).
 TOKENIZE_CHUNK = 64
+#: Bytes of a piece that a rank's planner keeps after counting it, for the extraction to read again from memory
+#: (a source dealt by piece, under a budget or with files no footer counts). At most AHEAD + 2 pieces are kept at
+#: once: 256 MiB a rank at most; a larger piece is read from its file twice.
+KEEP_BYTES = 64 << 20
 
 
 @dataclass
@@ -216,8 +221,10 @@ def _dealt_windows(plan: CorpusPlan, tok: Any, text_column: str, pieces: list[Pi
         for p in placed:
             if p.first_document + p.rows <= position.document:
                 continue  # stored by an earlier run: not read again
+            kept = counter.kept.pop(p.piece.number, None)  # the bytes the planner read, when few enough
             records = plan.source.piece_records(p.piece, p.first_document,
-                                                skip=max(0, position.document - p.first_document))
+                                                skip=max(0, position.document - p.first_document),
+                                                opener=None if kept is None else kept.replay(plan.source.open).open)
             for doc in _encoded(records, doc_tok):
                 if _stop_at_cut(doc, p):
                     return
@@ -256,20 +263,30 @@ def _doc_windows(plan: CorpusPlan, doc_tok: _DocumentTokenizer, doc: tuple[Recor
 
 
 class _PieceCounter:
-    """Counts one of a rank's pieces for the plan: its records, and the stored tokens of each when asked."""
+    """Counts one of a rank's pieces for the plan: its records, and the stored tokens of each when asked. The
+    bytes it reads of a piece are kept (``kept``, by piece number) when they are at most ``KEEP_BYTES``: the
+    extraction then reads them from memory instead of from the file again."""
 
     def __init__(self, plan: CorpusPlan, doc_tok: _DocumentTokenizer):
         self._plan = plan
         self._doc_tok = doc_tok
         self._per_window = plan.affixes.content_per_window(plan.context_len)
         self._n_affixes = len(plan.affixes)
+        self.kept: dict[int, Recorder] = {}
 
     def count(self, piece: Piece, tokens: bool) -> tuple[int, list[int] | None]:
+        rec = Recorder(self._plan.source.open, limit=KEEP_BYTES)
         if not tokens:
-            return _drain(self._plan.source.piece_records(piece, 0, skip=NONE_WANTED)), None
-        counts = [stored_tokens(len(ids), self._per_window, self._n_affixes)
-                  for _r, ids, _o, _t in _encoded(self._plan.source.piece_records(piece, 0), self._doc_tok)]
-        return len(counts), counts
+            n = _drain(self._plan.source.piece_records(piece, 0, skip=NONE_WANTED, opener=rec.open))
+            counts = None
+        else:
+            records = self._plan.source.piece_records(piece, 0, opener=rec.open)
+            counts = [stored_tokens(len(ids), self._per_window, self._n_affixes)
+                      for _r, ids, _o, _t in _encoded(records, self._doc_tok)]
+            n = len(counts)
+        if not rec.overflow and rec.size:
+            self.kept[piece.number] = rec
+        return n, counts
 
 
 def _drain(records: Any) -> int:

@@ -118,10 +118,16 @@ class Source(ABC):
         without files, or of one file, whose records are dealt one by one (:func:`owner`)."""
         return None
 
-    def piece_records(self, piece: Piece, first: int, *, skip: int = 0) -> Generator[Record, None, int]:
+    def piece_records(self, piece: Piece, first: int, *, skip: int = 0, opener: Opener | None = None
+                      ) -> Generator[Record, None, int]:
         """The records of ``piece`` from its ``skip``-th on (the ones before are not parsed), numbered in the
-        whole source from ``first`` (the piece's first record); returns how many records the piece holds."""
+        whole source from ``first`` (the piece's first record); returns how many records the piece holds.
+        ``opener``: how to open the piece's file (default :meth:`open`)."""
         raise NotImplementedError(f"{type(self).__name__} is not dealt by piece")
+
+    def open(self, f: Any) -> BinaryIO:
+        """One of the source's files, opened for reading: every byte of a source of files is read through it."""
+        raise NotImplementedError(f"{type(self).__name__} has no files")
 
     @abstractmethod
     def identity(self) -> dict[str, Any]:
@@ -224,9 +230,10 @@ class FilesSource(Source):
             self._pieces = file_pieces(self.open, self.files, [f.stat().st_size for f in self.files])
         return self._pieces
 
-    def piece_records(self, piece: Piece, first: int, *, skip: int = 0) -> Generator[Record, None, int]:
+    def piece_records(self, piece: Piece, first: int, *, skip: int = 0, opener: Opener | None = None
+                      ) -> Generator[Record, None, int]:
         f = self.files[piece.file]
-        return read_piece(self.open, f, self._name(f), self.text_column, piece, first, skip=skip)
+        return read_piece(opener or self.open, f, self._name(f), self.text_column, piece, first, skip=skip)
 
 
 #: A reader of one file: yields (record number in the file, where, values) for the records ``first``,
@@ -450,11 +457,12 @@ class HubDatasetSource(Source):
         """One of the split's data files on the Hub, opened for reading (byte ranges, as pyarrow asks)."""
         return self._fs().open(f, "rb")
 
-    def piece_records(self, piece: Piece, first: int, *, skip: int = 0) -> Generator[Record, None, int]:
+    def piece_records(self, piece: Piece, first: int, *, skip: int = 0, opener: Opener | None = None
+                      ) -> Generator[Record, None, int]:
         assert self._files is not None, "pieces() first"
         f = self._files[piece.file]
         name = f"hf://{f.split('@', 1)[0]}/{f.split('/', 3)[-1]}" if "@" in f else f"hf://{f}"  # without the revision
-        return read_piece(self.open, f, name, "", piece, first, skip=skip)
+        return read_piece(opener or self.open, f, name, "", piece, first, skip=skip)
 
     def _stream(self):
         try:
