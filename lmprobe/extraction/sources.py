@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import itertools
 import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -106,6 +107,9 @@ class Piece:
     first_row: int  # the piece's first row in its file (0 for a whole file)
     rows: int | None  # records it holds when known without reading it (a parquet footer), else None
     nbytes: int  # its bytes in the file (a row group: its compressed size), for plans and benchmarks
+    # a parquet file's footer, parsed once by pieces(): reading a row group then reads no footer again (a file
+    # on the Hub: one request fewer a piece)
+    footer: Any = field(default=None, compare=False, repr=False)
 
 
 class Source(ABC):
@@ -256,7 +260,6 @@ def _reader(f: Any) -> Callable[..., FileRecords]:
 def file_pieces(opener: Opener, files: Sequence[Any], sizes: Sequence[int]) -> list[Piece]:
     """The pieces of a source of many files, in source order: a parquet file's row groups, counted from its
     footer (a small read at the end of the file), and every other file whole, its records not yet counted."""
-    import pyarrow.parquet as pq
 
     out: list[Piece] = []
     for k, (f, size) in enumerate(zip(files, sizes, strict=True)):
@@ -264,14 +267,43 @@ def file_pieces(opener: Opener, files: Sequence[Any], sizes: Sequence[int]) -> l
             out.append(Piece(len(out), k, None, 0, None, size))
             continue
         with opener(f) as fh:
-            meta = pq.ParquetFile(fh).metadata
+            meta = read_footer(fh, str(f))
         row = 0
         for g in range(meta.num_row_groups):
             rg = meta.row_group(g)
             nbytes = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
-            out.append(Piece(len(out), k, g, row, rg.num_rows, nbytes))
+            out.append(Piece(len(out), k, g, row, rg.num_rows, nbytes, meta))
             row += rg.num_rows
     return out
+
+
+#: Bytes read at the end of a parquet file in one go, hoping the footer fits (a footer of one text column and a few
+#: row groups takes 1-10 KiB); a larger footer costs a second read of exactly its size. pyarrow reads 64 KiB.
+FOOTER_GUESS = 16 * 1024
+
+
+def read_footer(fh: BinaryIO, name: str) -> Any:
+    """A parquet file's footer (pyarrow's ``FileMetaData``), reading only its tail: every rank reads every file's
+    footer, so it costs a few KiB a file rather than pyarrow's 64 KiB. Its length is checked against the file's
+    size before anything is allocated (a footer is untrusted input)."""
+    import pyarrow.parquet as pq
+
+    size = fh.seek(0, os.SEEK_END)
+    n = min(size, FOOTER_GUESS)
+    fh.seek(size - n)
+    tail = fh.read(n)
+    length = int.from_bytes(tail[-8:-4], "little") if len(tail) >= 12 else -1
+    if tail[-4:] != b"PAR1" or not 0 < length <= size - 12:
+        raise PromptError(f"{name}: not a parquet file (no parquet footer at its end); remove it from the corpus or "
+                          "rewrite it")
+    if length + 8 > n:
+        fh.seek(size - length - 8)
+        tail = fh.read(length + 8)
+    try:
+        return pq.ParquetFile(io.BytesIO(b"PAR1" + tail[-(length + 8):])).metadata
+    except (OSError, ValueError) as exc:
+        raise PromptError(f"{name}: its parquet footer cannot be read ({one_line(exc)[:200]}); remove it from the "
+                          "corpus or rewrite it") from None
 
 
 def read_piece(opener: Opener, f: Any, name: str, text_column: str, piece: Piece, first: int, *,
@@ -287,7 +319,8 @@ def read_piece(opener: Opener, f: Any, name: str, text_column: str, piece: Piece
 
     with opener(f) as fh:
         pos = 0
-        for batch in pq.ParquetFile(fh).iter_batches(batch_size=1024, row_groups=[piece.row_group]):
+        pf = pq.ParquetFile(fh, metadata=piece.footer)
+        for batch in pf.iter_batches(batch_size=1024, row_groups=[piece.row_group]):
             if skip < pos + batch.num_rows:
                 for k, rec in enumerate(batch.slice(max(0, skip - pos)).to_pylist(), start=max(skip, pos)):
                     yield Record(first + k, name, f"row {piece.first_row + k}", rec)
