@@ -219,9 +219,9 @@ def _dealt_windows(plan: CorpusPlan, tok: Any, text_column: str, pieces: list[Pi
                                        progress=resume))
     try:
         for p in placed:
+            kept = counter.kept.pop(p.piece.number, None)  # the bytes the planner read, when few enough
             if p.first_document + p.rows <= position.document:
                 continue  # stored by an earlier run: not read again
-            kept = counter.kept.pop(p.piece.number, None)  # the bytes the planner read, when few enough
             records = plan.source.piece_records(p.piece, p.first_document,
                                                 skip=max(0, position.document - p.first_document),
                                                 opener=None if kept is None else kept.replay(plan.source.open).open)
