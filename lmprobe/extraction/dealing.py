@@ -159,10 +159,16 @@ def deal_pieces(pieces: Sequence[Piece], *, rank: int, world: int, limit: int | 
                 document += n
             cutoff = recorded
             if plan_tokens:
-                cutoff, problem = _round_end(group, rank, cut_at, firsts, used, counts, positions[rank], limit,
-                                             context_len)
-                ends = gather_checked(all_gather, {"cutoff": cutoff and [cutoff.document, cutoff.window, cutoff.tokens,
-                                                                         cutoff.limit], "problem": problem}, world)
+                try:
+                    cutoff, problem = _round_end(group, rank, cut_at, firsts, used, counts, positions[rank], limit,
+                                                 context_len)
+                    end = {"cutoff": cutoff and [cutoff.document, cutoff.window, cutoff.tokens, cutoff.limit],
+                           "problem": problem}
+                except Exception as exc:
+                    gather_checked(all_gather, {"error": describe_failure(exc)}, world)  # the others stop with it
+                    raise
+                ends = gather_checked(all_gather, end, world)
+                raise_from_others(ends)
                 cutoff = next((Cutoff(*e["cutoff"]) for e in ends if e["cutoff"] is not None), None)
                 problems = [e["problem"] for e in ends if e["problem"] is not None]
                 if problems:
