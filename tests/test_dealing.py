@@ -414,3 +414,39 @@ def test_a_hub_dataset_of_many_parquet_files_is_dealt_by_row_group(hub, tmp_path
     assert sorted(key(w) for stored, _ in results for w in stored) == sorted(single(streamed, None))
     for rank, src in enumerate(sources):
         assert set(src.tally) == {f"train-{k:05d}-of-00004.parquet" for k in (rank, rank + 2)}, src.tally
+
+
+def test_a_hub_dataset_of_many_jsonl_files_is_dealt_by_file(hub, tmp_path):
+    """A Hub dataset of .jsonl files: dealt by file, the jsonl files counted by their ranks and the counts
+    exchanged; the ranks store what one process streaming it with `datasets` stores."""
+    from huggingface_hub import HfApi
+
+    from lmprobe.extraction.sources import HubDatasetSource
+
+    repo = f"tester/dealt-json-{uuid.uuid4().hex[:8]}"
+    api = HfApi()
+    api.create_repo(repo, repo_type="dataset")
+    rng = random.Random(1)
+    for k in range(5):
+        lines = "".join(json.dumps({"text": noisy_text(rng, rng.randrange(1, 60)), "k": k}) + "\n"
+                        for _ in range(rng.randrange(3, 30)))
+        api.upload_file(path_or_fileobj=lines.encode(), path_in_repo=f"data/train-{k:05d}.jsonl", repo_id=repo,
+                        repo_type="dataset")
+    src = open_source(f"hf://datasets/{repo}")
+    assert [p.rows for p in src.pieces()] == [None] * 5
+    for limit in (None, 900):
+        want = single(src, limit)
+
+        class CountingHub(HubDatasetSource):
+            def __init__(self):
+                super().__init__(repo, config=None, split="train")
+                self.tally = {}
+
+            def open(self, f):
+                return CountedHubFile(super().open(f), f.rsplit("/", 1)[-1], self.tally)
+
+        results, errors, sources = rank_run(CountingHub, 3, limit)
+        assert errors == [None] * 3
+        assert sorted(key(w) for stored, _ in results for w in stored) == sorted(want)
+        for rank, s in enumerate(sources):
+            assert set(s.tally) <= {f"train-{k:05d}.jsonl" for k in range(rank, 5, 3)}, s.tally

@@ -451,25 +451,28 @@ def _csv_rows(df: Any, rows: range) -> list[dict]:
 class HubDatasetSource(Source):
     """A Hugging Face dataset, streamed with the ``datasets`` library (nothing downloaded whole)."""
 
-    def __init__(self, repo: str, *, config: str | None, split: str, token: Any = None):
+    def __init__(self, repo: str, *, config: str | None, split: str, token: Any = None, text_column: str = "text"):
         self.repo, self.config, self.split, self.token = repo, config, split, token
+        self.text_column = text_column  # a .jsonl line that is a bare string is this column's text
         self.description = f"hf://datasets/{repo}" + (f" ({config})" if config else "") + f" [{split}]"
         self._revision: str | None = None
         self._files: list[str] | None = None  # the split's parquet data files, when it is dealt by piece
         self._pieces: list[Piece] | None = None
 
     def pieces(self) -> list[Piece] | None:
-        """A split of many parquet files (the Hub's own form of a dataset) is dealt by row group and read with
-        pyarrow through ``HfFileSystem``; any other split is streamed with ``datasets`` and dealt by record."""
+        """A split of many parquet files (the Hub's own form of a dataset), or of many .jsonl files, is dealt by
+        piece and read with lmprobe's own readers through ``HfFileSystem``; any other split is streamed with
+        ``datasets`` and dealt by record."""
         if self._files is None:
-            self._files = self._parquet_files()
+            self._files = self._data_files()
             if len(self._files) >= 2:
                 fs = self._fs()
                 self._pieces = file_pieces(self.open, self._files, [fs.size(f) for f in self._files])
         return self._pieces
 
-    def _parquet_files(self) -> list[str]:
-        """The split's data files, in the order ``datasets`` streams them, when they are all parquet files."""
+    def _data_files(self) -> list[str]:
+        """The split's data files, in the order ``datasets`` streams them, when they are all parquet files or all
+        .jsonl files (read as ``datasets`` reads them: one record a line)."""
         try:
             import datasets
 
@@ -477,7 +480,8 @@ class HubDatasetSource(Source):
             files = list((builder.config.data_files or {}).get(self.split, []))
         except Exception:  # noqa: BLE001 - not a plain dataset of files: streamed (and any error said) as before
             return []
-        if builder.name != "parquet" or not all(_suffix(f) == ".parquet" for f in files):
+        kinds = {"parquet": (".parquet",), "json": (".jsonl", ".ndjson")}.get(builder.name, ())
+        if not files or not all(_suffix(f) in kinds for f in files):
             return []
         return [f.removeprefix("hf://") for f in files]
 
@@ -495,7 +499,7 @@ class HubDatasetSource(Source):
         assert self._files is not None, "pieces() first"
         f = self._files[piece.file]
         name = f"hf://{f.split('@', 1)[0]}/{f.split('/', 3)[-1]}" if "@" in f else f"hf://{f}"  # without the revision
-        return read_piece(opener or self.open, f, name, "", piece, first, skip=skip)
+        return read_piece(opener or self.open, f, name, self.text_column, piece, first, skip=skip)
 
     def _stream(self):
         try:
@@ -571,9 +575,9 @@ def open_source(spec: Any, *, text_column: str = "text", config: str | None = No
             repo = rest[len("datasets/"):].strip("/")
             if not REPO_ID_RE.match(repo):
                 raise PromptError(f"{s}: {repo!r} is not a repo id (OWNER/NAME)")
-            return HubDatasetSource(repo, config=config, split=split, token=token)
+            return HubDatasetSource(repo, config=config, split=split, token=token, text_column=text_column)
         if REPO_ID_RE.match(s) and path.suffix.lower() not in SUFFIXES:
-            return HubDatasetSource(s, config=config, split=split, token=token)
+            return HubDatasetSource(s, config=config, split=split, token=token, text_column=text_column)
         raise PromptError(f"prompt file {path} does not exist (nor is {s!r} a Hub dataset id, OWNER/NAME)")
     if isinstance(spec, Sequence) and not isinstance(spec, (str, bytes)) or _is_frame(spec):
         return MemorySource(spec, text_column=text_column)
