@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 from test_ranks import Ranks, WordTokenizer, key
 
 from lmprobe.errors import ExtractionError, PromptError
-from lmprobe.extraction import dealing
+from lmprobe.extraction import dealing, pieces
 from lmprobe.extraction.corpus import CorpusPlan, progress_after, stream_windows
-from lmprobe.extraction.sources import FOOTER_GUESS, FilesSource, open_source
+from lmprobe.extraction.pieces import FOOTER_GUESS
+from lmprobe.extraction.sources import FilesSource, open_source
 from lmprobe.extraction.windows import Affixes
 
 
@@ -130,15 +131,6 @@ def single(source, limit, *, context_len=8):
                                            resume=None)]
 
 
-def counted_source(folder: Path) -> CountingSource:
-    """A rank's source, its footers already read (every rank reads every file's footer once): ``footer_bytes``."""
-    src = CountingSource(folder, text_column="text")
-    src.pieces()
-    src.footer_bytes = sum(src.tally.values())
-    src.tally.clear()
-    return src
-
-
 @pytest.mark.parametrize("limit", [None, 700_000])
 def test_eight_parquet_files_over_four_ranks_each_rank_reads_its_own_files(tmp_path, limit):
     """Past the footers, a rank opens and reads its own files only: once without a budget; under one (here
@@ -150,7 +142,7 @@ def test_eight_parquet_files_over_four_ranks_each_rank_reads_its_own_files(tmp_p
     want = single(open_source(folder), limit)
     if limit is not None:
         assert sum(len(k[3]) for k in want) == limit
-    results, errors, sources = rank_run(lambda: counted_source(folder), 4, limit)
+    results, errors, sources = rank_run(lambda: CountingSource(folder, text_column="text"), 4, limit)
     assert errors == [None] * 4
     got = [key(w) for stored, _ in results for w in stored]
     assert sorted(got) == sorted(want) and len(got) == len(want)  # the same windows, none twice
@@ -163,10 +155,11 @@ def test_eight_parquet_files_over_four_ranks_each_rank_reads_its_own_files(tmp_p
         # its files up to the round of the file where the budget ends (the ranks count a round of files at once)
         mine = {files[f] for f in range(rank, len(files), 4) if f // 4 <= last_file // 4}
         assert {files[w.document // 1000] for w in results[rank][0]} <= mine  # its windows come from its files
-        assert set(src.tally) == mine  # past the footers, it opened its own files only
+        dealt = {files[f] for f in range(rank, len(files), 4)}  # its files: it reads their footers
+        assert set(src.tally) == dealt  # it opened no other file
         own = sum(sizes[n] for n in mine)
-        assert own * 0.9 <= sum(src.tally.values()) <= own, (rank, src.tally, own)  # once, footers not again
-        assert src.footer_bytes <= len(files) * (FOOTER_GUESS + 8192)  # a file's tail, not pyarrow's 64 KiB
+        read = sum(src.tally.values())
+        assert own * 0.9 <= read <= own + len(dealt) * FOOTER_GUESS, (rank, src.tally, own)  # once
     # dealt by record, every rank reads every file
     whole = CountingSource(folder, text_column="text")
     list(whole.records(rank=1, world=4))
@@ -195,6 +188,10 @@ def test_a_file_that_is_not_parquet_is_named(tmp_path):
     (folder / "part-001.parquet").write_bytes(b"x" * 30 + (10**6).to_bytes(4, "little") + b"PAR1")
     with pytest.raises(PromptError, match=r"part-001.parquet: not a parquet file"):
         open_source(folder).pieces()
+    # read by rank 1 only (file k's footer is rank k % world's): every rank stops with its message
+    _, errors, _ = rank_run(lambda: open_source(folder), 2, None)
+    assert all(isinstance(e, PromptError) for e in errors), errors
+    assert len({str(e) for e in errors}) == 1 and "part-001.parquet: not a parquet file" in str(errors[0])
 
 
 def test_one_file_and_memory_keep_record_dealing(tmp_path):
@@ -315,7 +312,7 @@ def test_the_modules_examples_run():
 
     from lmprobe.base import replay
 
-    for module in (dealing, replay):
+    for module in (dealing, pieces, replay):
         assert doctest.testmod(module).failed == 0
 
 

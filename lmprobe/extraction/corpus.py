@@ -30,7 +30,8 @@ from typing import Any
 
 from ..base.replay import Recorder
 from ..errors import ExtractionError, PromptError
-from .dealing import Placed, deal_pieces
+from .dealing import Placed, deal_pieces, share_pieces
+from .pieces import Piece
 from .prompts import check_token_ids, record_text
 from .ranks import (
     BudgetEnd,
@@ -42,7 +43,7 @@ from .ranks import (
     progress_record,
     unplanned_rounds,
 )
-from .sources import NONE_WANTED, PRETOKENIZED_COLUMN, Piece, Record, Source, check_share
+from .sources import NONE_WANTED, PRETOKENIZED_COLUMN, Record, Source, check_share
 from .tokens import pad_sequences
 from .windows import Affixes, Budget, Cutoff, stored_tokens, windows
 
@@ -147,10 +148,10 @@ def stream_windows(plan: CorpusPlan, tok: Any, text_column: str, *, resume: dict
     check_share(rank, world)
     if budget is not None:
         raise ValueError("budget is for one process; a multi-rank extraction plans plan.max_tokens over all ranks")
-    pieces = plan.source.pieces()
-    if pieces is not None:
+    if plan.source.dealt_files() is not None:
         if all_gather is None or end is not None:
             raise ValueError("a source dealt by piece plans with the other ranks while extracting: pass all_gather")
+        pieces = share_pieces(plan.source, rank=rank, world=world, all_gather=all_gather)
         yield from _dealt_windows(plan, tok, text_column, pieces, resume=resume, rank=rank, world=world,
                                   all_gather=all_gather)
         return
@@ -200,7 +201,7 @@ def stream_windows(plan: CorpusPlan, tok: Any, text_column: str, *, resume: dict
 def exchanges(plan: CorpusPlan, world: int) -> bool:
     """Whether the ranks' streams exchange with each other (then a rank whose part is finished still runs its
     stream to the end, or the others would wait for it): under a budget, or with a source dealt by piece."""
-    return world > 1 and (plan.max_tokens is not None or plan.source.pieces() is not None)
+    return world > 1 and (plan.max_tokens is not None or plan.source.dealt_files() is not None)
 
 
 def _dealt_windows(plan: CorpusPlan, tok: Any, text_column: str, pieces: list[Piece], *,
@@ -314,7 +315,7 @@ def plan_budget(plan: CorpusPlan, tok: Any, text_column: str, *, rank: int, worl
     >>> windows = stream_windows(plan, tok, "text", resume=None, rank=rank, world=world, end=end)  # doctest: +SKIP
     """
     check_share(rank, world)
-    if plan.source.pieces() is not None:
+    if plan.source.dealt_files() is not None:
         raise ValueError("a source dealt by piece plans while extracting: call stream_windows with all_gather")
     if plan.max_tokens is None:
         raise ValueError("plan_budget needs plan.max_tokens; without a budget every rank streams to the source's end")

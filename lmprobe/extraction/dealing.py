@@ -9,7 +9,8 @@ read every file.
 The documents keep their order and numbers: document ``i`` is still the ``i``-th record of the whole
 source, as one process reads it, so the stored dataset is the one a single process stores. What a
 rank cannot know alone is where its pieces start: a parquet piece's records are counted in the
-footers (every rank reads them, a few KiB a file), another file's only by reading it. The ranks
+footers (:func:`share_pieces`: each rank reads the footers of its share of the files, a few KiB a
+file, and the ranks exchange the row groups), another file's only by reading it. The ranks
 therefore go through the pieces in rounds of ``world`` pieces, one a rank, and exchange what they
 counted (one ``all_gather`` a round): the records of each piece that no footer counts, and under a
 token budget the tokens each piece stores. From them every rank computes the same first document of
@@ -19,9 +20,10 @@ documents' counts and sends it in a second exchange). Nothing is exchanged when 
 parquet row group and there is no budget.
 
 Counting a piece means reading it, and the planner does so a round or two ahead of the extraction
-(:func:`.ranks.ahead`), which then reads the piece again: under a budget, or with files other than
-parquet, a rank reads its own bytes twice (still ``2/world`` of the whole, and the planner keeps one
-count per document, not the documents).
+(:func:`.ranks.ahead`), which then reads the piece again: the planner keeps the bytes it read of a
+piece (up to ``corpus.KEEP_BYTES``, :mod:`lmprobe.base.replay`) and the extraction reads them from
+memory, so a rank reads its own bytes once; a larger piece is read twice. The planner keeps one
+token count per document of its current piece, not the documents.
 
 Resuming: a rank's progress (:func:`.ranks.progress_record` with ``dealt``) records the next window
 to run and the budget's end once known. A resumed job plans again from the first piece (the
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ExtractionError
+from .pieces import Piece, build_pieces
 from .ranks import (
     DEALT_KEY,
     Gather,
@@ -47,7 +50,7 @@ from .ranks import (
     gather_checked,
     raise_from_others,
 )
-from .sources import Piece
+from .sources import Source
 from .windows import Cutoff, find_cutoff
 
 #: ``count(piece, tokens)``: the records of one of the rank's pieces, and with ``tokens`` the stored tokens of
@@ -66,6 +69,32 @@ class Placed:
     cutoff: Cutoff | None
 
 
+def share_pieces(source: Source, *, rank: int, world: int, all_gather: Gather) -> list[Piece]:
+    """The source's pieces, the same on every rank, each rank reading the footers of only its share of the
+    files (file ``k`` is read by rank ``k % world``) and the ranks exchanging the row groups they found: a
+    collective. With 1,000 parquet files and 64 ranks, a rank reads 16 footers, not 1,000."""
+    files = source.dealt_files()
+    assert files is not None, "a source dealt by piece"
+    try:
+        sizes = source.file_sizes()
+        mine = {str(k): source.file_layout(k) for k in range(rank, len(files), world)}
+    except Exception as exc:
+        gather_checked(all_gather, {"error": describe_failure(exc)}, world)  # the others stop with it
+        raise
+    gathered = gather_checked(all_gather, {"sizes": sizes, "layouts": mine}, world)
+    raise_from_others(gathered)
+    for other, g in enumerate(gathered):
+        if g["sizes"] != sizes:
+            raise ExtractionError(f"rank {other} sees other files than rank {rank} in {source.description} (another "
+                                  "copy, or a revision committed meanwhile): every rank must read the same files, of "
+                                  "the same sizes")
+    layouts: list[Any] = [None] * len(files)
+    for g in gathered:
+        for k, layout in g["layouts"].items():
+            layouts[int(k)] = layout
+    return build_pieces(layouts, sizes)
+
+
 def owner_of_piece(piece: int, world: int) -> int:
     """The rank that reads piece ``piece``.
 
@@ -73,11 +102,6 @@ def owner_of_piece(piece: int, world: int) -> int:
     [0, 1, 2, 0, 1]
     """
     return piece % world
-
-
-def rank_pieces(pieces: Sequence[Piece], rank: int, world: int) -> list[Piece]:
-    """The pieces rank ``rank`` of ``world`` reads."""
-    return [p for p in pieces if owner_of_piece(p.number, world) == rank]
 
 
 def pieces_digest(pieces: Sequence[Piece]) -> str:
@@ -131,7 +155,7 @@ def deal_pieces(pieces: Sequence[Piece], *, rank: int, world: int, limit: int | 
     finished = False
     try:
         for lo in range(0, len(pieces), world):
-            group = pieces[lo : lo + world]
+            group = pieces[lo : lo + world]  # piece lo + k is rank k's (owner_of_piece)
             mine = group[rank] if rank < len(group) else None
             counts: list[int] | None = None
             if exchanging:

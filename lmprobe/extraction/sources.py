@@ -23,9 +23,10 @@ rows, before they are decoded.
 A source of many files deals whole pieces instead (:meth:`Source.pieces`): a piece is a file, or one
 row group of a parquet file, and piece ``p`` belongs to rank ``p % world``, so that a rank opens and
 reads only its own files (about ``1/world`` of the bytes). The documents keep their numbers in the
-whole source: a parquet piece's first record is known from the footers (every rank reads them: a
-few KiB a file), another file's from the record counts the ranks exchange (:mod:`.dealing`). Every
-file is opened through :meth:`FilesSource.open`, the one place its bytes are read.
+whole source: a parquet piece's first record is known from the footers (each rank reads its share
+of them and the ranks exchange the row counts), another file's from the record counts the ranks
+exchange (:mod:`.dealing`). Every file is opened through :meth:`Source.open`, the one place its
+bytes are read.
 
 >>> src = MemorySource(["a", "b", "c", "d", "e"], text_column="text")
 >>> [(r.index, r.values["text"]) for r in src.records(1, rank=1, world=2)]
@@ -36,13 +37,12 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import io
 import itertools
 import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -51,6 +51,7 @@ from ..base.safeio import loads
 from ..errors import PromptError
 from ..format.values import is_null
 from ..storage.hub import REPO_ID_RE
+from .pieces import Piece, build_pieces, read_footer, row_group_bytes
 
 SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".txt", ".text")
 #: A column of integer lists: the record is pretokenized, these are its token ids.
@@ -97,41 +98,70 @@ class Record:
         return f"{self.file}, {self.at}"
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A unit a source of many files deals to ranks: a whole file, or one row group of a parquet file."""
-
-    number: int  # its place in the source's pieces, which are in source order
-    file: int  # the file it is in (an index into the source's files)
-    row_group: int | None  # the parquet row group, or None: the whole file
-    first_row: int  # the piece's first row in its file (0 for a whole file)
-    rows: int | None  # records it holds when known without reading it (a parquet footer), else None
-    nbytes: int  # its bytes in the file (a row group: its compressed size), for plans and benchmarks
-    # a parquet file's footer, parsed once by pieces(): reading a row group then reads no footer again (a file
-    # on the Hub: one request fewer a piece)
-    footer: Any = field(default=None, compare=False, repr=False)
-
-
 class Source(ABC):
     """A stream of records with a description (for messages) and an identity (for resuming)."""
 
     description: str = "prompts"
+    text_column: str = "text"  # a line of a .jsonl file that is a bare string is this column's text
+
+    def dealt_files(self) -> list[Any] | None:
+        """The files that many ranks deal by piece (two or more, of kinds read piece by piece), in source order;
+        None: a source without files, or of one file, whose records are dealt one by one (:func:`owner`)."""
+        return None
+
+    def file_sizes(self) -> list[int]:
+        """The byte sizes of :meth:`dealt_files`."""
+        raise NotImplementedError(f"{type(self).__name__} has no files")
+
+    def file_name(self, k: int) -> str:
+        """File ``k`` of :meth:`dealt_files`, for messages."""
+        return str(self._dealt()[k])
+
+    def open(self, f: Any) -> BinaryIO:
+        """One of the source's files, opened for reading: every byte of a source of files is read through it."""
+        raise NotImplementedError(f"{type(self).__name__} has no files")
+
+    def _dealt(self) -> list[Any]:
+        files = self.dealt_files()
+        if files is None:
+            raise ValueError(f"{self.description} is not dealt by piece")
+        return files
+
+    def _footers(self) -> dict[int, Any]:
+        return self.__dict__.setdefault("_footer_cache", {})
+
+    def file_layout(self, k: int) -> list[list[int]] | None:
+        """File ``k``'s row groups as ``[rows, bytes]`` (a parquet file: read from its footer, which is kept for
+        reading its row groups), or None: a file read whole, its records counted by reading it."""
+        f = self._dealt()[k]
+        if _suffix(f) != ".parquet":
+            return None
+        with self.open(f) as fh:
+            meta = read_footer(fh, self.file_name(k))
+        self._footers()[k] = meta
+        return [[meta.row_group(g).num_rows, row_group_bytes(meta.row_group(g))] for g in range(meta.num_row_groups)]
 
     def pieces(self) -> list[Piece] | None:
-        """The pieces many ranks deal (piece ``p`` is rank ``p % world``'s), in source order; None: a source
-        without files, or of one file, whose records are dealt one by one (:func:`owner`)."""
-        return None
+        """The pieces many ranks deal (piece ``p`` is rank ``p % world``'s), in source order, every parquet
+        footer read here (a rank of many reads only its share of them: :func:`.dealing.share_pieces`); None:
+        the records are dealt one by one."""
+        files = self.dealt_files()
+        if files is None:
+            return None
+        cached = self.__dict__.get("_all_pieces")
+        if cached is None:
+            cached = self.__dict__["_all_pieces"] = build_pieces([self.file_layout(k) for k in range(len(files))],
+                                                                 self.file_sizes())
+        return cached
 
     def piece_records(self, piece: Piece, first: int, *, skip: int = 0, opener: Opener | None = None
                       ) -> Generator[Record, None, int]:
         """The records of ``piece`` from its ``skip``-th on (the ones before are not parsed), numbered in the
         whole source from ``first`` (the piece's first record); returns how many records the piece holds.
         ``opener``: how to open the piece's file (default :meth:`open`)."""
-        raise NotImplementedError(f"{type(self).__name__} is not dealt by piece")
-
-    def open(self, f: Any) -> BinaryIO:
-        """One of the source's files, opened for reading: every byte of a source of files is read through it."""
-        raise NotImplementedError(f"{type(self).__name__} has no files")
+        f = self._dealt()[piece.file]
+        return read_piece(opener or self.open, f, self.file_name(piece.file), self.text_column,
+                          piece, first, skip=skip, footer=self._footers().get(piece.file))
 
     @abstractmethod
     def identity(self) -> dict[str, Any]:
@@ -202,7 +232,6 @@ class FilesSource(Source):
                                   ".parquet or .txt")
             self.files = [path]
         self.description = str(path)
-        self._pieces: list[Piece] | None = None
 
     def identity(self) -> dict[str, Any]:
         files = []
@@ -227,17 +256,14 @@ class FilesSource(Source):
             offset += yield from _indexed(_reader(f)(self.open, f, self._name(f), self.text_column, first=first,
                                                      step=world), offset, self._name(f))
 
-    def pieces(self) -> list[Piece] | None:
-        if len(self.files) < 2:
-            return None
-        if self._pieces is None:
-            self._pieces = file_pieces(self.open, self.files, [f.stat().st_size for f in self.files])
-        return self._pieces
+    def dealt_files(self) -> list[Any] | None:
+        return self.files if len(self.files) >= 2 else None
 
-    def piece_records(self, piece: Piece, first: int, *, skip: int = 0, opener: Opener | None = None
-                      ) -> Generator[Record, None, int]:
-        f = self.files[piece.file]
-        return read_piece(opener or self.open, f, self._name(f), self.text_column, piece, first, skip=skip)
+    def file_sizes(self) -> list[int]:
+        return [f.stat().st_size for f in self.files]
+
+    def file_name(self, k: int) -> str:
+        return self._name(self.files[k])
 
 
 #: A reader of one file: yields (record number in the file, where, values) for the records ``first``,
@@ -257,60 +283,11 @@ def _reader(f: Any) -> Callable[..., FileRecords]:
     return {".parquet": _parquet_records, ".csv": _csv_records, ".tsv": _csv_records}.get(_suffix(f), _line_records)
 
 
-def file_pieces(opener: Opener, files: Sequence[Any], sizes: Sequence[int]) -> list[Piece]:
-    """The pieces of a source of many files, in source order: a parquet file's row groups, counted from its
-    footer (a small read at the end of the file), and every other file whole, its records not yet counted."""
-
-    out: list[Piece] = []
-    for k, (f, size) in enumerate(zip(files, sizes, strict=True)):
-        if _suffix(f) != ".parquet":
-            out.append(Piece(len(out), k, None, 0, None, size))
-            continue
-        with opener(f) as fh:
-            meta = read_footer(fh, str(f))
-        row = 0
-        for g in range(meta.num_row_groups):
-            rg = meta.row_group(g)
-            nbytes = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
-            out.append(Piece(len(out), k, g, row, rg.num_rows, nbytes, meta))
-            row += rg.num_rows
-    return out
-
-
-#: Bytes read at the end of a parquet file in one go, hoping the footer fits (a footer of one text column and a few
-#: row groups takes 1-10 KiB); a larger footer costs a second read of exactly its size. pyarrow reads 64 KiB.
-FOOTER_GUESS = 16 * 1024
-
-
-def read_footer(fh: BinaryIO, name: str) -> Any:
-    """A parquet file's footer (pyarrow's ``FileMetaData``), reading only its tail: every rank reads every file's
-    footer, so it costs a few KiB a file rather than pyarrow's 64 KiB. Its length is checked against the file's
-    size before anything is allocated (a footer is untrusted input)."""
-    import pyarrow.parquet as pq
-
-    size = fh.seek(0, os.SEEK_END)
-    n = min(size, FOOTER_GUESS)
-    fh.seek(size - n)
-    tail = fh.read(n)
-    length = int.from_bytes(tail[-8:-4], "little") if len(tail) >= 12 else -1
-    if tail[-4:] != b"PAR1" or not 0 < length <= size - 12:
-        raise PromptError(f"{name}: not a parquet file (no parquet footer at its end); remove it from the corpus or "
-                          "rewrite it")
-    if length + 8 > n:
-        fh.seek(size - length - 8)
-        tail = fh.read(length + 8)
-    try:
-        return pq.ParquetFile(io.BytesIO(b"PAR1" + tail[-(length + 8):])).metadata
-    except (OSError, ValueError) as exc:
-        raise PromptError(f"{name}: its parquet footer cannot be read ({one_line(exc)[:200]}); remove it from the "
-                          "corpus or rewrite it") from None
-
-
 def read_piece(opener: Opener, f: Any, name: str, text_column: str, piece: Piece, first: int, *,
-               skip: int = 0) -> Generator[Record, None, int]:
+               skip: int = 0, footer: Any = None) -> Generator[Record, None, int]:
     """The records of one piece of file ``f`` from its ``skip``-th on, numbered from ``first`` in the whole
     source; returns the piece's count of records. ``skip`` past the end: nothing parsed, only counted (a
-    parquet piece: not even read)."""
+    parquet piece: not even read). ``footer``: the file's parsed footer, when this process has it."""
     if piece.row_group is None:
         return (yield from _indexed(_reader(f)(opener, f, name, text_column, first=skip, step=1), first, name))
     if skip >= piece.rows:
@@ -319,7 +296,7 @@ def read_piece(opener: Opener, f: Any, name: str, text_column: str, piece: Piece
 
     with opener(f) as fh:
         pos = 0
-        pf = pq.ParquetFile(fh, metadata=piece.footer)
+        pf = pq.ParquetFile(fh, metadata=footer if footer is not None else read_footer(fh, name))
         for batch in pf.iter_batches(batch_size=1024, row_groups=[piece.row_group]):
             if skip < pos + batch.num_rows:
                 for k, rec in enumerate(batch.slice(max(0, skip - pos)).to_pylist(), start=max(skip, pos)):
@@ -456,19 +433,28 @@ class HubDatasetSource(Source):
         self.text_column = text_column  # a .jsonl line that is a bare string is this column's text
         self.description = f"hf://datasets/{repo}" + (f" ({config})" if config else "") + f" [{split}]"
         self._revision: str | None = None
-        self._files: list[str] | None = None  # the split's parquet data files, when it is dealt by piece
-        self._pieces: list[Piece] | None = None
+        self._files: list[str] | None = None  # the split's data files, when it is dealt by piece
 
-    def pieces(self) -> list[Piece] | None:
+    def dealt_files(self) -> list[Any] | None:
         """A split of many parquet files (the Hub's own form of a dataset), or of many .jsonl files, is dealt by
         piece and read with lmprobe's own readers through ``HfFileSystem``; any other split is streamed with
         ``datasets`` and dealt by record."""
         if self._files is None:
             self._files = self._data_files()
-            if len(self._files) >= 2:
-                fs = self._fs()
-                self._pieces = file_pieces(self.open, self._files, [fs.size(f) for f in self._files])
-        return self._pieces
+        return self._files if len(self._files) >= 2 else None
+
+    def file_sizes(self) -> list[int]:
+        """Sizes from one listing of each folder (not a request a file)."""
+        fs = self._fs()
+        sizes: dict[str, int] = {}
+        for folder in sorted({f.rsplit("/", 1)[0] for f in self._dealt()}):
+            for entry in fs.ls(folder, detail=True):
+                sizes[entry["name"].rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
+        return [sizes.get(f.rsplit("/", 1)[-1], 0) for f in self._dealt()]
+
+    def file_name(self, k: int) -> str:
+        f = self._dealt()[k]
+        return f"hf://{f.split('@', 1)[0]}/{f.split('/', 3)[-1]}" if "@" in f else f"hf://{f}"  # without the revision
 
     def _data_files(self) -> list[str]:
         """The split's data files, in the order ``datasets`` streams them, when they are all parquet files or all
@@ -493,13 +479,6 @@ class HubDatasetSource(Source):
     def open(self, f: Any) -> BinaryIO:
         """One of the split's data files on the Hub, opened for reading (byte ranges, as pyarrow asks)."""
         return self._fs().open(f, "rb")
-
-    def piece_records(self, piece: Piece, first: int, *, skip: int = 0, opener: Opener | None = None
-                      ) -> Generator[Record, None, int]:
-        assert self._files is not None, "pieces() first"
-        f = self._files[piece.file]
-        name = f"hf://{f.split('@', 1)[0]}/{f.split('/', 3)[-1]}" if "@" in f else f"hf://{f}"  # without the revision
-        return read_piece(opener or self.open, f, name, self.text_column, piece, first, skip=skip)
 
     def _stream(self):
         try:
