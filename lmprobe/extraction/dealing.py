@@ -25,6 +25,14 @@ piece (up to ``corpus.KEEP_BYTES``, :mod:`lmprobe.base.replay`) and the extracti
 memory, so a rank reads its own bytes once; a larger piece is read twice. The planner keeps one
 token count per document of its current piece, not the documents.
 
+At full size (W1 of issue 43: 64 ranks; say a corpus of 1,000 parquet files of 10 row groups):
+a rank reads 16 footers (16 KiB each) and its 157 row groups; the ranks exchange once the
+10,000 row counts (a JSON list of about 200 KB), then two small objects a rank every round of 64
+pieces (157 rounds, 314 exchanges in all); a planner holds one count per document of the piece it
+counts and at most ``AHEAD + 2`` pieces' bytes (``corpus.KEEP_BYTES`` each, 256 MiB). The ranks go
+through the rounds together, a planner at most ``AHEAD`` pieces ahead of its extraction, so a job's
+pace is that of the rank with the largest pieces: pieces of even sizes balance best.
+
 Resuming: a rank's progress (:func:`.ranks.progress_record` with ``dealt``) records the next window
 to run and the budget's end once known. A resumed job plans again from the first piece (the
 counts are the same when the source is), skips what each rank stored, and refuses, on every rank

@@ -461,11 +461,15 @@ class HubDatasetSource(Source):
         .jsonl files (read as ``datasets`` reads them: one record a line)."""
         try:
             import datasets
-
+        except ImportError:  # pragma: no cover - a dependency of the dev extras
+            raise PromptError("reading a Hugging Face dataset needs `datasets`: pip install datasets") from None
+        # an error is raised, not taken for "not dealt by piece": every rank must decide the same way (a rank
+        # that failed to look would deal records while the others deal pieces)
+        try:
             builder = datasets.load_dataset_builder(self.repo, self.config, token=self.token)
-            files = list((builder.config.data_files or {}).get(self.split, []))
-        except Exception:  # noqa: BLE001 - not a plain dataset of files: streamed (and any error said) as before
-            return []
+        except (FileNotFoundError, ValueError) as exc:
+            raise PromptError(f"cannot open {self.description}: {str(exc).splitlines()[0]}") from None
+        files = list((builder.config.data_files or {}).get(self.split, []))
         kinds = {"parquet": (".parquet",), "json": (".jsonl", ".ndjson")}.get(builder.name, ())
         if not files or not all(_suffix(f) in kinds for f in files):
             return []
