@@ -19,6 +19,9 @@ exchanges their token counts; each document is tokenized once), or before, with
 :func:`plan_budget` (a counting pass, so every document before the cutoff is tokenized twice)
 and then ``cutoff=``. Either way the ranks' windows together are exactly the windows a single
 process stores, with the same ids and the same cut of the last window.
+
+A source of many files is dealt by piece instead (:mod:`.dealing`): a rank reads only its own
+files or parquet row groups, and the ranks plan in rounds of pieces; the windows are the same.
 """
 
 from __future__ import annotations
@@ -212,7 +215,6 @@ def _dealt_windows(plan: CorpusPlan, tok: Any, text_column: str, pieces: list[Pi
     here = (position.document, position.window)
     doc_tok = _DocumentTokenizer(tok, text_column, plan.vocab_size)
     per_window = plan.affixes.content_per_window(plan.context_len)
-    n_affixes = len(plan.affixes)
     # the planner counts on its own thread, with its own copy of the tokenizer
     counter = _PieceCounter(plan, _DocumentTokenizer(copy.deepcopy(tok), text_column, plan.vocab_size))
     placed = ahead(lambda: deal_pieces(pieces, rank=rank, world=world, limit=plan.max_tokens,
@@ -229,19 +231,21 @@ def _dealt_windows(plan: CorpusPlan, tok: Any, text_column: str, pieces: list[Pi
             for doc in _encoded(records, doc_tok):
                 if _stop_at_cut(doc, p):
                     return
-                yield from _doc_windows(plan, doc_tok, doc, per_window, n_affixes, here, p)
+                yield from _doc_windows(plan, doc_tok, doc, per_window, here, p)
     finally:
         placed.close()  # the planner thread stops with its stream
 
 
-def _encoded(records: Iterator[Record], doc_tok: _DocumentTokenizer) -> Iterator[tuple[Record, Any, Any, Any]]:
-    """(record, content ids, offsets, text) of each record, tokenized a chunk at a time."""
+def _encoded(records: Iterator[Record], doc_tok: _DocumentTokenizer, *, offsets: bool | None = None
+             ) -> Iterator[tuple[Record, Any, Any, Any]]:
+    """(record, content ids, offsets, text) of each record, tokenized a chunk at a time (``offsets`` False: no
+    character offsets, for counting)."""
     while True:
         chunk = [r for _, r in zip(range(TOKENIZE_CHUNK), records, strict=False)]
         if not chunk:
             return
-        for r, (ids, offsets, text) in zip(chunk, doc_tok.encode(chunk), strict=True):
-            yield r, ids, offsets, text
+        for r, (ids, offs, text) in zip(chunk, doc_tok.encode(chunk, offsets=offsets), strict=True):
+            yield r, ids, offs, text
 
 
 def _stop_at_cut(doc: tuple[Record, Any, Any, Any], p: Placed) -> bool:
@@ -249,7 +253,7 @@ def _stop_at_cut(doc: tuple[Record, Any, Any, Any], p: Placed) -> bool:
 
 
 def _doc_windows(plan: CorpusPlan, doc_tok: _DocumentTokenizer, doc: tuple[Record, Any, Any, Any], per_window: int,
-                 n_affixes: int, here: tuple[int, int], p: Placed) -> Iterator[Window]:
+                 here: tuple[int, int], p: Placed) -> Iterator[Window]:
     r, ids, offsets, text = doc
     for w, (a, b) in enumerate(windows(len(ids), per_window)):
         if (r.index, w) < here:  # stored by an earlier run
@@ -283,7 +287,7 @@ class _PieceCounter:
         else:
             records = self._plan.source.piece_records(piece, 0, opener=rec.open)
             counts = [stored_tokens(len(ids), self._per_window, self._n_affixes)
-                      for _r, ids, _o, _t in _encoded(records, self._doc_tok)]
+                      for _r, ids, _o, _t in _encoded(records, self._doc_tok, offsets=False)]
             n = len(counts)
         if not rec.overflow and rec.size:
             self.kept[piece.number] = rec
