@@ -130,6 +130,50 @@ def test_two_nodes_extract_a_corpus_budget_exactly_as_one_process(s3, llama_dir,
     _same_rows(single, two, (2,), full=True)
 
 
+def _corpus_folder(tmp_path, n_docs=60):
+    """A corpus of four files: two parquet files of row groups of 5 documents, two jsonl files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "corpus"
+    root.mkdir()
+    docs = [" ".join(f"w{(d * 7 + j) % 50}" for j in range(5 + (d * 13) % 40)) for d in range(n_docs)]
+    quarter = n_docs // 4
+    for k in range(4):
+        part = docs[k * quarter : (k + 1) * quarter]
+        if k % 2 == 0:
+            pq.write_table(pa.table({"text": part}), root / f"part-{k}.parquet", row_group_size=5)
+        else:
+            (root / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    return root
+
+
+@pytest.mark.parametrize("max_tokens", [None, 777])
+def test_two_nodes_deal_a_folder_of_files_and_store_one_process_windows(s3, llama_dir, tmp_path, max_tokens):
+    """Corpus mode over a folder of parquet and jsonl files, dealt to the nodes by piece (a row group, or a jsonl
+    file): the same windows and vectors as one process, --max-tokens exact."""
+    folder = _corpus_folder(tmp_path)
+    kw = dict(layers="2", storage="full_sequence", context_len=16, batch_size=1, shard_size="2KB", token_ids=True)
+    budget = [] if max_tokens is None else ["--max-tokens", str(max_tokens)]
+    if max_tokens is not None:
+        kw["max_tokens"] = max_tokens
+    single = _single(str(llama_dir), folder, out=tmp_path / "one", **kw)
+    url = f"s3://acts/dealt-{uuid.uuid4().hex[:6]}"
+    run(tmp_path, ["extract", "--model", str(llama_dir), "--prompts", str(folder), "--out", url, "--layers", "2",
+                   "--storage", "full_sequence", "--context-len", "16", *budget, "--batch-size", "1",
+                   "--shard-size", "2KB", "--token-ids", "--checkpoint-interval", "0", "--quiet"])
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    two = lmprobe.load(url)
+    if max_tokens is not None:
+        assert int(two.index["num_tokens"].sum()) == max_tokens
+    for col in ("document", "window_start", "num_tokens", "token_ids"):
+        assert [list(x) if hasattr(x, "__len__") else x for x in two.index[col]] == \
+            [list(x) if hasattr(x, "__len__") else x for x in single.index[col]], col
+    _same_rows(single, two, (2,), full=True)
+
+
 # ---------------------------------------------------------------------------------------------- straight to the Hub
 
 

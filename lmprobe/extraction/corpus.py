@@ -19,6 +19,9 @@ exchanges their token counts; each document is tokenized once), or before, with
 :func:`plan_budget` (a counting pass, so every document before the cutoff is tokenized twice)
 and then ``cutoff=``. Either way the ranks' windows together are exactly the windows a single
 process stores, with the same ids and the same cut of the last window.
+
+A source of many files is dealt by piece instead (:mod:`.dealing`): a rank reads only its own
+files or parquet row groups, and the ranks plan in rounds of pieces; the windows are the same.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..base.replay import Recorder
 from ..errors import ExtractionError, PromptError
+from .dealing import Placed, deal_pieces, share_pieces
+from .pieces import Piece
 from .prompts import check_token_ids, record_text
 from .ranks import (
     BudgetEnd,
@@ -40,12 +46,16 @@ from .ranks import (
     progress_record,
     unplanned_rounds,
 )
-from .sources import PRETOKENIZED_COLUMN, Record, Source, check_share
+from .sources import NONE_WANTED, PRETOKENIZED_COLUMN, Record, Source, check_share
 from .tokens import pad_sequences
 from .windows import Affixes, Budget, Cutoff, stored_tokens, windows
 
 #: Documents tokenized together (fast tokenizers run a batch in parallel).
 TOKENIZE_CHUNK = 64
+#: Bytes of a piece that a rank's planner keeps after counting it, for the extraction to read again from memory
+#: (a source dealt by piece, under a budget or with files no footer counts). At most AHEAD + 2 pieces are kept at
+#: once: 256 MiB a rank at most; a larger piece is read from its file twice.
+KEEP_BYTES = 64 << 20
 
 
 @dataclass
@@ -60,6 +70,7 @@ class Window:
     ranked: bool = False
     tokens_before: int | None = None
     cutoff: Cutoff | None = None
+    dealt: bool = False  # the source is dealt to the ranks by piece (dealing.py)
 
 
 @dataclass
@@ -140,6 +151,13 @@ def stream_windows(plan: CorpusPlan, tok: Any, text_column: str, *, resume: dict
     check_share(rank, world)
     if budget is not None:
         raise ValueError("budget is for one process; a multi-rank extraction plans plan.max_tokens over all ranks")
+    if plan.source.dealt_files() is not None:
+        if all_gather is None or end is not None:
+            raise ValueError("a source dealt by piece plans with the other ranks while extracting: pass all_gather")
+        pieces = share_pieces(plan.source, rank=rank, world=world, all_gather=all_gather)
+        yield from _dealt_windows(plan, tok, text_column, pieces, resume=resume, rank=rank, world=world,
+                                  all_gather=all_gather)
+        return
     round_size = round_size or TOKENIZE_CHUNK * world
     position = Position.from_progress(resume)
     doc_tok = _DocumentTokenizer(tok, text_column, plan.vocab_size)
@@ -183,6 +201,108 @@ def stream_windows(plan: CorpusPlan, tok: Any, text_column: str, *, resume: dict
         rounds.close()  # a planner thread stops with its stream
 
 
+def exchanges(plan: CorpusPlan, world: int) -> bool:
+    """Whether the ranks' streams exchange with each other (then a rank whose part is finished still runs its
+    stream to the end, or the others would wait for it): under a budget, or with a source dealt by piece."""
+    return world > 1 and (plan.max_tokens is not None or plan.source.dealt_files() is not None)
+
+
+def _dealt_windows(plan: CorpusPlan, tok: Any, text_column: str, pieces: list[Piece], *,
+                   resume: dict[str, int] | None, rank: int, world: int, all_gather: Gather) -> Iterator[Window]:
+    """Rank ``rank``'s windows of a source dealt by piece (:mod:`.dealing`): the windows of its own pieces, in
+    source order, from its progress ``resume`` on, until the source or the job's budget ends."""
+    position = Position.from_progress(resume)
+    here = (position.document, position.window)
+    doc_tok = _DocumentTokenizer(tok, text_column, plan.vocab_size)
+    per_window = plan.affixes.content_per_window(plan.context_len)
+    # the planner counts on its own thread, with its own copy of the tokenizer
+    counter = _PieceCounter(plan, _DocumentTokenizer(copy.deepcopy(tok), text_column, plan.vocab_size))
+    placed = ahead(lambda: deal_pieces(pieces, rank=rank, world=world, limit=plan.max_tokens,
+                                       context_len=plan.context_len, all_gather=all_gather, count=counter.count,
+                                       progress=resume))
+    try:
+        for p in placed:
+            kept = counter.kept.pop(p.piece.number, None)  # the bytes the planner read, when few enough
+            if p.first_document + p.rows <= position.document:
+                continue  # stored by an earlier run: not read again
+            records = plan.source.piece_records(p.piece, p.first_document,
+                                                skip=max(0, position.document - p.first_document),
+                                                opener=None if kept is None else kept.replay(plan.source.open).open)
+            for doc in _encoded(records, doc_tok):
+                if _stop_at_cut(doc, p):
+                    return
+                yield from _doc_windows(plan, doc_tok, doc, per_window, here, p)
+    finally:
+        placed.close()  # the planner thread stops with its stream
+
+
+def _encoded(records: Iterator[Record], doc_tok: _DocumentTokenizer, *, offsets: bool | None = None
+             ) -> Iterator[tuple[Record, Any, Any, Any]]:
+    """(record, content ids, offsets, text) of each record, tokenized a chunk at a time (``offsets`` False: no
+    character offsets, for counting)."""
+    while True:
+        chunk = [r for _, r in zip(range(TOKENIZE_CHUNK), records, strict=False)]
+        if not chunk:
+            return
+        for r, (ids, offs, text) in zip(chunk, doc_tok.encode(chunk, offsets=offsets), strict=True):
+            yield r, ids, offs, text
+
+
+def _stop_at_cut(doc: tuple[Record, Any, Any, Any], p: Placed) -> bool:
+    return p.cutoff is not None and doc[0].index > p.cutoff.document
+
+
+def _doc_windows(plan: CorpusPlan, doc_tok: _DocumentTokenizer, doc: tuple[Record, Any, Any, Any], per_window: int,
+                 here: tuple[int, int], p: Placed) -> Iterator[Window]:
+    r, ids, offsets, text = doc
+    for w, (a, b) in enumerate(windows(len(ids), per_window)):
+        if (r.index, w) < here:  # stored by an earlier run
+            continue
+        input_ids = plan.affixes.wrap(ids[a:b])
+        n = len(input_ids) if p.cutoff is None else p.cutoff.keep(r.index, w, len(input_ids))
+        if n == 0:
+            return
+        input_ids, b = _cut(plan.affixes, input_ids, a, b, n)
+        yield Window(r.index, w, a, input_ids, doc_tok.window_text(ids, offsets, text, a, b) if b > a else "",
+                     ranked=True, cutoff=p.cutoff, dealt=True)
+
+
+class _PieceCounter:
+    """Counts one of a rank's pieces for the plan: its records, and the stored tokens of each when asked. The
+    bytes it reads of a piece are kept (``kept``, by piece number) when they are at most ``KEEP_BYTES``: the
+    extraction then reads them from memory instead of from the file again."""
+
+    def __init__(self, plan: CorpusPlan, doc_tok: _DocumentTokenizer):
+        self._plan = plan
+        self._doc_tok = doc_tok
+        self._per_window = plan.affixes.content_per_window(plan.context_len)
+        self._n_affixes = len(plan.affixes)
+        self.kept: dict[int, Recorder] = {}
+
+    def count(self, piece: Piece, tokens: bool) -> tuple[int, list[int] | None]:
+        rec = Recorder(self._plan.source.open, limit=KEEP_BYTES)
+        if not tokens:
+            n = _drain(self._plan.source.piece_records(piece, 0, skip=NONE_WANTED, opener=rec.open))
+            counts = None
+        else:
+            records = self._plan.source.piece_records(piece, 0, opener=rec.open)
+            counts = [stored_tokens(len(ids), self._per_window, self._n_affixes)
+                      for _r, ids, _o, _t in _encoded(records, self._doc_tok, offsets=False)]
+            n = len(counts)
+        if not rec.overflow and rec.size:
+            self.kept[piece.number] = rec
+        return n, counts
+
+
+def _drain(records: Any) -> int:
+    """Run a piece's reader to its end: what it returns (its count of records)."""
+    while True:
+        try:
+            next(records)
+        except StopIteration as stop:
+            return stop.value
+
+
 def plan_budget(plan: CorpusPlan, tok: Any, text_column: str, *, rank: int, world: int, all_gather: Gather,
                 resume: dict[str, int] | None = None, round_size: int | None = None) -> BudgetEnd:
     """Where ``plan.max_tokens`` (which must be set) ends over all ranks, counted before extracting: a
@@ -199,6 +319,8 @@ def plan_budget(plan: CorpusPlan, tok: Any, text_column: str, *, rank: int, worl
     >>> windows = stream_windows(plan, tok, "text", resume=None, rank=rank, world=world, end=end)  # doctest: +SKIP
     """
     check_share(rank, world)
+    if plan.source.dealt_files() is not None:
+        raise ValueError("a source dealt by piece plans while extracting: call stream_windows with all_gather")
     if plan.max_tokens is None:
         raise ValueError("plan_budget needs plan.max_tokens; without a budget every rank streams to the source's end")
     start = exchange_positions(all_gather, Position.from_progress(resume), world=world, limit=plan.max_tokens)
@@ -337,7 +459,7 @@ def progress_after(batch: list[Window]) -> dict[str, int]:
     if not last.ranked:
         return {"document": last.document, "window": last.index + 1}
     return progress_record(last.document, last.index + 1, tokens_before=last.tokens_before,
-                           last_tokens=len(last.input_ids), cutoff=last.cutoff)
+                           last_tokens=len(last.input_ids), cutoff=last.cutoff, dealt=last.dealt)
 
 
 def describe_context(context_len: int, limit: int | None) -> None:

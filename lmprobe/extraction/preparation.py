@@ -421,8 +421,15 @@ def _prepare_corpus(cfg: ExtractionConfig, source: Any, spec: ModelSpec, tok: An
                               f"pass --context-len {limit} or less")
     affixes = affixes_of(tok, special_tokens=cfg.special_tokens)
     affixes.content_per_window(context_len)  # room for content, or a clear error now
-    dropped = check_first_record(source, cfg.text_column, vocab, label_column=cfg.label_column,
-                                 windows_asked=cfg.context_len is not None)
+    dropped: list[str] = []
+
+    def first_record() -> None:
+        dropped.extend(check_first_record(source, cfg.text_column, vocab, label_column=cfg.label_column,
+                                          windows_asked=cfg.context_len is not None))
+
+    # one rank reads the first record, the others take its verdict: reading it means reading a parquet file's
+    # first row group, which would otherwise cost every rank of a job one row group more than its share
+    ranks.agree(first_record if ranks.rank == 0 else lambda: None)
     if dropped:  # said even with --quiet: it is about what the dataset will not hold
         logger.warning(f"note: corpus extraction stores windows of documents; the source's other columns "
                        f"({', '.join(repr(c) for c in dropped)}) are not stored: join them on each row's `document` "

@@ -59,6 +59,8 @@ AHEAD = 2
 
 #: The progress keys a rank of a multi-rank extraction with a budget records besides ``document``/``window``.
 PROGRESS_KEYS = ("tokens_before", "last_tokens", "cut_document", "cut_window", "cut_tokens", "cut_limit")
+#: The progress key of a rank whose source is dealt by piece (:mod:`.dealing`), not record by record.
+DEALT_KEY = "pieces"
 
 
 class Documents(Protocol[T]):
@@ -132,9 +134,11 @@ class Position:
 
 
 def progress_record(document: int, window: int, *, tokens_before: int | None, last_tokens: int,
-                    cutoff: Cutoff | None) -> dict[str, int]:
+                    cutoff: Cutoff | None, dealt: bool = False) -> dict[str, int]:
     """A rank's writer progress after window ``window - 1`` of ``document`` (the next one to run is
     ``window``): what :meth:`Position.from_progress` reads back. Every value is a count, as the writer wants.
+    ``dealt``: the source is dealt by piece (:mod:`.dealing`), recorded as ``pieces`` 1 so that a part made
+    with records dealt one by one is not resumed as if it were one.
 
     >>> progress_record(7, 2, tokens_before=300, last_tokens=12, cutoff=None)
     {'document': 7, 'window': 2, 'tokens_before': 300, 'last_tokens': 12}
@@ -146,6 +150,8 @@ def progress_record(document: int, window: int, *, tokens_before: int | None, la
     if cutoff is not None:
         out.update(cut_document=cutoff.document, cut_window=cutoff.window, cut_tokens=cutoff.tokens,
                    cut_limit=cutoff.limit)
+    if dealt:
+        out[DEALT_KEY] = 1
     return out
 
 
@@ -260,7 +266,7 @@ def _past_budget(rank: int, document: int, cutoff: Cutoff) -> ExtractionError:
 def exchange_positions(all_gather: Gather, position: Position, *, world: int, limit: int) -> Start:
     """Every rank's position, exchanged, and where planning starts (:func:`start_plan`): the first exchange
     of a plan, a collective."""
-    return start_plan([Position.from_json(x) for x in _gather(all_gather, position.to_json(), world)], limit)
+    return start_plan([Position.from_json(x) for x in gather_checked(all_gather, position.to_json(), world)], limit)
 
 
 def plan_rounds(documents: Callable[[int], Documents[T]], *, rank: int, world: int, limit: int, context_len: int,
@@ -282,10 +288,10 @@ def plan_rounds(documents: Callable[[int], Documents[T]], *, rank: int, world: i
             try:
                 mine = docs.take(hi)
             except Exception as exc:
-                _gather(all_gather, {"error": _describe(exc)}, world)  # the others stop with this rank's error
+                gather_checked(all_gather, {"error": describe_failure(exc)}, world)  # the others stop with this rank's error
                 raise
-            gathered = _gather(all_gather, {"counts": [n for _, n, _ in mine]}, world)
-            _raise_from_others(gathered)
+            gathered = gather_checked(all_gather, {"counts": [n for _, n, _ in mine]}, world)
+            raise_from_others(gathered)
             counts = merge_counts(gathered, lo, hi, world)
             cutoff, after = find_cutoff(counts, used=used, limit=limit, context_len=context_len)
             before, total = {}, used
@@ -302,7 +308,7 @@ def plan_rounds(documents: Callable[[int], Documents[T]], *, rank: int, world: i
             lo, used = hi, after
     except GeneratorExit:
         if not finished:  # this rank's extraction stopped: the others would wait for its counts forever
-            _gather(all_gather, {"stop": True}, world)
+            gather_checked(all_gather, {"stop": True}, world)
         raise
 
 
@@ -319,14 +325,16 @@ def unplanned_rounds(docs: Documents[T], start: int, round_size: int, cutoff: Cu
         lo = hi
 
 
-def _gather(all_gather: Gather, payload: Any, world: int) -> list:
+def gather_checked(all_gather: Gather, payload: Any, world: int) -> list:
+    """Every rank's ``payload``, by rank (an exchange's result checked for its length)."""
     got = list(all_gather(payload))
     if len(got) != world:
         raise AssertionError(f"all_gather returned {len(got)} objects for {world} ranks")
     return got
 
 
-def _describe(exc: BaseException) -> dict[str, str]:
+def describe_failure(exc: BaseException) -> dict[str, str]:
+    """A rank's error as a small JSON value, sent to the others in an exchange (:func:`raise_from_others`)."""
     if isinstance(exc, PromptError):
         return {"kind": "prompt", "message": str(exc)}
     if isinstance(exc, LmprobeError):
@@ -334,7 +342,7 @@ def _describe(exc: BaseException) -> dict[str, str]:
     return {"kind": "bug", "message": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
-def _raise_from_others(gathered: list[Mapping[str, Any]]) -> None:
+def raise_from_others(gathered: list[Mapping[str, Any]]) -> None:
     """The first other rank's error or stop, raised on this rank too."""
     for other, payload in enumerate(gathered):
         if "error" in payload:

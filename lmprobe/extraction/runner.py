@@ -28,7 +28,7 @@ from ..format.staging import describe_mismatch
 from ..format.writer import DatasetWriter
 from .backend_nnsight import nnsight_version
 from .config import RESUMABLE_SETTINGS, ExtractionConfig, same_extraction
-from .corpus import stream_windows
+from .corpus import exchanges, stream_windows
 from .examine import ranges
 from .loop import run_corpus, run_prompts
 from .outputs import Output, open_output
@@ -206,7 +206,7 @@ def _extract_parallel(job: Job, output: Output, rank: int, world: int) -> Datase
     done = _finished(part_job, part)
     if done is None:
         _extract(part_job, part)
-    elif job.corpus is not None and job.corpus.max_tokens is not None:
+    elif job.corpus is not None and exchanges(job.corpus, world):
         # a finished part still takes part in planning the budget, or the other ranks would wait for it
         for _ in stream_windows(job.corpus, job.tokenizer, cfg.text_column, resume=done.info.get("progress"),
                                 rank=rank, world=world, all_gather=job.ranks.all_gather):

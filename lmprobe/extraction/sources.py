@@ -20,6 +20,14 @@ counted from the footer) that hold none of them; a CSV file's parser finds every
 the rank's rows become records; a Hugging Face stream drops the other ranks' examples as Arrow
 rows, before they are decoded.
 
+A source of many files deals whole pieces instead (:meth:`Source.pieces`): a piece is a file, or one
+row group of a parquet file, and piece ``p`` belongs to rank ``p % world``, so that a rank opens and
+reads only its own files (about ``1/world`` of the bytes). The documents keep their numbers in the
+whole source: a parquet piece's first record is known from the footers (each rank reads its share
+of them and the ranks exchange the row counts), another file's from the record counts the ranks
+exchange (:mod:`.dealing`). Every file is opened through :meth:`Source.open`, the one place its
+bytes are read.
+
 >>> src = MemorySource(["a", "b", "c", "d", "e"], text_column="text")
 >>> [(r.index, r.values["text"]) for r in src.records(1, rank=1, world=2)]
 [(1, 'b'), (3, 'd')]
@@ -33,16 +41,17 @@ import itertools
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..base.display import one_line
 from ..base.safeio import loads
 from ..errors import PromptError
 from ..format.values import is_null
 from ..storage.hub import REPO_ID_RE
+from .pieces import Piece, build_pieces, read_footer, row_group_bytes
 
 SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".txt", ".text")
 #: A column of integer lists: the record is pretokenized, these are its token ids.
@@ -93,6 +102,66 @@ class Source(ABC):
     """A stream of records with a description (for messages) and an identity (for resuming)."""
 
     description: str = "prompts"
+    text_column: str = "text"  # a line of a .jsonl file that is a bare string is this column's text
+
+    def dealt_files(self) -> list[Any] | None:
+        """The files that many ranks deal by piece (two or more, of kinds read piece by piece), in source order;
+        None: a source without files, or of one file, whose records are dealt one by one (:func:`owner`)."""
+        return None
+
+    def file_sizes(self) -> list[int]:
+        """The byte sizes of :meth:`dealt_files`."""
+        raise NotImplementedError(f"{type(self).__name__} has no files")
+
+    def file_name(self, k: int) -> str:
+        """File ``k`` of :meth:`dealt_files`, for messages."""
+        return str(self._dealt()[k])
+
+    def open(self, f: Any) -> BinaryIO:
+        """One of the source's files, opened for reading: every byte of a source of files is read through it."""
+        raise NotImplementedError(f"{type(self).__name__} has no files")
+
+    def _dealt(self) -> list[Any]:
+        files = self.dealt_files()
+        if files is None:
+            raise ValueError(f"{self.description} is not dealt by piece")
+        return files
+
+    def _footers(self) -> dict[int, Any]:
+        return self.__dict__.setdefault("_footer_cache", {})
+
+    def file_layout(self, k: int) -> list[list[int]] | None:
+        """File ``k``'s row groups as ``[rows, bytes]`` (a parquet file: read from its footer, which is kept for
+        reading its row groups), or None: a file read whole, its records counted by reading it."""
+        f = self._dealt()[k]
+        if _suffix(f) != ".parquet":
+            return None
+        with self.open(f) as fh:
+            meta = read_footer(fh, self.file_name(k))
+        self._footers()[k] = meta
+        return [[meta.row_group(g).num_rows, row_group_bytes(meta.row_group(g))] for g in range(meta.num_row_groups)]
+
+    def pieces(self) -> list[Piece] | None:
+        """The pieces many ranks deal (piece ``p`` is rank ``p % world``'s), in source order, every parquet
+        footer read here (a rank of many reads only its share of them: :func:`.dealing.share_pieces`); None:
+        the records are dealt one by one."""
+        files = self.dealt_files()
+        if files is None:
+            return None
+        cached = self.__dict__.get("_all_pieces")
+        if cached is None:
+            cached = self.__dict__["_all_pieces"] = build_pieces([self.file_layout(k) for k in range(len(files))],
+                                                                 self.file_sizes())
+        return cached
+
+    def piece_records(self, piece: Piece, first: int, *, skip: int = 0, opener: Opener | None = None
+                      ) -> Generator[Record, None, int]:
+        """The records of ``piece`` from its ``skip``-th on (the ones before are not parsed), numbered in the
+        whole source from ``first`` (the piece's first record); returns how many records the piece holds.
+        ``opener``: how to open the piece's file (default :meth:`open`)."""
+        f = self._dealt()[piece.file]
+        return read_piece(opener or self.open, f, self.file_name(piece.file), self.text_column,
+                          piece, first, skip=skip, footer=self._footers().get(piece.file))
 
     @abstractmethod
     def identity(self) -> dict[str, Any]:
@@ -175,20 +244,65 @@ class FilesSource(Source):
     def _name(self, f: Path) -> str:
         return str(f) if not self.path.is_dir() else str(self.path / f.relative_to(self.path))
 
+    def open(self, f: Any) -> BinaryIO:
+        """One of the source's files, opened for reading: every byte of the source is read through it."""
+        return open(f, "rb")
+
     def records(self, start: int = 0, *, rank: int = 0, world: int = 1) -> Iterator[Record]:
         check_share(rank, world)
         offset = 0  # index of the file's first record in the whole source
         for f in self.files:
-            reader = {".parquet": _parquet_records, ".csv": _csv_records, ".tsv": _csv_records}.get(
-                f.suffix.lower(), _line_records)
             first = first_owned(max(start, offset), rank, world) - offset  # the file's first record to read
-            offset += yield from _indexed(reader(f, self._name(f), self.text_column, first=first, step=world), offset,
-                                          self._name(f))
+            offset += yield from _indexed(_reader(f)(self.open, f, self._name(f), self.text_column, first=first,
+                                                     step=world), offset, self._name(f))
+
+    def dealt_files(self) -> list[Any] | None:
+        return self.files if len(self.files) >= 2 else None
+
+    def file_sizes(self) -> list[int]:
+        return [f.stat().st_size for f in self.files]
+
+    def file_name(self, k: int) -> str:
+        return self._name(self.files[k])
 
 
 #: A reader of one file: yields (record number in the file, where, values) for the records ``first``,
 #: ``first + step``, ... only, and returns how many records the file holds.
 FileRecords = Generator[tuple[int, str, dict], None, int]
+#: Opens one of a source's files for reading (a local path, or a file on the Hub).
+Opener = Callable[[Any], BinaryIO]
+#: Records to ask a reader for when only its count of records is wanted.
+NONE_WANTED = 2**62
+
+
+def _suffix(f: Any) -> str:
+    return os.path.splitext(str(f))[1].lower()
+
+
+def _reader(f: Any) -> Callable[..., FileRecords]:
+    return {".parquet": _parquet_records, ".csv": _csv_records, ".tsv": _csv_records}.get(_suffix(f), _line_records)
+
+
+def read_piece(opener: Opener, f: Any, name: str, text_column: str, piece: Piece, first: int, *,
+               skip: int = 0, footer: Any = None) -> Generator[Record, None, int]:
+    """The records of one piece of file ``f`` from its ``skip``-th on, numbered from ``first`` in the whole
+    source; returns the piece's count of records. ``skip`` past the end: nothing parsed, only counted (a
+    parquet piece: not even read). ``footer``: the file's parsed footer, when this process has it."""
+    if piece.row_group is None:
+        return (yield from _indexed(_reader(f)(opener, f, name, text_column, first=skip, step=1), first, name))
+    if skip >= piece.rows:
+        return piece.rows
+    import pyarrow.parquet as pq
+
+    with opener(f) as fh:
+        pos = 0
+        pf = pq.ParquetFile(fh, metadata=footer if footer is not None else read_footer(fh, name))
+        for batch in pf.iter_batches(batch_size=1024, row_groups=[piece.row_group]):
+            if skip < pos + batch.num_rows:
+                for k, rec in enumerate(batch.slice(max(0, skip - pos)).to_pylist(), start=max(skip, pos)):
+                    yield Record(first + k, name, f"row {piece.first_row + k}", rec)
+            pos += batch.num_rows
+    return piece.rows
 
 
 def _indexed(rows: FileRecords, offset: int, name: str) -> Generator[Record, None, int]:
@@ -201,13 +315,13 @@ def _indexed(rows: FileRecords, offset: int, name: str) -> Generator[Record, Non
         yield Record(offset + k, name, at, values)
 
 
-def _line_records(path: Path, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
+def _line_records(opener: Opener, path: Any, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
     """Records of a .jsonl or .txt file, one a non-blank line (blank lines are skipped, not counted).
 
     Every line is found, but only the records asked for are decoded and parsed."""
-    jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
+    jsonl = _suffix(path) in (".jsonl", ".ndjson")
     n, want = 0, first
-    with open(path, "rb") as f:
+    with opener(path) as f:
         for lineno, raw in enumerate(f, start=1):
             if raw.isspace():
                 continue
@@ -237,12 +351,18 @@ def _line_values(raw: bytes, name: str, lineno: int, text_column: str, jsonl: bo
     return obj
 
 
-def _parquet_records(path: Path, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
+def _parquet_records(opener: Opener, path: Any, name: str, text_column: str, *, first: int, step: int
+                     ) -> FileRecords:
     """Rows of a parquet file: row groups that hold no row asked for are not read (the footer counts them),
     and only the rows asked for become Python values."""
+    with opener(path) as fh:
+        return (yield from _parquet_rows(fh, first=first, step=step))
+
+
+def _parquet_rows(fh: BinaryIO, *, first: int, step: int) -> FileRecords:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    pf = pq.ParquetFile(fh)
     meta = pf.metadata
     row, want = 0, first  # the row group's first row; the next row asked for
     for g in range(meta.num_row_groups):
@@ -271,14 +391,19 @@ def _materialise(batch: Any, first: int, step: int) -> list[dict]:
     return batch.take(pa.array(range(first, batch.num_rows, step), type=pa.int64())).to_pylist()
 
 
-def _csv_records(path: Path, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
+def _csv_records(opener: Opener, path: Any, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
     """Rows of a CSV/TSV file: pandas' parser finds every row (quoted fields may span lines), and only the rows
     asked for become records."""
+    with opener(path) as fh:
+        return (yield from _csv_rows_of(fh, _suffix(path), name, text_column, first=first, step=step))
+
+
+def _csv_rows_of(fh: BinaryIO, suffix: str, name: str, text_column: str, *, first: int, step: int) -> FileRecords:
     import pandas as pd
 
     row, want = 0, first
     # the text column is text even when it looks like a number ("007")
-    chunks = pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",", keep_default_na=True,
+    chunks = pd.read_csv(fh, sep="\t" if suffix == ".tsv" else ",", keep_default_na=True,
                          dtype_backend="numpy_nullable", dtype={text_column: str}, encoding="utf-8", chunksize=4096)
     try:
         for df in chunks:
@@ -303,10 +428,61 @@ def _csv_rows(df: Any, rows: range) -> list[dict]:
 class HubDatasetSource(Source):
     """A Hugging Face dataset, streamed with the ``datasets`` library (nothing downloaded whole)."""
 
-    def __init__(self, repo: str, *, config: str | None, split: str, token: Any = None):
+    def __init__(self, repo: str, *, config: str | None, split: str, token: Any = None, text_column: str = "text"):
         self.repo, self.config, self.split, self.token = repo, config, split, token
+        self.text_column = text_column  # a .jsonl line that is a bare string is this column's text
         self.description = f"hf://datasets/{repo}" + (f" ({config})" if config else "") + f" [{split}]"
         self._revision: str | None = None
+        self._files: list[str] | None = None  # the split's data files, when it is dealt by piece
+
+    def dealt_files(self) -> list[Any] | None:
+        """A split of many parquet files (the Hub's own form of a dataset), or of many .jsonl files, is dealt by
+        piece and read with lmprobe's own readers through ``HfFileSystem``; any other split is streamed with
+        ``datasets`` and dealt by record."""
+        if self._files is None:
+            self._files = self._data_files()
+        return self._files if len(self._files) >= 2 else None
+
+    def file_sizes(self) -> list[int]:
+        """Sizes from one listing of each folder (not a request a file)."""
+        fs = self._fs()
+        sizes: dict[str, int] = {}
+        for folder in sorted({f.rsplit("/", 1)[0] for f in self._dealt()}):
+            for entry in fs.ls(folder, detail=True):
+                sizes[entry["name"].rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
+        return [sizes.get(f.rsplit("/", 1)[-1], 0) for f in self._dealt()]
+
+    def file_name(self, k: int) -> str:
+        f = self._dealt()[k]
+        return f"hf://{f.split('@', 1)[0]}/{f.split('/', 3)[-1]}" if "@" in f else f"hf://{f}"  # without the revision
+
+    def _data_files(self) -> list[str]:
+        """The split's data files, in the order ``datasets`` streams them, when they are all parquet files or all
+        .jsonl files (read as ``datasets`` reads them: one record a line)."""
+        try:
+            import datasets
+        except ImportError:  # pragma: no cover - a dependency of the dev extras
+            raise PromptError("reading a Hugging Face dataset needs `datasets`: pip install datasets") from None
+        # an error is raised, not taken for "not dealt by piece": every rank must decide the same way (a rank
+        # that failed to look would deal records while the others deal pieces)
+        try:
+            builder = datasets.load_dataset_builder(self.repo, self.config, token=self.token)
+        except (FileNotFoundError, ValueError) as exc:
+            raise PromptError(f"cannot open {self.description}: {str(exc).splitlines()[0]}") from None
+        files = list((builder.config.data_files or {}).get(self.split, []))
+        kinds = {"parquet": (".parquet",), "json": (".jsonl", ".ndjson")}.get(builder.name, ())
+        if not files or not all(_suffix(f) in kinds for f in files):
+            return []
+        return [f.removeprefix("hf://") for f in files]
+
+    def _fs(self) -> Any:
+        from huggingface_hub import HfFileSystem
+
+        return HfFileSystem(token=self.token)
+
+    def open(self, f: Any) -> BinaryIO:
+        """One of the split's data files on the Hub, opened for reading (byte ranges, as pyarrow asks)."""
+        return self._fs().open(f, "rb")
 
     def _stream(self):
         try:
@@ -382,9 +558,9 @@ def open_source(spec: Any, *, text_column: str = "text", config: str | None = No
             repo = rest[len("datasets/"):].strip("/")
             if not REPO_ID_RE.match(repo):
                 raise PromptError(f"{s}: {repo!r} is not a repo id (OWNER/NAME)")
-            return HubDatasetSource(repo, config=config, split=split, token=token)
+            return HubDatasetSource(repo, config=config, split=split, token=token, text_column=text_column)
         if REPO_ID_RE.match(s) and path.suffix.lower() not in SUFFIXES:
-            return HubDatasetSource(s, config=config, split=split, token=token)
+            return HubDatasetSource(s, config=config, split=split, token=token, text_column=text_column)
         raise PromptError(f"prompt file {path} does not exist (nor is {s!r} a Hub dataset id, OWNER/NAME)")
     if isinstance(spec, Sequence) and not isinstance(spec, (str, bytes)) or _is_frame(spec):
         return MemorySource(spec, text_column=text_column)
