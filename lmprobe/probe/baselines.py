@@ -129,7 +129,9 @@ def baseline_table(data: ProbeData, folds: Folds, *, layer: LayerArg, method: An
         skip("bag_of_words", "needs scikit-learn: pip install 'lmprobe[probe]'")
 
     first = data.parts[0][0]
-    if 0 in first.layers_here(data.hookpoint) and all(0 in ds.layers_here(data.hookpoint) for ds, _ in data.parts):
+    if data.layers_list(layer) == [0]:
+        skip("layer_0", "the probe reads layer 0 itself")
+    elif 0 in first.layers_here(data.hookpoint) and all(0 in ds.layers_here(data.hookpoint) for ds, _ in data.parts):
         X0, b0 = data.features(0)
         run("layer_0", linear(X0, method, blocks=b0), X0.shape[1], "embeddings")
         del X0
