@@ -9,7 +9,7 @@ from ..errors import ProbeError
 from .baselines import BASELINES
 from .evaluate import baselines, plot_sweep, sweep, train_probe, transfer
 from .linear import LinearProbe, features, labels, layer_features, mean_hidden
-from .methods import METHODS
+from .methods import METHODS, has_sklearn
 
-__all__ = ["BASELINES", "METHODS", "LinearProbe", "ProbeError", "baselines", "features", "labels", "layer_features", "mean_hidden",
+__all__ = ["BASELINES", "METHODS", "LinearProbe", "ProbeError", "baselines", "features", "has_sklearn", "labels", "layer_features", "mean_hidden",
            "plot_sweep", "sweep", "train_probe", "transfer"]

@@ -26,17 +26,9 @@ import numpy as np
 from .crossval import cross_validate, fit_predictor, metric_names
 from .folds import Folds
 from .inputs import LayerArg, ProbeData
-from .methods import fit, resolve_sign, unit
+from .methods import fit, has_sklearn, resolve_sign, unit
 
 BASELINES = ("majority", "shuffled_labels", "random_direction", "text_length", "bag_of_words", "layer_0", "perplexity")
-
-
-def _has_sklearn() -> bool:
-    try:
-        import sklearn  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def baseline_table(data: ProbeData, folds: Folds, *, layer: LayerArg, method: Any = "logistic", seed: int = 0,
@@ -45,7 +37,7 @@ def baseline_table(data: ProbeData, folds: Folds, *, layer: LayerArg, method: An
     import pandas as pd
 
     task, y, classes = data.task, data.y, data.classes
-    sk = _has_sklearn()
+    sk = has_sklearn()
     text_method = ("ridge" if task == "regression" else "logistic") if sk else "mass_mean"
     rows = []
 

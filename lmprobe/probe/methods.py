@@ -86,6 +86,14 @@ def check_method(method: Any, *, task: str = "classification", n_classes: int = 
                          "sets / datasets)")
 
 
+def has_sklearn() -> bool:
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def require_sklearn(what: str) -> None:
     try:
         import sklearn  # noqa: F401
