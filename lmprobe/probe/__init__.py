@@ -7,9 +7,10 @@ mass_mean, mass_mean_iid, pca and ccs run on numpy alone. docs/probing.md is the
 
 from ..errors import ProbeError
 from .baselines import BASELINES
+from .ensemble import ProbeEnsemble
 from .evaluate import baselines, plot_sweep, sweep, train_probe, transfer
 from .linear import LinearProbe, features, labels, layer_features, mean_hidden
 from .methods import METHODS, has_sklearn
 
-__all__ = ["BASELINES", "METHODS", "LinearProbe", "ProbeError", "baselines", "features", "has_sklearn", "labels", "layer_features", "mean_hidden",
+__all__ = ["BASELINES", "METHODS", "LinearProbe", "ProbeEnsemble", "ProbeError", "baselines", "features", "has_sklearn", "labels", "layer_features", "mean_hidden",
            "plot_sweep", "sweep", "train_probe", "transfer"]
