@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from .. import api
 from ..opening import load
-from ..probe import METHODS, plot_sweep, sweep, train_probe
+from ..probe import METHODS, plot_sweep, steer, sweep, train_probe
 from .options import (
     add_cache_option,
     add_quiet_option,
@@ -76,6 +76,23 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, e.g. -4,0,4; got {text!r}") from None
+
+
+def cmd_steer(args: argparse.Namespace) -> int:
+    table = steer(args.model, args.probe, args.prompts, alphas=args.alphas, layer=args.layer, hookpoint=args.hookpoint,
+                  ablate=args.ablate, targets=args.target or [], read_layer=args.read_layer,
+                  text_column=args.text_column, device=args.device, revision=args.revision,
+                  trust_remote_code=args.trust_remote_code)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    print(f"unsteered probe score at layer {int(table['read_layer'][0])}: {table.attrs['unsteered_probe_score']:.4f}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     path = api.report(open_source(args.dataset, args.cache, args.quiet), args.out, prompts=args.prompts, sample=args.sample, tokenizer=args.tokenizer,
                       probe=not args.no_probe, quiet=args.quiet)
@@ -126,6 +143,28 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write accuracy against layer to this image (default: no plot)")
     p.set_defaults(func=cmd_probe)
+
+    p = command("steer", help="the causal check: add a probe's direction to the stream (or ablate it) and measure "
+                "the probe's score at a later layer and target tokens' log-probabilities")
+    p.add_argument("--model", required=True, help="the model the probe's dataset was extracted from")
+    p.add_argument("--probe", required=True, metavar="PATH", help="a saved probe (PATH.safetensors + PATH.json, "
+                   "from `lmprobe probe --save` or LinearProbe.save)")
+    p.add_argument("--prompts", required=True, metavar="SOURCE", help="prompts: a .jsonl/.csv/.txt/.parquet file, "
+                   "a folder or a Hub dataset, as extract reads them")
+    p.add_argument("--text-column", default="text", help="the prompts' text column")
+    p.add_argument("--alphas", type=_floats, default=[-4.0, 0.0, 4.0], metavar="A,B,...",
+                   help="multiples of the probe's unit direction to add (default -4,0,4)")
+    p.add_argument("--ablate", action="store_true", help="remove the direction's component instead of adding it")
+    p.add_argument("--layer", type=int, default=None, help="the block to steer (default: the probe's layer)")
+    p.add_argument("--hookpoint", default=None, help="where in the block (default: the probe's hookpoint)")
+    p.add_argument("--read-layer", type=int, default=None, help="where the probe's score is read (default: the next "
+                   "layer its dataset stored)")
+    p.add_argument("--target", action="append", default=None, metavar="TOKEN",
+                   help="a next token whose log-probability to report (one token; repeat for several)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps")
+    p.add_argument("--revision", default=None, help="the model's Hub revision")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the model repository's own code")
+    p.set_defaults(func=cmd_steer)
 
     p = command("report", help="a self-contained HTML page about a dataset: facts, plots, prompts, labels")
     p.add_argument("dataset", metavar="DATASET", help="dataset folder, Hub repo or fsspec URL")

@@ -11,6 +11,7 @@ from .ensemble import ProbeEnsemble
 from .evaluate import baselines, plot_sweep, sweep, train_probe, transfer
 from .linear import LinearProbe, features, labels, layer_features, mean_hidden
 from .methods import METHODS, has_sklearn
+from .steer import steer
 
 __all__ = ["BASELINES", "METHODS", "LinearProbe", "ProbeEnsemble", "ProbeError", "baselines", "features", "has_sklearn", "labels", "layer_features", "mean_hidden",
-           "plot_sweep", "sweep", "train_probe", "transfer"]
+           "plot_sweep", "steer", "sweep", "train_probe", "transfer"]

@@ -30,8 +30,10 @@ from .methods import Pairs, check_method, fit, method_name
 
 def _settings(data: ProbeData, method: Any, label_column: str, seed: int, extra: dict) -> dict:
     ds = data.parts[0][0]
+    hookpoint = data.hookpoint or ds.hidden_desc(None).hookpoint  # what the probe reads, named for `steer`
     return {"method": method_name(method), "task": data.task, "label_column": label_column,
-            "pooling": data.pooling, "hookpoint": data.hookpoint, "seed": seed, "model": ds.model,
+            "pooling": data.pooling, "hookpoint": hookpoint, "stored_layers": list(ds.layers_here(data.hookpoint)),
+            "seed": seed, "model": ds.model,
             "trained_on": ds.source, "n_samples": int(data.n), **extra}
 
 
