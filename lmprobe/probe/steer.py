@@ -74,7 +74,7 @@ def steer(model: str, probe: LinearProbe | str | os.PathLike, prompts: Any, *, a
     alphas = [float(a) for a in alphas]
     if not ablate and not alphas:
         raise ProbeError("alphas is empty: pass the multiples of the direction to add, e.g. alphas=[-4, 0, 4]")
-    texts = read_prompts(prompts, text_column=text_column, label_column=None).texts
+    texts = read_prompts(prompts, text_column=text_column).texts
     if not texts:
         raise ProbeError("no prompts to steer")
     spec = read_model_spec(model, revision=revision, trust_remote_code=trust_remote_code)
