@@ -165,7 +165,9 @@ def test_contrast_pairs_by_column_and_by_two_datasets(tmp_path, rng):
     write(tmp_path / "both", {0: X}, y, pair=[int(i) // 2 for i in range(2 * n)])
     p = probe.train_probe(None, layer=0, method="pca", pairs=(tmp_path / "pos", tmp_path / "neg"))
     q = probe.train_probe(tmp_path / "both", layer=0, method="pca", pairs="pair")
+    r = probe.train_probe(tmp_path / "both", layer=0, method="pca", pairs=(np.arange(0, 2 * n, 2), np.arange(1, 2 * n, 2)))
     assert abs(np.dot(p.direction, d / np.linalg.norm(d))) > 0.999 and np.dot(q.direction, p.direction) > 0.999
+    assert np.dot(r.direction, p.direction) > 0.999
     t = probe.sweep(tmp_path / "both", method=["pca", "mass_mean"], pairs="pair", cv=4)
     assert (t.accuracy > 0.55).all()
     with pytest.raises(probe.ProbeError, match="exactly two rows"):
