@@ -214,3 +214,10 @@ def test_transfer_matrix(tmp_path, rng):
     m = probe.transfer({k: tmp_path / k for k in "abc"}, layer=0, method="mass_mean", cv=3)
     assert list(m.index) == list(m.columns) == ["a", "b", "c"]
     assert m.loc["a", "a"] > 0.9 and m.loc["a", "b"] > 0.9 and m.loc["a", "c"] < 0.2
+
+
+def test_negative_layers_are_named_as_the_layers_they_are(tmp_path, rng):
+    X, y = signal(rng)
+    write(tmp_path / "ds", X, y)
+    t = probe.sweep(tmp_path / "ds", layers=[-1, [0, -1]], method="mass_mean", cv=3)
+    assert t.layer.tolist() == [2, "0+2"]

@@ -62,8 +62,9 @@ def cross_validate(fitter: Fitter, y: np.ndarray, folds: Folds, *, task: str, cl
     out: dict = {}
     for name in metric_names(task):
         vals = np.array([f[name] for f in per_fold], dtype=np.float64)
-        out[name] = float(vals.mean())
-        out[f"{name}_std"] = float(vals.std())
+        ok = vals[~np.isnan(vals)]  # a fold with one class has no AUROC: the others still count
+        out[name] = float(ok.mean()) if len(ok) else float("nan")
+        out[f"{name}_std"] = float(ok.std()) if len(ok) else float("nan")
     if bootstrap:
         yy, pp = np.concatenate(oof_y), np.concatenate(oof_pred)
         ss = None if any(s is None for s in oof_score) else np.concatenate(oof_score)

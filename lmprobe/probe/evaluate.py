@@ -182,7 +182,9 @@ def sweep(ds: Any, layers: Sequence[Any] | None = None, label_column: str = "lab
         for m in methods:
             res = cross_validate(_fitter(X, data, m, blocks, seed, C), y, folds, task=task,
                                  classes=data.classes, bootstrap=bootstrap, seed=seed, test_rows=t_rows)
-            rows.append({**({"hookpoint": hp} if hookpoints is not None else {}), "layer": _layer_label(layer),
+            resolved = data.layers_list(layer)  # -1 named as the layer it is
+            label = resolved[0] if isinstance(layer, (int, np.integer)) else resolved
+            rows.append({**({"hookpoint": hp} if hookpoints is not None else {}), "layer": _layer_label(label),
                          **res, "n_samples": int(len(folds[0][0]) + len(folds[0][1])),
                          "n_features": int(X.shape[1]), "method": method_name(m)})
     table = pd.DataFrame(rows)
