@@ -83,3 +83,15 @@ def test_cli_steer(tiny, tmp_path, capsys):
     assert "delta_probe_score" in out and "logprob[.]" in out and "unsteered probe score at layer 3" in out
     assert cli_main(["steer", "--model", "lmprobe-tiny", "--probe", str(tmp_path / "missing"), "--prompts",
                      str(tmp_path / "prompts.txt")]) == 2
+
+
+@pytest.mark.parametrize("hookpoint", ["resid_pre", "mlp_out", "mlp_in"])
+def test_other_hookpoints_are_steered_where_extract_reads_them(tiny, hookpoint):
+    """A pre-hook on an input (resid_pre, mlp_in) or a hook on a sublayer's output (mlp_out): the direction added
+    there moves its own score there by exactly alpha."""
+    ds, _ = tiny
+    p = known_probe(ds.hidden_desc(None).dim, layer=3, seed=1)
+    p.settings["hookpoint"] = hookpoint
+    t = probe.steer("lmprobe-tiny", p, PROMPTS[:2], alphas=[-2, 0, 3], read_layer=3, device="cpu")
+    assert (t.hookpoint == hookpoint).all()
+    np.testing.assert_allclose(t.delta_probe_score, [-2, 0, 3], atol=1e-4)
