@@ -168,7 +168,7 @@ def _command_line_problems(text: str) -> tuple[int, list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", ["README.md", "docs/cli.md", "docs/corpus.md", "docs/quickstart.md",
-                                  "docs/publishing.md", "docs/saev.md", "docs/pages.md"])
+                                  "docs/publishing.md", "docs/saev.md", "docs/pages.md", "docs/probing.md"])
 def test_documented_command_lines_parse(page):
     """Every `lmprobe ...` line in a page's code blocks is one the parser accepts (a synopsis: its options exist)."""
     seen, problems = _command_line_problems((ROOT / page).read_text())

@@ -105,6 +105,8 @@ def test_report_renders_facts_plots_prompts_and_labels(tiny_ds, tmp_path):
     positions = re.findall(r'class="xtick"[^>]*>([^<]*)<', position_chart)
     assert positions and all(re.fullmatch(r"\d+", x) for x in positions), positions  # no 3.5 or 10.5
     assert "-fold cross-validated logistic regression" in dom
+    assert re.search(r"Best probe: layer \d+, accuracy [\d.]+ ± [\d.]+; best baseline \w+ [\d.]+ on the same folds\. "
+                     r"The probe beats (every|no) baseline", dom)
     assert dom.count('class="prompt"') == 4  # 3 sampled + the chosen one
     assert "perplexity" in dom and "next token, top 5 by logit: " in dom  # tokens by perplexity, top-k logits
     assert "lmprobe-tiny" in dom and "full_sequence" in dom

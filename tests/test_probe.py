@@ -151,3 +151,19 @@ def test_probe_without_a_label_column_names_the_columns_and_the_option(tmp_path,
     assert err == ("lmprobe probe: error: the dataset has no 'label' column; its own columns are ['Label', 'topic']: "
                    "pass --label-column NAME (label_column= in Python); did you mean --label-column Label?"), err
     assert cli_main(["probe", str(tmp_path / "ds"), "--label-column", "Label", "--cv", "2"]) == 0
+
+
+def test_cli_probe_methods_baselines_and_save(tmp_path, rng, capsys):
+    separable(tmp_path / "ds", rng, dim=48)
+    assert cli_main(["probe", str(tmp_path / "ds"), "--method", "mass_mean,pca", "--cv", "4", "--baselines",
+                     "--bootstrap", "50", "--save", str(tmp_path / "best")]) == 0
+    out = capsys.readouterr().out
+    assert "mass_mean" in out and "pca" in out and "accuracy_lo" in out and "baselines (same folds):" in out
+    assert "best baseline" in out and "beaten" in out
+    p = probe.LinearProbe.load(tmp_path / "best")
+    assert p.layer in (1, 2) and p.settings["method"] in ("mass_mean", "pca")  # the best row (both score 1.0)
+    assert cli_main(["probe", str(tmp_path / "ds"), "--method", "svm"]) == 2
+    assert "method must be one of logistic, ridge, mass_mean" in capsys.readouterr().err
+    assert cli_main(["probe", str(tmp_path / "ds"), "--layers", "1,2", "--concat", "--method", "mass_mean",
+                     "--cv", "3"]) == 0
+    assert "1+2" in capsys.readouterr().out

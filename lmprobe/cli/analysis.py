@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from .. import api
 from ..opening import load
-from ..probe import plot_sweep, sweep
+from ..probe import METHODS, plot_sweep, steer, sweep, train_probe
 from .options import (
     add_cache_option,
     add_quiet_option,
@@ -18,20 +18,78 @@ from .options import (
 )
 
 
+def _pooling(text: str):
+    """--pooling: a name, or a token position (an int, negative from the end)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _test_arg(text: str | None):
+    """--test: COLUMN=VALUE, or a dataset (folder or Hub repo) held out."""
+    if text is None:
+        return None
+    if "=" in text and not text.startswith(("hf://", "/", ".")):
+        column, value = text.split("=", 1)
+        return (column, int(value) if value.lstrip("-").isdigit() else value)
+    return text
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     ds = load(args.dataset)
     layers = stored_layers(args.layers, ds.layers)
+    if args.concat:
+        layers = [layers]
     hookpoints = hookpoint_list(args.hookpoints)
-    table = sweep(ds, layers=layers, label_column=args.label_column, classifier=args.classifier, cv=args.cv,
-                  pooling=args.pooling, seed=args.seed, hookpoints=hookpoints)
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    best = table.loc[table["accuracy"].idxmax()]
+    methods = [m.strip() for m in (args.classifier or args.method).split(",")]
+    table = sweep(ds, layers=layers, label_column=args.label_column, method=methods, cv=args.cv,
+                  pooling=_pooling(args.pooling), seed=args.seed, hookpoints=hookpoints, task=args.task,
+                  groups=args.groups, pairs=args.pairs, test=_test_arg(args.test), bootstrap=args.bootstrap,
+                  baselines=args.baselines)
+    key = "r2" if args.task == "regression" else "accuracy"
+    shown = table.drop(columns=[c for c in table.columns if c.endswith(("_lo", "_hi"))]) if not args.bootstrap else table
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if args.baselines:
+        b = table.attrs["baselines"]
+        print("\nbaselines (same folds):")
+        print(b[["baseline", key, f"{key}_std", "note"]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    best = table.loc[table[key].idxmax()]
     where = f"{best['hookpoint']} " if "hookpoint" in table.columns else ""
-    print(f"best {where}layer {int(best['layer'])}: accuracy {best['accuracy']:.3f} +- {best['accuracy_std']:.3f} "
-          f"({args.cv}-fold, {args.classifier}, {args.pooling})")
+    line = (f"best {where}layer {best['layer']}: {key} {best[key]:.3f} +- {best[f'{key}_std']:.3f} "
+            f"({args.cv}-fold, {best['method']}, pooling {args.pooling})")
+    if args.baselines:
+        line += (f"; best baseline {best['best_baseline']} {best[key] - best['over_baseline']:.3f}: "
+                 + ("beaten" if best["beats_baselines"] else "NOT beaten, the probe beats no baseline"))
+    print(line)
     if args.plot:
         plot_sweep(table, args.plot, title=f"{ds.model.get('name')}: {args.label_column} probe")
         print(f"wrote {args.plot}")
+    if args.save:
+        layer = best["layer"]
+        layer = int(layer) if not isinstance(layer, str) else [int(x) for x in layer.split("+")]
+        p = train_probe(ds, layer, method=best["method"], label_column=args.label_column, task=args.task,
+                        pooling=_pooling(args.pooling), pairs=args.pairs,
+                        hookpoint=best["hookpoint"] if "hookpoint" in table.columns else None, seed=args.seed)
+        weights, meta = p.save(args.save)
+        print(f"wrote {weights} and {meta}")
+    return 0
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, e.g. -4,0,4; got {text!r}") from None
+
+
+def cmd_steer(args: argparse.Namespace) -> int:
+    table = steer(args.model, args.probe, args.prompts, alphas=args.alphas, layer=args.layer, hookpoint=args.hookpoint,
+                  ablate=args.ablate, targets=args.target or [], read_layer=args.read_layer,
+                  text_column=args.text_column, device=args.device, revision=args.revision,
+                  trust_remote_code=args.trust_remote_code)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    print(f"unsteered probe score at layer {int(table['read_layer'][0])}: {table.attrs['unsteered_probe_score']:.4f}")
     return 0
 
 
@@ -58,18 +116,55 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("dataset", metavar="DATASET", help="dataset folder or Hub repo")
     p.add_argument("--layers", default="all", help="layers to probe: all, '16', '0,8,-1', '10:20'")
     p.add_argument("--label-column", default="label", help="index column holding the class of each prompt")
-    p.add_argument("--classifier", choices=["logistic", "ridge"], default="logistic",
-                   help="logistic regression or a ridge classifier (scikit-learn)")
+    p.add_argument("--method", default="logistic", metavar="M[,M...]",
+                   help=f"probe methods, a comma list of {', '.join(METHODS)} (docs/probing.md says which when)")
+    p.add_argument("--classifier", default=None, help=argparse.SUPPRESS)  # the older name of --method
+    p.add_argument("--task", choices=["classification", "regression"], default="classification",
+                   help="regression: a numeric --label-column, scored by R^2")
     p.add_argument("--cv", type=positive_int, default=5, metavar="K", help="cross-validation folds")
-    p.add_argument("--pooling", choices=["last_token", "mean"], default="last_token",
-                   help="the vector of a prompt: its last token, or the mean of its tokens (needs a full_sequence "
-                   "dataset)")
+    p.add_argument("--pooling", default="last_token", metavar="P",
+                   help="the vector of a prompt: last_token, first, mean, max, min, a token position (int, negative "
+                   "from the end) or tokens (every token a row); all but last_token need a full_sequence dataset")
+    p.add_argument("--concat", action="store_true", help="concatenate the --layers into one probe, each layer "
+                   "standardised")
+    p.add_argument("--groups", default=None, metavar="COLUMN", help="rows sharing this column's value share a fold "
+                   "(paraphrases of one item; 'text' groups duplicates)")
+    p.add_argument("--pairs", default=None, metavar="COLUMN", help="contrast pairs: the column pairing rows")
+    p.add_argument("--test", default=None, metavar="COLUMN=VALUE|DATASET",
+                   help="held-out rows (split=test) or a held-out dataset: adds test_* columns")
+    p.add_argument("--baselines", action="store_true", help="score the baselines on the same folds and say whether "
+                   "the probe beats them")
+    p.add_argument("--bootstrap", type=int, default=0, metavar="N", help="95%% intervals from N resamples")
+    p.add_argument("--save", default=None, metavar="PATH", help="train the best row's probe on every row and save it "
+                   "as PATH.safetensors + PATH.json")
     p.add_argument("--hookpoints", default=None, help="sweep these stored hookpoints too, a comma list "
                    "(default: what hidden_layers holds)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fold split and the classifier")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write accuracy against layer to this image (default: no plot)")
     p.set_defaults(func=cmd_probe)
+
+    p = command("steer", help="the causal check: add a probe's direction to the stream (or ablate it) and measure "
+                "the probe's score at a later layer and target tokens' log-probabilities")
+    p.add_argument("--model", required=True, help="the model the probe's dataset was extracted from")
+    p.add_argument("--probe", required=True, metavar="PATH", help="a saved probe (PATH.safetensors + PATH.json, "
+                   "from `lmprobe probe --save` or LinearProbe.save)")
+    p.add_argument("--prompts", required=True, metavar="SOURCE", help="prompts: a .jsonl/.csv/.txt/.parquet file, "
+                   "a folder or a Hub dataset, as extract reads them")
+    p.add_argument("--text-column", default="text", help="the prompts' text column")
+    p.add_argument("--alphas", type=_floats, default=[-4.0, 0.0, 4.0], metavar="A,B,...",
+                   help="multiples of the probe's unit direction to add (default -4,0,4)")
+    p.add_argument("--ablate", action="store_true", help="remove the direction's component instead of adding it")
+    p.add_argument("--layer", type=int, default=None, help="the block to steer (default: the probe's layer)")
+    p.add_argument("--hookpoint", default=None, help="where in the block (default: the probe's hookpoint)")
+    p.add_argument("--read-layer", type=int, default=None, help="where the probe's score is read (default: the next "
+                   "layer its dataset stored)")
+    p.add_argument("--target", action="append", default=None, metavar="TOKEN",
+                   help="a next token whose log-probability to report (one token; repeat for several)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps")
+    p.add_argument("--revision", default=None, help="the model's Hub revision")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the model repository's own code")
+    p.set_defaults(func=cmd_steer)
 
     p = command("report", help="a self-contained HTML page about a dataset: facts, plots, prompts, labels")
     p.add_argument("dataset", metavar="DATASET", help="dataset folder, Hub repo or fsspec URL")

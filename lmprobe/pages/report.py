@@ -25,7 +25,7 @@ from ..base.units import plural
 from ..errors import FormatError, InvalidArgumentError
 from ..format.reader import Dataset
 from ..opening import load
-from ..probe import sweep
+from ..probe import has_sklearn, sweep
 from .summary import is_corpus
 
 __all__ = ["load_tokenizer_for", "report"]
@@ -215,14 +215,22 @@ def _labels(ds: Dataset, probe: bool) -> str:
     values, counts = np.unique(np.asarray([str(x) for x in labels]), return_counts=True)
     parts = [bar_chart([str(v) for v in values], counts.tolist(), title="Label balance", ylabel="prompts")]
     if probe and len(values) >= 2 and counts.min() >= 2:
-        try:
-            folds = min(5, int(counts.min()))
-            t = sweep(ds, cv=folds)
-            parts.append(bar_chart([str(x) for x in t["layer"]], t["accuracy"].tolist(),
-                                   errors=t["accuracy_std"].tolist(), title="Probe accuracy by layer", wide=True,
-                                   ylabel="accuracy", caption=f"{folds}-fold cross-validated logistic regression "
-                                   "on the last-token vectors: the mean accuracy over the folds, the line spans "
-                                   f"one standard deviation (lmprobe probe --cv {folds})"))
-        except ImportError:
-            parts.append('<p class="legend">Install lmprobe[probe] for the probe sweep.</p>')
+        folds = min(5, int(counts.min()))
+        method = "logistic" if has_sklearn() else "mass_mean"  # mass-mean needs numpy alone
+        t = sweep(ds, cv=folds, method=method, baselines=True)
+        what = "logistic regression" if method == "logistic" else "mass-mean probes"
+        parts.append(bar_chart([str(x) for x in t["layer"]], t["accuracy"].tolist(),
+                               errors=t["accuracy_std"].tolist(), title="Probe accuracy by layer", wide=True,
+                               ylabel="accuracy", caption=f"{folds}-fold cross-validated {what} "
+                               "on the last-token vectors: the mean accuracy over the folds, the line spans "
+                               f"one standard deviation (lmprobe probe --cv {folds} --method {method})"))
+        best = t.loc[t["accuracy"].idxmax()]
+        base = float(best["accuracy"] - best["over_baseline"])
+        verdict = "beats every baseline" if best["beats_baselines"] else "beats no baseline: it shows nothing yet"
+        parts.append(f'<p class="legend">Best probe: layer {esc(str(best["layer"]))}, accuracy '
+                     f'{best["accuracy"]:.3f} &plusmn; {best["accuracy_std"]:.3f}; best baseline '
+                     f'{esc(str(best["best_baseline"]))} {base:.3f} on the same folds. The probe {verdict} '
+                     f'(lmprobe probe --baselines).</p>')
+        if not has_sklearn():
+            parts.append('<p class="legend">Install lmprobe[probe] for logistic probes and the text baselines.</p>')
     return '<h2>Labels</h2><div class="charts">' + "".join(parts) + "</div>"
