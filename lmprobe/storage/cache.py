@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from collections import deque
@@ -31,24 +32,35 @@ from pathlib import Path
 from typing import Any
 
 from ..base.paths import check_relpath
+from ..base.safeio import (
+    lstat_inside,
+    open_folder,
+    open_inside,
+    remove_owned,
+    remove_tree,
+    replace_inside,
+)
 from ..base.units import format_size, parse_size
-from ..errors import InvalidArgumentError, LmprobeError, OutOfSpaceError
+from ..errors import InvalidArgumentError, LmprobeError, OutOfSpaceError, UnsafePathError
 from .cachedir import (
     DEFAULT_CACHE_CAP,
     FolderLock,
     Registration,
     cache_root,
+    check_root,
     claim_default_budget,
     collect,
     collect_root,
     default_budget,
     drop_claims,
+    files_of,
     held_elsewhere,
     is_alive,
     live_readers,
     new_reader_id,
     parse_part,
     part_name,
+    read_small,
     reader_budgets,
     usage,
 )
@@ -114,12 +126,11 @@ class BoundedCache:
         if budget is not None and budget <= 0:
             raise InvalidArgumentError(f"cache budget must be positive, got {budget}")
         self.download, self.label, self.sizes = download, label, dict(sizes or {})
-        self.root = Path(root) if root is not None else cache_root()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = check_root(Path(root) if root is not None else cache_root())
         rid = new_reader_id()
         self.folder = self.root / (key if key is not None else f"reader-{rid}")
         check_relpath(self.folder.name, "cache folder")
-        with FolderLock(self.root):  # the budget is decided and the reader registered at once
+        with FolderLock(self.root, below=self.root):  # the budget is decided and the reader registered at once
             collect_root(self.root, skip=self.folder)
             with FolderLock(self.folder):
                 collect(self.folder)
@@ -143,8 +154,12 @@ class BoundedCache:
         self.dir = self.folder / "pieces"
         self.parts = self.folder / "parts"
         self.notes = self.folder / "notes"
-        for d in (self.dir, self.parts, self.notes):
-            d.mkdir(parents=True, exist_ok=True)
+        try:
+            for d in (self.dir, self.parts, self.notes):  # a link planted in their place: one line, nothing followed
+                os.close(open_folder(d, below=self.root, create=True))
+        except BaseException:
+            self.close()
+            raise
         self.on_bytes, self.patience = on_bytes, float(patience)
         self._lock = FolderLock(self.folder)
         self._cv = threading.Condition()
@@ -222,13 +237,11 @@ class BoundedCache:
         given, else read (None when nobody wrote it)."""
         path = self.notes / name
         if text is None:
-            try:
-                return path.read_text()[:4096]
-            except (FileNotFoundError, UnicodeDecodeError):
-                return None
+            return read_small(path, below=self.root)
         tmp = path.with_name(f".{path.name}.{self._reg.rid}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        with os.fdopen(open_inside(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, below=self.root), "w") as f:
+            f.write(text)
+        replace_inside(tmp, path, below=self.root)
         return text
 
     def folder_bytes(self) -> int:
@@ -252,7 +265,7 @@ class BoundedCache:
             reg.close()
             collect(self.folder)
             if not live_readers(self.folder):
-                shutil.rmtree(self.folder, ignore_errors=True)
+                remove_tree(self.folder, below=self.root)
 
     def __del__(self) -> None:  # pragma: no cover - a reader dropped without close()
         with contextlib.suppress(Exception):
@@ -275,30 +288,35 @@ class BoundedCache:
     def _unhold(self, name: str) -> None:
         """This reader is done with ``name``: delete it unless another reader of the folder holds it."""
         with self._lock:
-            (self._reg.holds / name).unlink(missing_ok=True)
+            self._reg.unhold(name)
             if not held_elsewhere(self.folder, name, self._reg.rid):
-                (self.dir / name).unlink(missing_ok=True)
+                remove_owned(self.dir / name, below=self.root)
 
     def _claim(self, name: str, size: int) -> str | None:
         """Under the folder's lock: "ready" (another reader downloaded it), "other" (another reader is downloading
         it), "download" (room reserved: this reader downloads it), or None (no room in the folder yet)."""
         with self._lock:
-            hold = self._reg.holds / name
-            hold.touch()
-            if (self.dir / name).exists():
+            self._reg.touch(f"holds/{name}")
+            if self._complete(name):
                 return "ready"
-            for e in os.scandir(self.parts):
-                parsed = parse_part(e.name)
+            for file in files_of(self.folder, "parts"):
+                parsed = parse_part(file)
                 if parsed and parsed[0] == name and parsed[1] != self._reg.rid \
                         and is_alive(self.folder / "readers" / parsed[1]):
                     return "other"
             if usage(self.folder) + size > self.budget:
                 collect(self.folder, keep=self._reg.rid)  # what dead readers left may be in the way
             if usage(self.folder) + size <= self.budget:
-                (self.parts / part_name(name, self._reg.rid, size)).touch()
+                os.close(open_inside(self.parts / part_name(name, self._reg.rid, size),
+                                     os.O_WRONLY | os.O_CREAT | os.O_EXCL, below=self.root))
                 return "download"
-            hold.unlink(missing_ok=True)
+            self._reg.unhold(name)
             return None
+
+    def _complete(self, name: str) -> bool:
+        """Whether piece ``name`` is in ``pieces/``, complete (a regular file: a link there is not a piece)."""
+        st = lstat_inside(self.dir / name, below=self.root)
+        return st is not None and stat.S_ISREG(st.st_mode)
 
     def _next(self) -> tuple[str, str] | None:
         """The next piece to fetch, once this reader's share and the folder have room for it (strictly in order:
@@ -346,14 +364,14 @@ class BoundedCache:
     def _wait_for_other(self, name: str) -> bool:
         """Wait while another reader downloads ``name``: True when it is there, False when that reader is gone."""
         while not self._closed:
-            if (self.dir / name).exists():
+            if self._complete(name):
                 return True
             with self._lock:
-                if (self.dir / name).exists():
+                if self._complete(name):
                     return True
                 alive = False
-                for e in os.scandir(self.parts):
-                    parsed = parse_part(e.name)
+                for file in files_of(self.folder, "parts"):
+                    parsed = parse_part(file)
                     if parsed and parsed[0] == name and is_alive(self.folder / "readers" / parsed[1]):
                         alive = True
                 if not alive:
@@ -377,15 +395,19 @@ class BoundedCache:
         part = self.parts / part_name(name, self._reg.rid, self.sizes[name])
         try:
             self.download(name, part)
-            size = part.stat().st_size
+            st = lstat_inside(part, below=self.root)
+            if st is None or not stat.S_ISREG(st.st_mode):
+                raise UnsafePathError(f"the download of {name} in {self.parts} was replaced by something else than a "
+                                      "file (another user of this machine?): nothing of it was used; run again")
+            size = st.st_size
             if size != self.sizes[name]:
                 raise LmprobeError(
                     f"{name} from {self.label} is {size} bytes, the dataset's metadata says {self.sizes[name]}: the "
                     "remote dataset changed after it was opened; open it again")
-            os.replace(part, self.dir / name)  # visible only now: complete and checked
+            replace_inside(part, self.dir / name, below=self.root)  # visible only now: complete and checked
             self.downloaded += 1
         except BaseException as exc:
-            part.unlink(missing_ok=True)
+            remove_owned(part, below=self.root)
             if is_disk_full(exc):
                 raise disk_full(self.folder, f"downloading {name} from {self.label}") from exc
             raise
@@ -430,19 +452,18 @@ class LruFiles:
         if budget is not None and budget <= 0:
             raise InvalidArgumentError(f"cache budget must be positive, got {budget}")
         self.files = files
-        base = Path(root) if root is not None else cache_root()
-        base.mkdir(parents=True, exist_ok=True)
+        base = check_root(Path(root) if root is not None else cache_root())
         rid = new_reader_id()
         folder = base / f"files-{rid}"
-        with FolderLock(base):
+        with FolderLock(base, below=base):
             collect_root(base, skip=folder)
             if budget is None:
                 budget = default_budget(base)
             self._reg = Registration(folder, budget, rid=rid)
         drop_claims()
-        self.budget, self.folder = int(budget), folder
+        self.budget, self.folder, self.root = int(budget), folder, base
         self.dir = folder / "data"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        os.close(open_folder(self.dir, below=base, create=True))
         self._have: dict[str, int] = {}  # rel -> bytes, least recently fetched first
         self.bytes = self.peak = 0
         self._lock = threading.Lock()
@@ -462,25 +483,29 @@ class LruFiles:
             if rel in self._have:
                 self._have[rel] = self._have.pop(rel)  # most recently used now
                 return dst
-            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.close(open_folder(dst.parent, below=self.root, create=True))
             tmp = dst.with_name(f".{dst.name}.{self._reg.rid}.part")
             try:
                 self.files.download(rel, tmp)
+                st = lstat_inside(tmp, below=self.root)
+                if st is None or not stat.S_ISREG(st.st_mode):
+                    raise UnsafePathError(f"the download of {rel} in {self.dir} was replaced by something else than a "
+                                          "file (another user of this machine?): run again")
             except BaseException as exc:
-                tmp.unlink(missing_ok=True)
+                remove_owned(tmp, below=self.root)
                 if is_disk_full(exc):
                     raise disk_full(self.folder, f"downloading {rel} from {self.files}") from exc
                 raise
-            size = tmp.stat().st_size
+            size = st.st_size
             if size > self.budget:
-                tmp.unlink(missing_ok=True)
+                remove_owned(tmp, below=self.root)
                 raise InvalidArgumentError(f"cache={format_size(self.budget)} cannot hold {rel} ({format_size(size)});"
                                            " give a larger --cache")
             while self._have and self.bytes + size > self.budget:
                 old = next(iter(self._have))
                 self.bytes -= self._have.pop(old)
-                (self.dir / old).unlink(missing_ok=True)
-            os.replace(tmp, dst)
+                remove_owned(self.dir / old, below=self.root)
+            replace_inside(tmp, dst, below=self.root)
             self._have[rel] = size
             self.bytes += size
             self.peak = max(self.peak, self.bytes)
@@ -492,7 +517,7 @@ class LruFiles:
             return
         with contextlib.suppress(OSError):
             reg.close()
-            shutil.rmtree(self.folder, ignore_errors=True)
+            remove_tree(self.folder, below=self.root)
 
     def __del__(self) -> None:  # pragma: no cover - removed with the dataset
         with contextlib.suppress(Exception):

@@ -1,0 +1,129 @@
+"""The node-shared reader cache (storage.cache, storage.cachedir) against its other users: links planted in the
+shared folder are never followed (issue 44 item 8), and readers sharing one budget cannot wait on each other forever
+(issue 44 item 9)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmprobe.errors import UnsafePathError
+from lmprobe.storage.cache import BoundedCache
+
+# ----------------------------------------------------------------------------- links planted in the cache
+
+
+def _victim(path: Path) -> dict[str, bytes]:
+    """A user's folder outside the cache, laid out like a cache folder (so that every reaper finds something):
+    5 files of its own, 5 in pieces/ and parts/, 5 in readers/<dead reader>/."""
+    files = {"notes.txt": b"mine", "thesis.tex": b"\\begin", "data.bin": b"\0" * 64, "a.part": b"x", "b.json": b"{}",
+             "pieces/p0": b"0", "pieces/p1": b"1", "parts/q.r-1.9.part": b"2", "parts/q2": b"3", "parts/q3": b"4",
+             "readers/123-dead/alive": b"", "readers/123-dead/info.json": b"{}", "readers/123-dead/holds/p0": b"",
+             "readers/old/x": b"5", "readers/old/y": b"6"}
+    for rel, data in files.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(data)
+    return files
+
+
+def _intact(path: Path, files: dict[str, bytes]) -> None:
+    there = {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    assert there == files, "the cache deleted or created files outside its root"
+
+
+def _download(name, dst):
+    with open(dst, "wb") as f:
+        f.write(b"\7" * 100)
+
+
+def _read_all(root: Path, key: str = "acts") -> None:
+    """One reader of the shared folder: opens it, reads two pieces, closes (every reaper runs: at the start, while
+    claiming room, at the end)."""
+    cache = BoundedCache(_download, 300, key=key, sizes={"p0": 100, "p1": 100}, root=root, workers=1)
+    try:
+        cache.schedule(["p0", "p1"])
+        for name in ("p0", "p1"):
+            assert cache.get(name).read_bytes() == b"\7" * 100
+            cache.release(name)
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("plant", ["x", "y/pieces", "z/parts", "w/readers", "v/readers/123-dead"])
+def test_links_planted_in_the_shared_cache_are_never_followed(tmp_path, plant):
+    """Issue 44 item 8: another user of the node plants `stream/x -> dir` (or a link for one of a cache folder's
+    parts); a reader of another dataset deletes nothing outside the cache and creates nothing there."""
+    root = tmp_path / "stream"
+    root.mkdir()
+    victim = tmp_path / "victim"
+    files = _victim(victim)
+    link = root / plant
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(victim, target_is_directory=True)
+    _read_all(root)
+    _intact(victim, files)
+    assert link.is_symlink()  # not followed, and not the reader's to remove either
+
+
+@pytest.mark.parametrize("plant", ["acts", "acts/pieces", "acts/parts", "acts/readers", "acts/notes", "acts/.lock"])
+def test_a_link_in_the_readers_own_folder_is_one_line_and_nothing_outside_changes(tmp_path, plant):
+    """The folder of the dataset being read holds a link where a folder (or the lock) belongs: the reader refuses in
+    one line naming it, before any download, and the link's target is left as it was."""
+    root = tmp_path / "stream"
+    root.mkdir()
+    victim = tmp_path / "victim"
+    files = _victim(victim)
+    target = victim / "lockfile" if plant.endswith(".lock") else victim
+    (root / plant).parent.mkdir(parents=True, exist_ok=True)
+    (root / plant).symlink_to(target)
+    with pytest.raises(UnsafePathError, match="link") as err:
+        _read_all(root)
+    assert "\n" not in str(err.value) and "remove" in str(err.value)
+    _intact(victim, files)
+
+
+def test_a_dangling_link_for_a_lock_creates_nothing_outside_the_cache(tmp_path):
+    """`stream/k/.lock -> victim/new`: taking the folder's lock (collecting what dead readers left in k) must not
+    create the link's target."""
+    root = tmp_path / "stream"
+    (root / "k").mkdir(parents=True)
+    victim = tmp_path / "victim"
+    files = _victim(victim)
+    (root / "k" / ".lock").symlink_to(victim / "created-by-the-cache")
+    _read_all(root)
+    _intact(victim, files)
+
+
+def test_a_cache_root_that_is_a_link_is_refused(tmp_path, monkeypatch):
+    """`$LMPROBE_CACHE/stream -> somebody's home`: every folder under the root is collected, so the root is never
+    followed through a link."""
+    victim = tmp_path / "victim"
+    files = _victim(victim)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "stream").symlink_to(victim, target_is_directory=True)
+    monkeypatch.setenv("LMPROBE_CACHE", str(tmp_path / "c"))
+    with pytest.raises(UnsafePathError, match="link"):
+        BoundedCache(_download, 300, key="acts", sizes={"p0": 100})
+    _intact(victim, files)
+
+
+def test_a_piece_swapped_for_a_link_is_not_deleted_through(tmp_path):
+    """A finished piece replaced by a link to a user's file while a reader holds it: releasing it removes at most
+    the link, never the file it points to."""
+    root = tmp_path / "stream"
+    victim = tmp_path / "victim"
+    files = _victim(victim)
+    cache = BoundedCache(_download, 300, key="acts", sizes={"p0": 100}, root=root, workers=1)
+    try:
+        cache.schedule(["p0"])
+        path = cache.get("p0")
+        path.unlink()
+        path.symlink_to(victim / "notes.txt")
+        cache.release("p0")
+    finally:
+        cache.close()
+    _intact(victim, files)
+
+
+# ----------------------------------------------------------------------------- readers sharing one budget
