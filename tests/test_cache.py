@@ -4,11 +4,13 @@ shared folder are never followed (issue 44 item 8), and readers sharing one budg
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from lmprobe.errors import UnsafePathError
+from lmprobe.errors import OutOfSpaceError, UnsafePathError
 from lmprobe.storage.cache import BoundedCache
 
 # ----------------------------------------------------------------------------- links planted in the cache
@@ -127,3 +129,94 @@ def test_a_piece_swapped_for_a_link_is_not_deleted_through(tmp_path):
 
 
 # ----------------------------------------------------------------------------- readers sharing one budget
+
+
+def _window_reader(cache, windows, served, errors, pause=0.0):
+    """A consumer like the stream's: each window is scheduled in one call, all its pieces are taken, then all are
+    given back."""
+    try:
+        for window in windows:
+            cache.schedule(window)
+        for window in windows:
+            for name in window:
+                assert cache.get(name).read_bytes() == b"\5" * 1000
+            time.sleep(pause)
+            for name in window:
+                cache.release(name)
+            served.extend(window)
+    except Exception as exc:  # handed to the test
+        errors.append(exc)
+
+
+def test_three_readers_on_one_budget_never_wait_on_each_other_for_ever(tmp_path):
+    """Issue 44 item 9: three readers of one dataset on a node share a budget of six pieces; each reads windows of
+    three pieces at once. Before, each could hold two pieces of its window and wait for room for its third, which the
+    others held while waiting for theirs: nobody ever released anything (here forced: every reader's second download
+    waits until the three have started theirs). Now a window's pieces are claimed together and the reader that waited
+    longest goes first, so every reader serves every window, well within the bound."""
+    gate = threading.Barrier(3, timeout=1.0)
+    started: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def download(name, dst):
+        reader = name[0]
+        with lock:
+            started[reader] = started.get(reader, 0) + 1
+            second = started[reader] == 2
+        if second:
+            try:
+                gate.wait()
+            except threading.BrokenBarrierError:  # not every reader got this far: nobody is stuck
+                pass
+        with open(dst, "wb") as f:
+            f.write(b"\5" * 1000)
+
+    readers = "abc"
+    windows = {r: [[f"{r}{w}-{i}" for i in range(3)] for w in range(4)] for r in readers}
+    caches = [BoundedCache(download, 6000, key="acts", sizes={n: 1000 for ws in windows.values() for w in ws
+                                                              for n in w}, root=tmp_path, workers=1, patience=5)
+              for _ in readers]
+    served: dict[str, list] = {r: [] for r in readers}
+    errors: list[BaseException] = []
+    threads = [threading.Thread(target=_window_reader, args=(c, windows[r], served[r], errors, 0.05))
+               for c, r in zip(caches, readers, strict=True)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    took = time.monotonic() - t0
+    for c in caches:
+        c.close()
+    assert not errors, errors
+    assert all(len(served[r]) == 12 for r in readers), {r: len(v) for r, v in served.items()}
+    assert took < 5, took  # no reader waited out the bound
+
+
+def test_a_reader_that_cannot_get_budget_within_the_bound_says_why_in_one_line(tmp_path):
+    """Another reader of the node holds the whole budget and stops reading (a training loop that keeps an iterator
+    alive): a reader needing room waits at most ``patience`` seconds, then its read fails with one line saying who
+    holds the budget and what to do."""
+
+    def download(name, dst):
+        with open(dst, "wb") as f:
+            f.write(b"\5" * 1000)
+
+    sizes = {f"p{i}": 1000 for i in range(4)}
+    idle = BoundedCache(download, 3000, key="acts", sizes=sizes, root=tmp_path, workers=1)
+    idle.schedule(["p0", "p1", "p2"])
+    for name in ("p0", "p1", "p2"):
+        idle.get(name)  # held, never given back
+    late = BoundedCache(download, 3000, key="acts", sizes=sizes, root=tmp_path, workers=1, patience=1.0)
+    try:
+        late.schedule(["p3"])
+        t0 = time.monotonic()
+        with pytest.raises(OutOfSpaceError) as err:
+            late.get("p3")
+        took = time.monotonic() - t0
+    finally:
+        late.close()
+        idle.close()
+    assert 0.9 < took < 4, took
+    msg = str(err.value)
+    assert "\n" not in msg and "1 other reader" in msg and "cache=" in msg, msg

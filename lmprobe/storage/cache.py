@@ -163,7 +163,10 @@ class BoundedCache:
         self.on_bytes, self.patience = on_bytes, float(patience)
         self._lock = FolderLock(self.folder)
         self._cv = threading.Condition()
-        self._queue: deque[str] = deque()  # pieces to download, in the order they will be needed
+        self._queue: deque[list[str]] = deque()  # groups of pieces to claim together, in the order they are needed
+        self._jobs: deque[tuple[str, str]] = deque()  # claimed pieces to fetch: (name, "download" | "other")
+        self._want_since: float | None = None  # when this reader started waiting for room (wall clock: shared)
+        self._wants = ""
         self._need: dict[str, int] = {}  # name -> scheduled uses not yet released
         self._state: dict[str, str] = {}  # name -> "queued" | "loading" | "ready" | "dropped"
         self._errors: dict[str, BaseException] = {}
@@ -181,8 +184,14 @@ class BoundedCache:
 
     def schedule(self, items: Iterable[str | tuple[str, int]]) -> None:
         """Pieces the consumer will ``get`` (once each per mention), in the order it will need them: names, or
-        (name, size) pairs."""
+        (name, size) pairs.
+
+        The new pieces of one call are claimed together when they fit in this reader's share (a window the
+        consumer takes at once): a reader never holds part of a window while it waits for room for the rest,
+        which is what let readers sharing a budget wait on each other for ever. A call larger than the share
+        is claimed piece by piece (its consumer cannot hold it at once anyway)."""
         with self._cv:
+            new: list[str] = []
             for item in items:
                 name, size = (item, self.sizes.get(item)) if isinstance(item, str) else item
                 if size is None:
@@ -195,7 +204,11 @@ class BoundedCache:
                 self._need[name] = self._need.get(name, 0) + 1
                 if name not in self._state:
                     self._state[name] = "queued"
-                    self._queue.append(name)
+                    new.append(name)
+            if sum(self.sizes[n] for n in new) <= self.cap:
+                self._queue.append(new)
+            else:
+                self._queue.extend([n] for n in new)
             self._cv.notify_all()
 
     def get(self, name: str) -> Path:
@@ -221,7 +234,12 @@ class BoundedCache:
             self._need.pop(name, None)
             state = self._state.pop(name, None)
             if state == "queued":
-                self._queue.remove(name)
+                for group in self._queue:
+                    if name in group:
+                        group.remove(name)
+                        break
+                while self._queue and not self._queue[0]:
+                    self._queue.popleft()
             elif state == "ready":
                 self._unhold(name)
                 self._add_bytes(-self.sizes[name])
@@ -318,48 +336,130 @@ class BoundedCache:
         st = lstat_inside(self.dir / name, below=self.root)
         return st is not None and stat.S_ISREG(st.st_mode)
 
+    def _claim_group(self, group: list[str]) -> list[str] | None:
+        """Under the folder's lock, the pieces of ``group`` all at once: each one's mode ("ready", "other",
+        "download", as ``_claim``), or None (nothing claimed) when the folder has no room for the group's downloads.
+
+        Room is what the budget leaves after the folder's pieces and downloads, less what the readers that started
+        waiting before this one need (their ``wants``): the reader that has waited longest is served first, and a
+        reader that is not waiting never takes the room a waiting one needs."""
+        rid = self._reg.rid
+        with self._lock:
+            for name in group:
+                self._reg.touch(f"holds/{name}")
+            downloading = {parsed[0] for parsed in map(parse_part, files_of(self.folder, "parts"))
+                           if parsed and parsed[1] != rid and is_alive(self.folder / "readers" / parsed[1])}
+            modes = ["ready" if self._complete(n) else "other" if n in downloading else "download" for n in group]
+            new = sum(self.sizes[n] for n, mode in zip(group, modes, strict=True) if mode == "download")
+            if new:
+                used = usage(self.folder)
+                if used + new + self._waiting_ahead() > self.budget:
+                    collect(self.folder, keep=rid)  # what dead readers left may be in the way
+                    used = usage(self.folder)
+                if used + new + self._waiting_ahead() > self.budget:
+                    for name in group:
+                        self._reg.unhold(name)
+                    self._want(new)
+                    return None
+            for name, mode in zip(group, modes, strict=True):
+                if mode == "download":
+                    os.close(open_inside(self.parts / part_name(name, rid, self.sizes[name]),
+                                         os.O_WRONLY | os.O_CREAT | os.O_EXCL, below=self.root))
+            self._stop_wanting()
+            return modes
+
+    def _waiting_ahead(self) -> int:
+        """Bytes the live readers that started waiting for room before this one (or all waiting ones, when this one
+        is not waiting) need: ``readers/<rid>/wants`` holds "<since> <bytes>"."""
+        mine = (self._want_since, self._reg.rid) if self._want_since is not None else None
+        ahead = 0
+        for d in live_readers(self.folder):
+            if d.name == self._reg.rid:
+                continue
+            since, _, n = (read_small(d / "wants", below=self.root, limit=64) or "").partition(" ")
+            try:
+                since_f, n_i = float(since), int(n)
+            except ValueError:
+                continue
+            if mine is None or (since_f, d.name) < mine:
+                ahead += max(0, min(n_i, self.budget))
+        return ahead
+
+    def _want(self, n: int) -> None:
+        """Say to the folder's other readers that this one waits for ``n`` bytes of room (since when it began)."""
+        if self._want_since is None:
+            self._want_since = time.time()
+        text = f"{self._want_since!r} {int(n)}"
+        if text != self._wants:
+            self._reg.write("wants", text)
+            self._wants = text
+
+    def _stop_wanting(self) -> None:
+        if self._want_since is not None or self._wants:
+            remove_owned(self._reg.dir / "wants", below=self.root)
+            self._want_since, self._wants = None, ""
+
     def _next(self) -> tuple[str, str] | None:
-        """The next piece to fetch, once this reader's share and the folder have room for it (strictly in order:
-        none jumps the queue)."""
+        """The next piece to fetch: claimed pieces first, else the next group, once this reader's share and the
+        folder have room for all of it (strictly in order: none jumps the queue). Waiting for room in the folder
+        lasts at most ``patience`` seconds; then the group's reads fail with one line saying why."""
         waiting_since: float | None = None
         warned = False
         with self._cv:
             while True:
                 if self._closed:
+                    with contextlib.suppress(OSError):
+                        self._stop_wanting()
                     return None
-                if not self._queue or self.bytes + self.sizes[self._queue[0]] > self.cap:
+                if self._jobs:
+                    return self._jobs.popleft()
+                group = self._queue[0] if self._queue else None
+                need = sum(self.sizes[n] for n in group) if group else 0
+                if not group or self.bytes + need > self.cap:
                     waiting_since = None
+                    self._stop_wanting()
                     self._cv.wait()
                     continue
-                name = self._queue[0]
-                mode = self._claim(name, self.sizes[name])
-                if mode is None:  # other readers of this machine fill the folder: wait for them to free room
+                modes = self._claim_group(group)
+                if modes is None:  # other readers of this machine fill the folder: wait for them to free room
                     now = time.monotonic()
                     waiting_since = waiting_since or now
-                    if not warned and now - waiting_since > ROOM_WARN_AFTER:
+                    if not warned and now - waiting_since > min(ROOM_WARN_AFTER, self.patience / 2):
                         warned = True
                         logger.warning("lmprobe: waiting for room in the cache %s shared with %d other reader(s) "
                                        "(%s of %s used)", self.folder, len(live_readers(self.folder)) - 1,
                                        format_size(usage(self.folder)), format_size(self.budget))
                     if now - waiting_since > self.patience:
+                        error = self._no_room(need)
                         self._queue.popleft()
-                        self._errors[name] = OutOfSpaceError(
-                            f"the cache {self.folder} (budget {format_size(self.budget)}) stayed full of other "
-                            f"readers' pieces for {self.patience:.0f} s: give each reader a larger cache= or run "
-                            "fewer readers of this dataset on this machine")
+                        for name in group:
+                            self._errors[name] = error
+                        self._stop_wanting()
+                        waiting_since, warned = None, False
                         self._cv.notify_all()
                         continue
                     self._cv.wait(0.05)
                     continue
+                waiting_since, warned = None, False
                 self._queue.popleft()
-                self._add_bytes(self.sizes[name])
-                if mode == "ready":
-                    self.shared += 1
-                    self._state[name] = "ready"
-                    self._cv.notify_all()
-                    continue
-                self._state[name] = "loading"
-                return name, mode
+                for name, mode in zip(group, modes, strict=True):
+                    self._add_bytes(self.sizes[name])
+                    if mode == "ready":
+                        self.shared += 1
+                        self._state[name] = "ready"
+                    else:
+                        self._state[name] = "loading"
+                        self._jobs.append((name, mode))
+                self._cv.notify_all()
+
+    def _no_room(self, need: int) -> OutOfSpaceError:
+        others = max(0, len(live_readers(self.folder)) - 1)
+        return OutOfSpaceError(
+            f"this reader waited {self.patience:.0f} s for {format_size(need)} of room in the cache {self.folder} "
+            f"(cache={format_size(self.budget)}, {format_size(usage(self.folder))} used), which {others} other "
+            "reader(s) of this dataset on this machine hold without giving any back (a reader that stopped reading "
+            "keeps its pieces until it is closed): close the readers you no longer use, give a larger cache= "
+            "(--cache), or run fewer readers of this dataset at once")
 
     def _wait_for_other(self, name: str) -> bool:
         """Wait while another reader downloads ``name``: True when it is there, False when that reader is gone."""
