@@ -220,3 +220,23 @@ def test_a_reader_that_cannot_get_budget_within_the_bound_says_why_in_one_line(t
     assert 0.9 < took < 4, took
     msg = str(err.value)
     assert "\n" not in msg and "1 other reader" in msg and "cache=" in msg, msg
+
+
+def test_a_window_of_pieces_already_scheduled_does_not_stall_the_next(tmp_path):
+    """Consecutive windows reading the same pieces: the second schedules nothing new, and the third's pieces are
+    still downloaded (an empty group at the head of the queue once stalled every later one)."""
+
+    def download(name, dst):
+        with open(dst, "wb") as f:
+            f.write(b"\5" * 1000)
+
+    cache = BoundedCache(download, 3000, key="acts", sizes={f"p{i}": 1000 for i in range(3)}, root=tmp_path,
+                         workers=1, patience=2)
+    served, errors = [], []
+    windows = [["p0", "p1"], ["p0", "p1"], ["p2"]]
+    t = threading.Thread(target=_window_reader, args=(cache, windows, served, errors))
+    t.start()
+    t.join(10)
+    alive = t.is_alive()
+    cache.close()
+    assert not alive and not errors and served == ["p0", "p1", "p0", "p1", "p2"], (alive, errors, served)

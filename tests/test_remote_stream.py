@@ -738,3 +738,39 @@ def test_hub_stream_with_filters_normalisation_len_and_dataloader_workers(hub, t
                                          batch_size=None, num_workers=2)
     got = torch.cat(list(loader)).numpy()
     np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][0], axis=0))
+
+
+def test_three_streams_sharing_a_small_cache_serve_every_row(hub, tmp_path, rng, fresh_hf_cache, monkeypatch):
+    """Issue 44 item 9, end to end: three readers of one Hub dataset on a machine (not one launch: each thinks it has
+    the whole cache) share one folder and budget; each serves every vector once, and none waits out the bound (a
+    deadlock would end in OutOfSpaceError after DEFAULT_PATIENCE, made 20 s here)."""
+    import lmprobe.storage.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "DEFAULT_PATIENCE", 20.0)
+    src, url = _push(hub, tmp_path, rng, n=200, shard_size="512B")
+    budget = 4 * max(f.bytes for f in lmprobe.load(url).meta.files() if f.rel.startswith("tensors/hidden"))
+    got: dict[int, list] = {i: [] for i in range(3)}
+    errors: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def read(i):
+        try:
+            stream = ShardStream(url, 0, 7, seed=i, cache=budget, memory="2KiB")
+            start.wait(30)
+            for batch in stream:
+                got[i].append(batch.copy())
+                time.sleep(0.002)  # the three streams hold their windows at once
+            stream.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert time.monotonic() - t0 < 20
+    for i in range(3):
+        np.testing.assert_array_equal(_rows(got[i]), np.sort(src["hidden"][0], axis=0))

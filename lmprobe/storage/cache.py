@@ -71,7 +71,8 @@ __all__ = ["BoundedCache", "LruFiles", "cache_budget", "cache_root", "DEFAULT_CA
 logger = logging.getLogger(__name__)
 
 #: seconds a reader waits for room in a folder that other readers filled before it says so, and
-#: (``patience``, default) before it gives up
+#: (``patience``, default) before it gives up: with windows claimed whole and the longest waiter served first, only
+#: a reader that holds pieces and stops reading makes the others wait that long
 ROOM_WARN_AFTER = 30.0
 DEFAULT_PATIENCE = 1800.0
 
@@ -116,13 +117,19 @@ class BoundedCache:
     most ``budget // share`` of it (the readers a launch starts on one machine each get their share,
     so none waits for room another needs to progress); ``sizes`` (optional) gives the size of names
     scheduled without one; ``label`` names the remote in messages; ``on_bytes(n)`` is called with this
-    reader's bytes whenever they change.
+    reader's bytes whenever they change; ``patience`` (seconds, default ``DEFAULT_PATIENCE``) bounds a
+    wait for room in the folder.
+
+    Readers sharing the budget cannot wait on each other for ever: a window (one ``schedule`` call) is
+    claimed whole or not at all, so every reader that holds pieces can finish its window and give them
+    back; the reader that has waited longest for room is served first. What remains is a reader that
+    holds pieces and stops reading: the others wait ``patience`` seconds for it, then say so in one line.
     """
 
     def __init__(self, download: Callable[[str, Path], None], budget: int | None = None, *, key: str | None = None,
                  sizes: dict[str, int] | None = None, label: str = "the remote", workers: int = 4,
                  root: Path | None = None, share: int = 1, on_bytes: Callable[[int], None] | None = None,
-                 patience: float = DEFAULT_PATIENCE):
+                 patience: float | None = None):
         if budget is not None and budget <= 0:
             raise InvalidArgumentError(f"cache budget must be positive, got {budget}")
         self.download, self.label, self.sizes = download, label, dict(sizes or {})
@@ -160,7 +167,8 @@ class BoundedCache:
         except BaseException:
             self.close()
             raise
-        self.on_bytes, self.patience = on_bytes, float(patience)
+        self.on_bytes = on_bytes
+        self.patience = float(DEFAULT_PATIENCE if patience is None else patience)
         self._lock = FolderLock(self.folder)
         self._cv = threading.Condition()
         self._queue: deque[list[str]] = deque()  # groups of pieces to claim together, in the order they are needed
@@ -205,7 +213,9 @@ class BoundedCache:
                 if name not in self._state:
                     self._state[name] = "queued"
                     new.append(name)
-            if sum(self.sizes[n] for n in new) <= self.cap:
+            if not new:
+                pass
+            elif sum(self.sizes[n] for n in new) <= self.cap:
                 self._queue.append(new)
             else:
                 self._queue.extend([n] for n in new)
@@ -413,6 +423,8 @@ class BoundedCache:
                     return None
                 if self._jobs:
                     return self._jobs.popleft()
+                while self._queue and not self._queue[0]:  # every piece of it was released before its turn
+                    self._queue.popleft()
                 group = self._queue[0] if self._queue else None
                 need = sum(self.sizes[n] for n in group) if group else 0
                 if not group or self.bytes + need > self.cap:
