@@ -683,7 +683,7 @@ def test_processes_sharing_the_object_store_cache_do_not_trip_over_each_other(tm
 
 def test_export_saev_from_the_hub_reads_through_a_bounded_cache(hub, tmp_path, rng, fresh_hf_cache, capsys):
     from lmprobe.cli import main as cli_main
-    from lmprobe.storage.cache import LruFiles
+    from lmprobe.storage.lrufiles import LruFiles
 
     _, url = _push(hub, tmp_path, rng, n=60)
     biggest = max(f.bytes for f in lmprobe.load(url).meta.files() if f.rel.startswith("tensors/hidden"))

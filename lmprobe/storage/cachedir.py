@@ -10,7 +10,8 @@ a piece is downloaded once per node and one byte budget holds for the folder as 
             pieces/<name>      complete pieces only: a download is renamed in once it is whole and checked
             parts/<name>.<rid>.<bytes>.part   downloads under way; <bytes> is reserved against the budget
             readers/<rid>/     a reader: `alive` (flock held while its process lives), info.json (pid,
-                               budget), holds/<name> (the pieces it still needs: never deleted under it)
+                               budget), holds/<name> (the pieces it still needs: never deleted under it),
+                               wants ("<since> <bytes>" while it waits for room: served first)
             notes/<name>       small facts the readers share (where a shard's rows start)
         files-<rid>/           a private folder (``LruFiles``), registered the same way
 
@@ -32,6 +33,7 @@ is in the folder of the dataset being read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -43,7 +45,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..base.safeio import list_folder, lstat_inside, open_folder, open_inside, remove_owned, remove_tree
-from ..errors import UnsafePathError
+from ..base.units import format_size
+from ..errors import OutOfSpaceError, UnsafePathError
 
 try:
     import fcntl
@@ -351,3 +354,17 @@ def drop_claims() -> None:
         claim = _CLAIMS.pop()
         with contextlib.suppress(OSError):
             claim.close()
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(where: Path, what: str) -> OutOfSpaceError:
+    """One line for a full disk under a cache: what was being written, what is free, what to do."""
+    try:
+        free = format_size(shutil.disk_usage(where).free)
+    except OSError:
+        free = "?"
+    return OutOfSpaceError(f"the disk holding the cache {where} is full ({free} free) while {what}: free some "
+                           "space, give a smaller cache= (--cache), or point LMPROBE_CACHE at a larger disk")
