@@ -240,3 +240,20 @@ def test_a_window_of_pieces_already_scheduled_does_not_stall_the_next(tmp_path):
     alive = t.is_alive()
     cache.close()
     assert not alive and not errors and served == ["p0", "p1", "p0", "p1", "p2"], (alive, errors, served)
+
+
+def test_a_cache_home_the_user_linked_elsewhere_still_works(tmp_path, monkeypatch):
+    """The folders above the cache root are the user's choice: `LMPROBE_CACHE` (or ~/.cache/lmprobe) may be a link to
+    a larger disk; only the root and what is below it are never followed."""
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "home-cache").symlink_to(tmp_path / "scratch", target_is_directory=True)
+    monkeypatch.setenv("LMPROBE_CACHE", str(tmp_path / "home-cache"))
+    from lmprobe.storage.cache import cache_budget
+
+    assert cache_budget(None, "a remote", announce=False) > 0
+    cache = BoundedCache(_download, 300, key="acts", sizes={"p0": 100}, workers=1)
+    cache.schedule(["p0"])
+    assert cache.get("p0").read_bytes() == b"\7" * 100
+    assert (tmp_path / "scratch" / "stream" / "acts" / "pieces").is_dir()
+    cache.release("p0")
+    cache.close()

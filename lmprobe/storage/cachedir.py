@@ -339,7 +339,8 @@ def default_budget(root: Path, *, cap: int = DEFAULT_CACHE_CAP) -> int:
 def claim_default_budget(root: Path, *, cap: int = DEFAULT_CACHE_CAP) -> int:
     """A default budget, decided and claimed at once (under the root's lock): the claim holds until this process
     registers a reader (``drop_claims``) or ends, so that another job deciding its budget meanwhile counts it."""
-    with FolderLock(root):
+    root = check_root(root)
+    with FolderLock(root, below=root):
         budget = default_budget(root, cap=cap)
         _CLAIMS.append(Registration(root / "claims", budget))
     return budget
