@@ -314,7 +314,7 @@ def collect_root(root: Path, *, skip: Path | None = None) -> None:
     for d in _dirs(root):
         if skip is not None and d == skip:
             continue
-        with contextlib.suppress(UnsafePathError), FolderLock(d, below=root):
+        with contextlib.suppress(UnsafePathError, PermissionError), FolderLock(d, below=root):  # not ours to collect
             collect(d)
             if d.name != "claims" and not live_readers(d):
                 remove_tree(d, below=root)
