@@ -774,3 +774,23 @@ def test_three_streams_sharing_a_small_cache_serve_every_row(hub, tmp_path, rng,
     assert time.monotonic() - t0 < 20
     for i in range(3):
         np.testing.assert_array_equal(_rows(got[i]), np.sort(src["hidden"][0], axis=0))
+
+
+def test_links_planted_in_the_node_cache_make_a_stream_delete_nothing_outside(hub, tmp_path, rng, fresh_hf_cache):
+    """Issue 44 item 8, as found: `stream/x -> dir`, `stream/y/pieces -> dir`, `stream/z/parts -> dir` planted by
+    another user of the node; a remote ShardStream deletes none of the 15 files and creates no `.lock` there."""
+    src, url = _push(hub, tmp_path, rng)
+    root = stream_root()
+    victims = {}
+    for link in ("x", "y/pieces", "z/parts"):
+        victim = tmp_path / f"victim-{link.replace('/', '-')}"
+        victim.mkdir()
+        for i in range(5):
+            (victim / f"file{i}.txt").write_text(f"mine {i}")
+        victims[victim] = sorted(p.name for p in victim.iterdir())
+        (root / link).parent.mkdir(parents=True, exist_ok=True)
+        (root / link).symlink_to(victim, target_is_directory=True)
+    got = _rows(list(ShardStream(url, 0, 7, seed=1, cache="64KiB", memory="64KiB")))
+    np.testing.assert_array_equal(got, np.sort(src["hidden"][0], axis=0))
+    for victim, names in victims.items():
+        assert sorted(p.name for p in victim.iterdir()) == names, victim  # 15 files, no .lock
