@@ -215,7 +215,7 @@ class Registration:
 
 def live_readers(folder: Path) -> list[Path]:
     """The reader folders of ``folder`` whose process still runs."""
-    return [d for d in sorted(_dirs(folder / "readers")) if is_alive(d)]
+    return [d for d in sorted(_dirs(folder / "readers", below=folder.parent)) if is_alive(d)]
 
 
 def read_small(path: Path, *, below: Path, limit: int = 4096) -> str | None:
@@ -275,12 +275,11 @@ def files_of(folder: Path, sub: str) -> list[str]:
 def held_elsewhere(folder: Path, name: str, rid: str) -> bool:
     """Whether a reader other than ``rid`` holds piece ``name``."""
     return any(d.name != rid and lstat_inside(d / "holds" / name, below=folder.parent) is not None
-               for d in _dirs(folder / "readers"))
+               for d in _dirs(folder / "readers", below=folder.parent))
 
 
-def _dirs(d: Path) -> list[Path]:
-    """The folders in ``d`` (``<root>`` or ``<root>/<key>/readers``), by lstat: a link to a folder is not one."""
-    below = d.parent.parent if d.name == "readers" else d
+def _dirs(d: Path, *, below: Path) -> list[Path]:
+    """The folders in ``d`` (under ``below``), by lstat: a link to a folder is not one."""
     return [d / name for name, st in list_folder(d, below=below) if stat.S_ISDIR(st.st_mode)]
 
 
@@ -290,7 +289,7 @@ def collect(folder: Path, *, keep: str | None = None) -> None:
     files this user owns are removed, and no link is followed (``safeio.remove_owned``)."""
     below = folder.parent
     live = set()
-    for d in _dirs(folder / "readers"):
+    for d in _dirs(folder / "readers", below=folder.parent):
         if d.name == keep or is_alive(d):
             live.add(d.name)
         else:
@@ -311,7 +310,7 @@ def collect_root(root: Path, *, skip: Path | None = None) -> None:
     """Remove every cache folder under ``root`` that no live reader uses (killed readers' leftovers, and the
     folders of readers that ended without closing), and what dead readers left in the others. A link under the
     root is not a folder here: it is neither followed nor removed; a folder holding a link keeps it."""
-    for d in _dirs(root):
+    for d in _dirs(root, below=root):
         if skip is not None and d == skip:
             continue
         with contextlib.suppress(UnsafePathError, PermissionError), FolderLock(d, below=root):  # not ours to collect
@@ -327,7 +326,7 @@ def default_budget(root: Path, *, cap: int = DEFAULT_CACHE_CAP) -> int:
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
     claimed = 0
-    for d in _dirs(root):
+    for d in _dirs(root, below=root):
         budgets = reader_budgets(d)
         if d.name == "claims":  # budgets decided for processes that have not started reading
             claimed += sum(budgets)
