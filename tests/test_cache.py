@@ -4,6 +4,7 @@ shared folder are never followed (issue 44 item 8), and readers sharing one budg
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -257,3 +258,20 @@ def test_a_cache_home_the_user_linked_elsewhere_still_works(tmp_path, monkeypatc
     assert (tmp_path / "scratch" / "stream" / "acts" / "pieces").is_dir()
     cache.release("p0")
     cache.close()
+
+
+def test_a_deep_tree_planted_in_a_dead_readers_folder_is_left_not_a_traceback(tmp_path):
+    """Another user plants folders 3,000 deep where a dead reader's registration was: removing it stops at a depth
+    the cache never uses (no RecursionError), and the reader reads."""
+    root = tmp_path / "stream"
+    deep = root / "acts" / "readers" / "123-dead"
+    deep.mkdir(parents=True)
+    fd = os.open(deep, os.O_RDONLY)
+    for _ in range(3000):  # relative to a descriptor: the path would pass PATH_MAX
+        os.mkdir("d", dir_fd=fd)
+        sub = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = sub
+    os.close(fd)
+    _read_all(root)
+    assert (root / "acts" / "readers" / "123-dead" / "d").is_dir()

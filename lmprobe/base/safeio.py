@@ -214,7 +214,13 @@ def remove_owned(path: str | os.PathLike, *, below: str | os.PathLike) -> bool:
         return False
 
 
-def _reap(dfd: int) -> None:
+#: how deep ``remove_tree`` descends: lmprobe's cache folders are 3 deep; a deeper tree was planted, and stays
+_REAP_DEPTH = 16
+
+
+def _reap(dfd: int, depth: int = 0) -> None:
+    if depth > _REAP_DEPTH:
+        return
     with os.scandir(dfd) as it:
         names = [e.name for e in it]
     for name in names:
@@ -225,7 +231,7 @@ def _reap(dfd: int) -> None:
             elif stat.S_ISDIR(st.st_mode):
                 sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
                 try:
-                    _reap(sub)
+                    _reap(sub, depth + 1)
                 finally:
                     os.close(sub)
                 os.rmdir(name, dir_fd=dfd)  # only once empty: what was not ours keeps it
