@@ -5,6 +5,7 @@ shared folder are never followed (issue 44 item 8), and readers sharing one budg
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -261,17 +262,38 @@ def test_a_cache_home_the_user_linked_elsewhere_still_works(tmp_path, monkeypatc
 
 
 def test_a_deep_tree_planted_in_a_dead_readers_folder_is_left_not_a_traceback(tmp_path):
-    """Another user plants folders 3,000 deep where a dead reader's registration was: removing it stops at a depth
-    the cache never uses (no RecursionError), and the reader reads."""
+    """Another user plants folders deeper than Python's recursion limit where a dead reader's registration was:
+    removing it stops at a depth the cache never uses (no RecursionError), and the reader reads. (The limit is
+    lowered to 300 for the test, so that the tree stays shallow enough for any tool to remove.)"""
     root = tmp_path / "stream"
     deep = root / "acts" / "readers" / "123-dead"
     deep.mkdir(parents=True)
     fd = os.open(deep, os.O_RDONLY)
-    for _ in range(3000):  # relative to a descriptor: the path would pass PATH_MAX
+    for _ in range(400):
         os.mkdir("d", dir_fd=fd)
         sub = os.open("d", os.O_RDONLY, dir_fd=fd)
         os.close(fd)
         fd = sub
     os.close(fd)
-    _read_all(root)
-    assert (root / "acts" / "readers" / "123-dead" / "d").is_dir()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(300)
+    try:
+        _read_all(root)
+    finally:
+        sys.setrecursionlimit(limit)
+        assert (deep / "d").is_dir()
+        _remove_deep(deep)
+
+
+def _remove_deep(path: Path) -> None:
+    """Remove a chain of nested folders ``d/d/...`` without recursion (shutil.rmtree, pytest's too, recurses)."""
+    fds = [os.open(path, os.O_RDONLY)]
+    while True:
+        try:
+            fds.append(os.open("d", os.O_RDONLY, dir_fd=fds[-1]))
+        except FileNotFoundError:
+            break
+    os.close(fds.pop())
+    while fds:
+        os.rmdir("d", dir_fd=fds[-1])
+        os.close(fds.pop())
