@@ -740,6 +740,7 @@ def test_hub_stream_with_filters_normalisation_len_and_dataloader_workers(hub, t
     np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][0], axis=0))
 
 
+@pytest.mark.slow  # three streams of a Hub dataset, 5-10 s on a loaded machine
 def test_three_streams_sharing_a_small_cache_serve_every_row(hub, tmp_path, rng, fresh_hf_cache, monkeypatch):
     """Issue 44 item 9, end to end: three readers of one Hub dataset on a machine (not one launch: each thinks it has
     the whole cache) share one folder and budget; each serves every vector once, and none waits out the bound (a
