@@ -181,3 +181,22 @@ def test_a_rewrite_that_starts_during_a_push_is_refused_and_the_push_publishes_o
     assert len(refused) == 1 and f"process {__import__('os').getpid()}" in refused[0], refused
     ds = lmprobe.load(f"hf://datasets/{repo}")
     np.testing.assert_array_equal(ds.hidden(0), src["hidden"][0])
+
+
+def test_a_lock_file_planted_as_a_link_is_not_written_through(tmp_path):
+    """Issue 44 item 8: `.ds.lmprobe-lock -> somebody's file` beside an output in a shared folder: taking the lock
+    must not truncate the file the link names (nor create one), and says so in one line."""
+    from lmprobe.base.lock import OutputLock, lock_path
+    from lmprobe.errors import UnsafePathError
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("my thesis")
+    lock_path(tmp_path / "ds").symlink_to(victim)
+    with pytest.raises(UnsafePathError, match="link") as err:
+        OutputLock(tmp_path / "ds").acquire()
+    assert "\n" not in str(err.value)
+    assert victim.read_text() == "my thesis"
+    lock_path(tmp_path / "ds2").symlink_to(tmp_path / "created")
+    with pytest.raises(UnsafePathError):
+        OutputLock(tmp_path / "ds2").acquire()
+    assert not (tmp_path / "created").exists()

@@ -734,7 +734,7 @@ def test_processes_sharing_the_object_store_cache_do_not_trip_over_each_other(tm
 
 def test_export_saev_from_the_hub_reads_through_a_bounded_cache(hub, tmp_path, rng, fresh_hf_cache, capsys):
     from lmprobe.cli import main as cli_main
-    from lmprobe.storage.cache import LruFiles
+    from lmprobe.storage.lrufiles import LruFiles
 
     _, url = _push(hub, tmp_path, rng, n=60)
     biggest = max(f.bytes for f in lmprobe.load(url).meta.files() if f.rel.startswith("tensors/hidden"))
@@ -789,3 +789,60 @@ def test_hub_stream_with_filters_normalisation_len_and_dataloader_workers(hub, t
                                          batch_size=None, num_workers=2)
     got = torch.cat(list(loader)).numpy()
     np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(src["hidden"][0], axis=0))
+
+
+@pytest.mark.slow  # three streams of a Hub dataset, 5-10 s on a loaded machine
+def test_three_streams_sharing_a_small_cache_serve_every_row(hub, tmp_path, rng, fresh_hf_cache, monkeypatch):
+    """Issue 44 item 9, end to end: three readers of one Hub dataset on a machine (not one launch: each thinks it has
+    the whole cache) share one folder and budget; each serves every vector once, and none waits out the bound (a
+    deadlock would end in OutOfSpaceError after DEFAULT_PATIENCE, made 20 s here)."""
+    import lmprobe.storage.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "DEFAULT_PATIENCE", 20.0)
+    src, url = _push(hub, tmp_path, rng, n=200, shard_size="512B")
+    budget = 4 * max(f.bytes for f in lmprobe.load(url).meta.files() if f.rel.startswith("tensors/hidden"))
+    got: dict[int, list] = {i: [] for i in range(3)}
+    errors: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def read(i):
+        try:
+            stream = ShardStream(url, 0, 7, seed=i, cache=budget, memory="2KiB")
+            start.wait(30)
+            for batch in stream:
+                got[i].append(batch.copy())
+                time.sleep(0.002)  # the three streams hold their windows at once
+            stream.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert time.monotonic() - t0 < 20
+    for i in range(3):
+        np.testing.assert_array_equal(_rows(got[i]), np.sort(src["hidden"][0], axis=0))
+
+
+def test_links_planted_in_the_node_cache_make_a_stream_delete_nothing_outside(hub, tmp_path, rng, fresh_hf_cache):
+    """Issue 44 item 8, as found: `stream/x -> dir`, `stream/y/pieces -> dir`, `stream/z/parts -> dir` planted by
+    another user of the node; a remote ShardStream deletes none of the 15 files and creates no `.lock` there."""
+    src, url = _push(hub, tmp_path, rng)
+    root = stream_root()
+    victims = {}
+    for link in ("x", "y/pieces", "z/parts"):
+        victim = tmp_path / f"victim-{link.replace('/', '-')}"
+        victim.mkdir()
+        for i in range(5):
+            (victim / f"file{i}.txt").write_text(f"mine {i}")
+        victims[victim] = sorted(p.name for p in victim.iterdir())
+        (root / link).parent.mkdir(parents=True, exist_ok=True)
+        (root / link).symlink_to(victim, target_is_directory=True)
+    got = _rows(list(ShardStream(url, 0, 7, seed=1, cache="64KiB", memory="64KiB")))
+    np.testing.assert_array_equal(got, np.sort(src["hidden"][0], axis=0))
+    for victim, names in victims.items():
+        assert sorted(p.name for p in victim.iterdir()) == names, victim  # 15 files, no .lock

@@ -13,10 +13,14 @@ with a liveness check of the recorded process stands in.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 from pathlib import Path
 
-from ..errors import OutputInUseError
+from ..errors import OutputInUseError, UnsafePathError
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 try:
     import fcntl
@@ -42,7 +46,17 @@ class OutputLock:
         if fcntl is None:  # pragma: no cover - not on POSIX
             self._acquire_exclusive_create()
             return self
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # a link planted in the lock's place is never written through (it would truncate its target)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise UnsafePathError(f"the lock file {self.path} of {self.target} is a link (another user may have planted "
+                                  f"it): remove it (`rm {self.path}`) and run again") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UnsafePathError(f"the lock file {self.path} of {self.target} is not a regular file: remove it and "
+                                  "run again")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -111,10 +125,13 @@ def _read_pid(fd: int) -> int | None:
 
 def _read_pid_file(path: Path) -> int | None:
     try:
-        raw = path.read_text()
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
-    return int(raw) if raw.strip().isdigit() else None
+    try:
+        return _read_pid(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:

@@ -10,8 +10,8 @@ from ..base.units import parse_size
 from ..errors import DatasetNotFoundError, InvalidArgumentError, ShardMissingError
 from ..format.reader import Dataset, open_local
 from ..format.spec import INDEX_PATH
-from ..storage.cache import LruFiles
 from ..storage.hub import HubFiles, HubRef, parse_dataset_ref
+from ..storage.lrufiles import LruFiles
 from ..storage.objectstore import ObjectStoreFiles, is_object_store_url
 
 

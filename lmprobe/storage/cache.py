@@ -1,4 +1,4 @@
-"""Bounded local caches for remote dataset files: downloads ahead, within a byte budget, deleted when done.
+"""A bounded local cache for remote dataset pieces: downloads ahead, within a byte budget, deleted when done.
 
 A published SAE dataset is terabytes; the disk of the node that trains from it is not. The reader
 tells the cache which pieces it will need, in order (``schedule``); background workers download
@@ -19,47 +19,58 @@ one (``storage.cachedir`` has the layout and the locks).
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import shutil
+import stat
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 from ..base.paths import check_relpath
+from ..base.safeio import (
+    lstat_inside,
+    open_folder,
+    open_inside,
+    remove_owned,
+    remove_tree,
+    replace_inside,
+)
 from ..base.units import format_size, parse_size
-from ..errors import InvalidArgumentError, LmprobeError, OutOfSpaceError
+from ..errors import InvalidArgumentError, LmprobeError, OutOfSpaceError, UnsafePathError
 from .cachedir import (
     DEFAULT_CACHE_CAP,
     FolderLock,
     Registration,
     cache_root,
+    check_root,
     claim_default_budget,
     collect,
     collect_root,
     default_budget,
+    disk_full,
     drop_claims,
+    files_of,
     held_elsewhere,
     is_alive,
+    is_disk_full,
     live_readers,
     new_reader_id,
     parse_part,
     part_name,
+    read_small,
     reader_budgets,
     usage,
 )
 
-__all__ = ["BoundedCache", "LruFiles", "cache_budget", "cache_root", "DEFAULT_CACHE_CAP", "disk_full",
-           "is_disk_full"]
+__all__ = ["BoundedCache", "cache_budget", "cache_root", "DEFAULT_CACHE_CAP"]
 
 logger = logging.getLogger(__name__)
 
 #: seconds a reader waits for room in a folder that other readers filled before it says so, and
-#: (``patience``, default) before it gives up
+#: (``patience``, default) before it gives up: with windows claimed whole and the longest waiter served first, only
+#: a reader that holds pieces and stops reading makes the others wait that long
 ROOM_WARN_AFTER = 30.0
 DEFAULT_PATIENCE = 1800.0
 
@@ -79,20 +90,6 @@ def cache_budget(cache: int | str | None, source: object, *, announce: bool) -> 
     return budget
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-def disk_full(where: Path, what: str) -> OutOfSpaceError:
-    """One line for a full disk under a cache: what was being written, what is free, what to do."""
-    try:
-        free = format_size(shutil.disk_usage(where).free)
-    except OSError:
-        free = "?"
-    return OutOfSpaceError(f"the disk holding the cache {where} is full ({free} free) while {what}: free some "
-                           "space, give a smaller cache= (--cache), or point LMPROBE_CACHE at a larger disk")
-
-
 class BoundedCache:
     """Remote pieces on local disk within ``budget`` bytes, shared by the processes of a machine; see the module
     docstring.
@@ -104,22 +101,27 @@ class BoundedCache:
     most ``budget // share`` of it (the readers a launch starts on one machine each get their share,
     so none waits for room another needs to progress); ``sizes`` (optional) gives the size of names
     scheduled without one; ``label`` names the remote in messages; ``on_bytes(n)`` is called with this
-    reader's bytes whenever they change.
+    reader's bytes whenever they change; ``patience`` (seconds, default ``DEFAULT_PATIENCE``) bounds a
+    wait for room in the folder.
+
+    Readers sharing the budget cannot wait on each other for ever: a window (one ``schedule`` call) is
+    claimed whole or not at all, so every reader that holds pieces can finish its window and give them
+    back; the reader that has waited longest for room is served first. What remains is a reader that
+    holds pieces and stops reading: the others wait ``patience`` seconds for it, then say so in one line.
     """
 
     def __init__(self, download: Callable[[str, Path], None], budget: int | None = None, *, key: str | None = None,
                  sizes: dict[str, int] | None = None, label: str = "the remote", workers: int = 4,
                  root: Path | None = None, share: int = 1, on_bytes: Callable[[int], None] | None = None,
-                 patience: float = DEFAULT_PATIENCE):
+                 patience: float | None = None):
         if budget is not None and budget <= 0:
             raise InvalidArgumentError(f"cache budget must be positive, got {budget}")
         self.download, self.label, self.sizes = download, label, dict(sizes or {})
-        self.root = Path(root) if root is not None else cache_root()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = check_root(Path(root) if root is not None else cache_root())
         rid = new_reader_id()
         self.folder = self.root / (key if key is not None else f"reader-{rid}")
         check_relpath(self.folder.name, "cache folder")
-        with FolderLock(self.root):  # the budget is decided and the reader registered at once
+        with FolderLock(self.root, below=self.root):  # the budget is decided and the reader registered at once
             collect_root(self.root, skip=self.folder)
             with FolderLock(self.folder):
                 collect(self.folder)
@@ -143,12 +145,20 @@ class BoundedCache:
         self.dir = self.folder / "pieces"
         self.parts = self.folder / "parts"
         self.notes = self.folder / "notes"
-        for d in (self.dir, self.parts, self.notes):
-            d.mkdir(parents=True, exist_ok=True)
-        self.on_bytes, self.patience = on_bytes, float(patience)
+        try:
+            for d in (self.dir, self.parts, self.notes):  # a link planted in their place: one line, nothing followed
+                os.close(open_folder(d, below=self.root, create=True))
+        except BaseException:
+            self.close()
+            raise
+        self.on_bytes = on_bytes
+        self.patience = float(DEFAULT_PATIENCE if patience is None else patience)
         self._lock = FolderLock(self.folder)
         self._cv = threading.Condition()
-        self._queue: deque[str] = deque()  # pieces to download, in the order they will be needed
+        self._queue: deque[list[str]] = deque()  # groups of pieces to claim together, in the order they are needed
+        self._jobs: deque[tuple[str, str]] = deque()  # claimed pieces to fetch: (name, "download" | "other")
+        self._want_since: float | None = None  # when this reader started waiting for room (wall clock: shared)
+        self._wants = ""
         self._need: dict[str, int] = {}  # name -> scheduled uses not yet released
         self._state: dict[str, str] = {}  # name -> "queued" | "loading" | "ready" | "dropped"
         self._errors: dict[str, BaseException] = {}
@@ -166,8 +176,14 @@ class BoundedCache:
 
     def schedule(self, items: Iterable[str | tuple[str, int]]) -> None:
         """Pieces the consumer will ``get`` (once each per mention), in the order it will need them: names, or
-        (name, size) pairs."""
+        (name, size) pairs.
+
+        The new pieces of one call are claimed together when they fit in this reader's share (a window the
+        consumer takes at once): a reader never holds part of a window while it waits for room for the rest,
+        which is what let readers sharing a budget wait on each other for ever. A call larger than the share
+        is claimed piece by piece (its consumer cannot hold it at once anyway)."""
         with self._cv:
+            new: list[str] = []
             for item in items:
                 name, size = (item, self.sizes.get(item)) if isinstance(item, str) else item
                 if size is None:
@@ -180,7 +196,13 @@ class BoundedCache:
                 self._need[name] = self._need.get(name, 0) + 1
                 if name not in self._state:
                     self._state[name] = "queued"
-                    self._queue.append(name)
+                    new.append(name)
+            if not new:
+                pass
+            elif sum(self.sizes[n] for n in new) <= self.cap:
+                self._queue.append(new)
+            else:
+                self._queue.extend([n] for n in new)
             self._cv.notify_all()
 
     def get(self, name: str) -> Path:
@@ -206,7 +228,12 @@ class BoundedCache:
             self._need.pop(name, None)
             state = self._state.pop(name, None)
             if state == "queued":
-                self._queue.remove(name)
+                for group in self._queue:
+                    if name in group:
+                        group.remove(name)
+                        break
+                while self._queue and not self._queue[0]:
+                    self._queue.popleft()
             elif state == "ready":
                 self._unhold(name)
                 self._add_bytes(-self.sizes[name])
@@ -222,13 +249,11 @@ class BoundedCache:
         given, else read (None when nobody wrote it)."""
         path = self.notes / name
         if text is None:
-            try:
-                return path.read_text()[:4096]
-            except (FileNotFoundError, UnicodeDecodeError):
-                return None
+            return read_small(path, below=self.root)
         tmp = path.with_name(f".{path.name}.{self._reg.rid}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        with os.fdopen(open_inside(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, below=self.root), "w") as f:
+            f.write(text)
+        replace_inside(tmp, path, below=self.root)
         return text
 
     def folder_bytes(self) -> int:
@@ -252,7 +277,7 @@ class BoundedCache:
             reg.close()
             collect(self.folder)
             if not live_readers(self.folder):
-                shutil.rmtree(self.folder, ignore_errors=True)
+                remove_tree(self.folder, below=self.root)
 
     def __del__(self) -> None:  # pragma: no cover - a reader dropped without close()
         with contextlib.suppress(Exception):
@@ -275,85 +300,174 @@ class BoundedCache:
     def _unhold(self, name: str) -> None:
         """This reader is done with ``name``: delete it unless another reader of the folder holds it."""
         with self._lock:
-            (self._reg.holds / name).unlink(missing_ok=True)
+            self._reg.unhold(name)
             if not held_elsewhere(self.folder, name, self._reg.rid):
-                (self.dir / name).unlink(missing_ok=True)
+                remove_owned(self.dir / name, below=self.root)
 
     def _claim(self, name: str, size: int) -> str | None:
         """Under the folder's lock: "ready" (another reader downloaded it), "other" (another reader is downloading
         it), "download" (room reserved: this reader downloads it), or None (no room in the folder yet)."""
         with self._lock:
-            hold = self._reg.holds / name
-            hold.touch()
-            if (self.dir / name).exists():
+            self._reg.touch(f"holds/{name}")
+            if self._complete(name):
                 return "ready"
-            for e in os.scandir(self.parts):
-                parsed = parse_part(e.name)
+            for file in files_of(self.folder, "parts"):
+                parsed = parse_part(file)
                 if parsed and parsed[0] == name and parsed[1] != self._reg.rid \
                         and is_alive(self.folder / "readers" / parsed[1]):
                     return "other"
             if usage(self.folder) + size > self.budget:
                 collect(self.folder, keep=self._reg.rid)  # what dead readers left may be in the way
             if usage(self.folder) + size <= self.budget:
-                (self.parts / part_name(name, self._reg.rid, size)).touch()
+                os.close(open_inside(self.parts / part_name(name, self._reg.rid, size),
+                                     os.O_WRONLY | os.O_CREAT | os.O_EXCL, below=self.root))
                 return "download"
-            hold.unlink(missing_ok=True)
+            self._reg.unhold(name)
             return None
 
+    def _complete(self, name: str) -> bool:
+        """Whether piece ``name`` is in ``pieces/``, complete (a regular file: a link there is not a piece)."""
+        st = lstat_inside(self.dir / name, below=self.root)
+        return st is not None and stat.S_ISREG(st.st_mode)
+
+    def _claim_group(self, group: list[str]) -> list[str] | None:
+        """Under the folder's lock, the pieces of ``group`` all at once: each one's mode ("ready", "other",
+        "download", as ``_claim``), or None (nothing claimed) when the folder has no room for the group's downloads.
+
+        Room is what the budget leaves after the folder's pieces and downloads, less what the readers that started
+        waiting before this one need (their ``wants``): the reader that has waited longest is served first, and a
+        reader that is not waiting never takes the room a waiting one needs."""
+        rid = self._reg.rid
+        with self._lock:
+            for name in group:
+                self._reg.touch(f"holds/{name}")
+            downloading = {parsed[0] for parsed in map(parse_part, files_of(self.folder, "parts"))
+                           if parsed and parsed[1] != rid and is_alive(self.folder / "readers" / parsed[1])}
+            modes = ["ready" if self._complete(n) else "other" if n in downloading else "download" for n in group]
+            new = sum(self.sizes[n] for n, mode in zip(group, modes, strict=True) if mode == "download")
+            if new:
+                used = usage(self.folder)
+                if used + new + self._waiting_ahead() > self.budget:
+                    collect(self.folder, keep=rid)  # what dead readers left may be in the way
+                    used = usage(self.folder)
+                if used + new + self._waiting_ahead() > self.budget:
+                    for name in group:
+                        self._reg.unhold(name)
+                    self._want(new)
+                    return None
+            for name, mode in zip(group, modes, strict=True):
+                if mode == "download":
+                    os.close(open_inside(self.parts / part_name(name, rid, self.sizes[name]),
+                                         os.O_WRONLY | os.O_CREAT | os.O_EXCL, below=self.root))
+            self._stop_wanting()
+            return modes
+
+    def _waiting_ahead(self) -> int:
+        """Bytes the live readers that started waiting for room before this one (or all waiting ones, when this one
+        is not waiting) need: ``readers/<rid>/wants`` holds "<since> <bytes>"."""
+        mine = (self._want_since, self._reg.rid) if self._want_since is not None else None
+        ahead = 0
+        for d in live_readers(self.folder):
+            if d.name == self._reg.rid:
+                continue
+            since, _, n = (read_small(d / "wants", below=self.root, limit=64) or "").partition(" ")
+            try:
+                since_f, n_i = float(since), int(n)
+            except ValueError:
+                continue
+            if mine is None or (since_f, d.name) < mine:
+                ahead += max(0, min(n_i, self.budget))
+        return ahead
+
+    def _want(self, n: int) -> None:
+        """Say to the folder's other readers that this one waits for ``n`` bytes of room (since when it began)."""
+        if self._want_since is None:
+            self._want_since = time.time()
+        text = f"{self._want_since!r} {int(n)}"
+        if text != self._wants:
+            self._reg.write("wants", text)
+            self._wants = text
+
+    def _stop_wanting(self) -> None:
+        if self._want_since is not None or self._wants:
+            remove_owned(self._reg.dir / "wants", below=self.root)
+            self._want_since, self._wants = None, ""
+
     def _next(self) -> tuple[str, str] | None:
-        """The next piece to fetch, once this reader's share and the folder have room for it (strictly in order:
-        none jumps the queue)."""
+        """The next piece to fetch: claimed pieces first, else the next group, once this reader's share and the
+        folder have room for all of it (strictly in order: none jumps the queue). Waiting for room in the folder
+        lasts at most ``patience`` seconds; then the group's reads fail with one line saying why."""
         waiting_since: float | None = None
         warned = False
         with self._cv:
             while True:
                 if self._closed:
+                    with contextlib.suppress(OSError):
+                        self._stop_wanting()
                     return None
-                if not self._queue or self.bytes + self.sizes[self._queue[0]] > self.cap:
+                if self._jobs:
+                    return self._jobs.popleft()
+                while self._queue and not self._queue[0]:  # every piece of it was released before its turn
+                    self._queue.popleft()
+                group = self._queue[0] if self._queue else None
+                need = sum(self.sizes[n] for n in group) if group else 0
+                if not group or self.bytes + need > self.cap:
                     waiting_since = None
+                    self._stop_wanting()
                     self._cv.wait()
                     continue
-                name = self._queue[0]
-                mode = self._claim(name, self.sizes[name])
-                if mode is None:  # other readers of this machine fill the folder: wait for them to free room
+                modes = self._claim_group(group)
+                if modes is None:  # other readers of this machine fill the folder: wait for them to free room
                     now = time.monotonic()
                     waiting_since = waiting_since or now
-                    if not warned and now - waiting_since > ROOM_WARN_AFTER:
+                    if not warned and now - waiting_since > min(ROOM_WARN_AFTER, self.patience / 2):
                         warned = True
                         logger.warning("lmprobe: waiting for room in the cache %s shared with %d other reader(s) "
                                        "(%s of %s used)", self.folder, len(live_readers(self.folder)) - 1,
                                        format_size(usage(self.folder)), format_size(self.budget))
                     if now - waiting_since > self.patience:
+                        error = self._no_room(need)
                         self._queue.popleft()
-                        self._errors[name] = OutOfSpaceError(
-                            f"the cache {self.folder} (budget {format_size(self.budget)}) stayed full of other "
-                            f"readers' pieces for {self.patience:.0f} s: give each reader a larger cache= or run "
-                            "fewer readers of this dataset on this machine")
+                        for name in group:
+                            self._errors[name] = error
+                        self._stop_wanting()
+                        waiting_since, warned = None, False
                         self._cv.notify_all()
                         continue
                     self._cv.wait(0.05)
                     continue
+                waiting_since, warned = None, False
                 self._queue.popleft()
-                self._add_bytes(self.sizes[name])
-                if mode == "ready":
-                    self.shared += 1
-                    self._state[name] = "ready"
-                    self._cv.notify_all()
-                    continue
-                self._state[name] = "loading"
-                return name, mode
+                for name, mode in zip(group, modes, strict=True):
+                    self._add_bytes(self.sizes[name])
+                    if mode == "ready":
+                        self.shared += 1
+                        self._state[name] = "ready"
+                    else:
+                        self._state[name] = "loading"
+                        self._jobs.append((name, mode))
+                self._cv.notify_all()
+
+    def _no_room(self, need: int) -> OutOfSpaceError:
+        others = max(0, len(live_readers(self.folder)) - 1)
+        return OutOfSpaceError(
+            f"this reader waited {self.patience:.0f} s for {format_size(need)} of room in the cache {self.folder} "
+            f"(cache={format_size(self.budget)}, {format_size(usage(self.folder))} used), which {others} other "
+            "reader(s) of this dataset on this machine hold without giving any back (a reader that stopped reading "
+            "keeps its pieces until it is closed): close the readers you no longer use, give a larger cache= "
+            "(--cache), or run fewer readers of this dataset at once")
 
     def _wait_for_other(self, name: str) -> bool:
         """Wait while another reader downloads ``name``: True when it is there, False when that reader is gone."""
         while not self._closed:
-            if (self.dir / name).exists():
+            if self._complete(name):
                 return True
             with self._lock:
-                if (self.dir / name).exists():
+                if self._complete(name):
                     return True
                 alive = False
-                for e in os.scandir(self.parts):
-                    parsed = parse_part(e.name)
+                for file in files_of(self.folder, "parts"):
+                    parsed = parse_part(file)
                     if parsed and parsed[0] == name and is_alive(self.folder / "readers" / parsed[1]):
                         alive = True
                 if not alive:
@@ -377,15 +491,19 @@ class BoundedCache:
         part = self.parts / part_name(name, self._reg.rid, self.sizes[name])
         try:
             self.download(name, part)
-            size = part.stat().st_size
+            st = lstat_inside(part, below=self.root)
+            if st is None or not stat.S_ISREG(st.st_mode):
+                raise UnsafePathError(f"the download of {name} in {self.parts} was replaced by something else than a "
+                                      "file (another user of this machine?): nothing of it was used; run again")
+            size = st.st_size
             if size != self.sizes[name]:
                 raise LmprobeError(
                     f"{name} from {self.label} is {size} bytes, the dataset's metadata says {self.sizes[name]}: the "
                     "remote dataset changed after it was opened; open it again")
-            os.replace(part, self.dir / name)  # visible only now: complete and checked
+            replace_inside(part, self.dir / name, below=self.root)  # visible only now: complete and checked
             self.downloaded += 1
         except BaseException as exc:
-            part.unlink(missing_ok=True)
+            remove_owned(part, below=self.root)
             if is_disk_full(exc):
                 raise disk_full(self.folder, f"downloading {name} from {self.label}") from exc
             raise
@@ -413,87 +531,3 @@ class BoundedCache:
                 else:
                     self._state[name] = "ready"
                 self._cv.notify_all()
-
-
-class LruFiles:
-    """A remote dataset's files, fetched into a folder that never holds more than ``budget`` bytes.
-
-    For readers that fetch files one call at a time (``lmprobe report``, ``features``,
-    ``export-saev`` on a remote dataset): before a download, the least recently fetched files are
-    deleted until the new one fits. A file a reader still has open keeps its disk space until it
-    is closed. The folder is registered like a bounded cache's, so that the default budgets of other
-    readers count it and the next reader removes it if this process is killed. Everything else
-    (``download``, ``pin``, ``repo_files``) is the wrapped source's.
-    """
-
-    def __init__(self, files: Any, budget: int | None, *, root: Path | None = None):
-        if budget is not None and budget <= 0:
-            raise InvalidArgumentError(f"cache budget must be positive, got {budget}")
-        self.files = files
-        base = Path(root) if root is not None else cache_root()
-        base.mkdir(parents=True, exist_ok=True)
-        rid = new_reader_id()
-        folder = base / f"files-{rid}"
-        with FolderLock(base):
-            collect_root(base, skip=folder)
-            if budget is None:
-                budget = default_budget(base)
-            self._reg = Registration(folder, budget, rid=rid)
-        drop_claims()
-        self.budget, self.folder = int(budget), folder
-        self.dir = folder / "data"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._have: dict[str, int] = {}  # rel -> bytes, least recently fetched first
-        self.bytes = self.peak = 0
-        self._lock = threading.Lock()
-
-    def __str__(self) -> str:
-        return str(self.files)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("files", "_reg"):
-            raise AttributeError(name)
-        return getattr(self.files, name)
-
-    def fetch(self, rel: str, *, what: str = "file") -> Path:
-        check_relpath(rel, what)
-        dst = self.dir / rel
-        with self._lock:
-            if rel in self._have:
-                self._have[rel] = self._have.pop(rel)  # most recently used now
-                return dst
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_name(f".{dst.name}.{self._reg.rid}.part")
-            try:
-                self.files.download(rel, tmp)
-            except BaseException as exc:
-                tmp.unlink(missing_ok=True)
-                if is_disk_full(exc):
-                    raise disk_full(self.folder, f"downloading {rel} from {self.files}") from exc
-                raise
-            size = tmp.stat().st_size
-            if size > self.budget:
-                tmp.unlink(missing_ok=True)
-                raise InvalidArgumentError(f"cache={format_size(self.budget)} cannot hold {rel} ({format_size(size)});"
-                                           " give a larger --cache")
-            while self._have and self.bytes + size > self.budget:
-                old = next(iter(self._have))
-                self.bytes -= self._have.pop(old)
-                (self.dir / old).unlink(missing_ok=True)
-            os.replace(tmp, dst)
-            self._have[rel] = size
-            self.bytes += size
-            self.peak = max(self.peak, self.bytes)
-            return dst
-
-    def close(self) -> None:
-        reg = self.__dict__.get("_reg")
-        if reg is None or not reg.open:
-            return
-        with contextlib.suppress(OSError):
-            reg.close()
-            shutil.rmtree(self.folder, ignore_errors=True)
-
-    def __del__(self) -> None:  # pragma: no cover - removed with the dataset
-        with contextlib.suppress(Exception):
-            self.close()

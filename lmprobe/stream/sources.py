@@ -13,6 +13,7 @@ from urllib.parse import quote, unquote
 import numpy as np
 
 from ..base.hashing import sha256_file
+from ..base.safeio import nofollow_opener
 from ..base.units import format_size
 from ..errors import FormatError, InvalidArgumentError
 from ..format.reader import Dataset
@@ -190,7 +191,7 @@ class RemoteRows(DatasetRows):
         s, site, first, end, whole = self._spec(name)
         rel, size, sha = self._record(s, site)
         files = self.ds.files
-        with open(dst, "wb") as f:
+        with open(dst, "wb", opener=nofollow_opener) as f:  # the node-shared cache: a link there is not followed
             if whole:
                 files.read_range(rel, 0, int(size), out=f, policy=self.policy)
             else:
