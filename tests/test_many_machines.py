@@ -135,8 +135,8 @@ def test_two_nodes_extract_a_corpus_budget_exactly_as_one_process(s3, llama_dir,
 
 @pytest.fixture
 def fast_commits(monkeypatch):
-    # the Hub's ~100 commits an hour would make each rank wait 72 s between commits: the local server takes more
-    monkeypatch.setenv("LMPROBE_HUB_COMMITS_PER_HOUR", "3600000")
+    # the Hub's ~100 commits an hour, on a clock whose hour lasts a second (the local server takes more)
+    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "1")
 
 
 def _hub_tree(hub, name):

@@ -50,6 +50,22 @@ def commits_per_hour() -> float:
     return rate
 
 
+def hour_seconds() -> float:
+    """Seconds in the Hub's hour (``LMPROBE_HUB_HOUR_SECONDS``, default 3600): a test knob only. Tests and
+    benchmarks against the local Hub test server, which enforces its commit rate on a scaled clock (128 commits
+    an "hour" of 60 s), scale the committer's clock the same way: the window, the wait for a fuller commit and
+    what counts as a fast commit."""
+    raw = os.environ.get("LMPROBE_HUB_HOUR_SECONDS", str(HOUR))
+    try:
+        hour = float(raw)
+    except ValueError:
+        hour = -1.0
+    if not 0 < hour <= HOUR:
+        raise InvalidArgumentError(f"LMPROBE_HUB_HOUR_SECONDS={raw!r}: a test knob, the seconds of the Hub's hour on a "
+                                   f"scaled clock: give a number above 0 and at most {HOUR:g}")
+    return hour
+
+
 def next_commit_files(current: int, *, seconds: float | None) -> int:
     """The next commit's size after one of ``current`` files took ``seconds`` (None: it failed).
 

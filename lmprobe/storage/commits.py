@@ -1,8 +1,11 @@
 """Commits to a Hub repo: parallel uploads pipelined with bounded commits, resumable, never made twice.
 
 A :class:`HubCommitter` takes files one by one (``add``) as they are finished, uploads them in
-parallel (LFS or Xet, whichever huggingface_hub uses), and commits them in batches of at most
-``commit_files`` files while the next files upload: the link never waits for a commit to land.
+parallel (LFS or Xet, whichever huggingface_hub uses), and commits them in batches while the next
+files upload: the link never waits for a commit to land. Commit sizes and the commit rate follow
+the job's one budget (budget.py): huggingface_hub's ladder of 20 to 1,000 files a commit (starting
+at 250, a step up after a commit that landed in under 40 s, a step down after a slow one), and at
+most ``commits_per_hour`` commits in any hour (sliding), whoever's files they hold.
 ``finish(last=[...])`` commits the entry point (index and card, or a dictionary's meta.json)
 alone, after every other file landed, so the repo never shows an index whose files are missing.
 
@@ -48,14 +51,22 @@ from ..base.hashing import sha256_file
 from ..base.progress import Progress, third_party_bars
 from ..base.retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe, status_code
 from ..errors import InvalidArgumentError, PushError
+from .budget import (
+    HOUR,
+    MAX_COMMIT_FILES,
+    START_COMMIT_FILES,
+    CommitWindow,
+    commits_per_hour,
+    hour_seconds,
+    next_commit_files,
+)
 from .hub import hub_api, transport_errors
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_COMMIT_FILES = 50
 DEFAULT_COMMIT_BYTES = 20 * 1024**3
-#: moves per rename commit (a copy and a delete each, nothing uploaded): 100,000 files rename in 200 commits
-RENAMES_PER_COMMIT = 500
+#: moves per rename commit (a copy and a delete each, nothing uploaded): 100,000 files rename in 100 commits
+RENAMES_PER_COMMIT = MAX_COMMIT_FILES
 PATHS_INFO_BATCH = 500  # the Hub answers paths-info for at most ~1,000 paths per request
 
 
@@ -63,19 +74,20 @@ PATHS_INFO_BATCH = 500  # the Hub answers paths-info for at most ~1,000 paths pe
 class PushConfig:
     """How a push uploads and commits. Every field has a default that suits the Hub."""
 
-    commit_files: int = DEFAULT_COMMIT_FILES
-    """Files per commit, at most (the Hub asks for commits of under 100 files)."""
+    commit_files: int | None = None
+    """Files per commit, at most (None: huggingface_hub's ladder alone decides, 20 to 1,000, budget.py)."""
     commit_bytes: int = DEFAULT_COMMIT_BYTES
     """Bytes per commit, at most."""
     workers: int = 8
     """Files uploading at the same time."""
     max_in_flight: int | None = None
-    """Files added but not yet in a landed commit, at most; ``add`` waits beyond it (default: 2 x commit_files)."""
+    """Files added, not yet uploaded nor in a landed commit, at most; ``add`` waits beyond it (default: twice the
+    largest commit)."""
     commit_interval: float = 300.0
-    """Seconds an uploaded file waits at most for others to fill its commit (fewer, larger commits)."""
-    min_commit_spacing: float = 0.0
-    """Seconds between the starts of two commits of this committer, at least (several writers sharing a repo's
-    commit rate limit each take their share; uploads go on meanwhile)."""
+    """Seconds an uploaded file waits at most for others to fill its commit (fewer, larger commits), on the Hub's
+    clock (``LMPROBE_HUB_HOUR_SECONDS`` scales it with the hour)."""
+    commits_per_hour: float | None = None
+    """Commits in any hour, at most (None: ``LMPROBE_HUB_COMMITS_PER_HOUR``, default 100)."""
     max_retries: int = 5
     """Retries of a request that failed (a dropped connection, a 5xx answer)."""
     base_wait: float = 2.0
@@ -87,24 +99,34 @@ class PushConfig:
 
     def __post_init__(self) -> None:
         for name in ("commit_files", "commit_bytes", "workers"):
+            if name == "commit_files" and self.commit_files is None:
+                continue
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be an integer >= 1, not {getattr(self, name)!r}")
         if self.max_in_flight is not None and (not isinstance(self.max_in_flight, int) or self.max_in_flight < 1):
             raise InvalidArgumentError(f"max_in_flight must be an integer >= 1, not {self.max_in_flight!r}")
-        for name in ("commit_interval", "min_commit_spacing", "base_wait", "commit_deadline", "max_retry_after"):
+        if self.commits_per_hour is not None and not self.commits_per_hour > 0:
+            raise InvalidArgumentError(f"commits_per_hour must be > 0, not {self.commits_per_hour!r}")
+        for name in ("commit_interval", "base_wait", "commit_deadline", "max_retry_after"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0 seconds, not {getattr(self, name)!r}")
         if self.max_retries < 0:
             raise InvalidArgumentError(f"max_retries must be >= 0, not {self.max_retries!r}")
 
     @property
-    def in_flight(self) -> int:
-        return self.max_in_flight if self.max_in_flight is not None else 2 * self.commit_files
+    def largest_commit(self) -> int:
+        return MAX_COMMIT_FILES if self.commit_files is None else self.commit_files
 
     @property
-    def batch_target(self) -> int:
-        """Files a commit waits for: a full commit, or half the files in flight so the other half uploads meanwhile."""
-        return min(self.commit_files, max(1, self.in_flight // 2))
+    def in_flight(self) -> int:
+        return self.max_in_flight if self.max_in_flight is not None else 2 * self.largest_commit
+
+    def first_commit_files(self) -> int:
+        return min(START_COMMIT_FILES, self.largest_commit)
+
+    def next_commit_files(self, current: int, seconds: float | None) -> int:
+        """The ladder's next step (budget.py), within ``commit_files``."""
+        return min(next_commit_files(current, seconds=seconds), self.largest_commit)
 
     def policy(self) -> RetryPolicy:
         """Every push request retries dropped connections and 429/5xx answers; 429s until the deadline."""
@@ -192,7 +214,8 @@ class _State:
     flushing: int = 0
     producer_waiting: bool = False
     holding: bool = False  # finish() gathers what is uploaded into its final commit: no other commit starts
-    last_commit: float = -1e18  # time.monotonic() when the last commit started
+    window: CommitWindow | None = None  # the starts of this job's commits in the last hour
+    commit_files: int = START_COMMIT_FILES  # the next commit's size, on the ladder
     stop: bool = False
     error: BaseException | None = None
 
@@ -214,7 +237,8 @@ class HubCommitter:
     def __init__(self, repo_id: str, *, token: str | bool | None, revision: str | None = None,
                  repo_type: str = "dataset", config: PushConfig | None = None, label: str = "dataset",
                  quiet: bool = True, on_landed: Callable[[list[RepoFile]], Any] | None = None,
-                 on_uploaded: Callable[[RepoFile], Any] | None = None, under: str = ""):
+                 on_uploaded: Callable[[RepoFile], Any] | None = None, under: str = "",
+                 window: CommitWindow | None = None):
         self.api = hub_api(token)
         self.repo_id = repo_id
         self.repo_type = repo_type
@@ -231,7 +255,10 @@ class HubCommitter:
         self.result = PushResult()
         self.remote: dict[str, str] = {}  # path -> "sha256:<hex>" or "git:<blob id>", as listed at start()
         self.listings = 0
-        self._s = _State()
+        # the Hub's hour, scaled for tests (LMPROBE_HUB_HOUR_SECONDS); every commit of the job is counted in one window
+        self.hour = hour_seconds()
+        self.window = window or CommitWindow(self.config.commits_per_hour or commits_per_hour(), hour=self.hour)
+        self._s = _State(window=self.window, commit_files=self.config.first_commit_files())
         self._pool: ThreadPoolExecutor | None = None
         self._committer: threading.Thread | None = None
         self._callback_lock = threading.Lock()
@@ -394,16 +421,20 @@ class HubCommitter:
         return [(a, b) for a, b in moves if a in now]
 
     def _rename_commit(self, part: list[tuple[str, str]]) -> None:
-        self._take_turn()
+        self.take_turn()
         self._commit([], f"lmprobe: rename {len(part)} file(s)", moves=part)
 
-    def _take_turn(self) -> None:
-        """Wait until a commit may start (``min_commit_spacing`` after the last one), and count it as started."""
+    def take_turn(self) -> None:
+        """Wait until the job's commit window lets one more commit start, and count it as started (every commit to
+        the repo takes a turn, this committer's own and those made beside it, e.g. deleting an old index)."""
         s = self._s
         with s.cv:
-            while (wait := s.last_commit + self.config.min_commit_spacing - time.monotonic()) > 0:
+            if (wait := s.window.wait(time.monotonic())) > 5:
+                logger.info("%s: the job's %g commits an hour are spent; the next commit waits %.0fs",
+                            self.repo_id, s.window.per_hour, wait)
+            while (wait := s.window.wait(time.monotonic())) > 0:
                 s.cv.wait(min(wait, 0.5))
-            s.last_commit = time.monotonic()
+            s.window.record(time.monotonic())
 
     def _grow_bar(self, files: Sequence[RepoFile]) -> None:
         bar = self._bar
@@ -457,13 +488,13 @@ class HubCommitter:
             cut = len(todo) - (len(todo) % RENAMES_PER_COMMIT or RENAMES_PER_COMMIT) if todo else 0
             for i in range(0, cut, RENAMES_PER_COMMIT):
                 self._rename_commit(todo[i : i + RENAMES_PER_COMMIT])
-            while held and len(held) + len(final) > self.config.commit_files:  # the final commit stays in bounds
-                chunk, held = held[: self.config.commit_files], held[self.config.commit_files :]
-                self._take_turn()
-                self._commit(chunk, f"lmprobe: add {len(chunk)} {self.label} file(s)")
+            while held and len(held) + len(final) > self._s.commit_files:  # the final commit stays in bounds
+                chunk, held = held[: self._s.commit_files], held[self._s.commit_files :]
+                self.take_turn()
+                self._timed_commit(chunk, f"lmprobe: add {len(chunk)} {self.label} file(s)")
             items = held + final
             if items or todo[cut:] or remove:
-                self._take_turn()
+                self.take_turn()
                 what = " and ".join(it.file.rel for it in final) or f"{len(items)} file(s)"
                 self._commit(items, message or f"lmprobe: add {self.label} {what}", moves=todo[cut:],
                              remove=[r.rstrip("/") for r in remove])
@@ -602,19 +633,25 @@ class HubCommitter:
             s.cv.notify_all()
 
     def _due(self) -> float | None:
-        """0 when a commit should start now, else seconds until one is due (None: not before more news)."""
+        """0 when a commit should start now, else seconds until one is due (None: not before more news).
+
+        A commit is wanted once a commit's worth of files (the ladder's current step) is uploaded, or half the
+        files ``add`` may hold locally (they wait for the commit before they are deleted), or when nothing
+        more is coming for now, or when the oldest uploaded file has waited ``commit_interval``; it starts
+        when the job's commit window lets it."""
         s, cfg = self._s, self.config
         if not s.ready or s.holding:
             return None
-        spacing = s.last_commit + cfg.min_commit_spacing - time.monotonic()
-        if spacing > 0:
-            return spacing
+        now = time.monotonic()
         n_bytes = sum(it.file.size for it in s.ready)
-        if len(s.ready) >= cfg.batch_target or n_bytes >= cfg.commit_bytes:
-            return 0.0
-        if s.uploading == 0 and (s.flushing or s.producer_waiting):
-            return 0.0  # nothing more is coming for now: do not keep the caller waiting
-        return max(0.0, s.ready[0].ready_at + cfg.commit_interval - time.monotonic())
+        local = sum(not it.released for it in s.ready)
+        if len(s.ready) >= s.commit_files or n_bytes >= cfg.commit_bytes or local >= max(1, cfg.in_flight // 2):
+            due = 0.0
+        elif s.uploading == 0 and (s.flushing or s.producer_waiting):
+            due = 0.0  # nothing more is coming for now: do not keep the caller waiting
+        else:
+            due = max(0.0, s.ready[0].ready_at + cfg.commit_interval * self.hour / HOUR - now)
+        return due if due > 0 else s.window.wait(now)
 
     def _commit_loop(self) -> None:
         s, cfg = self._s, self.config
@@ -629,17 +666,31 @@ class HubCommitter:
                 if s.error is not None or s.stop:  # stopped: what is not committed stays for a re-run
                     return
                 batch, n_bytes = [], 0
-                s.last_commit = time.monotonic()
-                while s.ready and len(batch) < cfg.commit_files and (
+                s.window.record(time.monotonic())
+                while s.ready and len(batch) < s.commit_files and (
                         not batch or n_bytes + s.ready[0].file.size <= cfg.commit_bytes):
                     batch.append(s.ready.pop(0))
                     n_bytes += batch[-1].file.size
             n += 1
             try:
-                self._commit(batch, f"lmprobe: add {len(batch)} {self.label} file(s) (commit {n} of this push)")
+                self._timed_commit(batch, f"lmprobe: add {len(batch)} {self.label} file(s) (commit {n} of this push)")
             except BaseException as exc:
                 self._fail(exc)
                 return
+
+    def _timed_commit(self, batch: list[_Item], message: str) -> None:
+        """Commit ``batch``; the next commit's size follows the ladder by how long this one took (on the Hub's
+        clock: a fast commit takes under 40 s of a 3,600 s hour)."""
+        s = self._s
+        t0 = time.monotonic()
+        try:
+            self._commit(batch, message)
+        except BaseException:
+            with s.cv:
+                s.commit_files = self.config.next_commit_files(s.commit_files, None)
+            raise
+        with s.cv:
+            s.commit_files = self.config.next_commit_files(s.commit_files, (time.monotonic() - t0) * HOUR / self.hour)
 
     def _commit(self, batch: list[_Item], message: str, *, moves: Sequence[tuple[str, str]] = (),
                 remove: Sequence[str] = ()) -> None:

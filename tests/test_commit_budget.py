@@ -1,0 +1,91 @@
+"""One commit budget for a job (issue 43, point 3): commits grow along huggingface_hub's ladder and keep to one
+sliding hourly window, against the local Hub test server enforcing the Hub's commit rate on a scaled clock."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+import pytest
+
+from lmprobe.errors import InvalidArgumentError
+from lmprobe.storage.budget import hour_seconds
+from lmprobe.storage.commits import HubCommitter, PushConfig, RepoFile
+
+
+@pytest.fixture
+def limited_hub(hub):
+    yield hub
+    hub.limit_commits(None)
+
+
+def _commits(hub, repo_id):
+    return [(t, summary) for r, t, summary in hub.state.commit_log if r == repo_id]
+
+
+def _files(tmp_path, n):
+    out = []
+    for i in range(n):
+        p = tmp_path / f"f{i:04d}.safetensors"
+        p.write_bytes(i.to_bytes(4, "little") * 8)
+        out.append(RepoFile(f"data/f{i:04d}.safetensors", p))
+    return out
+
+
+def test_commits_keep_to_the_jobs_window_and_the_hub_never_refuses_one(limited_hub, tmp_path, monkeypatch):
+    """3 commits an "hour" of 2 s, enforced by the server as the Hub does: 6 commits take more than an hour of the
+    scaled clock, no 4 of them fall in one hour, and none is answered 429."""
+    hub = limited_hub
+    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "2")
+    hub.limit_commits(3, hour=2)
+    repo = f"user/window-{uuid.uuid4().hex[:6]}"
+    c = HubCommitter(repo, token=None, config=PushConfig(commit_files=1, commits_per_hour=3))
+    c.prepare(private=False)
+    c.push_files(_files(tmp_path, 6), last=[])
+    times = [t for t, _ in _commits(hub, repo)]
+    assert len(times) == 6 and hub.state.refused_commits == 0
+    assert all(b - a >= 2 - 0.05 for a, b in zip(times, times[3:], strict=False)), times
+
+
+def test_the_server_refuses_commits_past_its_rate_and_a_committer_waits_them_out(limited_hub, tmp_path, monkeypatch):
+    """A committer that believes in a higher rate than the repo has (another writer shares it) is answered 429 with
+    a Retry-After, waits, and lands every file."""
+    hub = limited_hub
+    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "1")
+    hub.limit_commits(2, hour=1)
+    repo = f"user/refused-{uuid.uuid4().hex[:6]}"
+    c = HubCommitter(repo, token=None, config=PushConfig(commit_files=1, commits_per_hour=100, base_wait=0.01))
+    c.prepare(private=False)
+    c.push_files(_files(tmp_path, 4), last=[])
+    assert hub.state.refused_commits > 0
+    assert len([p for p in hub.files(repo) if p.startswith("data/")]) == 4
+
+
+def test_commits_climb_huggingface_hubs_ladder(hub, tmp_path):
+    """700 files, every commit fast: 250 first, then 400, then the rest, not 14 commits of 50."""
+    repo = f"user/ladder-{uuid.uuid4().hex[:6]}"
+    c = HubCommitter(repo, token=None)
+    c.prepare(private=False)
+    c.push_files(_files(tmp_path, 700), last=[])
+    sizes = [int(m.group(1)) for _, s in _commits(hub, repo) if (m := re.search(r"(\d+) \w* ?file", s))]
+    assert sum(sizes) == 700 and sizes[0] == 250 and len(sizes) == 3 and max(sizes) <= 400, sizes
+
+
+def test_the_hubs_hour_is_a_test_knob_with_a_one_line_error(monkeypatch):
+    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "60")
+    assert hour_seconds() == 60
+    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "soon")
+    with pytest.raises(InvalidArgumentError, match="LMPROBE_HUB_HOUR_SECONDS='soon'"):
+        hour_seconds()
+
+
+def test_a_commit_waits_for_the_window_not_for_a_fixed_spacing(hub, tmp_path, monkeypatch):
+    """Within the window's budget commits go at once (the old per-rank spacing made each wait its turn)."""
+    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "100")
+    repo = f"user/burst-{uuid.uuid4().hex[:6]}"
+    c = HubCommitter(repo, token=None, config=PushConfig(commit_files=1, commits_per_hour=50))
+    c.prepare(private=False)
+    t0 = time.monotonic()
+    c.push_files(_files(tmp_path, 5), last=[])
+    assert time.monotonic() - t0 < 10 and c.commits == 5
