@@ -35,12 +35,16 @@ from ..base.retry import call_with_retry
 from ..base.safeio import loads
 from ..errors import DatasetNotFoundError, ExtractionError, InvalidArgumentError, LmprobeError
 from ..format.merge import MergePlan, plan_merge
+from ..format.metadata import FileRecord
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
+from ..format.writer import PROVISIONAL_DIR
 from ..opening import open_hub, open_object_store
+from ..storage.budget import CommitWindow, commits_per_hour, hour_seconds
 from ..storage.commits import HubCommitter, PushConfig, RepoFile
 from ..storage.hub import HubRef, hub_api, parse_hf_url
 from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
+from .config import same_extraction
 
 logger = logging.getLogger("lmprobe")
 
@@ -67,6 +71,10 @@ class Session(ABC):
     def abort(self) -> None:
         """The extraction stopped: stop sending, keep what is resumable."""
 
+    #: the writer had closed when an earlier run was killed (its files are staged or uploaded): ``finish`` alone
+    #: completes the output, and nothing is extracted again
+    finishing: bool = False
+
 
 class Output(ABC):
     """An extraction's destination (see the module docstring)."""
@@ -85,8 +93,9 @@ class Output(ABC):
         """The local folder the writer writes in."""
 
     @abstractmethod
-    def session(self, *, overwrite: bool) -> Session:
-        """Start writing (``overwrite``: what an earlier run left is replaced, never resumed)."""
+    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
+        """Start writing (``overwrite``: what an earlier run left is replaced, never resumed; ``settings``: the
+        extraction's, which a finished staging copy left by a killed run must record to be resumed)."""
 
     @abstractmethod
     def part(self, rank: int) -> Output:
@@ -146,7 +155,7 @@ class LocalOutput(Output):
     def staging(self) -> Path:
         return self.path
 
-    def session(self, *, overwrite: bool) -> Session:
+    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
         return _LocalSession(self.path)
 
     def part(self, rank: int) -> Output:
@@ -231,7 +240,7 @@ class ObjectStoreOutput(Output):
     def staging(self) -> Path:
         return cache_dir(self.url, "outputs")
 
-    def session(self, *, overwrite: bool) -> Session:
+    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
         return _ObjectStoreSession(self, overwrite=overwrite)
 
     def part(self, rank: int) -> Output:
@@ -277,17 +286,16 @@ class ObjectStoreOutput(Output):
 LEDGER = ".lmprobe-uploaded.jsonl"
 
 
-def hub_commits_per_hour() -> float:
-    """The commits an hour all the writers of one repo make together, at most (``LMPROBE_HUB_COMMITS_PER_HOUR``,
-    default 100: under the Hub's limit of about 128 an hour per repo)."""
-    raw = os.environ.get("LMPROBE_HUB_COMMITS_PER_HOUR", "100")
-    try:
-        rate = float(raw)
-    except ValueError:
-        rate = -1.0
-    if not rate > 0:
-        raise InvalidArgumentError(f"LMPROBE_HUB_COMMITS_PER_HOUR={raw!r}: give a number of commits an hour > 0")
-    return rate
+_WINDOWS: dict[tuple[str, str], CommitWindow] = {}
+
+
+def job_window(repo_id: str, revision: str) -> CommitWindow:
+    """The commit window of this process's job on a repo's branch: every commit this process makes to it (the
+    shards', the renames', the merge's) counts in one sliding hour (budget.py)."""
+    key = (repo_id, revision)
+    if key not in _WINDOWS:
+        _WINDOWS[key] = CommitWindow(commits_per_hour(), hour=hour_seconds())
+    return _WINDOWS[key]
 
 
 class _HubSession(Session):
@@ -295,18 +303,23 @@ class _HubSession(Session):
     its content is on the Hub, commits them in batches paced for the repo's commit rate (shared by the job's
     ranks), renames provisional files server-side, and commits the statistics, card and index last."""
 
-    def __init__(self, output: HubOutput, *, overwrite: bool):
+    def __init__(self, output: HubOutput, *, overwrite: bool, settings: dict | None = None):
         self.output = output
         self.local = output.staging()
-        if (self.local / INDEX_PATH).exists():
-            shutil.rmtree(self.local)  # a finished staging copy left by an earlier run: the repo decides
+        record = None
+        if (self.local / INDEX_PATH).exists():  # a run killed in its tail: the writer had closed
+            record = None if overwrite else _staged_record(self.local, settings)
+            if record is None:
+                shutil.rmtree(self.local)  # another extraction's, or one without hashes: the repo decides
+        self.finishing = record is not None
         self.local.mkdir(parents=True, exist_ok=True)
         self.ledger = self.local / LEDGER
-        config = PushConfig(max_in_flight=8, workers=4,
-                            min_commit_spacing=3600.0 * output.world / hub_commits_per_hour())
+        config = PushConfig(max_in_flight=8, workers=4, commits_per_hour=commits_per_hour() / output.world)
         self.committer = HubCommitter(output.ref.repo_id, token=output.token, revision=output.ref.revision,
                                       config=config, label="extraction", on_uploaded=self._uploaded,
-                                      on_landed=self._landed, under=output.ref.path)
+                                      on_landed=self._landed, under=output.ref.path,
+                                      window=job_window(output.ref.repo_id, output.ref.revision)
+                                      if output.world == 1 else None)
         output.prepare(self.committer)
         if overwrite:
             if output.holds(INDEX_PATH):  # the old index goes before any new shard: never old texts over new vectors
@@ -314,13 +327,35 @@ class _HubSession(Session):
             self.ledger.unlink(missing_ok=True)
         self.committer.start()
         self.renames: list[tuple[str, str]] = []
-        if not overwrite:
+        self.remove: list[str] = []
+        if record is not None:
+            self._resume_tail(record)
+        elif not overwrite:
             for e in _read_ledger(self.ledger):  # uploaded by a killed run, maybe not committed: by reference
                 if not (self.local / e["rel"]).exists():
                     self.committer.add_uploaded(RepoFile(output.repo_path(e["rel"]), self.local / e["rel"],
                                                          e["size"], e["sha256"]))
             for f in sorted(self.local.glob("tensors/**/*.safetensors")):  # handed over by a killed run, not sent
                 self._submit(f.relative_to(self.local).as_posix())
+
+    def _resume_tail(self, record: dict[str, FileRecord]) -> None:
+        """Commit what the closed writer recorded (path, size, sha256) and nothing else: each file from its staged
+        copy, else by reference to its content on the Hub (uploaded, as the ledger says, or committed under a
+        provisional name); a provisional name committed before the kill goes with the final commit."""
+        uploaded = {(e["sha256"], e["size"]) for e in _read_ledger(self.ledger)}
+        on_hub = {v.partition(":")[2] for v in self.committer.remote.values() if v.startswith("sha256:")}
+        for f in record.values():
+            if (self.local / f.rel).is_file():
+                self._submit(f.rel, f.sha256)
+            elif f.sha256 in on_hub or (f.sha256, f.bytes) in uploaded:
+                self.committer.add_uploaded(RepoFile(self.output.repo_path(f.rel), self.local / f.rel, f.bytes,
+                                                     f.sha256))
+            else:
+                raise ExtractionError(f"{self.output}: {f.rel}, which an interrupted run wrote, is neither staged in "
+                                      f"{self.local} nor on the Hub; the repo changed since: re-run with --overwrite")
+        provisional = self.output.repo_path(PROVISIONAL_DIR)
+        if any(p.startswith(provisional + "/") for p in self.committer.remote):
+            self.remove.append(provisional)
 
     def writer_callbacks(self) -> dict[str, Any]:
         return {"on_file_complete": self._submit, "on_file_renamed": self._renamed}
@@ -352,7 +387,8 @@ class _HubSession(Session):
     def finish(self) -> Dataset:
         # one commit ends the part: what is uploaded, the provisional files renamed, the statistics, card and index
         last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in _final_files(self.local)]
-        self.committer.finish(last, moves=self.renames, message="lmprobe: add the last shards, statistics, card and index")
+        self.committer.finish(last, moves=self.renames, remove=self.remove,
+                              message="lmprobe: add the last shards, statistics, card and index")
         shutil.rmtree(self.local)
         return self.output.finished_or_raise()
 
@@ -376,6 +412,23 @@ def _read_ledger(path: Path) -> list[dict]:
                 and isinstance(e.get("size"), int) and e["size"] >= 0:
             out.append(e)
     return out
+
+
+def _staged_record(local: Path, settings: dict | None) -> dict[str, FileRecord] | None:
+    """The files a closed writer recorded in the staged index (path -> size and sha256), when the index is sound,
+    records ``settings`` and hashes every file; else None (the staging copy cannot be finished by reference)."""
+    try:
+        ds = open_local(local)
+        extraction = ds.info.get("extraction")
+        recorded = extraction.get("settings") if isinstance(extraction, dict) else None
+        files = ds.meta.files()
+    except (LmprobeError, OSError):
+        return None
+    if settings is None or not isinstance(recorded, dict) or not same_extraction(recorded, settings):
+        return None
+    if not all(f.sha256 and isinstance(f.bytes, int) for f in files):
+        return None
+    return {f.rel: f for f in files}
 
 
 def _final_files(local: Path) -> list[str]:
@@ -436,6 +489,7 @@ class HubOutput(Output):
 
         ops = [CommitOperationDelete(path_in_repo=self.repo_path(r) + ("/" if folder else ""), is_folder=folder)
                for r in rels]
+        committer.take_turn()
         committer.call(f"{why} in {self}", lambda: committer.api.create_commit(
             self.ref.repo_id, ops, repo_type="dataset", revision=self.ref.revision, commit_message=f"lmprobe: {why}"))
 
@@ -450,8 +504,8 @@ class HubOutput(Output):
             committer.call(f"creating the branch {self.ref.revision}", lambda: committer.api.create_branch(
                 self.ref.repo_id, repo_type="dataset", branch=self.ref.revision, exist_ok=True))
 
-    def session(self, *, overwrite: bool) -> Session:
-        return _HubSession(self, overwrite=overwrite)
+    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
+        return _HubSession(self, overwrite=overwrite, settings=settings)
 
     def part(self, rank: int) -> Output:
         return HubOutput(HubRef(self.ref.repo_id, "dataset", self.ref.revision,
@@ -468,9 +522,8 @@ class HubOutput(Output):
         if len(hubs) != len(parts):
             raise InvalidArgumentError("Hub parts merge into the branch of their own repo only")
         dss = [p.finished_or_raise() for p in hubs]
-        config = PushConfig(min_commit_spacing=3600.0 / hub_commits_per_hour())
-        committer = HubCommitter(self.ref.repo_id, token=self.token, revision=self.ref.revision, config=config,
-                                 label="merge", under=self.ref.path)
+        committer = HubCommitter(self.ref.repo_id, token=self.token, revision=self.ref.revision, label="merge",
+                                 under=self.ref.path, window=job_window(self.ref.repo_id, self.ref.revision))
         self.prepare(committer)
         if self.holds(INDEX_PATH):  # the index goes first: a half-merged repo never looks complete
             self.delete([INDEX_PATH], committer, "remove the index before a merge")

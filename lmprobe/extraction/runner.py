@@ -117,7 +117,9 @@ def _extract(job: Job, output: Output) -> Dataset:
     """Extract into ``output``: the writer writes in its staging folder while its session takes finished files."""
     cfg, settings = job.config, job.settings
     out = output.staging()
-    session = output.session(overwrite=cfg.overwrite)
+    session = output.session(overwrite=cfg.overwrite, settings=settings)
+    if session.finishing:  # killed in its tail: what the closed writer recorded is staged or on the Hub
+        return session.finish()
     try:
         dataset_spec = DatasetSpec(  # what the dataset will hold; the writer's keywords below are this run's
             layers=settings["layers"],
