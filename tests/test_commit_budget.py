@@ -89,3 +89,59 @@ def test_a_commit_waits_for_the_window_not_for_a_fixed_spacing(hub, tmp_path, mo
     t0 = time.monotonic()
     c.push_files(_files(tmp_path, 5), last=[])
     assert time.monotonic() - t0 < 10 and c.commits == 5
+
+
+def test_the_ranks_of_a_job_upload_and_one_committer_commits_for_all(hub, tmp_path):
+    """Three "ranks" (threads, one store as torchrun's c10d store): each uploads its own files and hands their records
+    over; every commit is the job committer's, with files of several ranks in one commit along the ladder; each
+    rank's last group (its index, a rename) lands whole, after its files; each rank is told when its files landed."""
+    import threading
+
+    import torch.distributed as dist
+
+    from lmprobe.storage.relay import StoreRelay
+
+    store, world = dist.HashStore(), 3
+    repo = f"user/relay-{uuid.uuid4().hex[:6]}"
+    job = HubCommitter(repo, token=None, commit_for=StoreRelay(store, rank=0, world=world))
+    job.prepare(private=False)
+    job.start()
+    landed: dict[int, list[str]] = {r: [] for r in range(world)}
+    results, errors = {}, []
+
+    def rank(r):
+        try:
+            folder = tmp_path / f"rank{r}"
+            folder.mkdir()
+            files = _files(folder, 200)
+            for f in files:
+                f.rel = f"parts/{r}/{f.rel}"
+            index = folder / "index.parquet"
+            index.write_bytes(b"index of %d" % r)
+            c = HubCommitter(repo, token=None, send_to=StoreRelay(store, rank=r, world=world),
+                             on_landed=lambda fs: landed[r].extend(f.rel for f in fs), under=f"parts/{r}")
+            c.start()
+            for f in files[:-1]:
+                c.add(f)
+            c.add(RepoFile(f"parts/{r}/tmp/last.safetensors", files[-1].local))
+            results[r] = c.finish([RepoFile(f"parts/{r}/index.parquet", index)],
+                                  moves=[(f"parts/{r}/tmp/last.safetensors", files[-1].rel)])
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    job.finish()
+    tree = hub.files(repo)
+    for r in range(world):
+        assert len([p for p in tree if p.startswith(f"parts/{r}/data/")]) == 200
+        assert f"parts/{r}/index.parquet" in tree and f"parts/{r}/tmp/last.safetensors" not in tree
+        assert len(landed[r]) == 200  # told of every file it added (the renamed one under its provisional name)
+        assert results[r].commits == 0
+    log = _commits(hub, repo)
+    # 603 files and 3 renames: 250, 400, the rest, and the partial commits a rank waiting for its files asks for
+    assert len(log) == job.commits <= 6, [s for _, s in log]

@@ -117,6 +117,20 @@ class CommitWindow:
         """A commit started at ``now``."""
         self.starts.append(now)
 
+    def landed(self, started: float, now: float) -> None:
+        """The commit that started at ``started`` was answered at ``now``: it counts from then on. The Hub counts a
+        commit when it gets it, some time after the client started it; counting from the answer keeps a client
+        that waits out its window from ever being refused.
+
+        >>> w = CommitWindow(per_hour=1)
+        >>> w.record(0.0), w.landed(0.0, 2.0), w.wait(1.0)
+        (None, None, 3601.0)
+        """
+        if started in self.starts:
+            self.starts.remove(started)
+        self.starts.append(now)
+        self.starts = deque(sorted(self.starts))
+
 
 def tail_seconds(commits: int, *, earlier: int, per_hour: float, commit_seconds: float) -> float:
     """Seconds to land ``commits`` commits one after the other, each taking ``commit_seconds``, when ``earlier``

@@ -36,6 +36,7 @@ One file past 600 lines, on purpose: uploads, commit batching, retries and resum
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import logging
@@ -48,9 +49,10 @@ from pathlib import Path
 from typing import Any
 
 from ..base.hashing import sha256_file
+from ..base.paths import check_relpath
 from ..base.progress import Progress, third_party_bars
 from ..base.retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe, status_code
-from ..errors import InvalidArgumentError, PushError
+from ..errors import InvalidArgumentError, LmprobeError, PushError
 from .budget import (
     HOUR,
     MAX_COMMIT_FILES,
@@ -61,6 +63,7 @@ from .budget import (
     next_commit_files,
 )
 from .hub import hub_api, transport_errors
+from .relay import Relay
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +204,11 @@ class _Item:
     op: Any = None  # CommitOperationAdd, once uploaded
     ready_at: float = 0.0
     released: bool = False  # its content is on the Hub (LFS or Xet): the commit needs no local copy
+    # a group another rank sent (relay.py): its id, its operations, what the repo holds once it landed, its files
+    gid: tuple[int, int] | None = None
+    ops: list = field(default_factory=list)
+    expect: dict = field(default_factory=dict)  # path -> remote id ("sha256:.." / "git:..") or None (gone)
+    weight: int = 1
 
 
 @dataclass
@@ -215,6 +223,7 @@ class _State:
     producer_waiting: bool = False
     holding: bool = False  # finish() gathers what is uploaded into its final commit: no other commit starts
     window: CommitWindow | None = None  # the starts of this job's commits in the last hour
+    urgent: bool = False  # the job's committer: a rank waits for its files to land, commit what is there now
     commit_files: int = START_COMMIT_FILES  # the next commit's size, on the ladder
     stop: bool = False
     error: BaseException | None = None
@@ -238,7 +247,8 @@ class HubCommitter:
                  repo_type: str = "dataset", config: PushConfig | None = None, label: str = "dataset",
                  quiet: bool = True, on_landed: Callable[[list[RepoFile]], Any] | None = None,
                  on_uploaded: Callable[[RepoFile], Any] | None = None, under: str = "",
-                 window: CommitWindow | None = None):
+                 window: CommitWindow | None = None, send_to: Relay | None = None,
+                 commit_for: Relay | None = None):
         self.api = hub_api(token)
         self.repo_id = repo_id
         self.repo_type = repo_type
@@ -259,6 +269,12 @@ class HubCommitter:
         self.hour = hour_seconds()
         self.window = window or CommitWindow(self.config.commits_per_hour or commits_per_hour(), hour=self.hour)
         self._s = _State(window=self.window, commit_files=self.config.first_commit_files())
+        # one committer for a job's ranks (relay.py): ``send_to`` uploads and hands each file's record to the job's
+        # committer instead of committing it; ``commit_for`` is that committer, and commits what the ranks send
+        self.send_to, self.commit_for = send_to, commit_for
+        self._sent: list[_Item | str] = []  # sender: the groups sent, in order ("flush", "last": no file of its own)
+        self._send_lock = threading.Lock()
+        self._receiver: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._committer: threading.Thread | None = None
         self._callback_lock = threading.Lock()
@@ -343,8 +359,12 @@ class HubCommitter:
         self._hf_bars = third_party_bars(False)
         self._hf_bars.__enter__()
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="lmprobe-upload")
-        self._committer = threading.Thread(target=self._commit_loop, name="lmprobe-commit", daemon=True)
+        loop = self._relay_loop if self.send_to is not None else self._commit_loop
+        self._committer = threading.Thread(target=loop, name="lmprobe-commit", daemon=True)
         self._committer.start()
+        if self.commit_for is not None:
+            self._receiver = threading.Thread(target=self._receive_loop, name="lmprobe-receive", daemon=True)
+            self._receiver.start()
         return self
 
     def add(self, file: RepoFile) -> None:
@@ -376,9 +396,6 @@ class HubCommitter:
         """Commit ``file`` (its ``sha256`` and ``size`` known) whose content an earlier run uploaded already
         (LFS or Xet): it is named by its sha256, with no local copy and nothing sent again. A file the repo
         has with that content counts as landed at once."""
-        from huggingface_hub import CommitOperationAdd
-        from huggingface_hub.lfs import UploadInfo
-
         if self._pool is None or self._finished:
             raise RuntimeError("HubCommitter.add_uploaded() needs start() first, and no finish() yet")
         if not file.sha256 or file.size < 0:
@@ -388,14 +405,18 @@ class HubCommitter:
             return
         # a placeholder for the content, then what the commit needs: the object is on the Hub (private fields of
         # huggingface_hub's operation; tests/test_push_pipeline.py pins them against the installed version)
-        op = CommitOperationAdd(path_in_repo=file.rel, path_or_fileobj=b"")
-        op.upload_info = UploadInfo(sha256=bytes.fromhex(file.sha256), size=file.size, sample=b"")
-        op._upload_mode = "lfs"
-        op._is_uploaded = True
+        op = _by_reference(file.rel, file.sha256, file.size)
         s = self._s
+        item = _Item(file, op, time.monotonic(), released=True)
+        if self.send_to is not None:
+            with s.cv:
+                self._raise_error()
+                s.pending[file.rel] = item
+            self._send(item)
+            return
         with s.cv:
             self._raise_error()
-            s.pending[file.rel] = item = _Item(file, op, time.monotonic(), released=True)
+            s.pending[file.rel] = item
             s.ready.append(item)
             s.cv.notify_all()
 
@@ -469,6 +490,8 @@ class HubCommitter:
         """
         if self._pool is None:
             self.start()
+        if self.send_to is not None:
+            return self._finish_sent(last, moves, remove)
         with self._s.cv:  # a file of ``last`` added already (a writer handed it over) goes with those added
             last = [f for f in last if f.rel not in self._s.pending]
         for f in last:
@@ -501,6 +524,118 @@ class HubCommitter:
         finally:
             self.close()
         return self.result
+
+    # ------------------------------------------------------------------ one committer for a job's ranks
+    def _record(self, item: _Item) -> dict:
+        """What the job's committer needs to commit an uploaded file: its sha256 (content on the Hub), or the
+        content itself (a small regular file, committed inline)."""
+        f = item.file
+        if item.op is None or getattr(item.op, "_upload_mode", "lfs") == "lfs":
+            return {"rel": f.rel, "size": f.size, "sha256": f.sha256}
+        return {"rel": f.rel, "content": base64.b64encode(f.local.read_bytes()).decode()}
+
+    def _send(self, item: _Item | str, group: dict | None = None) -> None:
+        """Hand a group to the job's committer, in order (``item``: one file; "flush" or "last": ``group``)."""
+        assert self.send_to is not None
+        with self._send_lock:
+            self.send_to.send(group if isinstance(item, str) else {"files": [self._record(item)]})
+            self._sent.append(item)
+
+    def _relay_loop(self) -> None:
+        """A sender: the files whose group the job's committer reports landed are done (``on_landed``)."""
+        s, done = self._s, 0
+        assert self.send_to is not None
+        while True:
+            with s.cv:
+                if s.error is not None or s.stop:
+                    return
+                s.cv.wait(0.1)
+            try:
+                n = self.send_to.landed()
+            except BaseException as exc:
+                self._fail(exc)
+                return
+            if n > done:
+                with self._send_lock:
+                    items = self._sent[done:n]
+                done = n
+                files = [it.file for it in items if isinstance(it, _Item)]
+                if files:
+                    self._landed(files, sent=True)
+                if "last" in items:
+                    with s.cv:
+                        s.pending.pop("", None)
+                        s.cv.notify_all()
+
+    def _finish_sent(self, last: Sequence[RepoFile], moves: Sequence[tuple[str, str]],
+                     remove: Sequence[str]) -> PushResult:
+        """A sender's end: once its files landed, ``last``, the renames and the removals go to the job's committer as
+        one group (committed whole), and this returns once that landed."""
+        s = self._s
+        with s.cv:
+            last = [f for f in last if f.rel not in s.pending]
+        for f in last:
+            self._check_local(f)
+        try:
+            final = [_Item(f) for f in last]
+            pool = self._pool
+            assert pool is not None
+            uploads = [pool.submit(self._upload_one, it) for it in final]
+            with s.cv:  # the job's committer is told to commit this rank's files without waiting for more
+                while s.uploading and s.error is None:
+                    s.cv.wait(0.5)
+            self._raise_error()
+            self._send("flush", {"flush": True})
+            self._hold()
+            final = [it for it, fut in zip(final, uploads, strict=True) if fut.result()]
+            self._raise_error()
+            todo = self._moves_to_make(moves)
+            if final or todo or remove:
+                with s.cv:
+                    s.pending[""] = _Item(RepoFile("", Path()))  # the last group, until it landed
+                self._send("last", {"files": [self._record(it) for it in final], "moves": [list(m) for m in todo],
+                                  "remove": [r.rstrip("/") for r in remove], "last": True})
+                with s.cv:
+                    while "" in s.pending and s.error is None:
+                        s.cv.wait(0.5)
+                    self._raise_error()
+                self.result.sent += len(final)
+        finally:
+            self.close()
+        return self.result
+
+    def _receive_loop(self) -> None:
+        """The job's committer: the groups the ranks send become commit items, in the order each rank sent them."""
+        s = self._s
+        assert self.commit_for is not None
+        while True:
+            with s.cv:
+                if s.error is not None or s.stop:
+                    return
+                s.cv.wait(0.1)
+            try:
+                got = self.commit_for.receive()
+            except BaseException as exc:
+                self._fail(exc)
+                return
+            urgent = any(isinstance(g, dict) and (g.get("flush") or g.get("last")) for _, g in got)
+            try:
+                items = [_group_item(gid, group) for gid, group in got if not group.get("flush")]
+            except BaseException as exc:
+                self._fail(exc)
+                return
+            for gid, group in got:
+                if group.get("flush"):  # nothing to commit: counted as landed, in its turn
+                    self.commit_for.report(gid)
+            with s.cv:
+                s.urgent = s.urgent or urgent
+                s.cv.notify_all()
+            if items:
+                with s.cv:
+                    for it in items:
+                        s.pending[f"relay:{it.gid}"] = it
+                        s.ready.append(it)
+                    s.cv.notify_all()
 
     def _retarget(self, held: list[_Item], moves: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
         """A file to rename that is uploaded but not yet committed is committed under its new name (its content is
@@ -623,6 +758,15 @@ class HubCommitter:
                 self._fail(exc)
                 return
             item.released = True
+        if sent and self.send_to is not None:  # the job's committer commits it; it is done once that landed
+            try:
+                self._send(item)
+            except BaseException as exc:
+                self._fail(exc)
+            with s.cv:
+                s.uploading -= 1
+                s.cv.notify_all()
+            return
         with s.cv:
             s.uploading -= 1
             if sent:
@@ -645,9 +789,9 @@ class HubCommitter:
         now = time.monotonic()
         n_bytes = sum(it.file.size for it in s.ready)
         local = sum(not it.released for it in s.ready)
-        if len(s.ready) >= s.commit_files or n_bytes >= cfg.commit_bytes or local >= max(1, cfg.in_flight // 2):
+        if sum(it.weight for it in s.ready) >= s.commit_files or n_bytes >= cfg.commit_bytes or local >= max(1, cfg.in_flight // 2):
             due = 0.0
-        elif s.uploading == 0 and (s.flushing or s.producer_waiting):
+        elif s.uploading == 0 and (s.flushing or s.producer_waiting or s.urgent):
             due = 0.0  # nothing more is coming for now: do not keep the caller waiting
         else:
             due = max(0.0, s.ready[0].ready_at + cfg.commit_interval * self.hour / HOUR - now)
@@ -665,12 +809,14 @@ class HubCommitter:
                     s.cv.wait(0.5 if due is None else min(due, 0.5))
                 if s.error is not None or s.stop:  # stopped: what is not committed stays for a re-run
                     return
-                batch, n_bytes = [], 0
+                batch, n_bytes, n_files = [], 0, 0
                 s.window.record(time.monotonic())
-                while s.ready and len(batch) < s.commit_files and (
-                        not batch or n_bytes + s.ready[0].file.size <= cfg.commit_bytes):
+                while s.ready and (not batch or (n_files + s.ready[0].weight <= s.commit_files
+                                                 and n_bytes + s.ready[0].file.size <= cfg.commit_bytes)):
                     batch.append(s.ready.pop(0))
                     n_bytes += batch[-1].file.size
+                    n_files += batch[-1].weight
+                s.urgent = s.urgent and bool(s.ready)
             n += 1
             try:
                 self._timed_commit(batch, f"lmprobe: add {len(batch)} {self.label} file(s) (commit {n} of this push)")
@@ -698,28 +844,46 @@ class HubCommitter:
         before a retry, the commit's own paths are checked so it is never made twice."""
         from huggingface_hub import CommitOperationCopy, CommitOperationDelete
 
-        files = [it.file for it in batch]
-        ops: list[Any] = [it.op for it in batch]
+        files = [it.file for it in batch if it.gid is None]
+        groups = [it for it in batch if it.gid is not None]
+        ops: list[Any] = [it.op for it in batch if it.gid is None] + [op for it in groups for op in it.ops]
+        expect = {p: v for it in groups for p, v in it.expect.items()}
         ops += [CommitOperationCopy(src_path_in_repo=a, path_in_repo=b) for a, b in moves]
         ops += [CommitOperationDelete(path_in_repo=a) for a, _ in moves]
         ops += [CommitOperationDelete(path_in_repo=f"{r}/", is_folder=True) for r in remove]
 
         def landed() -> bool:
-            now = self.paths_now([f.rel for f in files] + [p for m in moves for p in m])
+            now = self.paths_now([f.rel for f in files] + [p for m in moves for p in m] + list(expect))
             return (all(_same(f, now.get(f.rel)) for f in files) and all(b in now and a not in now for a, b in moves)
+                    and all(now.get(p) == v for p, v in expect.items())
                     and not (remove and self.api.get_paths_info(self.repo_id, list(remove), repo_type=self.repo_type,
                                                                 revision=self.revision)))
 
-        self.call(f"committing {len(ops)} change(s) to {self.repo_id}",
-                  lambda: self.api.create_commit(self.repo_id, ops, commit_message=message,
-                                                 repo_type=self.repo_type, revision=self.revision),
-                  landed=landed)
+        started = self._s.window.starts[-1] if self._s.window.starts else None
+        try:
+            self.call(f"committing {len(ops)} change(s) to {self.repo_id}",
+                      lambda: self.api.create_commit(self.repo_id, ops, commit_message=message,
+                                                     repo_type=self.repo_type, revision=self.revision),
+                      landed=landed)
+        finally:
+            with self._s.cv:  # counted from its answer (the Hub counted it on arrival, before that)
+                if started is not None:
+                    self._s.window.landed(started, time.monotonic())
         with self._s.cv:
             self.result.commits += 1
         for f in files:  # what the repo holds now, for a file added again later in this push
             self.remote[f.rel] = f"sha256:{f.sha256}" if f.sha256 else f"git:{git_blob_id(f.local)}"
         if files:
             self._landed(files, sent=True)
+        if groups:
+            assert self.commit_for is not None
+            for it in groups:
+                self.commit_for.report(it.gid)
+            with self._s.cv:
+                self.result.sent += sum(it.weight for it in groups)
+                for it in groups:
+                    self._s.pending.pop(f"relay:{it.gid}", None)
+                self._s.cv.notify_all()
 
     def _landed(self, files: list[RepoFile], *, sent: bool) -> None:
         """``files`` are on the Hub: tell ``on_landed``, then let ``flush`` and ``add`` go on."""
@@ -738,3 +902,56 @@ class HubCommitter:
             for f in files:
                 s.pending.pop(f.rel, None)
             s.cv.notify_all()
+
+
+def _by_reference(rel: str, sha256: str, size: int) -> Any:
+    """An add operation naming content already on the Hub (LFS or Xet) by its sha256: nothing is uploaded."""
+    from huggingface_hub import CommitOperationAdd
+    from huggingface_hub.lfs import UploadInfo
+
+    # a placeholder for the content, then what the commit needs: the object is on the Hub (private fields of
+    # huggingface_hub's operation; tests/test_push_pipeline.py pins them against the installed version)
+    op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=b"")
+    op.upload_info = UploadInfo(sha256=bytes.fromhex(sha256), size=size, sample=b"")
+    op._upload_mode = "lfs"
+    op._is_uploaded = True
+    return op
+
+
+def _group_item(gid: tuple[int, int], group: Any) -> _Item:
+    """A group a rank sent (relay.py) as one commit item: its operations and what the repo holds once it landed.
+    The group is untrusted input: every path is checked, every sha256 and size too."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationCopy, CommitOperationDelete
+
+    if not isinstance(group, dict):
+        raise PushError(f"rank {gid[0]} sent a malformed commit record; run the job again")
+    ops: list[Any] = []
+    expect: dict[str, str | None] = {}
+    size = 0
+    try:
+        for f in group.get("files", []):
+            rel = check_relpath(f["rel"], "a relayed file")
+            if "content" in f:
+                data = base64.b64decode(f["content"], validate=True)
+                ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=data))
+                expect[rel] = "git:" + hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+                size += len(data)
+            else:
+                sha, n = f["sha256"], f["size"]
+                if not (isinstance(sha, str) and len(sha) == 64 and isinstance(n, int) and n >= 0):
+                    raise ValueError(f"{rel}: a bad sha256 or size")
+                bytes.fromhex(sha)
+                ops.append(_by_reference(rel, sha, n))
+                expect[rel] = f"sha256:{sha}"
+                size += n
+        moves = [(check_relpath(a, "a relayed rename"), check_relpath(b, "a relayed rename"))
+                 for a, b in group.get("moves", [])]
+        remove = [check_relpath(r, "a relayed folder") for r in group.get("remove", [])]
+    except (KeyError, TypeError, ValueError, LmprobeError) as exc:
+        raise PushError(f"rank {gid[0]} sent a malformed commit record ({exc}); run the job again") from exc
+    ops += [CommitOperationCopy(src_path_in_repo=a, path_in_repo=b) for a, b in moves]
+    ops += [CommitOperationDelete(path_in_repo=a) for a, _ in moves]
+    ops += [CommitOperationDelete(path_in_repo=f"{r}/", is_folder=True) for r in remove]
+    expect.update({a: None for a, _ in moves})
+    return _Item(RepoFile(f"<rank {gid[0]} group {gid[1]}>", Path(), size), ready_at=time.monotonic(),
+                 released=True, gid=gid, ops=ops, expect=expect, weight=max(1, len(ops) - len(moves)))
