@@ -187,3 +187,27 @@ def test_a_killed_two_node_corpus_run_to_the_hub_resumes(hub, fast_commits, llam
         assert list(two.index[col]) == list(single.index[col]), col
     _same_rows(single, two, (2,), full=True)
     assert not [p for p in _hub_tree(hub, name) if ".lmprobe-parts" in p]
+
+
+def test_one_process_commits_for_all_ranks_within_the_hubs_rate(hub, llama_dir, tmp_path):
+    """Issue 43, point 3: two nodes of two ranks to hf://, the server enforcing 100 commits an "hour" of 10 s: every
+    shard and part index is committed by rank 0's committer (no rank commits its own part), none is refused, and
+    the job takes a handful of commits, not one per rank and per 50 files."""
+    f = _prompts(tmp_path)
+    name = f"one-committer-{uuid.uuid4().hex[:6]}"
+    argv = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", f"hf://datasets/user/{name}",
+            "--layers", "0,3", "--storage", "full_sequence", "--batch-size", "1", "--shard-size", "2KB",
+            "--checkpoint-interval", "0", "--quiet"]
+    hub.limit_commits(100, hour=10)
+    try:
+        run(tmp_path, argv, per_node=2, env={"LMPROBE_HUB_HOUR_SECONDS": "10"})
+    finally:
+        refused = hub.state.refused_commits
+        hub.limit_commits(None)
+    summaries = [s for r, _, s in hub.state.commit_log if r == f"user/{name}"]
+    ours = [s for s in summaries if "rank 0 for the job's 4 ranks" in s]
+    merge = [s for s in summaries if "merge" in s or "rename" in s]
+    assert refused == 0 and len(ours) + len(merge) == len(summaries), summaries
+    shards = [p for p in _hub_tree(hub, name) if p.endswith(".safetensors")]
+    assert len(shards) > 100 and len(summaries) <= 8, (len(shards), summaries)
+    assert lmprobe.load(f"hf://datasets/user/{name}").num_prompts == len(MANY)

@@ -44,6 +44,7 @@ from ..storage.budget import CommitWindow, commits_per_hour, hour_seconds
 from ..storage.commits import HubCommitter, PushConfig, RepoFile
 from ..storage.hub import HubRef, hub_api, parse_hf_url
 from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
+from ..storage.relay import Relay, StoreRelay
 from .config import same_extraction
 
 logger = logging.getLogger("lmprobe")
@@ -110,8 +111,17 @@ class Output(ABC):
         return False
 
     def for_world(self, world: int) -> Output:
-        """This output for a job of ``world`` processes (the Hub's: commits paced for the repo's rate together)."""
+        """This output for a job of ``world`` processes."""
         return self
+
+    def start_job(self, store: Any, *, rank: int, world: int) -> Output:
+        """This output for rank ``rank`` of a multi-process job whose ranks share ``store`` (torch.distributed's
+        c10d store): the Hub's sends every rank's commits to one committer on rank 0, started here."""
+        return self
+
+    def end_job(self) -> None:
+        """Rank 0, after every rank finished its part: the job's committer lands what it holds and stops."""
+        return None
 
 
 def open_output(out: str | os.PathLike) -> Output:
@@ -314,12 +324,12 @@ class _HubSession(Session):
         self.finishing = record is not None
         self.local.mkdir(parents=True, exist_ok=True)
         self.ledger = self.local / LEDGER
-        config = PushConfig(max_in_flight=8, workers=4, commits_per_hour=commits_per_hour() / output.world)
+        # one rank of a job hands its files' records to the job's committer (relay.py); one process commits itself
+        config = PushConfig(max_in_flight=8, workers=4)
         self.committer = HubCommitter(output.ref.repo_id, token=output.token, revision=output.ref.revision,
                                       config=config, label="extraction", on_uploaded=self._uploaded,
-                                      on_landed=self._landed, under=output.ref.path,
-                                      window=job_window(output.ref.repo_id, output.ref.revision)
-                                      if output.world == 1 else None)
+                                      on_landed=self._landed, under=output.ref.path, send_to=output.relay,
+                                      window=job_window(output.ref.repo_id, output.ref.revision))
         output.prepare(self.committer)
         if overwrite:
             if output.holds(INDEX_PATH):  # the old index goes before any new shard: never old texts over new vectors
@@ -443,11 +453,12 @@ class HubOutput(Output):
     computes; the parts of a multi-process job are folders ``.lmprobe-parts/part-NNNNN`` of the same branch,
     merged by server-side copies (no byte is sent again) and removed."""
 
-    def __init__(self, ref: HubRef, *, token: str | bool | None = None, world: int = 1):
+    def __init__(self, ref: HubRef, *, token: str | bool | None = None, relay: Relay | None = None):
         self.ref = ref
         self.url = str(ref)
         self.token = token
-        self.world = world
+        self.relay = relay  # a rank of a job: its files are committed by the job's committer (relay.py)
+        self.job: HubCommitter | None = None  # rank 0 of a job: that committer
 
     @classmethod
     def parse(cls, url: str) -> HubOutput:
@@ -509,10 +520,23 @@ class HubOutput(Output):
 
     def part(self, rank: int) -> Output:
         return HubOutput(HubRef(self.ref.repo_id, "dataset", self.ref.revision,
-                                self.repo_path(f"{PARTS_DIR}/{part_name(rank)}")), token=self.token, world=self.world)
+                                self.repo_path(f"{PARTS_DIR}/{part_name(rank)}")), token=self.token, relay=self.relay)
 
-    def for_world(self, world: int) -> Output:
-        return HubOutput(self.ref, token=self.token, world=world)
+    def start_job(self, store: Any, *, rank: int, world: int) -> Output:
+        out = HubOutput(self.ref, token=self.token, relay=StoreRelay(store, rank=rank, world=world))
+        if rank == 0:  # the job's one committer: every rank's files, within one commit window (budget.py)
+            out.job = HubCommitter(self.ref.repo_id, token=self.token, revision=self.ref.revision,
+                                   label=f"extraction (rank 0 for the job's {world} ranks)",
+                                   under=self.repo_path(PARTS_DIR), commit_for=StoreRelay(store, rank=0, world=world),
+                                   window=job_window(self.ref.repo_id, self.ref.revision))
+            self.prepare(out.job)
+            out.job.start()
+        return out
+
+    def end_job(self) -> None:
+        if self.job is not None:
+            self.job.finish()
+            self.job = None
 
     def merge(self, parts: list[Output], *, settings: dict, order: str, quiet: bool) -> Dataset:
         import tempfile

@@ -191,6 +191,8 @@ def _extract_parallel(job: Job, output: Output, rank: int, world: int) -> Datase
     cfg = job.config
     if job.device.startswith("cuda") and torch.cuda.device_count() > 1:
         job.device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % torch.cuda.device_count()}"
+    # the Hub's: every rank uploads its own files, rank 0 commits them all (one commit budget for the job)
+    output = output.start_job(dist.distributed_c10d._get_default_store(), rank=rank, world=world)
     part = output.part(rank)
     if job.prompts is not None:
         what = {"prompts_sha256": job.prompts.fingerprint(), "num_prompts": len(job.prompts)}
@@ -208,6 +210,7 @@ def _extract_parallel(job: Job, output: Output, rank: int, world: int) -> Datase
             pass
     dist.barrier()
     if rank == 0:
+        output.end_job()
         output.merge([output.part(r) for r in range(world)], settings=job.settings,
                      order="documents" if job.corpus is not None else "positions", quiet=cfg.quiet)
     dist.barrier()
