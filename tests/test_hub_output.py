@@ -212,3 +212,29 @@ def test_a_run_killed_in_its_commit_tail_finishes_without_extracting_again(hub, 
     again = _uploads(hub)[before:]
     assert not set(again) & set(_uploads(hub)[:before])  # nothing that went up before the kill went up again
     assert len(again) <= 8 + 3  # the shards still staged (8 in flight at most), the statistics, card and index
+
+
+def test_a_run_killed_against_one_hub_does_not_break_the_same_command_against_another(hub, llama_dir, tmp_path,
+                                                                                    monkeypatch):
+    """Issue 44, item 6: the staging folder is keyed by the endpoint as well as the repo: what a run killed against one
+    Hub uploaded (its ledger) is not committed by reference to another, which never had it."""
+    import os
+
+    import huggingface_hub.constants as constants
+    from hub_server import HubServer
+
+    name = f"endpoints-{uuid.uuid4().hex[:6]}"
+    url = f"hf://datasets/user/{name}"
+    kw = {k: v for k, v in KW.items() if k != "quiet"}
+    other = HubServer(tmp_path / "other-hub").start()
+    try:
+        crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"),
+                                  json.dumps([MANY, str(llama_dir), url, 6, kw])], capture_output=True, text=True,
+                                 env={**os.environ, "HF_ENDPOINT": other.url})
+        assert crashed.returncode == 9, crashed.stderr[-3000:]
+        assert ("dataset", f"user/{name}") in other.state.repos
+    finally:
+        other.stop()
+    assert constants.ENDPOINT == hub.url
+    local = lmprobe.extract(str(llama_dir), MANY, out=tmp_path / "local", **KW)
+    _same(local, lmprobe.extract(str(llama_dir), MANY, out=url, **KW), (0, 3))

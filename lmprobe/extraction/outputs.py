@@ -505,7 +505,11 @@ class HubOutput(Output):
             self.ref.repo_id, ops, repo_type="dataset", revision=self.ref.revision, commit_message=f"lmprobe: {why}"))
 
     def staging(self) -> Path:
-        return cache_dir(self.url, "outputs")
+        from huggingface_hub import constants
+
+        # keyed by the endpoint too: a run killed against one Hub leaves nothing that the same command against
+        # another would take for its own (an upload ledger naming objects that Hub never had)
+        return cache_dir(f"{constants.ENDPOINT} {self.url}", "outputs")
 
     def prepare(self, committer: HubCommitter) -> None:
         """The repo and the branch, created when missing."""
