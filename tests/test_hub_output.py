@@ -238,3 +238,25 @@ def test_a_run_killed_against_one_hub_does_not_break_the_same_command_against_an
     assert constants.ENDPOINT == hub.url
     local = lmprobe.extract(str(llama_dir), MANY, out=tmp_path / "local", **KW)
     _same(local, lmprobe.extract(str(llama_dir), MANY, out=url, **KW), (0, 3))
+
+
+def test_a_resumed_run_commits_only_what_its_writer_recorded(hub, llama_dir, tmp_path):
+    """Issue 44, item 4: after a kill, a file in the staging folder that the writer never recorded, and a ledger line
+    naming a path the writer never recorded (content on the Hub all the same), are not committed."""
+    from lmprobe.extraction.outputs import LEDGER, HubOutput
+
+    name = f"foreign-{uuid.uuid4().hex[:6]}"
+    url = f"hf://datasets/user/{name}"
+    kw = {k: v for k, v in KW.items() if k != "quiet"}
+    crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"),
+                              json.dumps([MANY, str(llama_dir), url, 6, kw])], capture_output=True, text=True)
+    assert crashed.returncode == 9, crashed.stderr[-3000:]
+    staging = HubOutput.parse(url).staging()
+    foreign = staging / "tensors" / "foreign.safetensors"
+    foreign.write_bytes(b"not lmprobe's")
+    on_hub = next(e for e in _repo(hub, name).commits[_repo(hub, name).branches["main"]].values() if e.sha256)
+    with open(staging / LEDGER, "a") as f:
+        f.write(json.dumps({"rel": "tensors/forged.safetensors", "sha256": on_hub.sha256, "size": on_hub.size}) + "\n")
+    lmprobe.extract(str(llama_dir), MANY, out=url, **KW)
+    tree = _history(_repo(hub, name))[-1]
+    assert not [p for p in tree if "foreign" in p or "forged" in p], sorted(tree)

@@ -64,6 +64,11 @@ class Session(ABC):
         """The writer's ``on_file_complete``/``on_file_renamed`` (none: the files stay where they are written)."""
         return {}
 
+    def resume(self, recorded: dict[str, tuple[int, str]]) -> None:
+        """The writer reopened what an earlier run left: ``recorded`` (path -> bytes, sha256) is what it recorded,
+        the only files of that run the output may still take."""
+        return None
+
     @abstractmethod
     def finish(self) -> Dataset:
         """After the writer closed: everything in place (the index last); the dataset, opened."""
@@ -338,15 +343,27 @@ class _HubSession(Session):
         self.committer.start()
         self.renames: list[tuple[str, str]] = []
         self.remove: list[str] = []
+        # what a killed run left, before the reopened writer hands anything over: committed once it says what it
+        # recorded (resume)
+        self._staged = [] if overwrite or record is not None else \
+            [f.relative_to(self.local).as_posix() for f in sorted(self.local.glob("tensors/**/*.safetensors"))]
         if record is not None:
             self._resume_tail(record)
-        elif not overwrite:
-            for e in _read_ledger(self.ledger):  # uploaded by a killed run, maybe not committed: by reference
-                if not (self.local / e["rel"]).exists():
-                    self.committer.add_uploaded(RepoFile(output.repo_path(e["rel"]), self.local / e["rel"],
-                                                         e["size"], e["sha256"]))
-            for f in sorted(self.local.glob("tensors/**/*.safetensors")):  # handed over by a killed run, not sent
-                self._submit(f.relative_to(self.local).as_posix())
+
+    def resume(self, recorded: dict[str, tuple[int, str]]) -> None:
+        """What a killed run uploaded (the ledger) or handed over without sending (in the staging folder) is
+        committed when the reopened writer recorded it, with the same size and sha256; anything else is not
+        (a foreign file, a ledger line the writer never recorded: issue 44 item 4)."""
+        for e in _read_ledger(self.ledger):  # uploaded by a killed run, maybe not committed: by reference
+            if recorded.get(e["rel"]) == (e["size"], e["sha256"]) and not (self.local / e["rel"]).exists():
+                self.committer.add_uploaded(RepoFile(self.output.repo_path(e["rel"]), self.local / e["rel"],
+                                                     e["size"], e["sha256"]))
+        for rel in self._staged:  # handed over by a killed run, not sent
+            if rel in recorded:
+                self._submit(rel, recorded[rel][1])
+            else:
+                logger.warning(f"{self.output}: {self.local / rel} is not a file this extraction recorded; it is not "
+                               "uploaded")
 
     def _resume_tail(self, record: dict[str, FileRecord]) -> None:
         """Commit what the closed writer recorded (path, size, sha256) and nothing else: each file from its staged

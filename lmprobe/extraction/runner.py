@@ -162,6 +162,8 @@ def _extract(job: Job, output: Output) -> Dataset:
         session.abort()
         raise
     try:
+        if not cfg.overwrite:
+            session.resume(writer.recorded_files())
         _announce(job, writer, out, local=output.local)
         if job.corpus is not None:
             run_corpus(writer, job)
