@@ -12,7 +12,7 @@ seconds per commit; the ranks run with LMPROBE_HUB_HOUR_SECONDS=--hour, so their
 clock.
 
 Measured:
-- tail: from the last shard upload the server received (the last shard written, plus its upload) to the last
+- tail: from the last shard content the server received (the last shard written, plus its upload) to the last
   commit of the job (the merge's, with the index): the time the job's GPUs would sit idle, in scaled seconds and
   in real hours (x 3600 / hour);
 - commits: all the job's commits, those refused with 429 (0 expected: the job keeps to its window);
@@ -172,7 +172,8 @@ def main() -> None:
         assert int(ds.column("num_tokens").sum()) == args.tokens
         files = len([p for p in server.files(name) if p.endswith(".safetensors")])
         commits = [(t, s) for r, t, s in server.state.commit_log if r == name]
-        last_upload = max(end for kind, _, end in server.state.spans if kind == "upload")
+        shas = {e.sha256 for p, e in server.files(name).items() if p.startswith("tensors/hidden") and e.sha256}
+        last_upload = max(t for sha, t in server.state.uploaded if sha in shas)  # the last shard's content
         tail = commits[-1][0] - last_upload
         print(f"  wall {wall:.0f} s; {files:,} shard files; dataset complete")
         rows = [

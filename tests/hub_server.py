@@ -120,6 +120,7 @@ class HubState:
         self.commit_limit: tuple[float, float] | None = None  # (commits, per seconds): the Hub's rate, scaled
         self.commit_log: list[tuple[str, float, str]] = []  # (repo id, time.monotonic(), summary) of each commit
         self.refused_commits = 0  # answered 429 by commit_limit
+        self.uploaded: list[tuple[str, float]] = []  # (sha256, time.monotonic()) of each LFS object received
         self.xet = XetCAS(root / "xet-cas")
         self.spans: list[tuple[str, float, float]] = []  # ("upload" | "commit", start, end), monotonic
 
@@ -392,6 +393,8 @@ class Handler(BaseHTTPRequestHandler):
         tmp = st.lfs_path(oid).with_suffix(".tmp" + uuid.uuid4().hex)
         tmp.write_bytes(data)
         tmp.replace(st.lfs_path(oid))
+        with st.lock:
+            st.uploaded.append((oid, time.monotonic()))
         self._send(200, b"", ctype="text/plain")
 
     def lfs_verify(self, query, oid):

@@ -56,13 +56,17 @@ class StoreRelay:
         self._seen = [0] * world  # committer: groups read, per rank
         self._landed: list[set[int]] = [set() for _ in range(world)]  # committer: landed beyond the count
         self._count = [0] * world  # committer: groups landed in order, per rank
+        self._next = 0  # sender: this rank's next group number (one sender per rank, calls in order)
 
     def _key(self, *parts: object) -> str:
         return "/".join([self.prefix, *map(str, parts)])
 
     def send(self, group: dict) -> None:
-        i = int(self.store.add(self._key("sent", self.rank), 1)) - 1
-        self.store.set(self._key("group", self.rank, i), json.dumps(group))
+        # the record first, then the count: the committer never waits on a key (a c10d store client may hold its
+        # connection while it waits, and rank 0's sender shares that client)
+        self.store.set(self._key("group", self.rank, self._next), json.dumps(group))
+        self._next += 1
+        self.store.add(self._key("sent", self.rank), 1)
 
     def landed(self) -> int:
         key = self._key("landed", self.rank)
@@ -74,7 +78,7 @@ class StoreRelay:
             n = int(self.store.add(self._key("sent", r), 0))
             for i in range(self._seen[r], n):
                 key = self._key("group", r, i)
-                raw = self.store.get(key)  # waits the moment between a sender's add and its set
+                raw = self.store.get(key)  # set before the count said it was there
                 self.store.delete_key(key)
                 try:
                     group = json.loads(raw)
