@@ -145,3 +145,24 @@ def test_the_ranks_of_a_job_upload_and_one_committer_commits_for_all(hub, tmp_pa
     log = _commits(hub, repo)
     # 603 files and 3 renames: 250, 400, the rest, and the partial commits a rank waiting for its files asks for
     assert len(log) == job.commits <= 6, [s for _, s in log]
+
+
+def test_a_failed_job_committer_is_an_error_on_every_rank_not_a_wait(tmp_path):
+    """The job's committer fails (here: a record naming a path outside the repo): a rank waiting for its files to
+    land gets a PushError naming it instead of waiting for ever."""
+    import torch.distributed as dist
+
+    from lmprobe.errors import PushError
+    from lmprobe.storage.relay import StoreRelay
+
+    store = dist.HashStore()
+    sender, committer = StoreRelay(store, rank=1, world=2), StoreRelay(store, rank=0, world=2)
+    sender.send({"files": [{"rel": "../outside", "size": 1, "sha256": "0" * 64}]})
+    c = HubCommitter("user/never", token=None, commit_for=committer)
+    from lmprobe.storage import commits
+
+    with pytest.raises(PushError, match="relayed file"):
+        commits._group_item(*committer.receive()[0])
+    c._fail(PushError("rank 1 sent a malformed commit record"))
+    with pytest.raises(PushError, match="the job's committer \\(rank 0\\) failed: rank 1 sent a malformed"):
+        sender.landed()

@@ -714,9 +714,15 @@ class HubCommitter:
     def _fail(self, exc: BaseException) -> None:
         s = self._s
         with s.cv:
-            if s.error is None:
+            first = s.error is None
+            if first:
                 s.error = exc
             s.cv.notify_all()
+        if first and self.commit_for is not None:  # the ranks waiting for their files to land hear of it
+            try:
+                self.commit_for.fail(str(exc))
+            except Exception:  # noqa: BLE001 - the store may be gone with the job; the error is raised here anyway
+                logger.warning("could not tell the job's ranks that its committer failed: %s", exc)
 
     def _upload_one(self, item: _Item) -> bool:
         """Upload ``item`` unless the repo has it; False when it was there (it counts as landed)."""

@@ -47,6 +47,9 @@ class Relay(Protocol):
     def report(self, gid: tuple[int, int]) -> None:
         """The committer: group ``gid`` landed."""
 
+    def fail(self, message: str) -> None:
+        """The committer failed: every sender's next ``landed`` raises a PushError with ``message``."""
+
 
 class StoreRelay:
     """A :class:`Relay` over a key-value store (torch.distributed's c10d store under torchrun)."""
@@ -69,8 +72,13 @@ class StoreRelay:
         self.store.add(self._key("sent", self.rank), 1)
 
     def landed(self) -> int:
+        if self.store.check([self._key("failed")]):
+            raise PushError(f"the job's committer (rank 0) failed: {self.store.get(self._key('failed')).decode()}")
         key = self._key("landed", self.rank)
         return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def fail(self, message: str) -> None:
+        self.store.set(self._key("failed"), message)
 
     def receive(self) -> list[tuple[tuple[int, int], dict]]:
         out = []
