@@ -525,19 +525,9 @@ class DatasetWriter:
     def recorded_files(self) -> dict[str, tuple[int, str]]:
         """The closed files this writer recorded with their hash: path (a sequence shard's provisional path) ->
         (bytes, sha256). What a remote output may commit for it, and nothing else."""
-        out: dict[str, tuple[int, str]] = {}
-        for s in (self._last, self._logits):
-            if s is not None:
-                for shard, d in enumerate(s.closed):
-                    for slot, f in d["files"].items():
-                        if "sha256" in f:
-                            out[self._final_name(s.name, slot, shard)] = (f["bytes"], f["sha256"])
-        if self._seq is not None:
-            for d in self._seq.closed:
-                for f in d["files"].values():
-                    if "sha256" in f:
-                        out[provisional_name(f["staging"])] = (f["bytes"], f["sha256"])
-        return out
+        return {(provisional_name(f["staging"]) if s is self._seq else self._final_name(s.name, slot, shard)):
+                (f["bytes"], f["sha256"]) for s in self._series() for shard, d in enumerate(s.closed)
+                for slot, f in d["files"].items() if "sha256" in f}
 
     def close(self) -> Path:
         """Finish every shard, write the card and, last, the index. Returns the dataset folder."""
