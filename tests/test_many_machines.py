@@ -211,3 +211,28 @@ def test_one_process_commits_for_all_ranks_within_the_hubs_rate(hub, llama_dir, 
     shards = [p for p in _hub_tree(hub, name) if p.endswith(".safetensors")]
     assert len(shards) > 100 and len(summaries) <= 8, (len(shards), summaries)
     assert lmprobe.load(f"hf://datasets/user/{name}").num_prompts == len(MANY)
+
+
+def test_two_nodes_killed_in_their_commit_tail_finish_on_the_same_command(hub, fast_commits, llama_dir, tmp_path):
+    """Issue 43, point 6: every process killed once a rank's writer had closed (its index staged) while commits take a
+    second: the same command again finishes from what is staged and uploaded, equal to one process."""
+    f = _prompts(tmp_path)
+    single = _single(str(llama_dir), f, out=tmp_path / "one", layers="1", storage="full_sequence", batch_size=1,
+                     shard_size="2KB")
+    name = f"tail-{uuid.uuid4().hex[:6]}"
+    argv = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", f"hf://datasets/user/{name}",
+            "--layers", "1", "--storage", "full_sequence", "--batch-size", "1", "--shard-size", "2KB",
+            "--checkpoint-interval", "0", "--quiet"]
+    staging = [tmp_path / f"node{n}" / "cache" / "outputs" for n in (0, 1)]
+    hub.delay_commits(1.0)
+    try:
+        kill_when(launch(tmp_path, argv), lambda: any(found(s, "train-*.parquet") for s in staging))
+    finally:
+        hub.delay_commits(0.0)
+    before = len([p for m, p in hub.log if m == "PUT" and "/lfs-upload/" in p])
+    run(tmp_path, argv)
+    _same_rows(single, lmprobe.load(f"hf://datasets/user/{name}"), (1,), full=True)
+    again = len([p for m, p in hub.log if m == "PUT" and "/lfs-upload/" in p]) - before
+    shards = len(list((tmp_path / "one" / "tensors").glob("*.safetensors")))
+    assert again < shards // 2, (again, shards)  # what went up before the kill did not go up again
+    assert not [p for p in _hub_tree(hub, name) if ".lmprobe-parts" in p or ".provisional" in p]
