@@ -10,7 +10,7 @@ hidden size 256, 4 layers, layers 1 and 3, full sequences, windows of 128 tokens
 - baseline: ``--out DIR``, a local folder both nodes see (the shared-filesystem case): each rank writes its part
   there, rank 0 renames the parts into one dataset. No byte leaves the machine.
 - lmprobe to the Hub: ``--out hf://datasets/bench/NAME`` on the local Hub test server (tests/hub_server.py,
-  0.5 s per commit like the Hub's, LMPROBE_HUB_COMMITS_PER_HOUR=3600 for both ranks together): shards upload
+  0.5 s per commit like the Hub's, LMPROBE_HUB_HOUR_SECONDS=100: 100 commits in any 100 s for the job): shards upload
   while the model computes, each rank's parts are merged by server-side copies, the index goes last.
 
 Printed: wall time of each (until every rank has exited, the dataset complete), the ratio baseline / Hub
@@ -85,7 +85,7 @@ def main() -> None:
         port = sock.getsockname()[1]
     os.environ.update({"HF_HOME": str(tmp / "hf-home"), "HF_ENDPOINT": f"http://127.0.0.1:{port}",
                        "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-                       "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "LMPROBE_HUB_COMMITS_PER_HOUR": "3600",
+                       "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "LMPROBE_HUB_HOUR_SECONDS": "100",
                        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
         os.environ.pop(var, None)

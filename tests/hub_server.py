@@ -18,7 +18,10 @@ Xet token endpoints, so a client with hf_xet enabled uploads and downloads throu
 commits may name files uploaded that way, and resolve answers carry ``X-Xet-Hash``. Commits also
 take server-side copies (CommitOperationCopy: an ``lfsFile`` naming an object already stored) and
 deletions. ``server.throttle_uploads(rate)`` and ``server.delay_commits(s)`` model a slow uplink and
-the Hub's commit latency for benchmarks.
+the Hub's commit latency for benchmarks. ``server.limit_commits(per_hour, hour=60)`` enforces the Hub's commit
+rate per repo on a scaled clock (128 commits an "hour" of 60 s, say): a commit past it is answered 429 with a
+``Retry-After``, and counted in ``server.state.refused_commits``. Every commit made is recorded in
+``server.state.commit_log`` as (repo id, monotonic time it was asked for, commit summary).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import random
 import re
 import threading
@@ -113,6 +117,10 @@ class HubState:
         self.upload_rate: float | None = None  # bytes/s of LFS upload bodies, one shared uplink
         self.uplink_free_at = 0.0
         self.commit_delay = 0.0  # seconds each commit takes (the Hub's commit latency)
+        self.commit_limit: tuple[float, float] | None = None  # (commits, per seconds): the Hub's rate, scaled
+        self.commit_log: list[tuple[str, float, str]] = []  # (repo id, time.monotonic(), summary) of each commit
+        self.refused_commits = 0  # answered 429 by commit_limit
+        self.uploaded: list[tuple[str, float]] = []  # (sha256, time.monotonic()) of each LFS object received
         self.xet = XetCAS(root / "xet-cas")
         self.spans: list[tuple[str, float, float]] = []  # ("upload" | "commit", start, end), monotonic
 
@@ -385,6 +393,8 @@ class Handler(BaseHTTPRequestHandler):
         tmp = st.lfs_path(oid).with_suffix(".tmp" + uuid.uuid4().hex)
         tmp.write_bytes(data)
         tmp.replace(st.lfs_path(oid))
+        with st.lock:
+            st.uploaded.append((oid, time.monotonic()))
         self._send(200, b"", ctype="text/plain")
 
     def lfs_verify(self, query, oid):
@@ -396,6 +406,7 @@ class Handler(BaseHTTPRequestHandler):
 
     @timed("commit")
     def commit(self, query, t, id, rev):
+        arrived = time.monotonic()  # the rate counts commits as they are asked for
         lines = [json.loads(x) for x in self._body().splitlines() if x.strip()]
         if self.state.commit_delay:
             time.sleep(self.state.commit_delay)  # the Hub's commit latency
@@ -406,10 +417,20 @@ class Handler(BaseHTTPRequestHandler):
         with self.state.lock:
             if rev not in repo.branches:
                 return self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+            if self.state.commit_limit is not None:  # the Hub's commits an hour per repo, on a scaled clock
+                per_hour, hour = self.state.commit_limit
+                recent = [t for r, t, _ in self.state.commit_log if r == id and t > arrived - hour]
+                if len(recent) >= per_hour:
+                    self.state.refused_commits += 1
+                    wait = recent[len(recent) - int(per_hour)] + hour - arrived
+                    return self._error(429, "You have exceeded the rate limit for repository commits",
+                                       headers={"Retry-After": str(max(1, math.ceil(wait)))})
             tree = dict(repo.commits[repo.branches[rev]])
+            summary = ""
             for item in lines:
                 key, value = item["key"], item["value"]
                 if key == "header":
+                    summary = value.get("summary", "")
                     parent = value.get("parentCommit")
                     if parent and parent != repo.branches[rev]:
                         return self._error(412, "A commit has happened since. Please refresh and try again.")
@@ -439,6 +460,7 @@ class Handler(BaseHTTPRequestHandler):
             commit = hashlib.sha1(f"{time.time_ns()}{uuid.uuid4()}".encode()).hexdigest()
             repo.commits[commit] = tree
             repo.branches[rev] = commit
+            self.state.commit_log.append((id, arrived, summary))
             lose = self.state.lost_commit_answers > 0
             if lose:
                 self.state.lost_commit_answers -= 1
@@ -774,6 +796,13 @@ class HubServer:
         """Make every commit take this long before it is applied (the Hub's commit latency)."""
         with self.state.lock:
             self.state.commit_delay = seconds
+
+    def limit_commits(self, per_hour: float | None, hour: float = 60.0) -> None:
+        """Allow at most ``per_hour`` commits to a repo in any ``hour`` seconds (sliding, as the Hub counts them);
+        a commit past it is answered 429 with a Retry-After (None: no limit)."""
+        with self.state.lock:
+            self.state.commit_limit = None if per_hour is None else (per_hour, hour)
+            self.state.refused_commits = 0
 
     @property
     def xet_url(self) -> str:

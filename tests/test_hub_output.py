@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -26,8 +25,8 @@ MANY = [dict(p, text=p["text"] + f" #{i}") for i in range(12) for p in PROMPTS] 
 
 @pytest.fixture(autouse=True)
 def _fast_commits(monkeypatch, tmp_path):
-    # the Hub's ~100 commits an hour would make a test wait 36 s between commits: the local server takes more
-    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "0.001")
+    # the Hub's ~100 commits an hour, on a clock whose hour lasts a second (the local server takes more)
+    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "1")
     monkeypatch.setenv("LMPROBE_CACHE", str(tmp_path / "cache"))
 
 
@@ -158,32 +157,6 @@ def test_an_extraction_past_the_hubs_folder_limit_is_refused_before_the_model_lo
     assert "--shard-size" in str(err.value) and not loads
 
 
-def test_commits_of_several_writers_are_paced(hub, tmp_path):
-    """A committer keeps ``min_commit_spacing`` between its commits (a job's ranks share the repo's commit rate);
-    uploads go on meanwhile."""
-    from lmprobe.storage.commits import HubCommitter, PushConfig, RepoFile
-
-    name = f"paced-{uuid.uuid4().hex[:6]}"
-    c = HubCommitter(f"user/{name}", token=None, config=PushConfig(max_in_flight=2, min_commit_spacing=0.4))
-    c.prepare(private=False)
-    times = []
-    real = c.api.create_commit
-
-    def timed(*a, **k):
-        times.append(time.monotonic())
-        return real(*a, **k)
-
-    c.api.create_commit = timed
-    c.start()
-    for i in range(6):
-        p = tmp_path / f"f{i}.safetensors"
-        p.write_bytes(bytes([i]) * 1000)
-        c.add(RepoFile(f"f{i}.safetensors", p))
-    c.finish()
-    assert len(times) >= 3
-    assert min(b - a for a, b in zip(times, times[1:], strict=False)) >= 0.39
-
-
 def test_shards_the_writer_hashed_are_not_read_again_to_hash_them(hub, llama_dir, monkeypatch):
     """The writer hashes every shard as it writes it; the upload takes that hash (huggingface_hub would otherwise
     read each file once more to compute it)."""
@@ -209,3 +182,81 @@ def test_a_merge_into_a_url_is_refused_not_written_to_a_local_folder_named_like_
     with pytest.raises(InvalidArgumentError, match="local folder.*lmprobe push"):
         lmprobe.merge([ds], "hf://datasets/user/merged")
     assert not Path("hf:").exists()
+
+
+@pytest.mark.parametrize("when", ["before", "while"])
+def test_a_run_killed_in_its_commit_tail_finishes_without_extracting_again(hub, llama_dir, tmp_path, monkeypatch,
+                                                                          when):
+    """Issue 43, point 6: kill -9 after the writer closed (as the final commit starts, or while it is sent): the same
+    command again commits what is staged and uploaded, without running the model again, and the repo ends with the
+    dataset of an uninterrupted run and no provisional file."""
+    local = lmprobe.extract(str(llama_dir), MANY, out=tmp_path / "local", **KW)
+    name = f"tail-{when}-{uuid.uuid4().hex[:6]}"
+    url = f"hf://datasets/user/{name}"
+    kw = {k: v for k, v in KW.items() if k != "quiet"}
+    crashed = subprocess.run([sys.executable, str(HERE / "_crash_tail.py"),
+                              json.dumps([MANY, str(llama_dir), url, when, kw])], capture_output=True, text=True)
+    assert crashed.returncode == 9, crashed.stderr[-3000:]
+    assert INDEX_PATH not in _history(_repo(hub, name))[-1]
+    from lmprobe.extraction import backend_hf
+
+    def no_model(*a, **k):
+        raise AssertionError("the model ran again: the re-run extracted what was already staged and uploaded")
+
+    monkeypatch.setattr(backend_hf.TransformersBackend, "run", no_model)
+    before = len(_uploads(hub))
+    ds = lmprobe.extract(str(llama_dir), MANY, out=url, **KW)
+    _same(local, ds, (0, 3))
+    tree = _history(_repo(hub, name))[-1]
+    assert not [p for p in tree if ".provisional" in p or ".lmprobe" in p]
+    again = _uploads(hub)[before:]
+    assert not set(again) & set(_uploads(hub)[:before])  # nothing that went up before the kill went up again
+    assert len(again) <= 8 + 3  # the shards still staged (8 in flight at most), the statistics, card and index
+
+
+def test_a_run_killed_against_one_hub_does_not_break_the_same_command_against_another(hub, llama_dir, tmp_path,
+                                                                                    monkeypatch):
+    """Issue 44, item 6: the staging folder is keyed by the endpoint as well as the repo: what a run killed against one
+    Hub uploaded (its ledger) is not committed by reference to another, which never had it."""
+    import os
+
+    import huggingface_hub.constants as constants
+    from hub_server import HubServer
+
+    name = f"endpoints-{uuid.uuid4().hex[:6]}"
+    url = f"hf://datasets/user/{name}"
+    kw = {k: v for k, v in KW.items() if k != "quiet"}
+    other = HubServer(tmp_path / "other-hub").start()
+    try:
+        crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"),
+                                  json.dumps([MANY, str(llama_dir), url, 6, kw])], capture_output=True, text=True,
+                                 env={**os.environ, "HF_ENDPOINT": other.url})
+        assert crashed.returncode == 9, crashed.stderr[-3000:]
+        assert ("dataset", f"user/{name}") in other.state.repos
+    finally:
+        other.stop()
+    assert constants.ENDPOINT == hub.url
+    local = lmprobe.extract(str(llama_dir), MANY, out=tmp_path / "local", **KW)
+    _same(local, lmprobe.extract(str(llama_dir), MANY, out=url, **KW), (0, 3))
+
+
+def test_a_resumed_run_commits_only_what_its_writer_recorded(hub, llama_dir, tmp_path):
+    """Issue 44, item 4: after a kill, a file in the staging folder that the writer never recorded, and a ledger line
+    naming a path the writer never recorded (content on the Hub all the same), are not committed."""
+    from lmprobe.extraction.outputs import LEDGER, HubOutput
+
+    name = f"foreign-{uuid.uuid4().hex[:6]}"
+    url = f"hf://datasets/user/{name}"
+    kw = {k: v for k, v in KW.items() if k != "quiet"}
+    crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"),
+                              json.dumps([MANY, str(llama_dir), url, 6, kw])], capture_output=True, text=True)
+    assert crashed.returncode == 9, crashed.stderr[-3000:]
+    staging = HubOutput.parse(url).staging()
+    foreign = staging / "tensors" / "foreign.safetensors"
+    foreign.write_bytes(b"not lmprobe's")
+    on_hub = next(e for e in _repo(hub, name).commits[_repo(hub, name).branches["main"]].values() if e.sha256)
+    with open(staging / LEDGER, "a") as f:
+        f.write(json.dumps({"rel": "tensors/forged.safetensors", "sha256": on_hub.sha256, "size": on_hub.size}) + "\n")
+    lmprobe.extract(str(llama_dir), MANY, out=url, **KW)
+    tree = _history(_repo(hub, name))[-1]
+    assert not [p for p in tree if "foreign" in p or "forged" in p], sorted(tree)

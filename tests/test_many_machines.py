@@ -179,8 +179,8 @@ def test_two_nodes_deal_a_folder_of_files_and_store_one_process_windows(s3, llam
 
 @pytest.fixture
 def fast_commits(monkeypatch):
-    # the Hub's ~100 commits an hour would make each rank wait 72 s between commits: the local server takes more
-    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "0.001")
+    # the Hub's ~100 commits an hour, on a clock whose hour lasts a second (the local server takes more)
+    monkeypatch.setenv("LMPROBE_HUB_HOUR_SECONDS", "1")
 
 
 def _hub_tree(hub, name):
@@ -231,3 +231,52 @@ def test_a_killed_two_node_corpus_run_to_the_hub_resumes(hub, fast_commits, llam
         assert list(two.index[col]) == list(single.index[col]), col
     _same_rows(single, two, (2,), full=True)
     assert not [p for p in _hub_tree(hub, name) if ".lmprobe-parts" in p]
+
+
+def test_one_process_commits_for_all_ranks_within_the_hubs_rate(hub, llama_dir, tmp_path):
+    """Issue 43, point 3: two nodes of two ranks to hf://, the server enforcing 100 commits an "hour" of 10 s: every
+    shard and part index is committed by rank 0's committer (no rank commits its own part), none is refused, and
+    the job takes a handful of commits, not one per rank and per 50 files."""
+    f = _prompts(tmp_path)
+    name = f"one-committer-{uuid.uuid4().hex[:6]}"
+    argv = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", f"hf://datasets/user/{name}",
+            "--layers", "0,3", "--storage", "full_sequence", "--batch-size", "1", "--shard-size", "2KB",
+            "--checkpoint-interval", "0", "--quiet"]
+    hub.limit_commits(100, hour=10)
+    try:
+        run(tmp_path, argv, per_node=2, env={"LMPROBE_HUB_HOUR_SECONDS": "10"})
+    finally:
+        refused = hub.state.refused_commits
+        hub.limit_commits(None)
+    summaries = [s for r, _, s in hub.state.commit_log if r == f"user/{name}"]
+    ours = [s for s in summaries if "rank 0 for the job's 4 ranks" in s]
+    merge = [s for s in summaries if "merge" in s or "rename" in s]
+    assert refused == 0 and len(ours) + len(merge) == len(summaries), summaries
+    shards = [p for p in _hub_tree(hub, name) if p.endswith(".safetensors")]
+    assert len(shards) > 100 and len(summaries) <= 8, (len(shards), summaries)
+    assert lmprobe.load(f"hf://datasets/user/{name}").num_prompts == len(MANY)
+
+
+def test_two_nodes_killed_in_their_commit_tail_finish_on_the_same_command(hub, fast_commits, llama_dir, tmp_path):
+    """Issue 43, point 6: every process killed once a rank's writer had closed (its index staged) while commits take a
+    second: the same command again finishes from what is staged and uploaded, equal to one process."""
+    f = _prompts(tmp_path)
+    single = _single(str(llama_dir), f, out=tmp_path / "one", layers="1", storage="full_sequence", batch_size=1,
+                     shard_size="2KB")
+    name = f"tail-{uuid.uuid4().hex[:6]}"
+    argv = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", f"hf://datasets/user/{name}",
+            "--layers", "1", "--storage", "full_sequence", "--batch-size", "1", "--shard-size", "2KB",
+            "--checkpoint-interval", "0", "--quiet"]
+    staging = [tmp_path / f"node{n}" / "cache" / "outputs" for n in (0, 1)]
+    hub.delay_commits(1.0)
+    try:
+        kill_when(launch(tmp_path, argv), lambda: any(found(s, "train-*.parquet") for s in staging))
+    finally:
+        hub.delay_commits(0.0)
+    before = len([p for m, p in hub.log if m == "PUT" and "/lfs-upload/" in p])
+    run(tmp_path, argv)
+    _same_rows(single, lmprobe.load(f"hf://datasets/user/{name}"), (1,), full=True)
+    again = len([p for m, p in hub.log if m == "PUT" and "/lfs-upload/" in p]) - before
+    shards = len(list((tmp_path / "one" / "tensors").glob("*.safetensors")))
+    assert again < shards // 2, (again, shards)  # what went up before the kill did not go up again
+    assert not [p for p in _hub_tree(hub, name) if ".lmprobe-parts" in p or ".provisional" in p]

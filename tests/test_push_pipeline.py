@@ -60,8 +60,10 @@ def test_push_config_names_a_bad_setting():
         PushConfig(commit_files=0)
     with pytest.raises(InvalidArgumentError, match="commit_deadline must be >= 0 seconds"):
         PushConfig(commit_deadline=-1)
-    assert PushConfig(commit_files=50).in_flight == 100 and PushConfig(commit_files=50).batch_target == 50
-    assert PushConfig(commit_files=50, max_in_flight=4).batch_target == 2  # half commits while half uploads
+    assert PushConfig(commit_files=50).in_flight == 100 and PushConfig(commit_files=50).first_commit_files() == 50
+    # by default huggingface_hub's ladder decides: 250 first, up to 1,000
+    assert PushConfig().first_commit_files() == 250 and PushConfig().in_flight == 2000
+    assert PushConfig().next_commit_files(1000, 1.0) == 1000 and PushConfig(commit_files=300).next_commit_files(250, 1.0) == 300
 
 
 def test_uploads_run_in_parallel_while_commits_land(slow_hub, tmp_path, rng):

@@ -35,13 +35,17 @@ from ..base.retry import call_with_retry
 from ..base.safeio import loads
 from ..errors import DatasetNotFoundError, ExtractionError, InvalidArgumentError, LmprobeError
 from ..format.merge import MergePlan, plan_merge
+from ..format.metadata import FileRecord
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
+from ..format.writer import PROVISIONAL_DIR
 from ..opening import open_hub, open_object_store
-from ..storage.budget import HOUR, commits_per_hour, hour_seconds
+from ..storage.budget import CommitWindow, commits_per_hour, hour_seconds
 from ..storage.commits import HubCommitter, PushConfig, RepoFile
 from ..storage.hub import HubRef, hub_api, parse_hf_url
 from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
+from ..storage.relay import Relay, StoreRelay
+from .config import same_extraction
 
 logger = logging.getLogger("lmprobe")
 
@@ -60,6 +64,11 @@ class Session(ABC):
         """The writer's ``on_file_complete``/``on_file_renamed`` (none: the files stay where they are written)."""
         return {}
 
+    def resume(self, recorded: dict[str, tuple[int, str]]) -> None:
+        """The writer reopened what an earlier run left: ``recorded`` (path -> bytes, sha256) is what it recorded,
+        the only files of that run the output may still take."""
+        return None
+
     @abstractmethod
     def finish(self) -> Dataset:
         """After the writer closed: everything in place (the index last); the dataset, opened."""
@@ -67,6 +76,10 @@ class Session(ABC):
     @abstractmethod
     def abort(self) -> None:
         """The extraction stopped: stop sending, keep what is resumable."""
+
+    #: the writer had closed when an earlier run was killed (its files are staged or uploaded): ``finish`` alone
+    #: completes the output, and nothing is extracted again
+    finishing: bool = False
 
 
 class Output(ABC):
@@ -86,8 +99,9 @@ class Output(ABC):
         """The local folder the writer writes in."""
 
     @abstractmethod
-    def session(self, *, overwrite: bool) -> Session:
-        """Start writing (``overwrite``: what an earlier run left is replaced, never resumed)."""
+    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
+        """Start writing (``overwrite``: what an earlier run left is replaced, never resumed; ``settings``: the
+        extraction's, which a finished staging copy left by a killed run must record to be resumed)."""
 
     @abstractmethod
     def part(self, rank: int) -> Output:
@@ -102,8 +116,17 @@ class Output(ABC):
         return False
 
     def for_world(self, world: int) -> Output:
-        """This output for a job of ``world`` processes (the Hub's: commits paced for the repo's rate together)."""
+        """This output for a job of ``world`` processes."""
         return self
+
+    def start_job(self, store: Any, *, rank: int, world: int) -> Output:
+        """This output for rank ``rank`` of a multi-process job whose ranks share ``store`` (torch.distributed's
+        c10d store): the Hub's sends every rank's commits to one committer on rank 0, started here."""
+        return self
+
+    def end_job(self) -> None:
+        """Rank 0, after every rank finished its part: the job's committer lands what it holds and stops."""
+        return None
 
 
 def open_output(out: str | os.PathLike) -> Output:
@@ -147,7 +170,7 @@ class LocalOutput(Output):
     def staging(self) -> Path:
         return self.path
 
-    def session(self, *, overwrite: bool) -> Session:
+    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
         return _LocalSession(self.path)
 
     def part(self, rank: int) -> Output:
@@ -232,7 +255,7 @@ class ObjectStoreOutput(Output):
     def staging(self) -> Path:
         return cache_dir(self.url, "outputs")
 
-    def session(self, *, overwrite: bool) -> Session:
+    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
         return _ObjectStoreSession(self, overwrite=overwrite)
 
     def part(self, rank: int) -> Output:
@@ -278,11 +301,16 @@ class ObjectStoreOutput(Output):
 LEDGER = ".lmprobe-uploaded.jsonl"
 
 
-def hub_commits_per_hour() -> float:
-    """The commits an hour all the writers of one repo make together, at most, in the rate's own hour
-    (storage/budget.py: ``LMPROBE_HUB_COMMITS_PER_HOUR``, default 100, at most 128; ``LMPROBE_HUB_HOUR_SECONDS``
-    for a test Hub's faster clock): commits a second hour are ``rate * 3600 / hour``."""
-    return commits_per_hour() * HOUR / hour_seconds()
+_WINDOWS: dict[tuple[str, str], CommitWindow] = {}
+
+
+def job_window(repo_id: str, revision: str) -> CommitWindow:
+    """The commit window of this process's job on a repo's branch: every commit this process makes to it (the
+    shards', the renames', the merge's) counts in one sliding hour (budget.py)."""
+    key = (repo_id, revision)
+    if key not in _WINDOWS:
+        _WINDOWS[key] = CommitWindow(commits_per_hour(), hour=hour_seconds())
+    return _WINDOWS[key]
 
 
 class _HubSession(Session):
@@ -290,18 +318,23 @@ class _HubSession(Session):
     its content is on the Hub, commits them in batches paced for the repo's commit rate (shared by the job's
     ranks), renames provisional files server-side, and commits the statistics, card and index last."""
 
-    def __init__(self, output: HubOutput, *, overwrite: bool):
+    def __init__(self, output: HubOutput, *, overwrite: bool, settings: dict | None = None):
         self.output = output
         self.local = output.staging()
-        if (self.local / INDEX_PATH).exists():
-            shutil.rmtree(self.local)  # a finished staging copy left by an earlier run: the repo decides
+        record = None
+        if (self.local / INDEX_PATH).exists():  # a run killed in its tail: the writer had closed
+            record = None if overwrite else _staged_record(self.local, settings)
+            if record is None:
+                shutil.rmtree(self.local)  # another extraction's, or one without hashes: the repo decides
+        self.finishing = record is not None
         self.local.mkdir(parents=True, exist_ok=True)
         self.ledger = self.local / LEDGER
-        config = PushConfig(max_in_flight=8, workers=4,
-                            min_commit_spacing=3600.0 * output.world / hub_commits_per_hour())
+        # one rank of a job hands its files' records to the job's committer (relay.py); one process commits itself
+        config = PushConfig(max_in_flight=8, workers=4)
         self.committer = HubCommitter(output.ref.repo_id, token=output.token, revision=output.ref.revision,
                                       config=config, label="extraction", on_uploaded=self._uploaded,
-                                      on_landed=self._landed, under=output.ref.path)
+                                      on_landed=self._landed, under=output.ref.path, send_to=output.relay,
+                                      window=job_window(output.ref.repo_id, output.ref.revision))
         output.prepare(self.committer)
         if overwrite:
             if output.holds(INDEX_PATH):  # the old index goes before any new shard: never old texts over new vectors
@@ -309,13 +342,47 @@ class _HubSession(Session):
             self.ledger.unlink(missing_ok=True)
         self.committer.start()
         self.renames: list[tuple[str, str]] = []
-        if not overwrite:
-            for e in _read_ledger(self.ledger):  # uploaded by a killed run, maybe not committed: by reference
-                if not (self.local / e["rel"]).exists():
-                    self.committer.add_uploaded(RepoFile(output.repo_path(e["rel"]), self.local / e["rel"],
-                                                         e["size"], e["sha256"]))
-            for f in sorted(self.local.glob("tensors/**/*.safetensors")):  # handed over by a killed run, not sent
-                self._submit(f.relative_to(self.local).as_posix())
+        self.remove: list[str] = []
+        # what a killed run left, before the reopened writer hands anything over: committed once it says what it
+        # recorded (resume)
+        self._staged = [] if overwrite or record is not None else \
+            [f.relative_to(self.local).as_posix() for f in sorted(self.local.glob("tensors/**/*.safetensors"))]
+        if record is not None:
+            self._resume_tail(record)
+
+    def resume(self, recorded: dict[str, tuple[int, str]]) -> None:
+        """What a killed run uploaded (the ledger) or handed over without sending (in the staging folder) is
+        committed when the reopened writer recorded it, with the same size and sha256; anything else is not
+        (a foreign file, a ledger line the writer never recorded: issue 44 item 4)."""
+        for e in _read_ledger(self.ledger):  # uploaded by a killed run, maybe not committed: by reference
+            if recorded.get(e["rel"]) == (e["size"], e["sha256"]) and not (self.local / e["rel"]).exists():
+                self.committer.add_uploaded(RepoFile(self.output.repo_path(e["rel"]), self.local / e["rel"],
+                                                     e["size"], e["sha256"]))
+        for rel in self._staged:  # handed over by a killed run, not sent
+            if rel in recorded:
+                self._submit(rel, recorded[rel][1])
+            else:
+                logger.warning(f"{self.output}: {self.local / rel} is not a file this extraction recorded; it is not "
+                               "uploaded")
+
+    def _resume_tail(self, record: dict[str, FileRecord]) -> None:
+        """Commit what the closed writer recorded (path, size, sha256) and nothing else: each file from its staged
+        copy, else by reference to its content on the Hub (uploaded, as the ledger says, or committed under a
+        provisional name); a provisional name committed before the kill goes with the final commit."""
+        uploaded = {(e["sha256"], e["size"]) for e in _read_ledger(self.ledger)}
+        on_hub = {v.partition(":")[2] for v in self.committer.remote.values() if v.startswith("sha256:")}
+        for f in record.values():
+            if (self.local / f.rel).is_file():
+                self._submit(f.rel, f.sha256)
+            elif f.sha256 in on_hub or (f.sha256, f.bytes) in uploaded:
+                self.committer.add_uploaded(RepoFile(self.output.repo_path(f.rel), self.local / f.rel, f.bytes,
+                                                     f.sha256))
+            else:
+                raise ExtractionError(f"{self.output}: {f.rel}, which an interrupted run wrote, is neither staged in "
+                                      f"{self.local} nor on the Hub; the repo changed since: re-run with --overwrite")
+        provisional = self.output.repo_path(PROVISIONAL_DIR)
+        if any(p.startswith(provisional + "/") for p in self.committer.remote):
+            self.remove.append(provisional)
 
     def writer_callbacks(self) -> dict[str, Any]:
         return {"on_file_complete": self._submit, "on_file_renamed": self._renamed}
@@ -347,7 +414,8 @@ class _HubSession(Session):
     def finish(self) -> Dataset:
         # one commit ends the part: what is uploaded, the provisional files renamed, the statistics, card and index
         last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in _final_files(self.local)]
-        self.committer.finish(last, moves=self.renames, message="lmprobe: add the last shards, statistics, card and index")
+        self.committer.finish(last, moves=self.renames, remove=self.remove,
+                              message="lmprobe: add the last shards, statistics, card and index")
         shutil.rmtree(self.local)
         return self.output.finished_or_raise()
 
@@ -373,6 +441,23 @@ def _read_ledger(path: Path) -> list[dict]:
     return out
 
 
+def _staged_record(local: Path, settings: dict | None) -> dict[str, FileRecord] | None:
+    """The files a closed writer recorded in the staged index (path -> size and sha256), when the index is sound,
+    records ``settings`` and hashes every file; else None (the staging copy cannot be finished by reference)."""
+    try:
+        ds = open_local(local)
+        extraction = ds.info.get("extraction")
+        recorded = extraction.get("settings") if isinstance(extraction, dict) else None
+        files = ds.meta.files()
+    except (LmprobeError, OSError):
+        return None
+    if settings is None or not isinstance(recorded, dict) or not same_extraction(recorded, settings):
+        return None
+    if not all(f.sha256 and isinstance(f.bytes, int) for f in files):
+        return None
+    return {f.rel: f for f in files}
+
+
 def _final_files(local: Path) -> list[str]:
     """The files a finished writer leaves for last: the statistics, then the card, then the index."""
     stats = sorted(p.relative_to(local).as_posix() for p in (local / "tensors").glob("statistics*.safetensors")) \
@@ -385,11 +470,12 @@ class HubOutput(Output):
     computes; the parts of a multi-process job are folders ``.lmprobe-parts/part-NNNNN`` of the same branch,
     merged by server-side copies (no byte is sent again) and removed."""
 
-    def __init__(self, ref: HubRef, *, token: str | bool | None = None, world: int = 1):
+    def __init__(self, ref: HubRef, *, token: str | bool | None = None, relay: Relay | None = None):
         self.ref = ref
         self.url = str(ref)
         self.token = token
-        self.world = world
+        self.relay = relay  # a rank of a job: its files are committed by the job's committer (relay.py)
+        self.job: HubCommitter | None = None  # rank 0 of a job: that committer
 
     @classmethod
     def parse(cls, url: str) -> HubOutput:
@@ -431,11 +517,16 @@ class HubOutput(Output):
 
         ops = [CommitOperationDelete(path_in_repo=self.repo_path(r) + ("/" if folder else ""), is_folder=folder)
                for r in rels]
+        committer.take_turn()
         committer.call(f"{why} in {self}", lambda: committer.api.create_commit(
             self.ref.repo_id, ops, repo_type="dataset", revision=self.ref.revision, commit_message=f"lmprobe: {why}"))
 
     def staging(self) -> Path:
-        return cache_dir(self.url, "outputs")
+        from huggingface_hub import constants
+
+        # keyed by the endpoint too: a run killed against one Hub leaves nothing that the same command against
+        # another would take for its own (an upload ledger naming objects that Hub never had)
+        return cache_dir(f"{constants.ENDPOINT} {self.url}", "outputs")
 
     def prepare(self, committer: HubCommitter) -> None:
         """The repo and the branch, created when missing."""
@@ -445,15 +536,28 @@ class HubOutput(Output):
             committer.call(f"creating the branch {self.ref.revision}", lambda: committer.api.create_branch(
                 self.ref.repo_id, repo_type="dataset", branch=self.ref.revision, exist_ok=True))
 
-    def session(self, *, overwrite: bool) -> Session:
-        return _HubSession(self, overwrite=overwrite)
+    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
+        return _HubSession(self, overwrite=overwrite, settings=settings)
 
     def part(self, rank: int) -> Output:
         return HubOutput(HubRef(self.ref.repo_id, "dataset", self.ref.revision,
-                                self.repo_path(f"{PARTS_DIR}/{part_name(rank)}")), token=self.token, world=self.world)
+                                self.repo_path(f"{PARTS_DIR}/{part_name(rank)}")), token=self.token, relay=self.relay)
 
-    def for_world(self, world: int) -> Output:
-        return HubOutput(self.ref, token=self.token, world=world)
+    def start_job(self, store: Any, *, rank: int, world: int) -> Output:
+        out = HubOutput(self.ref, token=self.token, relay=StoreRelay(store, rank=rank, world=world))
+        if rank == 0:  # the job's one committer: every rank's files, within one commit window (budget.py)
+            out.job = HubCommitter(self.ref.repo_id, token=self.token, revision=self.ref.revision,
+                                   label=f"extraction (rank 0 for the job's {world} ranks)",
+                                   under=self.repo_path(PARTS_DIR), commit_for=StoreRelay(store, rank=0, world=world),
+                                   window=job_window(self.ref.repo_id, self.ref.revision))
+            self.prepare(out.job)
+            out.job.start()
+        return out
+
+    def end_job(self) -> None:
+        if self.job is not None:
+            self.job.finish()
+            self.job = None
 
     def merge(self, parts: list[Output], *, settings: dict, order: str, quiet: bool) -> Dataset:
         import tempfile
@@ -463,9 +567,8 @@ class HubOutput(Output):
         if len(hubs) != len(parts):
             raise InvalidArgumentError("Hub parts merge into the branch of their own repo only")
         dss = [p.finished_or_raise() for p in hubs]
-        config = PushConfig(min_commit_spacing=3600.0 / hub_commits_per_hour())
-        committer = HubCommitter(self.ref.repo_id, token=self.token, revision=self.ref.revision, config=config,
-                                 label="merge", under=self.ref.path)
+        committer = HubCommitter(self.ref.repo_id, token=self.token, revision=self.ref.revision, label="merge",
+                                 under=self.ref.path, window=job_window(self.ref.repo_id, self.ref.revision))
         self.prepare(committer)
         if self.holds(INDEX_PATH):  # the index goes first: a half-merged repo never looks complete
             self.delete([INDEX_PATH], committer, "remove the index before a merge")

@@ -127,7 +127,9 @@ def _extract(job: Job, output: Output) -> Dataset:
     """Extract into ``output``: the writer writes in its staging folder while its session takes finished files."""
     cfg, settings = job.config, job.settings
     out = output.staging()
-    session = output.session(overwrite=cfg.overwrite)
+    session = output.session(overwrite=cfg.overwrite, settings=settings)
+    if session.finishing:  # killed in its tail: what the closed writer recorded is staged or on the Hub
+        return session.finish()
     try:
         dataset_spec = DatasetSpec(  # what the dataset will hold; the writer's keywords below are this run's
             layers=settings["layers"],
@@ -170,6 +172,8 @@ def _extract(job: Job, output: Output) -> Dataset:
         session.abort()
         raise
     try:
+        if not cfg.overwrite:
+            session.resume(writer.recorded_files())
         _announce(job, writer, out, local=output.local)
         if job.corpus is not None:
             run_corpus(writer, job)
@@ -196,6 +200,8 @@ def _extract_parallel(job: Job, output: Output, rank: int, world: int) -> Datase
     import torch.distributed as dist
 
     cfg = job.config  # the rank's GPU (or, with --device-map, its group of GPUs) was chosen in prepare: placement.py
+    # the Hub's: every rank uploads its own files, rank 0 commits them all (one commit budget for the job)
+    output = output.start_job(dist.distributed_c10d._get_default_store(), rank=rank, world=world)
     part = output.part(rank)
     if job.prompts is not None:
         what = {"prompts_sha256": job.prompts.fingerprint(), "num_prompts": len(job.prompts)}
@@ -213,6 +219,7 @@ def _extract_parallel(job: Job, output: Output, rank: int, world: int) -> Datase
             pass
     dist.barrier()
     if rank == 0:
+        output.end_job()
         output.merge([output.part(r) for r in range(world)], settings=job.settings,
                      order="documents" if job.corpus is not None else "positions", quiet=cfg.quiet)
     dist.barrier()

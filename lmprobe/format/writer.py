@@ -525,6 +525,13 @@ class DatasetWriter:
                         move_into_place(src, self.out_dir / f["provisional"])
                         self._hand_over(f["provisional"], f.get("sha256"))
 
+    def recorded_files(self) -> dict[str, tuple[int, str]]:
+        """The closed files this writer recorded with their hash: path (a sequence shard's provisional path) ->
+        (bytes, sha256). What a remote output may commit for it, and nothing else."""
+        return {(provisional_name(f["staging"]) if s is self._seq else self._final_name(s.name, slot, shard)):
+                (f["bytes"], f["sha256"]) for s in self._series() for shard, d in enumerate(s.closed)
+                for slot, f in d["files"].items() if "sha256" in f}
+
     def close(self) -> Path:
         """Finish every shard, write the card and, last, the index. Returns the dataset folder."""
         if self._closed:

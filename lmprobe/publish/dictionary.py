@@ -8,7 +8,7 @@ from pathlib import Path
 from ..base.display import hide_credentials
 from ..errors import DictionaryError
 from ..sae.loader import validate_dictionary
-from ..storage.commits import DEFAULT_COMMIT_FILES, HubCommitter, PushConfig, RepoFile
+from ..storage.commits import HubCommitter, PushConfig, RepoFile
 from ..storage.hub import check_repo_id
 
 
@@ -27,7 +27,7 @@ def dictionary_files(root: str | os.PathLike, name: str, prefix: str | None = No
 
 def push_dictionary(root: str | os.PathLike, name: str, repo_id: str, *, private: bool = False,
                     revision: str | None = None, token: str | None = None, repo_type: str = "model",
-                    prefix: str | None = None, commit_files: int = DEFAULT_COMMIT_FILES, max_retries: int = 5,
+                    prefix: str | None = None, commit_files: int | None = None, max_retries: int = 5,
                     base_wait: float = 2.0, quiet: bool = False) -> str:
     """Upload a validated dictionary; layer files in bounded commits, meta.json last. Resumable.
 

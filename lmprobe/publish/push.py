@@ -12,7 +12,7 @@ from ..base.progress import logger
 from ..errors import DatasetNotFoundError, OutputInUseError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
-from ..storage.commits import DEFAULT_COMMIT_BYTES, DEFAULT_COMMIT_FILES, HubCommitter, PushConfig, RepoFile
+from ..storage.commits import DEFAULT_COMMIT_BYTES, HubCommitter, PushConfig, RepoFile
 from ..storage.hub import check_repo_id
 from .attachments import (
     SAE_DIR,
@@ -38,7 +38,7 @@ def push_to_hub(
     private: bool = False,
     revision: str | None = None,
     token: str | None = None,
-    commit_files: int = DEFAULT_COMMIT_FILES,
+    commit_files: int | None = None,
     commit_bytes: int = DEFAULT_COMMIT_BYTES,
     max_retries: int = 5,
     base_wait: float = 2.0,
@@ -56,8 +56,9 @@ def push_to_hub(
 
     >>> lmprobe.push_to_hub("out/tiny-demo", "me/tiny-demo-acts")  # doctest: +SKIP
 
-    Files upload ``workers`` at a time while earlier ones are committed, in commits of at most
-    ``commit_files`` files; answers of the Hub's rate limits (429) are waited out for up to
+    Files upload ``workers`` at a time while earlier ones are committed, in commits that grow along
+    huggingface_hub's ladder (250 files first, up to 1,000, or at most ``commit_files``), at most
+    ``LMPROBE_HUB_COMMITS_PER_HOUR`` (100) in any hour; answers of the Hub's rate limits (429) are waited out for up to
     ``commit_deadline`` seconds. Safe to re-run: an interrupted push resumes, and files already on
     the Hub are skipped.
     The token (``token=``, else HF_TOKEN or the saved login) is never printed or stored.

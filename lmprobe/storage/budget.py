@@ -51,16 +51,19 @@ def commits_per_hour() -> float:
 
 
 def hour_seconds() -> float:
-    """The length of the rate's hour in seconds: 3600, or ``LMPROBE_HUB_HOUR_SECONDS`` for a test Hub whose
-    clock runs faster (the tests' local server counts its limit in the same scaled hour)."""
+    """Seconds in the Hub's hour (``LMPROBE_HUB_HOUR_SECONDS``, default 3600): a test knob only. Tests and
+    benchmarks against the local Hub test server, which enforces its commit rate on a scaled clock (128 commits
+    an "hour" of 60 s), scale the committer's clock the same way: the window, the wait for a fuller commit and
+    what counts as a fast commit."""
     raw = os.environ.get("LMPROBE_HUB_HOUR_SECONDS", str(HOUR))
     try:
-        value = float(raw)
+        hour = float(raw)
     except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise InvalidArgumentError(f"LMPROBE_HUB_HOUR_SECONDS={raw!r}: give a number of seconds above 0")
-    return value
+        hour = -1.0
+    if not 0 < hour <= HOUR:
+        raise InvalidArgumentError(f"LMPROBE_HUB_HOUR_SECONDS={raw!r}: a test knob, the seconds of the Hub's hour on a "
+                                   f"scaled clock: give a number above 0 and at most {HOUR:g}")
+    return hour
 
 
 def next_commit_files(current: int, *, seconds: float | None) -> int:
@@ -113,6 +116,20 @@ class CommitWindow:
     def record(self, now: float) -> None:
         """A commit started at ``now``."""
         self.starts.append(now)
+
+    def landed(self, started: float, now: float) -> None:
+        """The commit that started at ``started`` was answered at ``now``: it counts from then on. The Hub counts a
+        commit when it gets it, some time after the client started it; counting from the answer keeps a client
+        that waits out its window from ever being refused.
+
+        >>> w = CommitWindow(per_hour=1)
+        >>> w.record(0.0), w.landed(0.0, 2.0), w.wait(1.0)
+        (None, None, 3601.0)
+        """
+        if started in self.starts:
+            self.starts.remove(started)
+        self.starts.append(now)
+        self.starts = deque(sorted(self.starts))
 
 
 def tail_seconds(commits: int, *, earlier: int, per_hour: float, commit_seconds: float) -> float:
