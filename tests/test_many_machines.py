@@ -253,7 +253,8 @@ def test_one_process_commits_for_all_ranks_within_the_hubs_rate(hub, llama_dir, 
     merge = [s for s in summaries if "merge" in s or "rename" in s]
     assert refused == 0 and len(ours) + len(merge) == len(summaries), summaries
     shards = [p for p in _hub_tree(hub, name) if p.endswith(".safetensors")]
-    assert len(shards) > 100 and len(summaries) <= 8, (len(shards), summaries)
+    # (ranks waiting for their last files to land make a partial commit or two beside the ladder's)
+    assert len(shards) > 100 and len(summaries) <= 10, (len(shards), "\n".join(summaries))
     assert lmprobe.load(f"hf://datasets/user/{name}").num_prompts == len(MANY)
 
 
@@ -280,3 +281,24 @@ def test_two_nodes_killed_in_their_commit_tail_finish_on_the_same_command(hub, f
     shards = len(list((tmp_path / "one" / "tensors").glob("*.safetensors")))
     assert again < shards // 2, (again, shards)  # what went up before the kill did not go up again
     assert not [p for p in _hub_tree(hub, name) if ".lmprobe-parts" in p or ".provisional" in p]
+
+
+def test_a_jobs_sequence_shards_are_copied_once_by_the_merge_not_renamed_in_the_tail(hub, fast_commits, llama_dir,
+                                                                                     tmp_path):
+    """Issue 43, point 3: a rank's sequence shards go up under provisional names (their numbers are known at the
+    end); the merge copies them straight to their place in the dataset. No part renames its shards before (a copy
+    and a delete each: at W1's size ~24 more commits in the tail), so no file leaves the repo before the merge's
+    commit, which removes the parts' folder."""
+    f = _prompts(tmp_path)
+    single = _single(str(llama_dir), f, out=tmp_path / "one", layers="1", storage="full_sequence", batch_size=1,
+                     shard_size="2KB")
+    name = f"no-renames-{uuid.uuid4().hex[:6]}"
+    argv = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", f"hf://datasets/user/{name}",
+            "--layers", "1", "--storage", "full_sequence", "--batch-size", "1", "--shard-size", "2KB",
+            "--checkpoint-interval", "0", "--quiet"]
+    run(tmp_path, argv)
+    _same_rows(single, lmprobe.load(f"hf://datasets/user/{name}"), (1,), full=True)
+    trees = list(hub.state.repos[("dataset", f"user/{name}")].commits.values())
+    removed = [sorted(set(a) - set(b)) for a, b in zip(trees, trees[1:], strict=False)]
+    assert not [r for r in removed[:-1] if r], [r[:3] for r in removed if r]
+    assert any(".provisional" in p for p in removed[-1])

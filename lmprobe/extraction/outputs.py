@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from ..base.atomic import move_into_place
+from ..base.atomic import atomic_write, move_into_place
 from ..base.hashing import sha256_file
 from ..base.lock import OutputLock
 from ..base.paths import check_output_path, check_relpath
@@ -381,8 +381,8 @@ class _HubSession(Session):
                 raise ExtractionError(f"{self.output}: {f.rel}, which an interrupted run wrote, is neither staged in "
                                       f"{self.local} nor on the Hub; the repo changed since: re-run with --overwrite")
         provisional = self.output.repo_path(PROVISIONAL_DIR)
-        if any(p.startswith(provisional + "/") for p in self.committer.remote):
-            self.remove.append(provisional)
+        if self.output.relay is None and any(p.startswith(provisional + "/") for p in self.committer.remote):
+            self.remove.append(provisional)  # (a job's part: the merge removes the parts' folder, provisional names too)
 
     def writer_callbacks(self) -> dict[str, Any]:
         return {"on_file_complete": self._submit, "on_file_renamed": self._renamed}
@@ -409,12 +409,20 @@ class _HubSession(Session):
                 f.local.unlink(missing_ok=True)
 
     def _renamed(self, old: str, new: str) -> None:
-        self.renames.append((self.output.repo_path(old), self.output.repo_path(new)))
+        self.renames.append((old, new))
 
     def finish(self) -> Dataset:
         # one commit ends the part: what is uploaded, the provisional files renamed, the statistics, card and index
         last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in _final_files(self.local)]
-        self.committer.finish(last, moves=self.renames, remove=self.remove,
+        moves = [(self.output.repo_path(old), self.output.repo_path(new)) for old, new in self.renames]
+        if self.output.relay is not None and self.renames:
+            # a job's part: its sequence shards stay under their provisional names, which a small file maps to the
+            # part's own names; the merge copies each straight to its place in the dataset (one copy a shard, in the
+            # merge's commits, instead of a copy and a delete in the job's tail first)
+            atomic_write(self.local / RENAMES, json.dumps({new: old for old, new in self.renames}).encode())
+            last.insert(0, RepoFile(self.output.repo_path(RENAMES), self.local / RENAMES))
+            moves = []
+        self.committer.finish(last, moves=moves, remove=self.remove,
                               message="lmprobe: add the last shards, statistics, card and index")
         shutil.rmtree(self.local)
         return self.output.finished_or_raise()
@@ -456,6 +464,36 @@ def _staged_record(local: Path, settings: dict | None) -> dict[str, FileRecord] 
     if not all(f.sha256 and isinstance(f.bytes, int) for f in files):
         return None
     return {f.rel: f for f in files}
+
+
+#: a job's part on the Hub: its sequence shards' provisional names, by the names its index gives them (the merge
+#: copies each from where it is)
+RENAMES = ".lmprobe-renames.json"
+MAX_RENAMES_BYTES = 64 * 2**20
+
+
+def _part_renames(ds: Dataset) -> dict[str, str]:
+    """A part's map of shard names to the provisional names its shards are under ({} when it has none); untrusted:
+    each path checked, the file's size bounded."""
+    try:
+        path = ds.files.fetch(RENAMES, what="the part's renames")
+    except (LmprobeError, OSError):
+        return {}
+    if not path.is_file():
+        return {}
+    if path.stat().st_size > MAX_RENAMES_BYTES:
+        raise ExtractionError(f"{ds.source}: {RENAMES} is larger than {MAX_RENAMES_BYTES} bytes; re-run with "
+                              "--overwrite")
+    found = loads(path.read_text(), what=f"{ds.source}/{RENAMES}")
+    if not isinstance(found, dict):
+        raise ExtractionError(f"{ds.source}/{RENAMES} is not a map of names; re-run with --overwrite")
+    for new, old in found.items():
+        check_relpath(new, "a renamed shard")
+        check_relpath(old, "a provisional shard")
+        if not old.startswith(PROVISIONAL_DIR + "/"):
+            raise ExtractionError(f"{ds.source}/{RENAMES} names {old!r}, not a provisional shard; re-run with "
+                                  "--overwrite")
+    return found
 
 
 def _final_files(local: Path) -> list[str]:
@@ -579,7 +617,9 @@ class HubOutput(Output):
             last = [RepoFile(self.repo_path(rel), local / rel) for rel in merge.finish(dss, local)]
             # one commit: server-side copies out of the parts' folders (nothing is sent, nothing comes back), the
             # statistics, card and index, and the parts' folder removed
-            committer.finish(last, moves=[(hubs[k].repo_path(src), self.repo_path(dst)) for k, src, dst in merge.moves],
+            renamed = [_part_renames(ds) for ds in dss]
+            committer.finish(last, moves=[(hubs[k].repo_path(renamed[k].get(src, src)), self.repo_path(dst))
+                                          for k, src, dst in merge.moves],
                              remove=[self.repo_path(PARTS_DIR)], message="lmprobe: merge the parts")
         finally:
             shutil.rmtree(local, ignore_errors=True)
