@@ -40,7 +40,7 @@ from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..format.writer import PROVISIONAL_DIR
 from ..opening import open_hub, open_object_store
-from ..storage.budget import CommitWindow, commits_per_hour, hour_seconds
+from ..storage.budget import CommitWindow, commits_per_hour, hour_seconds, in_flight_files
 from ..storage.commits import HubCommitter, PushConfig, RepoFile
 from ..storage.hub import HubRef, hub_api, parse_hf_url
 from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
@@ -99,7 +99,7 @@ class Output(ABC):
         """The local folder the writer writes in."""
 
     @abstractmethod
-    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
+    def session(self, *, overwrite: bool, settings: dict | None = None, shard_bytes: int | None = None) -> Session:
         """Start writing (``overwrite``: what an earlier run left is replaced, never resumed; ``settings``: the
         extraction's, which a finished staging copy left by a killed run must record to be resumed)."""
 
@@ -170,7 +170,7 @@ class LocalOutput(Output):
     def staging(self) -> Path:
         return self.path
 
-    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
+    def session(self, *, overwrite: bool, settings: dict | None = None, shard_bytes: int | None = None) -> Session:
         return _LocalSession(self.path)
 
     def part(self, rank: int) -> Output:
@@ -255,7 +255,7 @@ class ObjectStoreOutput(Output):
     def staging(self) -> Path:
         return cache_dir(self.url, "outputs")
 
-    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
+    def session(self, *, overwrite: bool, settings: dict | None = None, shard_bytes: int | None = None) -> Session:
         return _ObjectStoreSession(self, overwrite=overwrite)
 
     def part(self, rank: int) -> Output:
@@ -318,7 +318,8 @@ class _HubSession(Session):
     its content is on the Hub, commits them in batches paced for the repo's commit rate (shared by the job's
     ranks), renames provisional files server-side, and commits the statistics, card and index last."""
 
-    def __init__(self, output: HubOutput, *, overwrite: bool, settings: dict | None = None):
+    def __init__(self, output: HubOutput, *, overwrite: bool, settings: dict | None = None,
+                 shard_bytes: int | None = None):
         self.output = output
         self.local = output.staging()
         record = None
@@ -330,7 +331,8 @@ class _HubSession(Session):
         self.local.mkdir(parents=True, exist_ok=True)
         self.ledger = self.local / LEDGER
         # one rank of a job hands its files' records to the job's committer (relay.py); one process commits itself
-        config = PushConfig(max_in_flight=8, workers=4)
+        # what waits on this node's disk for its upload: a few shards, whatever the dataset's size (budget.py)
+        config = PushConfig(max_in_flight=in_flight_files(shard_bytes), workers=4)
         self.committer = HubCommitter(output.ref.repo_id, token=output.token, revision=output.ref.revision,
                                       config=config, label="extraction", on_uploaded=self._uploaded,
                                       on_landed=self._landed, under=output.ref.path, send_to=output.relay,
@@ -574,8 +576,8 @@ class HubOutput(Output):
             committer.call(f"creating the branch {self.ref.revision}", lambda: committer.api.create_branch(
                 self.ref.repo_id, repo_type="dataset", branch=self.ref.revision, exist_ok=True))
 
-    def session(self, *, overwrite: bool, settings: dict | None = None) -> Session:
-        return _HubSession(self, overwrite=overwrite, settings=settings)
+    def session(self, *, overwrite: bool, settings: dict | None = None, shard_bytes: int | None = None) -> Session:
+        return _HubSession(self, overwrite=overwrite, settings=settings, shard_bytes=shard_bytes)
 
     def part(self, rank: int) -> Output:
         return HubOutput(HubRef(self.ref.repo_id, "dataset", self.ref.revision,

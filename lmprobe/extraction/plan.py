@@ -27,7 +27,7 @@ from typing import Any, Literal
 from ..base.units import format_size
 from ..format.index import INDEX_BYTES_PER_ROW, INDEX_BYTES_PER_TOKEN, INDEX_BYTES_PER_TOKEN_WITH_IDS
 from ..format.spec import HUB_FOLDER_ENTRIES, HUB_REPO_FILES, MAX_SHARD_SIZE, NESTED_FROM_SHARDS
-from ..storage.budget import MAX_COMMIT_FILES, commits_for, tail_seconds
+from ..storage.budget import MAX_COMMIT_FILES, commits_for, in_flight_files, tail_seconds
 
 GiB = 1024**3
 DEFAULT_SHARD_BYTES = GiB
@@ -53,8 +53,8 @@ INDEX_FIXED_BYTES = 12 * 1024
 #: every shard (its rows, tokens, bytes, checksum)
 INDEX_BYTES_PER_SHARD = 300
 
-#: files a rank has in flight to the Hub or a bucket (written, not yet uploaded), besides the shards it is filling
-IN_FLIGHT_FILES = 8
+#: closed shards a writer keeps until its next checkpoint hands them over (format/writer.py)
+HANDED_OVER_AT_CHECKPOINT = 2
 #: an upload's speed from one rank, bytes a second (a cloud GPU node reaches 1-10 GB/s over its ranks)
 UPLOAD_BYTES_PER_SECOND = 100 * 10**6
 #: seconds one commit takes at the Hub, copies and by-reference additions of up to 1,000 files included
@@ -166,6 +166,11 @@ class JobPlan:
         return "\n".join(lines)
 
 
+def _gb(n: int) -> str:
+    """A GPU's memory as its maker states it (80 GB)."""
+    return f"{n / 10**9:.0f} GB"
+
+
 def _duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
@@ -196,11 +201,11 @@ def place_model(model_bytes: int, cluster: Cluster | None, *, world: int = 1) ->
             ranks = max(1, cluster.gpus // g)
             if g == 1:
                 return ranks, 1, f"{size}, one GPU a rank, {ranks} rank{'s' if ranks != 1 else ''}", None
-            return ranks, g, (f"{size} > {GPU_WEIGHT_SHARE:.0%} of one {format_size(cluster.gpu_memory)} GPU: spread "
+            return ranks, g, (f"{size} > {GPU_WEIGHT_SHARE:.0%} of one {_gb(cluster.gpu_memory)} GPU: spread "
                               f"over {g} GPUs a rank (--device-map auto), {node // g} rank(s) a node, {ranks} "
                               f"ranks: torchrun --nnodes {cluster.nodes} --nproc_per_node {node // g}"), None
     why = (f"the model's weights ({size}) do not fit the {node} GPU(s) of a node ({node} x "
-           f"{format_size(cluster.gpu_memory)}, {GPU_WEIGHT_SHARE:.0%} of each for weights); use GPUs with more "
+           f"{_gb(cluster.gpu_memory)}, {GPU_WEIGHT_SHARE:.0%} of each for weights); use GPUs with more "
            "memory (--gpu-memory), more GPUs a node (--gpus-per-node), or a smaller --compute-dtype")
     return 0, node, f"{size}, does not fit a node", why
 
@@ -344,7 +349,9 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
     if kind == "local":
         staging = dataset  # the output is the staging: every node writes its part into it (a shared disk)
     else:
-        per_rank = (sites_open + IN_FLIGHT_FILES) * f.largest_shard + per_rank_index
+        # the shards a rank fills, up to 2 closed ones waiting for the checkpoint that hands them over, the ones
+        # uploading (commits.py, budget.in_flight_files), and its share of the index, staged until the end
+        per_rank = (sites_open + HANDED_OVER_AT_CHECKPOINT + in_flight_files(size)) * f.largest_shard + per_rank_index
         staging = min(dataset // max(1, -(-ranks // ranks_per_node)), per_rank * ranks_per_node) \
             if ranks > 1 else min(dataset, per_rank)
     commits = tail = 0

@@ -127,7 +127,7 @@ def _extract(job: Job, output: Output) -> Dataset:
     """Extract into ``output``: the writer writes in its staging folder while its session takes finished files."""
     cfg, settings = job.config, job.settings
     out = output.staging()
-    session = output.session(overwrite=cfg.overwrite, settings=settings)
+    session = output.session(overwrite=cfg.overwrite, settings=settings, shard_bytes=job.shard_bytes)
     if session.finishing:  # killed in its tail: what the closed writer recorded is staged or on the Hub
         return session.finish()
     try:

@@ -35,6 +35,9 @@ FAST_COMMIT_SECONDS = 40.0
 HUB_COMMITS_PER_HOUR = 128
 DEFAULT_COMMITS_PER_HOUR = 100
 HOUR = 3600.0
+#: closed shards a rank holds on its disk while they upload, at most (in_flight_files)
+MAX_IN_FLIGHT_FILES = 8
+IN_FLIGHT_BYTES = 16 * 1024**3
 
 
 def commits_per_hour() -> float:
@@ -64,6 +67,18 @@ def hour_seconds() -> float:
         raise InvalidArgumentError(f"LMPROBE_HUB_HOUR_SECONDS={raw!r}: a test knob, the seconds of the Hub's hour on a "
                                    f"scaled clock: give a number above 0 and at most {HOUR:g}")
     return hour
+
+
+def in_flight_files(shard_bytes: int | None) -> int:
+    """Closed shards a rank may hold on its disk while they upload: 8, fewer for large shards (at most 16 GiB
+    of them, at least 2), so that a node's staging stays a few shards per rank whatever the dataset's size.
+
+    >>> in_flight_files(None), in_flight_files(2**30), in_flight_files(4 * 2**30), in_flight_files(16 * 2**30)
+    (8, 8, 4, 2)
+    """
+    if not shard_bytes:
+        return MAX_IN_FLIGHT_FILES
+    return max(2, min(MAX_IN_FLIGHT_FILES, IN_FLIGHT_BYTES // shard_bytes))
 
 
 def next_commit_files(current: int, *, seconds: float | None) -> int:
