@@ -70,8 +70,9 @@ class Session(ABC):
         return None
 
     @abstractmethod
-    def finish(self) -> Dataset:
-        """After the writer closed: everything in place (the index last); the dataset, opened."""
+    def finish(self) -> Dataset | None:
+        """After the writer closed: everything in place (the index last); the dataset, opened (None: a part of a job
+        whose last files the job's committer commits when the job ends)."""
 
     @abstractmethod
     def abort(self) -> None:
@@ -114,6 +115,10 @@ class Output(ABC):
     @property
     def local(self) -> bool:
         return False
+
+    def release_staging(self) -> None:
+        """The job is complete: what this output kept on this machine for a re-run may go (nothing by default)."""
+        return None
 
     def for_world(self, world: int) -> Output:
         """This output for a job of ``world`` processes."""
@@ -424,6 +429,11 @@ class _HubSession(Session):
             atomic_write(self.local / RENAMES, json.dumps({new: old for old, new in self.renames}).encode())
             last.insert(0, RepoFile(self.output.repo_path(RENAMES), self.local / RENAMES))
             moves = []
+        if self.output.relay is not None:
+            # a job's part: handed over, committed with the other ranks' last groups when the job ends (its staging
+            # stays until then: a kill before that commit finishes from it)
+            self.committer.finish(last, moves=moves, remove=self.remove, wait=False)
+            return None
         self.committer.finish(last, moves=moves, remove=self.remove,
                               message="lmprobe: add the last shards, statistics, card and index")
         shutil.rmtree(self.local)
@@ -595,9 +605,14 @@ class HubOutput(Output):
         return out
 
     def end_job(self) -> None:
+        """Rank 0: commit what the ranks handed over and not yet committed (their last groups together)."""
         if self.job is not None:
             self.job.finish()
             self.job = None
+
+    def release_staging(self) -> None:
+        """The job is complete: this part's staging is not needed any more."""
+        shutil.rmtree(self.staging(), ignore_errors=True)
 
     def merge(self, parts: list[Output], *, settings: dict, order: str, quiet: bool) -> Dataset:
         import tempfile

@@ -123,7 +123,7 @@ def _recorded_settings(ds: Dataset) -> dict:
     return recorded if isinstance(recorded, dict) else {}
 
 
-def _extract(job: Job, output: Output) -> Dataset:
+def _extract(job: Job, output: Output) -> Dataset | None:
     """Extract into ``output``: the writer writes in its staging folder while its session takes finished files."""
     cfg, settings = job.config, job.settings
     out = output.staging()
@@ -184,8 +184,8 @@ def _extract(job: Job, output: Output) -> Dataset:
         session.abort()
         raise
     writer.close()
-    ds = session.finish()
-    if not output.local and not cfg.quiet:
+    ds = session.finish()  # None: a job's part, committed with the others' when the job ends
+    if ds is not None and not output.local and not cfg.quiet:
         logger.info(f"uploaded the dataset to {output}")
     return ds
 
@@ -223,6 +223,7 @@ def _extract_parallel(job: Job, output: Output, rank: int, world: int) -> Datase
         output.merge([output.part(r) for r in range(world)], settings=job.settings,
                      order="documents" if job.corpus is not None else "positions", quiet=cfg.quiet)
     dist.barrier()
+    part.release_staging()  # (a Hub part's staging stays until its last files are committed: a kill before resumes)
     ds = output.finished()
     if ds is None:  # pragma: no cover - rank 0 merged before the barrier
         raise ExtractionError(f"{output} holds no dataset after the merge")

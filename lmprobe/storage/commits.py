@@ -274,6 +274,7 @@ class HubCommitter:
         self.send_to, self.commit_for = send_to, commit_for
         self._sent: list[_Item | str] = []  # sender: the groups sent, in order ("flush", "last": no file of its own)
         self._send_lock = threading.Lock()
+        self._receive_lock = threading.Lock()
         self._receiver: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._committer: threading.Thread | None = None
@@ -479,7 +480,7 @@ class HubCommitter:
                 s.flushing -= 1
 
     def finish(self, last: Sequence[RepoFile] = (), *, message: str | None = None,
-               moves: Sequence[tuple[str, str]] = (), remove: Sequence[str] = ()) -> PushResult:
+               moves: Sequence[tuple[str, str]] = (), remove: Sequence[str] = (), wait: bool = True) -> PushResult:
         """Commit what is uploaded, ``last`` (the entry point: index and card), the renames ``moves`` (server-side)
         and the removal of the folders ``remove`` in one final commit; stop the threads.
 
@@ -487,11 +488,18 @@ class HubCommitter:
         rate); renames past one commit's worth (``RENAMES_PER_COMMIT``) go in commits of their own first. Files of
         ``last`` already on the Hub with the same content are skipped; nothing is committed when nothing is
         left to do. Returns what the push did.
+
+        A sender (one rank of a job, ``send_to``) hands its last group to the job's committer; with ``wait=False``
+        it returns once every file is uploaded and handed over, without asking for a commit now or waiting for it
+        to land: the job's committer commits the ranks' last groups together when the job ends (``finish`` on
+        rank 0), instead of a commit or two a rank as each one ends at its own time in the job's tail.
         """
         if self._pool is None:
             self.start()
         if self.send_to is not None:
-            return self._finish_sent(last, moves, remove)
+            return self._finish_sent(last, moves, remove, wait=wait)
+        if self.commit_for is not None:  # the job's end: every group the ranks handed over before it is taken
+            self._receive_once()
         with self._s.cv:  # a file of ``last`` added already (a writer handed it over) goes with those added
             last = [f for f in last if f.rel not in self._s.pending]
         for f in last:
@@ -568,9 +576,10 @@ class HubCommitter:
                         s.cv.notify_all()
 
     def _finish_sent(self, last: Sequence[RepoFile], moves: Sequence[tuple[str, str]],
-                     remove: Sequence[str]) -> PushResult:
+                     remove: Sequence[str], *, wait: bool = True) -> PushResult:
         """A sender's end: once its files landed, ``last``, the renames and the removals go to the job's committer as
-        one group (committed whole), and this returns once that landed."""
+        one group (committed whole), and this returns once that landed; ``wait=False``: once they are handed over
+        (every file before them, in order: the group is never committed before them)."""
         s = self._s
         with s.cv:
             last = [f for f in last if f.rel not in s.pending]
@@ -581,12 +590,13 @@ class HubCommitter:
             pool = self._pool
             assert pool is not None
             uploads = [pool.submit(self._upload_one, it) for it in final]
-            with s.cv:  # the job's committer is told to commit this rank's files without waiting for more
+            with s.cv:  # every file of this rank uploaded and handed over
                 while s.uploading and s.error is None:
                     s.cv.wait(0.5)
             self._raise_error()
-            self._send("flush", {"flush": True})
-            self._hold()
+            if wait:  # the job's committer is told to commit this rank's files without waiting for more
+                self._send("flush", {"flush": True})
+                self._hold()
             final = [it for it, fut in zip(final, uploads, strict=True) if fut.result()]
             self._raise_error()
             todo = self._moves_to_make(moves)
@@ -594,9 +604,9 @@ class HubCommitter:
                 with s.cv:
                     s.pending[""] = _Item(RepoFile("", Path()))  # the last group, until it landed
                 self._send("last", {"files": [self._record(it) for it in final], "moves": [list(m) for m in todo],
-                                  "remove": [r.rstrip("/") for r in remove], "last": True})
+                                  "remove": [r.rstrip("/") for r in remove], "last": True, "urgent": wait})
                 with s.cv:
-                    while "" in s.pending and s.error is None:
+                    while wait and "" in s.pending and s.error is None:
                         s.cv.wait(0.5)
                     self._raise_error()
                 self.result.sent += len(final)
@@ -607,35 +617,41 @@ class HubCommitter:
     def _receive_loop(self) -> None:
         """The job's committer: the groups the ranks send become commit items, in the order each rank sent them."""
         s = self._s
-        assert self.commit_for is not None
         while True:
             with s.cv:
                 if s.error is not None or s.stop:
                     return
                 s.cv.wait(0.1)
+            if not self._receive_once():
+                return
+
+    def _receive_once(self) -> bool:
+        """Take the groups the ranks sent since the last look (False: the committer failed)."""
+        s = self._s
+        assert self.commit_for is not None
+        with self._receive_lock:
             try:
                 got = self.commit_for.receive()
             except BaseException as exc:
                 self._fail(exc)
-                return
-            urgent = any(isinstance(g, dict) and (g.get("flush") or g.get("last")) for _, g in got)
+                return False
+            urgent = any(isinstance(g, dict) and (g.get("flush") or g.get("last") and g.get("urgent", True))
+                         for _, g in got)
             try:
                 items = [_group_item(gid, group) for gid, group in got if not group.get("flush")]
             except BaseException as exc:
                 self._fail(exc)
-                return
+                return False
             for gid, group in got:
                 if group.get("flush"):  # nothing to commit: counted as landed, in its turn
                     self.commit_for.report(gid)
             with s.cv:
                 s.urgent = s.urgent or urgent
+                for it in items:
+                    s.pending[f"relay:{it.gid}"] = it
+                    s.ready.append(it)
                 s.cv.notify_all()
-            if items:
-                with s.cv:
-                    for it in items:
-                        s.pending[f"relay:{it.gid}"] = it
-                        s.ready.append(it)
-                    s.cv.notify_all()
+        return True
 
     def _retarget(self, held: list[_Item], moves: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
         """A file to rename that is uploaded but not yet committed is committed under its new name (its content is
@@ -660,7 +676,8 @@ class HubCommitter:
             s.flushing += 1
             s.cv.notify_all()
             try:
-                while s.error is None and set(s.pending) - {it.file.rel for it in s.ready}:
+                # (a rank's group is pending under "relay:<gid>": compared as items, not by path)
+                while s.error is None and {id(it) for it in s.pending.values()} - {id(it) for it in s.ready}:
                     s.cv.wait(0.5)
                 self._raise_error()
                 held, s.ready = s.ready, []
