@@ -28,9 +28,9 @@ import pyarrow.compute as pc
 
 from ..base.worker import settle
 from ..errors import FormatError, ShardMissingError
+from .dtypes import DTYPES, SCALE_DTYPE
 from .files import LocalFiles
 from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into, read_run_into
-from .spec import DTYPES
 from .values import bfloat16_bits_to_float32, bfloat16_to_float32_later
 
 #: bfloat16 values read per piece when a read converts as it goes: at most 2M (4 MiB of bits, in cache when the
@@ -140,6 +140,17 @@ class ShardGather:
             self._located[key] = found
         return found
 
+    def hidden_scales(self, layer: int, shard: int, hookpoint: str | None = None) -> tuple[Path, TensorEntry]:
+        """A scaled dtype's (int8) per-row scales of shard ``shard`` of ``layer``: local path and tensor entry, checked
+        (one float32 per row of the codes, in the same file)."""
+        h = self._ds.hidden_desc(hookpoint)
+        if not 0 <= shard < len(h.shards):
+            raise FormatError(f"{self._files}: shard {shard} is not among the {len(h.shards)} the metadata lists")
+        key = h.scale_key(layer)
+        if key is None:
+            raise AssertionError(f"{h.dtype} rows have no scales")
+        return self.tensor(h.file(layer, shard), key, SCALE_DTYPE, (), h.shard_rows(shard))
+
     # ---------------------------------------------------------------- addresses
 
     def check_addresses(self, shard_ids: np.ndarray, offsets: np.ndarray, shard_rows, n_shards: int) -> None:
@@ -196,6 +207,12 @@ class ShardGather:
                          hookpoint: str | None = None):
         """Rows ``offsets[i]`` of shards ``shard_ids[i]`` of ``layer``: (N, dim), one read pass per shard."""
         h = self._ds.hidden_desc(hookpoint)
+        if h.kind.scaled:  # codes and their scales, gathered alike, decoded to float32
+            codes = self._gather(shard_ids, offsets, lambda shard: self.hidden_shard(layer, shard, hookpoint),
+                                 len(h.shards), (h.dim,), h.kind.np_storage)
+            scales = self._gather(shard_ids, offsets, lambda shard: self.hidden_scales(layer, shard, hookpoint),
+                                  len(h.shards), (), DTYPES[SCALE_DTYPE].np_storage)
+            return _finish(h.kind.decode(codes, scales), "float32", as_torch)
         convert = h.dtype == "bfloat16" and not as_torch  # converted as it is read
         out = self._gather(shard_ids, offsets, lambda shard: self.hidden_shard(layer, shard, hookpoint), len(h.shards),
                            (h.dim,), DTYPES[h.dtype].np_storage, bfloat16_out=convert)

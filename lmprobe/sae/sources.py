@@ -31,8 +31,8 @@ import numpy as np
 
 from ..base.safeio import read_json
 from ..errors import DictionaryError
+from ..format.dtypes import DTYPES
 from ..format.safetensors_io import read_header
-from ..format.spec import DTYPES
 from ..format.values import bfloat16_bits_to_float32
 from .activation import RELU, check_rule
 

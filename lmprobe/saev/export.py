@@ -20,8 +20,8 @@ from ..base.progress import Progress, logger
 from ..base.units import plural
 from ..base.worker import settle
 from ..errors import SaevError
+from ..format.dtypes import DTYPES
 from ..format.reader import Dataset
-from ..format.spec import DTYPES
 from ..format.values import bfloat16_bits_to_float32, bfloat16_to_float32_later
 from ..opening import load
 from .protocol import (

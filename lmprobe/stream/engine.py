@@ -25,7 +25,7 @@ import numpy as np
 
 from ..base.worker import prefetched, settle
 from ..errors import InvalidArgumentError
-from ..format.spec import DTYPES
+from ..format.dtypes import DTYPES
 from ..format.values import bfloat16_bits_to_float32, cast_bfloat16_here, on_converter
 from .plan import MAX_GROUP_BLOCKS, GroupPlan, Share, deal, groups, whole_share
 

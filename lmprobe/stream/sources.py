@@ -15,9 +15,9 @@ import numpy as np
 from ..base.hashing import sha256_file
 from ..base.units import format_size
 from ..errors import FormatError, InvalidArgumentError
+from ..format.dtypes import DTYPES
 from ..format.reader import Dataset
 from ..format.safetensors_io import header_length, parse_header
-from ..format.spec import DTYPES
 from ..storage.cache import BoundedCache
 from .engine import RowSource
 from .plan import Pieces, Share
