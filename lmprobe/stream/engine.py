@@ -37,14 +37,20 @@ class RowSource(ABC):
 
     Subclasses give ``shard_rows`` (rows per shard), ``n_sites``, ``dim``, ``dtype`` (the stored
     dtype name) and ``read_rows(shard, rows, site, out)``, which gathers rows ``rows`` (sorted) of a
-    shard into ``out`` ((len(rows), dim) in the stored dtype's numpy storage: raw uint16 bits for
-    bfloat16). Pools hold rows as stored: converting is done once, as a batch is formed.
+    shard into ``out`` ((len(rows), dim) in the numpy storage of ``pool_dtype``: raw uint16 bits for
+    bfloat16). Pools hold rows as stored: converting is done once, as a batch is formed. A scaled
+    dtype (int8) is decoded as it is read: its pools hold float32 (``pool_dtype``).
     """
 
     shard_rows: list[int]
     n_sites: int
     dim: int
     dtype: str = "float32"
+
+    @property
+    def pool_dtype(self) -> str:
+        """The dtype ``read_rows`` writes: the stored one, or float32 for a dtype decoded with its scales."""
+        return "float32" if DTYPES[self.dtype].scaled else self.dtype
 
     @abstractmethod
     def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
@@ -131,8 +137,8 @@ class Engine:
         self.dropped = None if dropped is None else np.asarray(dropped, dtype=np.int64)
         self.out_dtype, self.pin_memory, self.squeeze = out_dtype, bool(pin_memory), squeeze
         self.as_torch = as_torch or self.pin_memory or out_dtype != "float32"  # batches as torch tensors
-        self.storage = DTYPES[source.dtype].np_storage
-        row = source.n_sites * source.dim * DTYPES[source.dtype].itemsize
+        self.storage = DTYPES[source.pool_dtype].np_storage
+        row = source.n_sites * source.dim * DTYPES[source.pool_dtype].itemsize
         row_out = source.n_sites * source.dim * (4 if out_dtype == "float32" else 2)
         # two pools (one served, one being read; each with room for a carried batch), and the batches
         # in flight (the one being gathered and the one the consumer holds): all within ``memory``

@@ -39,7 +39,22 @@ class DatasetRows(RowSource):
         h = descs[0]
         self.shard_rows = [h.shard_rows(s) for s in range(len(h.shards))]
         self.n_sites = len(sites)
+        self.kind = DTYPES[self.dtype]
         self._maps: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._scale_maps: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def _scales(self, shard: int, site: int) -> np.ndarray:
+        """A scaled dtype's per-row scales of a shard, mapped (the tensor beside the codes)."""
+        key = (shard, site)
+        m = self._scale_maps.get(key)
+        if m is None:
+            hp, layer = self.sites[site]
+            path, entry = self.ds.shards.hidden_scales(layer, shard, hp)
+            m = self._scale_maps[key] = np.memmap(path, dtype=np.float32, mode="r", offset=entry.start,
+                                                  shape=(self.shard_rows[shard],))
+            if len(self._scale_maps) > self._MAX_MAPS:
+                self._scale_maps.popitem(last=False)
+        return m
 
     def _map(self, shard: int, site: int) -> np.ndarray:
         key = (shard, site)
@@ -63,7 +78,25 @@ class DatasetRows(RowSource):
 
     def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
         # mode="clip": no buffered copy (rows are in range by construction); one gather, page cache -> pool
+        if self.kind.scaled:
+            decode_rows(self.kind, self._map(shard, site), self._scales(shard, site), rows, out)
+            return
         np.take(self._map(shard, site), rows, axis=0, out=out, mode="clip")
+
+
+#: bytes of codes gathered per step before they are decoded: they stay in cache
+_DECODE_BYTES = 1 << 20
+
+
+def decode_rows(kind, codes: np.ndarray, scales: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """Rows ``rows`` of mapped codes and scales, decoded into float32 ``out``: a gather of the codes a few
+    cache-sized steps at a time, then one multiply each (the read plus dequantize of the benchmark's floor)."""
+    step = max(1, _DECODE_BYTES // max(1, codes.shape[1] * codes.itemsize))
+    buf = np.empty((min(step, len(rows)), codes.shape[1]), dtype=codes.dtype)
+    for a in range(0, len(rows), step):
+        r = rows[a : a + step]
+        np.take(codes, r, axis=0, out=buf[: len(r)], mode="clip")
+        kind.decode(buf[: len(r)], scales[r], out=out[a : a + len(r)])
 
 
 #: bytes of one site's rows per piece, the default of ``ShardStream(piece=)``: one HTTP range request each
@@ -92,6 +125,9 @@ class RemoteRows(DatasetRows):
     def __init__(self, ds: Dataset, sites: list[tuple[str | None, int]], budget: int | None, *,
                  piece_bytes: int | None = None, workers: int = 4, policy: Any = None, readers: int = 1):
         super().__init__(ds, sites)
+        if self.kind.scaled:
+            raise InvalidArgumentError(f"{ds.files}: the training reader reads {self.dtype} datasets from a local copy "
+                                       "only so far; `lmprobe pull` it first and read the copy")
         self.workers, self.policy, self.readers = workers, policy, max(1, int(readers))
         if hasattr(ds.files, "pin"):  # object storage: the version of every object is fixed now (Hub: the commit)
             ds.files.pin()
