@@ -142,14 +142,9 @@ class RemoteRows(DatasetRows):
                                                "cache needs; download the dataset (`lmprobe pull`) and read the "
                                                "local copy")
                 self.file_bytes[s, site] = size
-        self.row_bytes = self.dim * DTYPES[self.dtype].itemsize
-        self.piece_bytes = int(piece_bytes or PIECE_BYTES)
-        self.pieces = Pieces.cut(np.asarray(self.shard_rows, dtype=np.int64), row_bytes=self.row_bytes,
-                                 piece_bytes=self.piece_bytes)
-        self.shard_rows = self.pieces.rows()  # the engine's shards are the pieces
-        self._whole = self.pieces.whole(np.arange(self.pieces.n))
-        self._shard_of = self.pieces.shard_of(np.arange(self.pieces.n))
-        self._lo = self.pieces.locate(np.arange(self.pieces.n))[1]  # each piece's first row in its shard
+        self.row_bytes = self.kind.row_bytes(self.dim)
+        self._file_rows = np.asarray(self.shard_rows, dtype=np.int64)
+        self.cut_pieces(int(piece_bytes or PIECE_BYTES))
         self.data_start = np.full((n_shards, self.n_sites), -1, dtype=np.int64)  # learned from the headers
         self.key = hashlib.sha256(f"{ds.files}\n{ds.identity}".encode()).hexdigest()[:24]
         self._share: Share | None = None
@@ -166,6 +161,15 @@ class RemoteRows(DatasetRows):
         self.budget = self.cache().budget
 
     # ---------------------------------------------------------------- what a piece is
+
+    def cut_pieces(self, piece_bytes: int) -> None:
+        """Cut the shard files into pieces of at most ``piece_bytes`` per site (before anything is planned or read)."""
+        self.piece_bytes = int(piece_bytes)
+        self.pieces = Pieces.cut(self._file_rows, row_bytes=self.row_bytes, piece_bytes=self.piece_bytes)
+        self.shard_rows = self.pieces.rows()  # the engine's shards are the pieces
+        self._whole = self.pieces.whole(np.arange(self.pieces.n))
+        self._shard_of = self.pieces.shard_of(np.arange(self.pieces.n))
+        self._lo = self.pieces.locate(np.arange(self.pieces.n))[1]  # each piece's first row in its shard
 
     def _record(self, shard: int, site: int) -> tuple[str, Any, Any]:
         """(file, recorded size, recorded sha256) of one site's file of a shard."""
