@@ -188,8 +188,11 @@ def writer_rate(x: np.ndarray, out: Path, dtype: str) -> float:
     return time.perf_counter() - t0
 
 
-def read_floor(path: Path, batch: int) -> float:
-    """Seconds to read every byte of the int8 layer, dequantize it with numpy and gather shuffled batches."""
+def read_floor(path: Path, batch: int, bf16: bool = False) -> float:
+    """Seconds to read every byte of the int8 layer, dequantize it with numpy and gather shuffled batches (``bf16``:
+    each batch then cast to a bfloat16 tensor by torch, what a bfloat16 batch costs on top)."""
+    import torch
+
     entries = []
     for p in sorted((path / "tensors").rglob("*.safetensors")):
         t = read_header(p).tensors
@@ -203,7 +206,11 @@ def read_floor(path: Path, batch: int) -> float:
         x *= scales[:, None]
         order = rng.permutation(len(x))
         for i in range(0, len(x), batch):
-            x[order[i : i + batch]].sum()
+            b = x[order[i : i + batch]]
+            if bf16:
+                torch.from_numpy(b).to(torch.bfloat16).sum()
+            else:
+                b.sum()
     return time.perf_counter() - t0
 
 
@@ -256,11 +263,11 @@ def main() -> None:
         ds_path = root / "read-int8"
         writer_rate(x, ds_path, "int8")
         read_floor(ds_path, batch)  # warm the page cache for both
-        r_floor = best(3, lambda: read_floor(ds_path, batch))
         for out in ("float32", "bfloat16"):
+            r_floor = best(3, lambda out=out: read_floor(ds_path, batch, bf16=out == "bfloat16"))
             r = best(3, lambda out=out: stream_rate(ds_path, batch, out))
             print(f"reader, ShardStream over the int8 layer, {out} out, batches of {batch}: {n / r:,.0f} rows/s, floor "
-                  f"(numpy read + dequantize + shuffled gather) {n / r_floor:,.0f} rows/s -> {r_floor / r:.2f}x of floor")
+                  f"(numpy read + dequantize + shuffled gather{' + cast' if out == 'bfloat16' else ''}) {n / r_floor:,.0f} rows/s -> {r_floor / r:.2f}x of floor")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
