@@ -227,7 +227,7 @@ def bench_pieces(server, tmp: Path, quick: bool) -> None:
                                 ("the whole layer", layer_bytes(url), None)):  # its files, headers included
         spreads, per_request = [], []
         for seed in (0, 1):
-            log0, t0 = len(server.log), len(server.transfers)
+            t0 = len(server.transfers)
             kw = {"piece": piece} if piece else {}
             s = ShardStream(url, 0, batch, seed=seed, drop_last=True, cache=str(cache), memory="256MiB", **kw)
             fr = np.array([b[:, 0].mean() for b in s])

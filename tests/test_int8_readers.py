@@ -12,7 +12,6 @@ from conftest import write_dataset
 from test_saelens import read_cache
 
 import lmprobe
-from lmprobe.errors import InvalidArgumentError
 from lmprobe.saev import export_saev
 from lmprobe.stream import ShardStream
 
@@ -76,13 +75,27 @@ def test_shardstream_reads_int8_decoded(tmp_path, rng, out_dtype):
     assert first.shape == (8, 2, 6) and first.dtype == np.float32
 
 
-def test_shardstream_refuses_int8_from_remote_storage_for_now(tmp_path, rng):
-    write_dataset(tmp_path / "ds", rng, n=5, layers=(0,), dim=4, dtype="int8")
-    ds = lmprobe.load(tmp_path / "ds")
-    from lmprobe.stream import RemoteRows
+@pytest.mark.parametrize("piece", [None, "256B"])  # shards read whole; shards cut into range pieces (codes + scales)
+def test_shardstream_reads_int8_from_the_hub_decoded(hub, tmp_path, rng, fresh_hf_cache, piece):
+    import uuid
 
-    with pytest.raises(InvalidArgumentError, match="local copy"):
-        RemoteRows(ds, [(None, 0)], budget=1 << 20)
+    write_dataset(tmp_path / "ds", rng, n=40, layers=(0, 3), dim=6, storage="full_sequence", dtype="int8",
+                  shard_size=300)
+    repo = f"tester/int8-{uuid.uuid4().hex[:8]}"
+    lmprobe.push_to_hub(tmp_path / "ds", repo, quiet=True)
+    local = lmprobe.load(tmp_path / "ds")
+    ids, offs, _ = local.shards.token_addresses()
+    want = {layer: local.shards.read_hidden_rows(layer, ids, offs) for layer in (0, 3)}
+    kw = {"piece": piece} if piece else {}
+    s = ShardStream(f"hf://datasets/{repo}", layers=[0, 3], batch_size=16, seed=2, cache="64KiB", memory="1MiB", **kw)
+    if piece:
+        assert s.engine.source.pieces.n > len(local.meta.hidden.shards)  # range pieces, not whole files
+    got = np.concatenate(list(s))
+    s.close()
+    assert got.shape == (len(want[0]), 2, 6)
+    for i, layer in enumerate((0, 3)):
+        a, b = got[:, i], want[layer]
+        np.testing.assert_array_equal(a[np.lexsort(a.T)], b[np.lexsort(b.T)])
 
 
 def test_export_saev_writes_decoded_float32(tmp_path, rng):
