@@ -148,3 +148,30 @@ def test_validator_wants_the_scales(tmp_path, rng):
     save_file({h.key(2): codes}, str(f))  # the scales dropped
     rep = validate(tmp_path / "ds")
     assert any("hidden.layer_2.scale" in e and "missing" in e for e in rep.errors), rep.errors
+
+
+def test_the_job_plan_sizes_int8_rows_as_the_dtype_does(tmp_path):
+    """The plan (and --dry-run) counts a row as the dtype's bytes: width codes and a float32 scale, as written."""
+    from pathlib import Path
+
+    prompts = Path(__file__).parents[1] / "examples" / "prompts.jsonl"
+    kw = {"storage": "full_sequence", "dtype": "int8"}
+    plan = lmprobe.plan("lmprobe-tiny", str(prompts), out=str(tmp_path / "o"), **kw)
+    ds = lmprobe.extract("lmprobe-tiny", str(prompts), out=str(tmp_path / "o"), quiet=True, **kw)
+    rows = int(ds.column("num_tokens").sum()) + ds.num_prompts
+    assert plan.site_bytes[0] == rows * (ds.dim + 4)
+    bf16 = lmprobe.plan("lmprobe-tiny", str(prompts), out=str(tmp_path / "b"), storage="full_sequence",
+                        dtype="bfloat16")
+    assert plan.site_bytes[0] / bf16.site_bytes[0] == (ds.dim + 4) / (2 * ds.dim)
+
+
+def test_the_command_line_stores_int8_and_refuses_it_as_a_compute_dtype(tmp_path, capsys):
+    from lmprobe.cli import main as cli_main
+
+    (tmp_path / "p.txt").write_text("the cat sat\na dog ran far\n")
+    base = ["extract", "--model", "lmprobe-tiny", "--prompts", str(tmp_path / "p.txt"), "--quiet"]
+    assert cli_main([*base, "--out", str(tmp_path / "o"), "--dtype", "int8"]) == 0
+    assert lmprobe.load(tmp_path / "o").dtype == "int8"
+    with pytest.raises(SystemExit) as e:
+        cli_main([*base, "--out", str(tmp_path / "c"), "--compute-dtype", "int8"])
+    assert e.value.code == 2 and "int8" in capsys.readouterr().err
