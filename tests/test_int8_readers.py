@@ -146,3 +146,16 @@ def test_merge_probe_and_report_on_int8(tmp_path, rng, extracted):
     assert probe.predict(q.hidden(q.layers[-1])).shape == (len(PROMPTS),)
     index = lmprobe.report(q, tmp_path / "report", prompts="1", sample=3, quiet=True)
     assert "int8" in index.read_text()
+
+
+def test_feature_pages_on_int8_score_the_decoded_vectors(tmp_path, extracted):
+    from safetensors.numpy import load_file
+    from test_pages import _dictionary
+
+    q = extracted["int8"]
+    layer = q.layers[-1]
+    W, b = _dictionary(q, tmp_path / "sae", layer)
+    out = lmprobe.features(q, tmp_path / "sae", "d", layer, tmp_path / "f", top=3, quiet=True)
+    t = load_file(out / "features.safetensors")
+    X = np.concatenate([q.token_hidden(p, layer) for p in range(q.num_prompts)])
+    np.testing.assert_allclose(t["frequency"], ((X @ W.T + b) > 0).mean(axis=0))
