@@ -10,7 +10,8 @@ Dataset's internal API"):
 - ``token_addresses(rows)``, ``check_addresses(...)``, ``check_token_counts(...)``: the index's
   addresses of rows, checked;
 - ``read_hidden_rows(layer, shard_ids, offsets)`` and ``logits_rows(shard_ids, offsets)``: rows
-  gathered, one read pass per shard (bfloat16 converted to float32 as it is read).
+  gathered, one read pass per shard (bfloat16 converted to float32 as it is read; int8 decoded with
+  its scales, ``hidden_scales(layer, shard)``, by ``dtypes.DType.decode``).
 
 Addresses and headers are untrusted: every shard a read touches is located and its header checked
 before the output is allocated, so a size in the metadata that no file backs never reaches np.empty.
