@@ -46,6 +46,8 @@ class DType:
     np_storage: np.dtype  # how the raw bytes are held in numpy (bfloat16 has no numpy dtype: raw uint16 bits)
     scaled: bool = False  # one float32 scale per row, in a tensor of its own beside the codes
     qmax: int = 0  # a scaled dtype's largest code: values are stored as round(x / s), |code| <= qmax
+    #: the 16 bits are a float32's top half (bfloat16): numpy has no type for them, torch casts them at memory speed
+    half_of_float32: bool = False
 
     @property
     def format_version(self) -> str:
@@ -103,7 +105,7 @@ class DType:
         >>> DTYPES["int8"].decode(np.array([[127, -64]], np.int8), np.array([0.5], np.float32)).tolist()
         [[63.5, -32.0]]
         """
-        if self.name == "bfloat16":
+        if self.half_of_float32:
             return bfloat16_bits_to_float32(np.ascontiguousarray(codes), out=out)
         if out is None:
             out = np.empty(codes.shape, dtype=np.float32)
@@ -124,7 +126,7 @@ class DType:
 DTYPES: dict[str, DType] = {
     "float32": DType("float32", "F32", 4, np.dtype("<f4")),
     "float16": DType("float16", "F16", 2, np.dtype("<f2")),
-    "bfloat16": DType("bfloat16", "BF16", 2, np.dtype("<u2")),
+    "bfloat16": DType("bfloat16", "BF16", 2, np.dtype("<u2"), half_of_float32=True),
     "int8": DType("int8", "I8", 1, np.dtype("i1"), scaled=True, qmax=127),
     "float64": DType("float64", "F64", 8, np.dtype("<f8")),
     "int32": DType("int32", "I32", 4, np.dtype("<i4")),
@@ -155,12 +157,12 @@ def _to_storage(x: Any, dt: DType) -> np.ndarray:
         import torch
 
         t = x.detach().to(device="cpu", dtype=torch_dtype(dt.name)).contiguous()
-        if dt.name == "bfloat16":
+        if dt.half_of_float32:
             return t.view(torch.int16).numpy().view(np.uint16)
         return t.numpy()
     a = np.asarray(x)
     if a.dtype == object:
         raise ColumnTypeError("expected a numeric array, got an object array (a nested list or dict?)")
-    if dt.name == "bfloat16":
+    if dt.half_of_float32:
         return float32_to_bfloat16_bits(a)
     return np.ascontiguousarray(a, dtype=dt.np_storage)

@@ -213,11 +213,11 @@ class ShardGather:
                                  len(h.shards), (h.dim,), h.kind.np_storage)
             scales = self._gather(shard_ids, offsets, lambda shard: self.hidden_scales(layer, shard, hookpoint),
                                   len(h.shards), (), DTYPES[SCALE_DTYPE].np_storage)
-            return _finish(h.kind.decode(codes, scales), "float32", as_torch)
-        convert = h.dtype == "bfloat16" and not as_torch  # converted as it is read
+            return _finish(h.kind.decode(codes, scales), False, as_torch)
+        convert = h.kind.half_of_float32 and not as_torch  # converted as it is read
         out = self._gather(shard_ids, offsets, lambda shard: self.hidden_shard(layer, shard, hookpoint), len(h.shards),
                            (h.dim,), DTYPES[h.dtype].np_storage, bfloat16_out=convert)
-        return out if convert else _finish(out, h.dtype, as_torch)
+        return out if convert else _finish(out, h.kind.half_of_float32, as_torch)
 
     def logits_rows(self, shard_ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Top-k logits rows ``offsets[i]`` of logits shards ``shard_ids[i]``: (values (N, k), indices (N, k))."""
@@ -337,14 +337,14 @@ def _gather_bfloat16(groups: list, offsets: np.ndarray, n: int, row_shape: tuple
     return out
 
 
-def _finish(arr: np.ndarray, dtype: str, as_torch: bool):
+def _finish(arr: np.ndarray, half_of_float32: bool, as_torch: bool):
     """Rows as read, handed out: a torch tensor (bfloat16 bits viewed as bfloat16), or float32 for bfloat16."""
     if as_torch:
         import torch
 
-        if dtype == "bfloat16":
+        if half_of_float32:
             return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(arr)
-    if dtype == "bfloat16":
+    if half_of_float32:
         return bfloat16_bits_to_float32(arr)
     return arr

@@ -47,7 +47,7 @@ class RunningStats:
         ``lmprobe.load`` returns, not of what the model handed the writer (int8: codes times scales)."""
         if kind.scaled:
             return batch_statistics(kind.decode(*tensors))
-        return batch_statistics(tensors[0], bfloat16_bits=kind.name == "bfloat16")
+        return batch_statistics(tensors[0], bfloat16_bits=kind.half_of_float32)
 
     @classmethod
     def of_chunks(cls, counts: np.ndarray, sums: np.ndarray, m2s: np.ndarray, norm_sums: np.ndarray) -> RunningStats:

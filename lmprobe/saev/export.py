@@ -280,7 +280,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
 
     # float32 and bfloat16 runs are read with one preadv each straight into the block (bfloat16 into a
     # block of raw bits, converted in one pass per chunk); other dtypes are copied out of memory maps
-    direct = h.dtype in ("float32", "bfloat16") and hasattr(os, "preadv")
+    direct = (h.kind.half_of_float32 or h.dtype == "float32") and hasattr(os, "preadv")
 
 
     ex_chunk = max(1, _CHUNK_BYTES // (L * T * vec_bytes))
@@ -288,7 +288,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     shards_json = []
     shape = (min(ex_chunk, max(plan.shard_sizes)), L, T, D)
     # two blocks: one is filled while the other is converted (converter threads) and written (the writer thread)
-    blocks = [(np.empty(shape, dtype="<f4"), np.empty(shape, dtype=np.uint16) if direct and h.dtype == "bfloat16"
+    blocks = [(np.empty(shape, dtype="<f4"), np.empty(shape, dtype=np.uint16) if direct and h.kind.half_of_float32
                else None) for _ in range(2)]
     try:
         _write_shards(plan, partial, L, T, D, ex_chunk, blocks, run_start, run_len, run_shard, run_off,
