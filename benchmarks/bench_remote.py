@@ -1,7 +1,7 @@
 """Training from a remote dataset with many ranks: requests, amplification, mixing, the node cache, a storm, memory.
 
     python benchmarks/bench_remote.py                  # every section but the soak (~10 min)
-    python benchmarks/bench_remote.py --only requests  # or amplification | mixing | node | storm | memory | link
+    python benchmarks/bench_remote.py --only requests  # or amplification | mixing | pieces | node | storm | memory | link
     python benchmarks/bench_remote.py --quick          # small sizes
     python benchmarks/bench_remote.py --soak 1e8       # the soak: 10^8 stored tokens, cache <= 1/10 of the data
 
@@ -19,6 +19,9 @@ of every answer, so the figures are what the Hub would see.
   pieces the data and the cache hold); the spread of the label fraction across one rank's batches
   against a uniform sample's (1.00 = uniform), for resident groups chosen by strata (now) and at
   random (the reader before, emulated in the same run).
+- pieces: pieces sized for mixing (issue 46, point 6) at 1/64 scale: a 1.6 GiB label-sorted layer, batches
+  of 4,096, a cache of a quarter of it (spread against uniform, pieces chosen and given) and of all of it
+  (bytes per request).
 - node: 4 ranks in 4 processes on one machine sharing one cache folder (LOCAL_WORLD_SIZE=4): bytes
   downloaded by the node, the folder's peak against its budget (sampled every millisecond).
 - storm: a fifth of the range requests answered 429 or 503: an epoch's time against a calm one.
@@ -201,6 +204,42 @@ def bench_mixing(server, tmp: Path, quick: bool) -> None:
         fmt = lambda v: " / ".join(f"{x:5.2f}" for x in v)  # noqa: E731
         print(f"  {world:5d}  {batch:5d}  {k:19d}  {fmt(out['strata']):>21s}  {fmt(out['random']):>22s}   "
               f"{np.sqrt(1 + batch / k**2):6.2f}")
+
+
+def bench_pieces(server, tmp: Path, quick: bool) -> None:
+    """Issue 46, point 6: pieces sized for mixing (no piece=), both ends, at 1/64 scale: a 1.6 GiB label-sorted
+    layer in 64 MiB shard files is 25.6 MiB in 1 MiB files, pieces of 1-64 MiB are 16 KiB-1 MiB."""
+    import lmprobe.stream.plan as plan_mod
+    from lmprobe.stream import ShardStream
+
+    scale = 64
+    plan_mod.MIN_PIECE, plan_mod.MAX_PIECE = MiB // scale, 64 * MiB // scale
+    n, dim = (102_400, 16) if quick else (409_600, 16)  # 6.25 or 25 MiB: 400 MiB or 1.6 GiB at full size
+    write(tmp / "sorted", n, dim, "1MiB", sorted_labels=True)
+    url = push(tmp / "sorted")
+    total = n * dim * 4
+    batch = 4096
+    print(f"pieces: {n:,} label-sorted vectors x {dim} ({total / MiB:.1f} MiB standing for {total * scale / 2**30:.1f} "
+          f"GiB; 1 MiB shard files for 64 MiB ones), batches of {batch}; sizes below at full scale")
+    print("  cache            piece (chosen)   K   spread vs uniform (2 seeds)   bound   MiB per request")
+    for label, cache, piece in (("a quarter", total // 4, None), ("a quarter", total // 4, str(MiB // scale * 4)),
+                                ("a quarter", total // 4, str(64 * MiB // scale)),
+                                ("the whole layer", layer_bytes(url), None)):  # its files, headers included
+        spreads, per_request = [], []
+        for seed in (0, 1):
+            t0 = len(server.transfers)
+            kw = {"piece": piece} if piece else {}
+            s = ShardStream(url, 0, batch, seed=seed, drop_last=True, cache=str(cache), memory="256MiB", **kw)
+            fr = np.array([b[:, 0].mean() for b in s])
+            k, chosen = s.resident, s.piece_bytes
+            s.close()
+            spreads.append(fr.std() / np.sqrt(0.24 / batch))  # 60% of the labels are 1
+            data = [b for m, p, _, b in server.transfers[t0:] if m == "GET" and "tensors" in p]
+            per_request.append(sum(data) / max(1, len(data)))
+        how = "chosen" if piece is None else "given"
+        print(f"  {label:15s}  {chosen * scale / MiB:5.0f} MiB ({how})  {k:4d}  "
+              f"{' / '.join(f'{x:5.2f}' for x in spreads):>26s}   {np.sqrt(1 + batch / k**2):5.2f}   "
+              f"{np.mean(per_request) * scale / MiB:6.1f}")
 
 
 class _local_world:
@@ -424,7 +463,7 @@ def bench_soak(server, tmp: Path, tokens: int) -> None:
           f"median {np.median(rss_samples[-quarter:]) / MiB:.0f} MiB, max {max(rss_samples) / MiB:.0f} MiB")
 
 
-SECTIONS = ("requests", "amplification", "mixing", "node", "storm", "memory", "link")
+SECTIONS = ("requests", "amplification", "mixing", "pieces", "node", "storm", "memory", "link")
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 Used by test_format_resume.py:  python _crash_writer.py OUT MODE N
 MODE "replace": die at the N-th os.replace; "batch": die after N batches; "none": finish.
+CRASH_DTYPE (environment): the stored dtype, float32 unless given.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def writer(out):
 
     return DatasetWriter(out, layers=list(LAYERS), dim=DIM, model_name="m", storage="full_sequence",
                          shard_size=DIM * 4 * 7, logits_k=2, label_type="int", token_ids=True,
-                         checkpoint_interval=0, provenance={"created_at": "fixed"}, statistics=True)
+                         checkpoint_interval=0, provenance={"created_at": "fixed"}, statistics=True,
+                         dtype=os.environ.get("CRASH_DTYPE", "float32"))
 
 
 def write_from(w, start):

@@ -65,6 +65,22 @@ def test_document_snippet_on_pooled_output(tmp_path, rng, monkeypatch):
     np.testing.assert_array_equal(ns["vector"].numpy(), src["hidden"][16][42])
 
 
+def test_int8_numpy_snippet_reads_a_vector_exactly_as_lmprobe_load(tmp_path, rng, monkeypatch):
+    """docs/format.md's numpy-only reading of an int8 dataset (no torch): codes times the row's scale."""
+    text = (DOCS / "format.md").read_text()
+    section = text.split("## Dtypes", 1)[1].split("## Reading without lmprobe", 1)[0]
+    (snippet,) = _python_blocks(section)
+    assert "torch" not in snippet
+    write_dataset(tmp_path / "ds", rng, n=50, layers=(0, 16), dim=6, dtype="int8", shard_size=200)
+    monkeypatch.chdir(tmp_path / "ds")
+    ns: dict = {}
+    exec(snippet, ns)
+    want = lmprobe.load(tmp_path / "ds").hidden(16)[42]
+    assert ns["vector"].dtype == np.float32
+    np.testing.assert_array_equal(ns["vector"], want)
+    assert lmprobe.load(tmp_path / "ds").column("shard_index")[42] > 0  # the row is not in the first shard
+
+
 def test_card_front_matter_and_snippet(big_full_sequence, monkeypatch):
     out, src = big_full_sequence
     text = (out / "README.md").read_text()
@@ -77,7 +93,7 @@ def test_card_front_matter_and_snippet(big_full_sequence, monkeypatch):
     np.testing.assert_array_equal(ns["vector"], src["hidden"][16][src["tok_start"][1] - 1])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
 def test_card_snippet_runs_as_written_for_every_dtype(tmp_path, rng, monkeypatch, dtype):
     write_dataset(tmp_path / "ds", rng, n=6, layers=(0, 3), dim=4, dtype=dtype)
     text = (tmp_path / "ds/README.md").read_text()

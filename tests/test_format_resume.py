@@ -26,9 +26,9 @@ sys.path.insert(0, str(HERE))
 import _crash_writer  # noqa: E402
 
 
-def _child(out, mode, n):
+def _child(out, mode, n, env=None):
     return subprocess.run([sys.executable, str(HERE / "_crash_writer.py"), str(out), mode, str(n)], capture_output=True,
-                          text=True)
+                          text=True, env=env)
 
 
 def _resume(out):
@@ -73,6 +73,22 @@ def test_crash_between_batches_then_resume(tmp_path, reference, k):
     assert _child(out, "batch", k).returncode == 9
     _resume(out)
     assert_same_dataset(reference, out)
+
+
+@pytest.mark.parametrize(("mode", "n"), [("batch", 1), ("batch", 6), ("replace", 5), ("replace", 34)])
+def test_an_int8_output_resumes_equal_to_an_uninterrupted_run(tmp_path, monkeypatch, mode, n):
+    """int8 shards hold two tensors (codes and scales): a partial shard reopens with both, bit for bit."""
+    import os
+
+    env = {**os.environ, "CRASH_DTYPE": "int8"}
+    assert _child(tmp_path / "ref", "none", 0, env).returncode == 0
+    out = tmp_path / "ds"
+    r = _child(out, mode, n, env)
+    assert r.returncode == 9, r.stderr
+    monkeypatch.setenv("CRASH_DTYPE", "int8")
+    _resume(out)
+    assert_same_dataset(tmp_path / "ref", out)
+    assert validate(out).ok and lmprobe.load(out).dtype == "int8"
 
 
 @pytest.mark.slow

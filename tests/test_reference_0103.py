@@ -114,3 +114,41 @@ def test_reference_implementation_reads_a_merged_dataset(ref_python, tmp_path, s
         np.testing.assert_array_equal(got[f"load_activations/{layer}"], want)
         np.testing.assert_array_equal(got[f"ActivationStore/{layer}"], want)
         np.testing.assert_array_equal(got[f"load_activation_dataset/hidden.layer_{layer}"], shard_order_rows(ds, layer))
+
+
+REFUSER = Path(__file__).parent / "reference" / "refuse_with_0103.py"
+
+
+def readers_of_0103(python: Path, dataset: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    r = subprocess.run([str(python), "-I", str(REFUSER), str(dataset)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_reference_implementation_refuses_int8_datasets_and_would_misread_them_as_2x(ref_python, tmp_path, rng):
+    """issue 46: 0.10.3 never returns wrong numbers for an int8 dataset. It is format 3.0, which every reader
+    of 0.10.3 refuses (a higher major version); the same bytes labelled 2.0 are read as codes cast to float,
+    wrong by 1/scale, which is why int8 is not a 2.x dtype."""
+    from conftest import write_dataset
+
+    src = write_dataset(tmp_path / "ds", rng, n=6, layers=(0,), dim=4, dtype="int8")
+    got = readers_of_0103(ref_python, tmp_path / "ds")
+    for reader in ("load_activation_dataset", "load_activations", "pull_dataset", "ActivationStore"):
+        assert "error" in got[reader], (reader, got[reader])
+        assert "3.0" in got[reader]["error"] and "upgrade" in got[reader]["error"].lower(), got[reader]
+
+    # the counterfactual: the same dataset labelled 2.0 is read as codes, wrong by orders of magnitude
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "ds/index/train-00000-of-00001.parquet"
+    table = pq.read_table(path)
+    meta = dict(table.schema.metadata)
+    meta[b"lmprobe:format_version"] = json.dumps("2.0").encode()
+    pq.write_table(table.replace_schema_metadata(meta), path)
+    misread = readers_of_0103(ref_python, tmp_path / "ds")
+    wrong = [r for r, v in misread.items() if v.get("values")]
+    assert wrong, misread
+    true = src["hidden"][0][0]
+    for r in wrong:
+        assert np.abs(np.asarray(misread[r]["values"]) - true).max() > 10 * np.abs(true).max(), (r, misread[r])

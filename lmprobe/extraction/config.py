@@ -14,7 +14,8 @@ from typing import Any, Literal
 from ..base.fields import option
 from ..base.units import parse_count, parse_size
 from ..errors import ExtractionError, InvalidArgumentError
-from ..format.spec import DEFAULT_HOOKPOINT, HIDDEN_DTYPES, MAX_SHARD_SIZE, RUN_SETTINGS, STORAGES
+from ..format.dtypes import COMPUTE_DTYPES, HIDDEN_DTYPES
+from ..format.spec import DEFAULT_HOOKPOINT, MAX_SHARD_SIZE, RUN_SETTINGS, STORAGES
 from ..storage.hub import check_repo_id
 from .hookpoints import parse_hookpoints
 from .placement import parse_max_memory
@@ -110,8 +111,9 @@ class ExtractionConfig:
     ``mlp.act_fn:output`` (docs/hookpoints.md)."""
     storage: Literal["pooled", "full_sequence"] = option("pooled", group="store")
     """``pooled`` keeps the last stored token of each prompt; ``full_sequence`` keeps every token."""
-    dtype: Literal["float32", "float16", "bfloat16"] = option("float32", group="store")
-    """Stored dtype of the hidden states."""
+    dtype: Literal["float32", "float16", "bfloat16", "int8"] = option("float32", group="store")
+    """Stored dtype of the hidden states. ``int8``: 8-bit codes with a float32 scale per vector (absmax), half the
+    bytes of bfloat16; read back as float32 (format 3.0, docs/format.md)."""
     logits_topk: int | None = option(None, group="store", metavar="K")
     """Store the top-K logits at the last token (default: none)."""
     perplexity: bool = option(False, group="store")
@@ -165,8 +167,9 @@ class ExtractionConfig:
             bad(f"storage must be one of {list(STORAGES)}, got {self.storage!r}")
         if self.dtype not in HIDDEN_DTYPES:
             bad(f"dtype must be one of {list(HIDDEN_DTYPES)}, got {self.dtype!r}")
-        if self.compute_dtype not in ("auto", *HIDDEN_DTYPES):
-            bad(f"compute_dtype must be auto or one of {list(HIDDEN_DTYPES)}, got {self.compute_dtype!r}")
+        if self.compute_dtype not in ("auto", *COMPUTE_DTYPES):
+            bad(f"compute_dtype must be auto or one of {list(COMPUTE_DTYPES)}, got {self.compute_dtype!r} "
+                "(int8 is a storage dtype: --dtype int8)")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             bad(f"batch_size must be a positive integer, got {self.batch_size!r}")
         if self.logits_topk is not None and (isinstance(self.logits_topk, bool) or not isinstance(self.logits_topk, int)

@@ -11,6 +11,7 @@ from ..base.allocator import HeapTrimmer, bound_allocator_cache
 from ..base.progress import Progress
 from ..base.worker import BackgroundWorker
 from ..errors import ExtractionError
+from ..format.dtypes import DTYPES
 from ..format.values import torch_dtype
 from ..format.writer import DatasetWriter
 from .backend_hf import TransformersBackend
@@ -81,7 +82,10 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: Job, order:
     import torch
 
     cfg, p = job.config, job.prompts
-    out_dtype = torch_dtype(cfg.dtype)
+    kind = DTYPES[cfg.dtype]
+    out_dtype = torch_dtype(kind.compute)  # int8 is encoded by the writer, from float32
+    # the statistics of a scaled dtype are of its decoded values: the writer computes them
+    statistics = cfg.statistics and not kind.scaled
     layers = job.settings["layers"]
     bs = cfg.batch_size
     trim = HeapTrimmer()  # after the model loaded
@@ -93,7 +97,7 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: Job, order:
                 texts, ids=[p.input_ids[i] for i in idx] if p.input_ids is not None else None)
             res = backend.run(input_ids, attention_mask, layers=layers, storage=cfg.storage, out_dtype=out_dtype,
                               logits_k=cfg.logits_topk, perplexity=cfg.perplexity,
-                              keep=None if encoder.plain else keep, captures=job.captures, statistics=cfg.statistics)
+                              keep=None if encoder.plain else keep, captures=job.captures, statistics=statistics)
             item = _batch_item(job, texts, res)
             item["positions"] = idx
             if p.label_type is not None:
@@ -149,7 +153,10 @@ def run_corpus(writer: DatasetWriter, job: Job) -> None:
         stream = stream_windows(plan, tok, cfg.text_column, resume=writer.progress, budget=budget)
     bound_allocator_cache()
     backend = load_backend(job)
-    out_dtype = torch_dtype(cfg.dtype)
+    kind = DTYPES[cfg.dtype]
+    out_dtype = torch_dtype(kind.compute)  # int8 is encoded by the writer, from float32
+    # the statistics of a scaled dtype are of its decoded values: the writer computes them
+    statistics = cfg.statistics and not kind.scaled
     layers = job.settings["layers"]
     left = tok.padding_side == "left"
     bg = BackgroundWorker(lambda item: writer.add_batch(**item), max_pending=1, name="lmprobe-writer")
@@ -162,7 +169,7 @@ def run_corpus(writer: DatasetWriter, job: Job) -> None:
                 input_ids, attention_mask = pad(batch, tok.pad_token_id, left)
                 res = backend.run(input_ids, attention_mask, layers=layers, storage=cfg.storage, out_dtype=out_dtype,
                                   logits_k=cfg.logits_topk, perplexity=cfg.perplexity, captures=job.captures,
-                                  statistics=cfg.statistics)
+                                  statistics=statistics)
                 item = _batch_item(job, [w.text for w in batch], res)
                 item["document"] = [w.document for w in batch]
                 item["window_start"] = [w.start for w in batch]

@@ -24,8 +24,9 @@ from ..errors import (
     InvalidArgumentError,
     ModelError,
 )
+from ..format.dtypes import COMPUTE_DTYPES, DTYPES
 from ..format.index import encoding_options
-from ..format.spec import DEFAULT_SHARD_SIZE, DTYPES
+from ..format.spec import DEFAULT_SHARD_SIZE
 from ..format.values import torch_dtype
 from ..storage.budget import DEFAULT_COMMITS_PER_HOUR, commits_per_hour
 from .backend_nnsight import check_api_key, require_nnsight
@@ -90,8 +91,8 @@ class Job:
     @property
     def vector_bytes(self) -> int:
         """Bytes of one stored token or prompt: every hookpoint of every layer."""
-        item = np.dtype("float16" if self.config.dtype == "bfloat16" else self.config.dtype).itemsize
-        return len(self.settings["layers"]) * sum(c.width or self.spec.hidden_size for c in self.captures) * item
+        kind = DTYPES[self.config.dtype]
+        return len(self.settings["layers"]) * sum(kind.row_bytes(c.width or self.spec.hidden_size) for c in self.captures)
 
 
 def _default_max_length(tok: Any, config: Any) -> int | None:
@@ -194,9 +195,9 @@ def job_shape(job: Job) -> Shape:
     """What the job stores, whole-job totals: every rank's share together (one small exchange under torchrun, so
     that every rank plans the same shard size and layout)."""
     cfg = job.config
-    item = DTYPES[cfg.dtype].itemsize
+    kind = DTYPES[cfg.dtype]  # bytes per row: the dtype's own (int8: a byte a value and a float32 scale)
     widths = [c.width or job.spec.hidden_size for c in job.captures] or [job.spec.hidden_size]
-    site_row_bytes = tuple(w * item for _ in job.settings["layers"] for w in widths)
+    site_row_bytes = tuple(kind.row_bytes(w) for _ in job.settings["layers"] for w in widths)
     common = {"storage": cfg.storage, "site_row_bytes": site_row_bytes, "logits_k": cfg.logits_topk,
               "token_ids": bool(job.settings.get("token_ids")), "perplexity": cfg.perplexity,
               "hookpoints": len(widths), "model_bytes": model_bytes(job)}
@@ -254,7 +255,7 @@ def model_bytes(job: Job) -> int:
         on_gpu = not job.device.startswith("cpu") or any(v is not None for v in (cfg.world_size, cfg.gpus_per_node,
                                                                                  cfg.gpu_memory))
         dtype = stored if on_gpu and isinstance(stored, torch.dtype) else torch.float32
-        if on_gpu and isinstance(stored, str) and stored in DTYPES:
+        if on_gpu and isinstance(stored, str) and stored in COMPUTE_DTYPES:
             dtype = torch_dtype(stored)
     else:
         dtype = torch_dtype(name)

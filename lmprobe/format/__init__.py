@@ -4,9 +4,9 @@ This layer knows local folders only; ``lmprobe.load`` opens datasets anywhere (t
 """
 
 from .datasetspec import DatasetSpec
+from .dtypes import FORMAT_VERSION
 from .files import DatasetFiles, LocalFiles
 from .reader import Dataset, open_local
-from .spec import FORMAT_VERSION
 from .validate import Report, validate
 from .writer import DatasetWriter
 

@@ -11,7 +11,8 @@ import pyarrow as pa
 
 from ..errors import ColumnTypeError, InvalidArgumentError
 from .datasetspec import DatasetSpec
-from .values import check_value, to_numpy, to_storage
+from .dtypes import DTYPES
+from .values import check_value, to_numpy
 
 
 @dataclass
@@ -22,7 +23,9 @@ class CheckedBatch:
     counts: np.ndarray  # (b,) int64 tokens per prompt
     positions: list[int]  # each prompt's row in the final index
     labels: list[Any]
-    hidden: dict[str, np.ndarray]  # slot (spec.sites) -> storage-dtype rows: (b, dim) pooled, (sum(counts), dim) full_sequence
+    # slot (spec.sites) -> the stored tensors of its rows (``DType.encode``): [codes] for an unscaled dtype,
+    # [codes, scales (rows,) float32] for int8; codes (b, dim) pooled, (sum(counts), dim) full_sequence
+    hidden: dict[str, list[np.ndarray]]
     logits: tuple[np.ndarray, np.ndarray] | None  # (values (b, k) float32, indices (b, k) int32)
     columns: dict[str, list]  # optional format columns (perplexity, token lists) and user columns
 
@@ -172,21 +175,27 @@ def hidden_by_slot(spec: DatasetSpec, hidden: Mapping[Any, Any]) -> dict[str, An
     return {slot: by_site[k] for k, slot in want.items()}
 
 
-def _check_hidden(spec: DatasetSpec, hidden: Mapping[Any, Any], counts: np.ndarray, base: int) -> dict[str, np.ndarray]:
+def _check_hidden(spec: DatasetSpec, hidden: Mapping[Any, Any], counts: np.ndarray,
+                  base: int) -> dict[str, list[np.ndarray]]:
     rows = len(counts) if not spec.full_sequence else int(counts.sum())
     out = {}
     sites = spec.sites
+    kind = DTYPES[spec.dtype]
     for slot, value in hidden_by_slot(spec, hidden).items():
-        a = to_storage(value, spec.dtype)
         hp, layer = sites[slot]
+        name = f"hidden[{layer}]" if len(spec.hookpoints) == 1 else f"hidden[{hp!r}][{layer}]"
+        try:
+            tensors = kind.encode(value)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"{name} (prompts {base}..{base + len(counts) - 1}): {e}") from None
+        a = tensors[0]
         if a.shape != (rows, spec.dim_of(hp)):
             what = "(batch, dim)" if not spec.full_sequence else "(sum(num_tokens), dim)"
-            name = f"hidden[{layer}]" if len(spec.hookpoints) == 1 else f"hidden[{hp!r}][{layer}]"
             raise InvalidArgumentError(
                 f"{name} has shape {tuple(a.shape)}; expected {what} = {(rows, spec.dim_of(hp))} "
                 f"for prompts {base}..{base + len(counts) - 1}"
             )
-        out[slot] = a
+        out[slot] = [t for t in tensors if t is not None]
     return out
 
 

@@ -134,7 +134,9 @@ def _section(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] 
         "",
         "Everything is described by the `lmprobe:` keys of the index's parquet schema metadata."
         + (" The shards hold bfloat16, which numpy has no type for: read them through torch." if hidden["dtype"]
-           == "bfloat16" else ""),
+           == "bfloat16" else "")
+        + (" The shards hold int8 codes and a float32 scale per row: a vector is codes x scale (format 3.0)."
+           if hidden.get("scale_key_pattern") else ""),
         "",
         "```python",
         "import json",
@@ -149,7 +151,14 @@ def _section(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] 
         'path = hidden["file_pattern"].format(layer=layer, shard=row["shard_index"])',
         'key = hidden["key_pattern"].format(layer=layer)',
     ]
-    if hidden["dtype"] == "bfloat16":  # numpy has no bfloat16: read through torch
+    if hidden.get("scale_key_pattern"):  # int8: the row's codes times its float32 scale (docs/format.md, Dtypes)
+        lines += [
+            'with safe_open(path, framework="np") as f:',
+            '    codes = f.get_slice(key)[int(row["row_offset"])]',
+            '    scale = f.get_slice(hidden["scale_key_pattern"].format(layer=layer))[int(row["row_offset"])]',
+            '    vector = codes.astype("float32") * scale  # last-token activation of prompt 0',
+        ]
+    elif hidden["dtype"] == "bfloat16":  # numpy has no bfloat16: read through torch
         lines += [
             'with safe_open(path, framework="pt") as f:',
             '    vector = f.get_slice(key)[int(row["row_offset"])].float().numpy()  # last-token activation of prompt 0',

@@ -22,15 +22,13 @@ import pyarrow as pa
 from ..base.paths import check_pattern
 from ..base.units import parse_size
 from ..errors import InvalidArgumentError
+from .dtypes import DTYPES, HIDDEN_DTYPES
 from .spec import (
     DEFAULT_HIDDEN_FILE_PATTERN,
     DEFAULT_HIDDEN_KEY_PATTERN,
     DEFAULT_HOOKPOINT,
     DEFAULT_LOGITS_FILE_PATTERN,
     DEFAULT_SHARD_SIZE,
-    DTYPES,
-    FORMAT_VERSION,
-    HIDDEN_DTYPES,
     LAYOUTS,
     MAX_SHARD_SIZE,
     NESTED_HIDDEN_FILE_PATTERN,
@@ -63,7 +61,8 @@ class DatasetSpec:
     storage: str = "pooled"
     """``pooled`` (the last token of each prompt) or ``full_sequence`` (every token)."""
     dtype: str = "float32"
-    """Stored dtype of the hidden states: ``float32``, ``float16`` or ``bfloat16``."""
+    """Stored dtype of the hidden states: ``float32``, ``float16``, ``bfloat16`` or ``int8`` (per-row absmax scales;
+    format 3.0, docs/format.md)."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Byte budget of one shard: an int or a size such as ``"512MB"`` (kept in bytes), at most 16 GiB."""
     logits_k: int | None = None
@@ -219,12 +218,12 @@ class DatasetSpec:
 
     @property
     def row_bytes(self) -> int:
-        return self.dim_of(self.primary_hookpoint) * DTYPES[self.dtype].itemsize
+        return DTYPES[self.dtype].row_bytes(self.dim_of(self.primary_hookpoint))
 
     @property
     def rows_per_shard(self) -> int:
         """Rows per shard: every hookpoint shares the shard structure, so the widest one decides."""
-        widest = max(self.dim_of(hp) for hp in self.hookpoints) * DTYPES[self.dtype].itemsize
+        widest = DTYPES[self.dtype].row_bytes(max(self.dim_of(hp) for hp in self.hookpoints))
         return max(1, self.shard_size // widest)
 
     @property
@@ -234,7 +233,7 @@ class DatasetSpec:
     def fingerprint(self) -> dict[str, Any]:
         """Everything that decides the bytes written: a partial output resumes only under the same fingerprint."""
         return {
-            "format_version": FORMAT_VERSION,
+            "format_version": DTYPES[self.dtype].format_version,
             "layers": list(self.layers),
             "dim": self.dim,
             "storage": self.storage,

@@ -10,7 +10,8 @@ Dataset's internal API"):
 - ``token_addresses(rows)``, ``check_addresses(...)``, ``check_token_counts(...)``: the index's
   addresses of rows, checked;
 - ``read_hidden_rows(layer, shard_ids, offsets)`` and ``logits_rows(shard_ids, offsets)``: rows
-  gathered, one read pass per shard (bfloat16 converted to float32 as it is read).
+  gathered, one read pass per shard (bfloat16 converted to float32 as it is read; int8 decoded with
+  its scales, ``hidden_scales(layer, shard)``, by ``dtypes.DType.decode``).
 
 Addresses and headers are untrusted: every shard a read touches is located and its header checked
 before the output is allocated, so a size in the metadata that no file backs never reaches np.empty.
@@ -28,9 +29,9 @@ import pyarrow.compute as pc
 
 from ..base.worker import settle
 from ..errors import FormatError, ShardMissingError
+from .dtypes import DTYPES, SCALE_DTYPE
 from .files import LocalFiles
 from .safetensors_io import SafetensorsHeader, TensorEntry, read_header, read_rows_into, read_run_into
-from .spec import DTYPES
 from .values import bfloat16_bits_to_float32, bfloat16_to_float32_later
 
 #: bfloat16 values read per piece when a read converts as it goes: at most 2M (4 MiB of bits, in cache when the
@@ -140,6 +141,17 @@ class ShardGather:
             self._located[key] = found
         return found
 
+    def hidden_scales(self, layer: int, shard: int, hookpoint: str | None = None) -> tuple[Path, TensorEntry]:
+        """A scaled dtype's (int8) per-row scales of shard ``shard`` of ``layer``: local path and tensor entry, checked
+        (one float32 per row of the codes, in the same file)."""
+        h = self._ds.hidden_desc(hookpoint)
+        if not 0 <= shard < len(h.shards):
+            raise FormatError(f"{self._files}: shard {shard} is not among the {len(h.shards)} the metadata lists")
+        key = h.scale_key(layer)
+        if key is None:
+            raise AssertionError(f"{h.dtype} rows have no scales")
+        return self.tensor(h.file(layer, shard), key, SCALE_DTYPE, (), h.shard_rows(shard))
+
     # ---------------------------------------------------------------- addresses
 
     def check_addresses(self, shard_ids: np.ndarray, offsets: np.ndarray, shard_rows, n_shards: int) -> None:
@@ -196,10 +208,16 @@ class ShardGather:
                          hookpoint: str | None = None):
         """Rows ``offsets[i]`` of shards ``shard_ids[i]`` of ``layer``: (N, dim), one read pass per shard."""
         h = self._ds.hidden_desc(hookpoint)
-        convert = h.dtype == "bfloat16" and not as_torch  # converted as it is read
+        if h.kind.scaled:  # codes and their scales, gathered alike, decoded to float32
+            codes = self._gather(shard_ids, offsets, lambda shard: self.hidden_shard(layer, shard, hookpoint),
+                                 len(h.shards), (h.dim,), h.kind.np_storage)
+            scales = self._gather(shard_ids, offsets, lambda shard: self.hidden_scales(layer, shard, hookpoint),
+                                  len(h.shards), (), DTYPES[SCALE_DTYPE].np_storage)
+            return _finish(h.kind.decode(codes, scales), False, as_torch)
+        convert = h.kind.half_of_float32 and not as_torch  # converted as it is read
         out = self._gather(shard_ids, offsets, lambda shard: self.hidden_shard(layer, shard, hookpoint), len(h.shards),
                            (h.dim,), DTYPES[h.dtype].np_storage, bfloat16_out=convert)
-        return out if convert else _finish(out, h.dtype, as_torch)
+        return out if convert else _finish(out, h.kind.half_of_float32, as_torch)
 
     def logits_rows(self, shard_ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Top-k logits rows ``offsets[i]`` of logits shards ``shard_ids[i]``: (values (N, k), indices (N, k))."""
@@ -319,14 +337,14 @@ def _gather_bfloat16(groups: list, offsets: np.ndarray, n: int, row_shape: tuple
     return out
 
 
-def _finish(arr: np.ndarray, dtype: str, as_torch: bool):
+def _finish(arr: np.ndarray, half_of_float32: bool, as_torch: bool):
     """Rows as read, handed out: a torch tensor (bfloat16 bits viewed as bfloat16), or float32 for bfloat16."""
     if as_torch:
         import torch
 
-        if dtype == "bfloat16":
+        if half_of_float32:
             return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(arr)
-    if dtype == "bfloat16":
+    if half_of_float32:
         return bfloat16_bits_to_float32(arr)
     return arr

@@ -15,12 +15,10 @@ from ..base.paths import check_pattern, check_relpath, format_relpath
 from ..errors import FormatError
 from ..version import __version__
 from .datasetspec import DatasetSpec
+from .dtypes import DTYPES, HIDDEN_DTYPES, READ_MAJORS, SCALE_DTYPE, scale_key
 from .spec import (
     ATTACHMENT_KINDS,
     DEFAULT_HOOKPOINT,
-    DTYPES,
-    FORMAT_VERSION,
-    HIDDEN_DTYPES,
     LEGACY_LOGITS_KEYS,
     LOGITS_INDICES_KEY,
     LOGITS_VALUES_KEY,
@@ -91,12 +89,22 @@ class HiddenDescriptor:
     raw: dict = field(default_factory=dict, repr=False)
     name: str = "hidden_layers"  # the entry of ``lmprobe:tensors``
     hookpoint: str = DEFAULT_HOOKPOINT  # where in the block the vectors were read
+    scale_key_pattern: str | None = None  # a scaled dtype's (int8) per-row float32 scales, beside the codes
 
     def file(self, layer: int, shard: int) -> str:
         return format_relpath(self.file_pattern, f"{self.name}.file_pattern", layer=layer, shard=shard)
 
     def key(self, layer: int) -> str:
         return self.key_pattern.format(layer=layer)
+
+    def scale_key(self, layer: int) -> str | None:
+        """The key of a layer's per-row scales in its shards, or None for an unscaled dtype."""
+        return None if self.scale_key_pattern is None else self.scale_key_pattern.format(layer=layer)
+
+    @property
+    def kind(self):
+        """The stored dtype's behaviour (``dtypes.DType``): bytes per row, decoding."""
+        return DTYPES[self.dtype]
 
     def shard_rows(self, shard: int) -> int:
         """Rows in the shard's tensor: prompts for last-token shards, tokens for sequence shards."""
@@ -154,6 +162,12 @@ def parse_hidden(d: Any, name: str = "hidden_layers") -> HiddenDescriptor:
     dtype = _str(d.get("dtype"), f"{w}.dtype", HIDDEN_DTYPES + ("float64",))
     file_pattern = check_pattern(d.get("file_pattern"), ("layer", "shard"), f"{w}.file_pattern")
     key_pattern = check_pattern(d.get("key_pattern"), ("layer",), f"{w}.key_pattern")
+    scale_pattern = None
+    if DTYPES[dtype].scaled:
+        scale_pattern = check_pattern(d.get("scale_key_pattern"), ("layer",), f"{w}.scale_key_pattern")
+        if scale_pattern == key_pattern:
+            raise FormatError(f"{w}.scale_key_pattern is its key_pattern; the scales need a tensor of their own")
+        _str(d.get("scale_dtype"), f"{w}.scale_dtype", (SCALE_DTYPE,))
     storage = _str(d.get("storage", "pooled"), f"{w}.storage", STORAGES)
     shards = d.get("shards")
     if not isinstance(shards, list):
@@ -190,6 +204,7 @@ def parse_hidden(d: Any, name: str = "hidden_layers") -> HiddenDescriptor:
         raw=d,
         name=name,
         hookpoint=hookpoint,
+        scale_key_pattern=scale_pattern,
     )
 
 
@@ -287,10 +302,10 @@ def parse_info(info: dict[str, Any]) -> DatasetInfo:
     later additions do not break this reader.
     """
     version = info.get("format_version")
-    if not isinstance(version, str) or not version.startswith("2."):
+    if not isinstance(version, str) or version.split(".")[0] not in READ_MAJORS or "." not in version:
         raise FormatError(
-            f"format_version is {version!r}; this reader understands the lmprobe format 2.x "
-            "(is this an lmprobe dataset? its index needs 'lmprobe:' schema metadata)"
+            f"format_version is {version!r}; this reader understands the lmprobe formats 2.x and 3.x "
+            "(is this an lmprobe dataset? its index needs 'lmprobe:' schema metadata; a newer format: upgrade lmprobe)"
         )
     num_prompts = _int(info.get("num_prompts"), "num_prompts")
     tensors = _dict(info.get("tensors", {}), "tensors")
@@ -306,6 +321,11 @@ def parse_info(info: dict[str, Any]) -> DatasetInfo:
             raise FormatError(f"tensors.{name} needs a hookpoint of its own (has {d.get('hookpoint')!r})")
         _check_same_shards(h, hidden)
         hookpoints[h.hookpoint] = h
+    for h in hookpoints.values():
+        if h.kind.scaled and version.split(".")[0] != h.kind.format_version.split(".")[0]:
+            # a reader of format 2 would return the codes as values: a scaled dtype is never written under 2.x
+            raise FormatError(f"tensors.{h.name} is {h.dtype}, which format {version} cannot hold (it needs "
+                              f"{h.kind.format_version}); the metadata is damaged")
     logits = parse_logits(tensors["logits_topk"]) if "logits_topk" in tensors else None
     # statistics have a key of their own: readers that walk every entry of `tensors` (lmprobe 0.10.3)
     # expect shards in each; datasets written before that kept them in `tensors`
@@ -422,7 +442,11 @@ def build_hidden_descriptor(spec: DatasetSpec, last_closed: list[dict], seq_clos
         hidden["last_token_shards"] = len(last_closed)
     else:
         hidden["pooling"] = "last_token"
-    hidden["row_bytes"] = spec.dim_of(hp) * DTYPES[spec.dtype].itemsize
+    kind = DTYPES[spec.dtype]
+    if kind.scaled:
+        hidden["scale_key_pattern"] = scale_key(key_pattern)
+        hidden["scale_dtype"] = SCALE_DTYPE
+    hidden["row_bytes"] = kind.row_bytes(spec.dim_of(hp))
     hidden["shards"] = shards
     return hidden
 
@@ -450,7 +474,7 @@ def build_info(spec: DatasetSpec, *, num_prompts: int, tensors: dict[str, Any], 
                prompt_ordering: str = "input", extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The decoded ``lmprobe:`` metadata of a dataset (encode_schema_metadata turns it into schema keys)."""
     info = {
-        "format_version": FORMAT_VERSION,
+        "format_version": DTYPES[spec.dtype].format_version,
         "model": {"name": spec.model_name, "revision": spec.model_revision},
         "num_prompts": num_prompts,
         "prompt_ordering": prompt_ordering,

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..base.safeio import check_regular, loads
 from ..errors import FormatError
-from .spec import DTYPES, ST_TO_DTYPE, dtype_info
+from .dtypes import DTYPES, ST_TO_DTYPE, dtype_info
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
 

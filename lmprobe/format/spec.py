@@ -1,16 +1,13 @@
-"""Constants of the lmprobe dataset format 2.0 (docs/format.md is the document they implement)."""
+"""Constants of the lmprobe dataset format (docs/format.md is the document they implement; dtypes: dtypes.py)."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidArgumentError
 
-FORMAT_VERSION = "2.0"
 META_PREFIX = "lmprobe:"
 INDEX_PATH = "index/train-00000-of-00001.parquet"
 CARD_PATH = "README.md"
@@ -78,33 +75,6 @@ def hookpoint_patterns(hookpoint: str, layout: str = "flat") -> tuple[str, str]:
 def hookpoint_tensor_name(hookpoint: str) -> str:
     """The ``lmprobe:tensors`` entry of a hookpoint other than the one ``hidden_layers`` holds."""
     return f"hidden_{hookpoint_slug(hookpoint)}"
-
-
-@dataclass(frozen=True)
-class DType:
-    name: str  # the name written in metadata
-    st: str  # safetensors' dtype tag
-    itemsize: int
-    np_storage: np.dtype  # how the raw bytes are held in numpy (bfloat16 has no numpy dtype)
-
-
-DTYPES: dict[str, DType] = {
-    "float32": DType("float32", "F32", 4, np.dtype("<f4")),
-    "float16": DType("float16", "F16", 2, np.dtype("<f2")),
-    "bfloat16": DType("bfloat16", "BF16", 2, np.dtype("<u2")),
-    "float64": DType("float64", "F64", 8, np.dtype("<f8")),
-    "int32": DType("int32", "I32", 4, np.dtype("<i4")),
-    "int64": DType("int64", "I64", 8, np.dtype("<i8")),
-}
-HIDDEN_DTYPES = ("float32", "float16", "bfloat16")
-ST_TO_DTYPE = {d.st: d for d in DTYPES.values()}
-
-
-def dtype_info(name: str) -> DType:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise InvalidArgumentError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
 
 
 # Index columns in the order the writer emits them. User columns follow, in the order given.

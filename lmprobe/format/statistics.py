@@ -18,6 +18,7 @@ import numpy as np
 
 from ..base.atomic import atomic_output
 from ..base.hashing import sha256_file
+from .dtypes import DType
 from .spec import hookpoint_slug
 
 STATS_FILE = "tensors/statistics.safetensors"
@@ -39,6 +40,14 @@ class RunningStats:
     def of(cls, x: Any, *, bfloat16_bits: bool = False) -> RunningStats:
         """The statistics of the rows of ``x`` (see ``batch_statistics``)."""
         return batch_statistics(x, bfloat16_bits=bfloat16_bits)
+
+    @classmethod
+    def of_stored(cls, kind: DType, tensors: list[np.ndarray]) -> RunningStats:
+        """The statistics of stored rows (``kind.encode``'s tensors) as a reader decodes them: of the values
+        ``lmprobe.load`` returns, not of what the model handed the writer (int8: codes times scales)."""
+        if kind.scaled:
+            return batch_statistics(kind.decode(*tensors))
+        return batch_statistics(tensors[0], bfloat16_bits=kind.half_of_float32)
 
     @classmethod
     def of_chunks(cls, counts: np.ndarray, sums: np.ndarray, m2s: np.ndarray, norm_sums: np.ndarray) -> RunningStats:

@@ -15,10 +15,11 @@ from ..base.hashing import sha256_file
 from ..base.paths import resolve_inside
 from ..base.safeio import check_regular
 from ..errors import FormatError, UnsafePathError, ValidationError
+from .dtypes import DTYPES, SCALE_DTYPE
 from .files import LocalFiles, find_index
 from .metadata import WRITER, DatasetInfo, decode_schema_metadata, parse_info
 from .safetensors_io import read_header
-from .spec import CARD_PATH, DTYPES, STAGING_DIR
+from .spec import CARD_PATH, STAGING_DIR
 
 
 @dataclass
@@ -267,9 +268,10 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
     if h is None:
         rep.warnings.append("the dataset stores no hidden_layers tensors")
     else:
-        item = DTYPES[h.dtype].itemsize
-        if h.row_bytes is not None and h.row_bytes != h.dim * item:
-            rep.errors.append(f"hidden_layers.row_bytes is {h.row_bytes}, expected dim x {item} = {h.dim * item}")
+        want = h.kind.row_bytes(h.dim)
+        if h.row_bytes is not None and h.row_bytes != want:
+            rep.errors.append(f"hidden_layers.row_bytes is {h.row_bytes}, expected {want} for {h.dim} {h.dtype} values"
+                              + (" and a float32 scale" if h.kind.scaled else ""))
         if h.raw.get("layout", "per_layer") != "per_layer":
             rep.errors.append(f"hidden_layers.layout is {h.raw.get('layout')!r}; only 'per_layer' is defined")
         # a file not on disk costs a set lookup: metadata listing 100,000 layers is answered in seconds, and
@@ -294,8 +296,10 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
                     if rel not in present and len(rep.errors) >= _LISTED_ERRORS:
                         unlisted += 1
                         continue
-                    _check_file(root, rel, {hd.key(layer): (hd.dtype, (rows, hd.dim))}, rep, files.get(str(layer)),
-                                checksums)
+                    want_tensors = {hd.key(layer): (hd.dtype, (rows, hd.dim))}
+                    if hd.kind.scaled:  # the per-row scales beside the codes
+                        want_tensors[hd.scale_key(layer)] = (SCALE_DTYPE, (rows,))
+                    _check_file(root, rel, want_tensors, rep, files.get(str(layer)), checksums)
         if unlisted:
             rep.errors.append(f"... and {unlisted:,} more shard files listed in the metadata are missing "
                               f"({len(h.layers):,} layers listed)")

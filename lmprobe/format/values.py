@@ -13,7 +13,6 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ColumnTypeError, InvalidArgumentError
-from .spec import DTYPES
 
 # User column types we accept, by the name used in metadata and fingerprints.
 COLUMN_TYPES: dict[str, pa.DataType] = {
@@ -259,23 +258,6 @@ def torch_dtype(name: str):
     import torch
 
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
-
-
-def to_storage(x: Any, dtype: str) -> np.ndarray:
-    """Convert an array-like (numpy, torch, JAX) to the numpy storage dtype of ``dtype``."""
-    if _is_torch(x):
-        import torch
-
-        t = x.detach().to(device="cpu", dtype=torch_dtype(dtype)).contiguous()
-        if dtype == "bfloat16":
-            return t.view(torch.int16).numpy().view(np.uint16)
-        return t.numpy()
-    a = np.asarray(x)
-    if a.dtype == object:
-        raise ColumnTypeError("expected a numeric array, got an object array (a nested list or dict?)")
-    if dtype == "bfloat16":
-        return float32_to_bfloat16_bits(a)
-    return np.ascontiguousarray(a, dtype=DTYPES[dtype].np_storage)
 
 
 def to_numpy(x: Any) -> np.ndarray:

@@ -37,6 +37,7 @@ from ..errors import FormatError, InvalidArgumentError
 from . import card, index
 from .batch import check_batch, hidden_by_slot
 from .datasetspec import DatasetSpec
+from .dtypes import DTYPES
 from .layout import plan
 from .metadata import (
     build_hidden_descriptor,
@@ -189,8 +190,9 @@ class DatasetWriter:
         sites = spec.sites
 
         def hidden_spec(slot: str) -> list[TensorSpec]:  # a slot is one (hookpoint, layer)
-            hp, layer = sites[slot]
-            return [TensorSpec(spec.patterns(hp)[1].format(layer=layer), spec.dtype, (spec.dim_of(hp),))]
+            hp, layer = sites[slot]  # a scaled dtype's per-row scales go beside the codes (dtypes.scale_key)
+            key = spec.patterns(hp)[1].format(layer=layer)
+            return [TensorSpec(k, dt, shape) for k, dt, shape in DTYPES[spec.dtype].tensors(key, spec.dim_of(hp))]
 
         def series(name: str, slots: list[str], specs, cap: int) -> ShardSeries:
             return ShardSeries(name, slots, specs, cap, self.staging.path, checksums=spec.checksums,
@@ -354,18 +356,18 @@ class DatasetWriter:
         ones = np.ones(b, dtype=np.int64)
         if self.spec.full_sequence:
             ends = np.cumsum(counts) - 1
-            last_rows = {slot: a[ends] for slot, a in batch.hidden.items()}
+            last_rows = {slot: [t[ends] for t in ts] for slot, ts in batch.hidden.items()}
         else:
             last_rows = batch.hidden
         cols = self._pending  # per column, one chunk per batch (lists, numpy or Arrow arrays)
         p = plan(self._last.cursor, ones, self._last.cap_rows)
-        self._last.write(p, {slot: [a] for slot, a in last_rows.items()}, ones)
+        self._last.write(p, last_rows, ones)
         cols["shard_index"].append(p.shard_of)
         cols["row_offset"].append(p.offset_of)
         if self._seq is not None:
             seq_counts = counts - 1
             p = plan(self._seq.cursor, seq_counts, self._seq.cap_rows)
-            self._seq.write(p, {slot: [a] for slot, a in batch.hidden.items()}, seq_counts, packed_counts=counts)
+            self._seq.write(p, batch.hidden, seq_counts, packed_counts=counts)
             cols["_seq_shard"].append(p.shard_of)
             cols["_seq_offset"].append(p.offset_of)
         if self._logits is not None:
@@ -395,7 +397,7 @@ class DatasetWriter:
         ):
             self.checkpoint()
 
-    def _batch_statistics(self, hidden: dict[str, np.ndarray], given: Mapping[Any, Any] | None) -> dict[str, Any]:
+    def _batch_statistics(self, hidden: dict[str, list[np.ndarray]], given: Mapping[Any, Any] | None) -> dict[str, Any]:
         """Each slot's statistics of a checked batch: the caller's partials (checked), or a future of them.
 
         Partials the caller did not give are computed on the writer's statistics thread (one torch
@@ -407,13 +409,14 @@ class DatasetWriter:
             return {}
         by_slot = hidden_by_slot(self.spec, given) if given is not None else {}
         out = {}
-        for slot, a in hidden.items():  # every stored vector: last tokens, and the others when kept
+        for slot, tensors in hidden.items():  # every stored vector: last tokens, and the others when kept
+            a = tensors[0]
             part = by_slot.get(slot)
             if part is None:
                 if self._stats_worker is None:
                     self._stats_worker = ThreadPoolExecutor(1, thread_name_prefix="lmprobe-stats",
                                                             initializer=one_torch_thread)
-                part = self._stats_worker.submit(RunningStats.of, a, bfloat16_bits=self.spec.dtype == "bfloat16")
+                part = self._stats_worker.submit(RunningStats.of_stored, DTYPES[self.spec.dtype], tensors)
             elif not isinstance(part, RunningStats) or part.count != len(a) or part.mean.shape != a.shape[1:]:
                 hp, layer = self.spec.sites[slot]
                 raise InvalidArgumentError(

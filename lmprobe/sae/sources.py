@@ -31,8 +31,8 @@ import numpy as np
 
 from ..base.safeio import read_json
 from ..errors import DictionaryError
+from ..format.dtypes import DTYPES
 from ..format.safetensors_io import read_header
-from ..format.spec import DTYPES
 from ..format.values import bfloat16_bits_to_float32
 from .activation import RELU, check_rule
 
@@ -64,7 +64,7 @@ def load_tensors(path: Path) -> dict[str, np.ndarray]:
         for key, e in header.tensors.items():
             f.seek(e.start)
             raw = np.frombuffer(f.read(e.end - e.start), dtype=DTYPES[e.dtype].np_storage).reshape(e.shape)
-            if e.dtype == "bfloat16":
+            if DTYPES[e.dtype].half_of_float32:
                 raw = bfloat16_bits_to_float32(raw)
             out[key] = raw.astype(np.float64) if raw.dtype.kind == "f" else raw
     return out

@@ -21,8 +21,7 @@ from ..base.units import plural
 from ..base.worker import settle
 from ..errors import SaevError
 from ..format.reader import Dataset
-from ..format.spec import DTYPES
-from ..format.values import bfloat16_bits_to_float32, bfloat16_to_float32_later
+from ..format.values import bfloat16_to_float32_later
 from ..opening import load
 from .protocol import (
     DEFAULT_PATCHES_PER_SHARD,
@@ -255,13 +254,18 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     maps: dict[tuple[int, int], np.ndarray] = {}
     fds: dict[tuple[int, int], tuple[int, int]] = {}  # float32 sources: (fd, data start), read with preadv
 
-    def source(layer: int, shard: int) -> np.ndarray:
+    def source(layer: int, shard: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """A shard's rows as stored, mapped, and a scaled dtype's (int8) per-row scales beside them."""
         if (layer, shard) not in maps:
             while len(maps) >= _OPEN_SOURCES:
                 maps.pop(next(iter(maps)))
             path, entry = ds.shards.hidden_shard(layer, shard, hookpoint)
-            maps[(layer, shard)] = np.memmap(path, dtype=DTYPES[h.dtype].np_storage, mode="r", offset=entry.start,
-                                             shape=entry.shape)
+            scales = None
+            if h.kind.scaled:
+                spath, sentry = ds.shards.hidden_scales(layer, shard, hookpoint)
+                scales = np.memmap(spath, dtype=np.float32, mode="r", offset=sentry.start, shape=sentry.shape)
+            maps[(layer, shard)] = (np.memmap(path, dtype=h.kind.np_storage, mode="r", offset=entry.start,
+                                              shape=entry.shape), scales)
         return maps[(layer, shard)]
 
     def source_fd(layer: int, shard: int) -> tuple[int, int]:
@@ -276,7 +280,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
 
     # float32 and bfloat16 runs are read with one preadv each straight into the block (bfloat16 into a
     # block of raw bits, converted in one pass per chunk); other dtypes are copied out of memory maps
-    direct = h.dtype in ("float32", "bfloat16") and hasattr(os, "preadv")
+    direct = (h.kind.half_of_float32 or h.dtype == "float32") and hasattr(os, "preadv")
 
 
     ex_chunk = max(1, _CHUNK_BYTES // (L * T * vec_bytes))
@@ -284,7 +288,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     shards_json = []
     shape = (min(ex_chunk, max(plan.shard_sizes)), L, T, D)
     # two blocks: one is filled while the other is converted (converter threads) and written (the writer thread)
-    blocks = [(np.empty(shape, dtype="<f4"), np.empty(shape, dtype=np.uint16) if direct and h.dtype == "bfloat16"
+    blocks = [(np.empty(shape, dtype="<f4"), np.empty(shape, dtype=np.uint16) if direct and h.kind.half_of_float32
                else None) for _ in range(2)]
     try:
         _write_shards(plan, partial, L, T, D, ex_chunk, blocks, run_start, run_len, run_shard, run_off,
@@ -323,7 +327,7 @@ def _write_shards(plan, partial, L, T, D, ex_chunk, blocks, run_start, run_len, 
     examples (saev's loaders map every shard at full size).
     """
     vec_bytes = D * 4
-    src_bytes = D * DTYPES[h.dtype].itemsize
+    src_bytes = D * h.kind.itemsize
     first_ex = 0
     with ThreadPoolExecutor(1, thread_name_prefix="lmprobe-saev-writer") as writer:
         for i, n in enumerate(plan.shard_sizes):
@@ -356,9 +360,10 @@ def _write_shards(plan, partial, L, T, D, ex_chunk, blocks, run_start, run_len, 
                                         raise SaevError(f"{h.file(layer, int(run_shard[r]))} ended early; is the "
                                                         "source complete?")
                                     continue
-                                rows = source(layer, int(run_shard[r]))[run_off[r] : run_off[r] + m]
-                                block[e - a, li, t : t + m] = (bfloat16_bits_to_float32(rows) if h.dtype == "bfloat16"
-                                                               else rows)
+                                codes, scales = source(layer, int(run_shard[r]))
+                                lo = int(run_off[r])
+                                h.kind.decode(codes[lo : lo + m], None if scales is None else scales[lo : lo + m],
+                                              out=block[e - a, li, t : t + m])
                         # converted on the converter threads while the writer still writes the previous chunk
                         conversion = bfloat16_to_float32_later(bits[: b - a], block[: b - a]) if bits is not None else None
                         writes[k % 2] = writer.submit(_write_chunk, f, block, conversion, b - a)

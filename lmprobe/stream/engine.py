@@ -25,7 +25,7 @@ import numpy as np
 
 from ..base.worker import prefetched, settle
 from ..errors import InvalidArgumentError
-from ..format.spec import DTYPES
+from ..format.dtypes import DTYPES
 from ..format.values import bfloat16_bits_to_float32, cast_bfloat16_here, on_converter
 from .plan import MAX_GROUP_BLOCKS, GroupPlan, Share, deal, groups, whole_share
 
@@ -37,8 +37,9 @@ class RowSource(ABC):
 
     Subclasses give ``shard_rows`` (rows per shard), ``n_sites``, ``dim``, ``dtype`` (the stored
     dtype name) and ``read_rows(shard, rows, site, out)``, which gathers rows ``rows`` (sorted) of a
-    shard into ``out`` ((len(rows), dim) in the stored dtype's numpy storage: raw uint16 bits for
-    bfloat16). Pools hold rows as stored: converting is done once, as a batch is formed.
+    shard into ``out`` ((len(rows), dim) in the numpy storage of ``pool_dtype(dtype)``: raw uint16 bits
+    for bfloat16). Pools hold rows as stored: converting is done once, as a batch is formed. A scaled
+    dtype (int8) is decoded as it is read: its pools hold float32.
     """
 
     shard_rows: list[int]
@@ -73,6 +74,13 @@ class RowSource(ABC):
     def cancel(self) -> None:
         """A pass ended early: forget the windows planned and not read."""
         return None
+
+
+def pool_dtype(dtype: str) -> str:
+    """The dtype a source's ``read_rows`` writes into a pool: the stored one, or the float dtype a scaled one (int8)
+    decodes to (``DType.compute``)."""
+    kind = DTYPES[dtype]
+    return kind.compute if kind.scaled else kind.name
 
 
 def rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -131,8 +139,9 @@ class Engine:
         self.dropped = None if dropped is None else np.asarray(dropped, dtype=np.int64)
         self.out_dtype, self.pin_memory, self.squeeze = out_dtype, bool(pin_memory), squeeze
         self.as_torch = as_torch or self.pin_memory or out_dtype != "float32"  # batches as torch tensors
-        self.storage = DTYPES[source.dtype].np_storage
-        row = source.n_sites * source.dim * DTYPES[source.dtype].itemsize
+        pooled = DTYPES[pool_dtype(source.dtype)]
+        self.storage = pooled.np_storage
+        row = source.n_sites * source.dim * pooled.itemsize
         row_out = source.n_sites * source.dim * (4 if out_dtype == "float32" else 2)
         # two pools (one served, one being read; each with room for a carried batch), and the batches
         # in flight (the one being gathered and the one the consumer holds): all within ``memory``

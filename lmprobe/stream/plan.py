@@ -29,6 +29,7 @@ number of stored rows.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -80,6 +81,60 @@ class Pieces:
         """Whether each piece is its shard's only piece (then it is read whole: header, rows and checksum)."""
         s = self.shard_of(np.asarray(piece, dtype=np.int64))
         return self.first[s + 1] - self.first[s] == 1
+
+
+#: the sizes the reader picks its pieces between (per site): a request of at least 1 MiB keeps the request rate of a
+#: rank at 1 GB/s under ~1,000/s (the Hub's largest plans); 64 MiB is the most a piece needs (docs/performance.md)
+MIN_PIECE = 1 << 20
+MAX_PIECE = 64 << 20
+#: the label spread of a batch of B rows drawn from K resident pieces is sqrt(1 + B / K^2) times a uniform sample's
+#: (docs/performance.md, "Mixing"): within 1.5x when K >= 0.9 sqrt(B)
+MIXING_SPREAD = 1.5
+
+
+@dataclass(frozen=True)
+class PieceChoice:
+    """The piece size a reader picks for mixing (``choose_piece``), and what it will get."""
+
+    piece_bytes: int  # per site
+    whole_share: bool  # the rank's whole share fits in its cache: read in the largest pieces, all resident
+    k_needed: int  # pieces resident for a spread of MIXING_SPREAD
+    k: int  # pieces resident with this piece size (``whole_share``: every piece of the share)
+    spread: float  # the expected label spread against uniform sampling, sqrt(1 + B / K^2); 1.0 for a whole share
+    cache_needed: int  # the cache (all of a machine's readers) that reaches MIXING_SPREAD with the smallest pieces
+
+
+def choose_piece(*, share_bytes: int, cache_bytes: int, batch_size: int, n_sites: int = 1, readers: int = 1,
+                 n_pieces_at_max: int | None = None) -> PieceChoice:
+    """The piece size (per site) for a rank reading ``share_bytes`` (all sites) through its share of a cache of
+    ``cache_bytes`` shared by ``readers`` ranks, batches of ``batch_size``.
+
+    Half of a rank's cache holds the group being read, half the next one, so ``K = cache / (readers x 2 x piece x
+    n_sites)`` pieces are resident. Pieces are sized so that ``K >= 0.9 sqrt(B)`` (a batch's spread within 1.5x of
+    uniform), between MIN_PIECE and MAX_PIECE; when the share fits in the rank's cache it is read in the largest
+    pieces and sampled from as a whole. At full size: 128 ranks of 8 a node, a 16 GiB cache per node, batches of
+    4,096 -> K >= 58, 2 GiB a rank -> at most 2 GiB / (2 x 58) = 17.6 MiB, rounded down to 16 MiB (K = 64).
+
+    >>> c = choose_piece(share_bytes=1600 << 20, cache_bytes=400 << 20, batch_size=4096)   # a quarter cache
+    >>> c.piece_bytes >> 20, c.k, round(c.spread, 2)
+    (2, 100, 1.19)
+    >>> choose_piece(share_bytes=1600 << 20, cache_bytes=1600 << 20, batch_size=4096).piece_bytes >> 20
+    64
+    """
+    b = max(1, int(batch_size))
+    per_rank = max(1, int(cache_bytes) // max(1, int(readers)))
+    n_sites = max(1, int(n_sites))
+    k_needed = max(1, math.ceil(0.9 * math.sqrt(b)))
+    if share_bytes <= per_rank:
+        n = n_pieces_at_max if n_pieces_at_max is not None else max(1, -(-int(share_bytes) // (MAX_PIECE * n_sites)))
+        return PieceChoice(MAX_PIECE, True, k_needed, n, 1.0, 2 * k_needed * MIN_PIECE * n_sites * int(readers))
+    piece = per_rank // (2 * k_needed * n_sites)
+    # a power of two at or below it: the bound is an estimate (the issue measured 1.76x where it gives 1.62x), so the
+    # rounding errs towards more pieces resident
+    piece = min(MAX_PIECE, max(MIN_PIECE, 1 << max(0, piece.bit_length() - 1)))
+    k = max(1, per_rank // (2 * piece * n_sites))
+    return PieceChoice(piece, False, k_needed, k, math.sqrt(1 + b / k**2),
+                       2 * k_needed * MIN_PIECE * n_sites * max(1, int(readers)))
 
 
 @dataclass(frozen=True)

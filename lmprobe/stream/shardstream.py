@@ -29,8 +29,8 @@ from ..opening import load
 from ..storage.hub import READER_DEADLINE, HubFiles, reader_policy
 from ..storage.objectstore import object_store_policy
 from .engine import OUT_DTYPES, Engine, is_in_sorted, rank_world
-from .plan import groups
-from .sources import PIECE_BYTES, DatasetRows, RemoteRows
+from .plan import MIXING_SPREAD, choose_piece, groups
+from .sources import DatasetRows, RemoteRows
 
 NORMALIZE = (None, "mean_norm", "standardize")
 DEFAULT_MEMORY = "1GiB"
@@ -42,7 +42,7 @@ class ShardStream:
     ``ShardStream(dataset, layer, batch_size, seed=0, shuffle=True, rank=None, world_size=None,
     normalize=None, skip_first_tokens=0, skip_special_tokens=False, max_norm_ratio=None,
     memory="1GiB", layers=None, hookpoints=None, drop_last=False, dtype="float32", pin_memory=False,
-    cache=None, piece="64MiB", deadline=1800)``
+    cache=None, piece=None, deadline=1800)``
 
     - iterating yields ``(batch_size, dim)`` arrays, or ``(batch_size, n_sites, dim)`` with
       ``layers=[...]`` and/or ``hookpoints=[...]`` (every layer x hookpoint, same tokens);
@@ -65,7 +65,9 @@ class ShardStream:
       computing it reads the data once); ``state_dict()``/``load_state_dict()`` resume mid-epoch
       exactly; ``torch_dataset()`` is an IterableDataset for DataLoader workers;
     - a remote dataset (Hub, object storage) is read in pieces of at most ``piece`` bytes (one request
-      each) through a cache of at most ``cache`` bytes that the ranks and workers of one machine share
+      each; by default sized for mixing: ``plan.choose_piece``, between 1 and 64 MiB, so that a batch
+      draws from enough pieces to stay within 1.5x of uniform sampling, with a warning when the cache
+      is too small for that) through a cache of at most ``cache`` bytes that the ranks and workers of one machine share
       (``LOCAL_WORLD_SIZE`` of them, as torchrun sets it, each holding its share); 429/5xx answers and
       dropped or stalled connections are waited out for ``deadline`` seconds (docs/training.md).
     """
@@ -77,7 +79,7 @@ class ShardStream:
                  memory: int | str = DEFAULT_MEMORY, layers: Sequence[int] | None = None,
                  hookpoints: Sequence[str] | None = None, drop_last: bool = False, block_rows: int | None = None,
                  dtype: str = "float32", pin_memory: bool = False, cache: int | str | None = None,
-                 piece: int | str = PIECE_BYTES, deadline: float = READER_DEADLINE):
+                 piece: int | str | None = None, deadline: float = READER_DEADLINE):
         if normalize not in NORMALIZE:
             raise InvalidArgumentError(f"normalize must be None, 'mean_norm' or 'standardize', got {normalize!r}")
         if isinstance(skip_first_tokens, bool) or not isinstance(skip_first_tokens, int) or skip_first_tokens < 0:
@@ -129,8 +131,8 @@ class ShardStream:
         self.piece_bytes: int | None = None
         if not hasattr(self.ds.files, "download"):  # a local folder: read in place, no cache
             return DatasetRows(self.ds, self.sites)
-        piece_bytes = parse_size(piece)
-        if piece_bytes <= 0:
+        piece_bytes = parse_size(piece) if piece is not None else None
+        if piece_bytes is not None and piece_bytes <= 0:
             raise InvalidArgumentError(f"piece must be a positive size, got {piece!r}")
         if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or deadline < 0:
             raise InvalidArgumentError(f"deadline must be a number of seconds >= 0, got {deadline!r}")
@@ -145,6 +147,19 @@ class ShardStream:
         if cache is None:
             logger.info(f"lmprobe: reading {self.ds.files} through a local cache of at most {format_size(budget)} "
                         "(cache= / --cache to change it)")
+        whole_share = False
+        if piece_bytes is None:  # sized for mixing (docs/performance.md, "Mixing")
+            choice = choose_piece(share_bytes=int(source.file_bytes.sum()) // self.world_size, cache_bytes=budget,
+                                  batch_size=self.batch_size, n_sites=source.n_sites, readers=readers)
+            source.cut_pieces(choice.piece_bytes)
+            whole_share = choice.whole_share
+            if not whole_share and choice.spread > MIXING_SPREAD:
+                _warn_once(f"lmprobe: cache={format_size(budget)} holds {choice.k} pieces of "
+                           f"{format_size(choice.piece_bytes)} per rank of {self.ds.files}: batches of "
+                           f"{self.batch_size} will mix about {choice.spread:.1f}x worse than uniform sampling (label "
+                           f"spread); cache='{format_size(choice.cache_needed)}' would keep it within "
+                           f"{MIXING_SPREAD}x")
+        piece_bytes = source.piece_bytes
         biggest = source.largest_piece()
         if budget < 2 * biggest * readers:
             source.close()
@@ -154,6 +169,8 @@ class ShardStream:
                 f"({format_size(biggest)} each, all sites); give at least cache='{format_size(2 * biggest * readers)}' "
                 "or a smaller piece=")
         self.resident, self.cache_budget, self.piece_bytes = budget // (2 * biggest * readers), budget, piece_bytes
+        if whole_share:  # the rank's share fits in its cache: one group of every piece, rows sampled from all of it
+            self.resident = max(self.resident, source.pieces.n)
         return source
 
     def close(self) -> None:
@@ -303,9 +320,10 @@ class ShardStream:
         for key, value in mine.items():
             if saved.get(key) != value:
                 shown = f"{saved.get(key)!r}"[:80]
+                hint = f" (pass piece={saved.get(key)!r})" if key == "piece" and isinstance(saved.get(key), int) else ""
                 raise InvalidArgumentError(
                     f"this reader state was saved by a reader with {key}={shown}{_UNITS.get(key, '')}; this reader "
-                    f"has {value!r}{_UNITS.get(key, '')}: resume with the same settings, or start the pass over")
+                    f"has {value!r}{_UNITS.get(key, '')}: resume with the same settings{hint}, or start the pass over")
         epoch = _count(state, "epoch", 2**62)
         plan = self.engine.pass_plan(epoch)
         window = _count(state, "window", plan.n_windows)
@@ -391,6 +409,14 @@ class ShardStream:
 
 #: how a setting's value reads in a message
 _UNITS = {"memory": " rows per window", "cache": " pieces resident", "piece": " bytes per piece"}
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A warning said once per process (a reader made each epoch, or by each DataLoader worker, repeats nothing)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
 
 
 def node_readers(world_size: int) -> int:

@@ -16,9 +16,9 @@ from ..base.hashing import sha256_file
 from ..base.safeio import nofollow_opener
 from ..base.units import format_size
 from ..errors import FormatError, InvalidArgumentError
+from ..format.dtypes import DTYPES
 from ..format.reader import Dataset
 from ..format.safetensors_io import header_length, parse_header
-from ..format.spec import DTYPES
 from ..storage.cache import BoundedCache
 from .engine import RowSource
 from .plan import Pieces, Share
@@ -40,7 +40,22 @@ class DatasetRows(RowSource):
         h = descs[0]
         self.shard_rows = [h.shard_rows(s) for s in range(len(h.shards))]
         self.n_sites = len(sites)
+        self.kind = DTYPES[self.dtype]
         self._maps: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._scale_maps: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def _scales(self, shard: int, site: int) -> np.ndarray:
+        """A scaled dtype's per-row scales of a shard, mapped (the tensor beside the codes)."""
+        key = (shard, site)
+        m = self._scale_maps.get(key)
+        if m is None:
+            hp, layer = self.sites[site]
+            path, entry = self.ds.shards.hidden_scales(layer, shard, hp)
+            m = self._scale_maps[key] = np.memmap(path, dtype=np.float32, mode="r", offset=entry.start,
+                                                  shape=(self.shard_rows[shard],))
+            if len(self._scale_maps) > self._MAX_MAPS:
+                self._scale_maps.popitem(last=False)
+        return m
 
     def _map(self, shard: int, site: int) -> np.ndarray:
         key = (shard, site)
@@ -64,7 +79,25 @@ class DatasetRows(RowSource):
 
     def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
         # mode="clip": no buffered copy (rows are in range by construction); one gather, page cache -> pool
+        if self.kind.scaled:
+            decode_rows(self.kind, self._map(shard, site), self._scales(shard, site), rows, out)
+            return
         np.take(self._map(shard, site), rows, axis=0, out=out, mode="clip")
+
+
+#: bytes of codes gathered per step before they are decoded: they stay in cache
+_DECODE_BYTES = 1 << 20
+
+
+def decode_rows(kind, codes: np.ndarray, scales: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """Rows ``rows`` of mapped codes and scales, decoded into float32 ``out``: a gather of the codes a few
+    cache-sized steps at a time, then one multiply each (the read plus dequantize of the benchmark's floor)."""
+    step = max(1, _DECODE_BYTES // max(1, codes.shape[1] * codes.itemsize))
+    buf = np.empty((min(step, len(rows)), codes.shape[1]), dtype=codes.dtype)
+    for a in range(0, len(rows), step):
+        r = rows[a : a + step]
+        np.take(codes, r, axis=0, out=buf[: len(r)], mode="clip")
+        kind.decode(buf[: len(r)], scales[r], out=out[a : a + len(r)])
 
 
 #: bytes of one site's rows per piece, the default of ``ShardStream(piece=)``: one HTTP range request each
@@ -107,15 +140,12 @@ class RemoteRows(DatasetRows):
                                                "cache needs; download the dataset (`lmprobe pull`) and read the "
                                                "local copy")
                 self.file_bytes[s, site] = size
-        self.row_bytes = self.dim * DTYPES[self.dtype].itemsize
-        self.piece_bytes = int(piece_bytes or PIECE_BYTES)
-        self.pieces = Pieces.cut(np.asarray(self.shard_rows, dtype=np.int64), row_bytes=self.row_bytes,
-                                 piece_bytes=self.piece_bytes)
-        self.shard_rows = self.pieces.rows()  # the engine's shards are the pieces
-        self._whole = self.pieces.whole(np.arange(self.pieces.n))
-        self._shard_of = self.pieces.shard_of(np.arange(self.pieces.n))
-        self._lo = self.pieces.locate(np.arange(self.pieces.n))[1]  # each piece's first row in its shard
+        self.row_bytes = self.kind.row_bytes(self.dim)  # what a row costs to download, a scaled dtype's scale included
+        self.code_bytes = self.dim * self.kind.itemsize  # a row of the values (codes) tensor in the file
+        self._file_rows = np.asarray(self.shard_rows, dtype=np.int64)
+        self.cut_pieces(int(piece_bytes or PIECE_BYTES))
         self.data_start = np.full((n_shards, self.n_sites), -1, dtype=np.int64)  # learned from the headers
+        self.scale_start = np.full((n_shards, self.n_sites), -1, dtype=np.int64)  # a scaled dtype's scales: likewise
         self.key = hashlib.sha256(f"{ds.files}\n{ds.identity}".encode()).hexdigest()[:24]
         self._share: Share | None = None
         self._planned: deque[list[str]] = deque()  # the names each window fed to the cache will read
@@ -131,6 +161,15 @@ class RemoteRows(DatasetRows):
         self.budget = self.cache().budget
 
     # ---------------------------------------------------------------- what a piece is
+
+    def cut_pieces(self, piece_bytes: int) -> None:
+        """Cut the shard files into pieces of at most ``piece_bytes`` per site (before anything is planned or read)."""
+        self.piece_bytes = int(piece_bytes)
+        self.pieces = Pieces.cut(self._file_rows, row_bytes=self.row_bytes, piece_bytes=self.piece_bytes)
+        self.shard_rows = self.pieces.rows()  # the engine's shards are the pieces
+        self._whole = self.pieces.whole(np.arange(self.pieces.n))
+        self._shard_of = self.pieces.shard_of(np.arange(self.pieces.n))
+        self._lo = self.pieces.locate(np.arange(self.pieces.n))[1]  # each piece's first row in its shard
 
     def _record(self, shard: int, site: int) -> tuple[str, Any, Any]:
         """(file, recorded size, recorded sha256) of one site's file of a shard."""
@@ -194,10 +233,13 @@ class RemoteRows(DatasetRows):
         with open(dst, "wb", opener=nofollow_opener) as f:  # the node-shared cache: a link there is not followed
             if whole:
                 files.read_range(rel, 0, int(size), out=f, policy=self.policy)
-            else:
+            else:  # the rows' codes, then (a scaled dtype, int8) their scales: a piece file holds both
                 start = self._data_start(s, site)
-                files.read_range(rel, start + first * self.row_bytes, start + end * self.row_bytes, out=f,
+                files.read_range(rel, start + first * self.code_bytes, start + end * self.code_bytes, out=f,
                                  policy=self.policy)
+                if self.kind.scaled:
+                    sstart = int(self.scale_start[s, site])
+                    files.read_range(rel, sstart + first * 4, sstart + end * 4, out=f, policy=self.policy)
         if whole:
             if isinstance(sha, str) and sha256_file(dst) != sha:
                 raise FormatError(f"{rel} from {files} does not have the sha256 the dataset records ({sha[:12]}...): "
@@ -205,8 +247,8 @@ class RemoteRows(DatasetRows):
                                   "used. Try again; if it persists, the remote copy is damaged (`lmprobe validate`)")
             self._header_from_file(dst, s, site)
 
-    def _check_start(self, start: int, s: int, site: int) -> int:
-        end = start + int(self.pieces.shard_rows[s]) * self.row_bytes
+    def _check_start(self, start: int, s: int, site: int, row_bytes: int | None = None) -> int:
+        end = start + int(self.pieces.shard_rows[s]) * (row_bytes or self.code_bytes)
         if not 8 <= start <= end <= self.file_bytes[s, site]:
             rel = self._record(s, site)[0]
             raise FormatError(f"{rel}: its rows would start at byte {start}, outside the file's "
@@ -222,10 +264,21 @@ class RemoteRows(DatasetRows):
         with open(path, "rb") as f:
             n = header_length(f.read(8), size, rel)
             raw = f.read(n)
+        self._starts(parse_header(raw, size, rel), s, site)
+        return int(self.data_start[s, site])
+
+    def _starts(self, header: Any, s: int, site: int) -> str:
+        """Record where a shard's codes (and a scaled dtype's scales) start, from its parsed header (checked against
+        the metadata); the note other readers of the machine take them from."""
         hp, layer = self.sites[site]
-        start = self._check_start(self.ds.shards.hidden_header_entry(parse_header(raw, size, rel), layer, s, hp).start, s, site)
+        start = self._check_start(self.ds.shards.hidden_header_entry(header, layer, s, hp).start, s, site)
+        if self.kind.scaled:
+            h = self._descs[site]
+            entry = self.ds.shards.check_entry(header, h.file(layer, s), h.scale_key(layer), "float32", (),
+                                               h.shard_rows(s))
+            self.scale_start[s, site] = self._check_start(entry.start, s, site, row_bytes=4)
         self.data_start[s, site] = start
-        return start
+        return f"{start} {int(self.scale_start[s, site])}" if self.kind.scaled else str(start)
 
     def _data_start(self, s: int, site: int) -> int:
         """Where a shard's rows start in its file: known, or noted by another reader of this machine, or read from
@@ -237,9 +290,11 @@ class RemoteRows(DatasetRows):
         with self._header_lock:
             if self.data_start[s, site] >= 0:
                 return int(self.data_start[s, site])
-            known = self.cache().note(note)
-            if known is not None and known.strip().isdigit():
-                start = self._check_start(int(known), s, site)
+            known = (self.cache().note(note) or "").split()
+            if known and all(x.isdigit() for x in known) and len(known) == (2 if self.kind.scaled else 1):
+                start = self._check_start(int(known[0]), s, site)
+                if self.kind.scaled:
+                    self.scale_start[s, site] = self._check_start(int(known[1]), s, site, row_bytes=4)
             else:
                 files = self.ds.files
                 # lmprobe's writer puts the tensor last: the header is what the rows leave of the file (a
@@ -248,10 +303,8 @@ class RemoteRows(DatasetRows):
                 head = files.read_range(rel, 0, max(64, min(int(size), guess, 1 << 16)), policy=self.policy)
                 n = header_length(head[:8], int(size), rel)
                 raw = head[8 : 8 + n] if 8 + n <= len(head) else files.read_range(rel, 8, 8 + n, policy=self.policy)
-                hp, layer = self.sites[site]
-                entry = self.ds.shards.hidden_header_entry(parse_header(raw, int(size), rel), layer, s, hp)
-                start = self._check_start(entry.start, s, site)
-                self.cache().note(note, str(start))
+                self.cache().note(note, self._starts(parse_header(raw, int(size), rel), s, site))
+                start = int(self.data_start[s, site])
             self.data_start[s, site] = start
         return start
 
@@ -270,6 +323,7 @@ class RemoteRows(DatasetRows):
             self._pending_bytes = 0
             self._paths.clear()
             self._maps.clear()
+            self._scale_maps.clear()
         return self._cache
 
     def _names(self, pieces: Iterable[int]) -> list[tuple[str, int]]:
@@ -335,14 +389,20 @@ class RemoteRows(DatasetRows):
             storage = DTYPES[self.dtype].np_storage
             if self._whole[shard] and (lo, hi) == (0, int(self.shard_rows[shard])):  # the shard file itself
                 offset = self._header_from_file(path, s, site)
-            else:  # a piece file holds its rows and nothing else
-                offset = 0
+                scales = int(self.scale_start[s, site])
+            else:  # a piece file holds its rows (codes, then a scaled dtype's scales) and nothing else
+                offset, scales = 0, (hi - lo) * self.code_bytes
             m = self._maps[key] = np.memmap(path, dtype=storage, mode="r", offset=offset, shape=(hi - lo, self.dim))
+            if self.kind.scaled:
+                self._scale_maps[key] = np.memmap(path, dtype=np.float32, mode="r", offset=scales, shape=(hi - lo,))
         return m
 
     def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
         m = self._map(shard, site)
         lo = self._paths[(shard, site)][1]
+        if self.kind.scaled:
+            decode_rows(self.kind, m, self._scale_maps[(shard, site)], rows - lo if lo else rows, out)
+            return
         np.take(m, rows - lo if lo else rows, axis=0, out=out, mode="clip")
 
     def done(self, shards: Iterable[int]) -> None:
@@ -352,6 +412,7 @@ class RemoteRows(DatasetRows):
             lo, hi = self._part(s)
             for site in range(self.n_sites):
                 self._maps.pop((s, site), None)  # unmapped before the file goes: its disk space is freed
+                self._scale_maps.pop((s, site), None)
                 self._paths.pop((s, site), None)
                 name, _ = self._name(s, site, lo, hi)
                 cache.release(name)
@@ -370,5 +431,6 @@ class RemoteRows(DatasetRows):
     def close(self) -> None:
         if self._cache is not None and self._pid == os.getpid():
             self._maps.clear()
+            self._scale_maps.clear()
             self._cache.close()
         self._cache = None
