@@ -19,7 +19,8 @@ from conftest import write_dataset
 import lmprobe
 from lmprobe.errors import InvalidArgumentError
 from lmprobe.format.spec import INDEX_PATH
-from lmprobe.format.writer import PROVISIONAL_DIR, DatasetWriter
+from lmprobe.format.staging import PROVISIONAL_DIR
+from lmprobe.format.writer import DatasetWriter
 
 
 def _files(root):

@@ -32,20 +32,19 @@ from ..base.hashing import sha256_file
 from ..base.lock import OutputLock
 from ..base.paths import check_output_path, check_relpath
 from ..base.retry import call_with_retry
-from ..base.safeio import loads
-from ..errors import DatasetNotFoundError, ExtractionError, InvalidArgumentError, LmprobeError
+from ..errors import DatasetNotFoundError, ExtractionError, InvalidArgumentError
 from ..format.merge import MergePlan, plan_merge
 from ..format.metadata import FileRecord
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
-from ..format.writer import PROVISIONAL_DIR
+from ..format.staging import PROVISIONAL_DIR
 from ..opening import open_hub, open_object_store
 from ..storage.budget import CommitWindow, commits_per_hour, hour_seconds, in_flight_files
 from ..storage.commits import HubCommitter, PushConfig, RepoFile
 from ..storage.hub import HubRef, hub_api, parse_hf_url
 from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
 from ..storage.relay import Relay, StoreRelay
-from .config import same_extraction
+from .hubrecords import LEDGER, RENAMES, final_files, part_renames, read_ledger, staged_record
 
 logger = logging.getLogger("lmprobe")
 
@@ -301,9 +300,6 @@ class ObjectStoreOutput(Output):
 
 # ---------------------------------------------------------------------------------------------- a Hub dataset repo
 
-#: what a Hub output's session records of the files whose content is on the Hub but whose commit may not have
-#: landed yet: a run killed meanwhile commits them by reference (their sha256) instead of extracting them again
-LEDGER = ".lmprobe-uploaded.jsonl"
 
 
 _WINDOWS: dict[tuple[str, str], CommitWindow] = {}
@@ -329,7 +325,7 @@ class _HubSession(Session):
         self.local = output.staging()
         record = None
         if (self.local / INDEX_PATH).exists():  # a run killed in its tail: the writer had closed
-            record = None if overwrite else _staged_record(self.local, settings)
+            record = None if overwrite else staged_record(self.local, settings)
             if record is None:
                 shutil.rmtree(self.local)  # another extraction's, or one without hashes: the repo decides
         self.finishing = record is not None
@@ -361,7 +357,7 @@ class _HubSession(Session):
         """What a killed run uploaded (the ledger) or handed over without sending (in the staging folder) is
         committed when the reopened writer recorded it, with the same size and sha256; anything else is not
         (a foreign file, a ledger line the writer never recorded: issue 44 item 4)."""
-        for e in _read_ledger(self.ledger):  # uploaded by a killed run, maybe not committed: by reference
+        for e in read_ledger(self.ledger):  # uploaded by a killed run, maybe not committed: by reference
             if recorded.get(e["rel"]) == (e["size"], e["sha256"]) and not (self.local / e["rel"]).exists():
                 self.committer.add_uploaded(RepoFile(self.output.repo_path(e["rel"]), self.local / e["rel"],
                                                      e["size"], e["sha256"]))
@@ -376,7 +372,7 @@ class _HubSession(Session):
         """Commit what the closed writer recorded (path, size, sha256) and nothing else: each file from its staged
         copy, else by reference to its content on the Hub (uploaded, as the ledger says, or committed under a
         provisional name); a provisional name committed before the kill goes with the final commit."""
-        uploaded = {(e["sha256"], e["size"]) for e in _read_ledger(self.ledger)}
+        uploaded = {(e["sha256"], e["size"]) for e in read_ledger(self.ledger)}
         on_hub = {v.partition(":")[2] for v in self.committer.remote.values() if v.startswith("sha256:")}
         for f in record.values():
             if (self.local / f.rel).is_file():
@@ -420,7 +416,7 @@ class _HubSession(Session):
 
     def finish(self) -> Dataset:
         # one commit ends the part: what is uploaded, the provisional files renamed, the statistics, card and index
-        last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in _final_files(self.local)]
+        last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in final_files(self.local)]
         moves = [(self.output.repo_path(old), self.output.repo_path(new)) for old, new in self.renames]
         if self.output.relay is not None and self.renames:
             # a job's part: its sequence shards stay under their provisional names, which a small file maps to the
@@ -441,78 +437,6 @@ class _HubSession(Session):
 
     def abort(self) -> None:
         self.committer.close()
-
-
-def _read_ledger(path: Path) -> list[dict]:
-    """The ledger's entries (a line cut short by a kill, or anything malformed, is skipped: that file is sent again)."""
-    out = []
-    if not path.is_file():
-        return out
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            e = loads(line, what="an upload ledger line")
-            if isinstance(e, dict):
-                check_relpath(e.get("rel"), "a ledger entry's file")
-        except LmprobeError:
-            continue
-        if isinstance(e, dict) and isinstance(e.get("sha256"), str) and len(e["sha256"]) == 64 \
-                and isinstance(e.get("size"), int) and e["size"] >= 0:
-            out.append(e)
-    return out
-
-
-def _staged_record(local: Path, settings: dict | None) -> dict[str, FileRecord] | None:
-    """The files a closed writer recorded in the staged index (path -> size and sha256), when the index is sound,
-    records ``settings`` and hashes every file; else None (the staging copy cannot be finished by reference)."""
-    try:
-        ds = open_local(local)
-        extraction = ds.info.get("extraction")
-        recorded = extraction.get("settings") if isinstance(extraction, dict) else None
-        files = ds.meta.files()
-    except (LmprobeError, OSError):
-        return None
-    if settings is None or not isinstance(recorded, dict) or not same_extraction(recorded, settings):
-        return None
-    if not all(f.sha256 and isinstance(f.bytes, int) for f in files):
-        return None
-    return {f.rel: f for f in files}
-
-
-#: a job's part on the Hub: its sequence shards' provisional names, by the names its index gives them (the merge
-#: copies each from where it is)
-RENAMES = ".lmprobe-renames.json"
-MAX_RENAMES_BYTES = 64 * 2**20
-
-
-def _part_renames(ds: Dataset) -> dict[str, str]:
-    """A part's map of shard names to the provisional names its shards are under ({} when it has none); untrusted:
-    each path checked, the file's size bounded."""
-    try:
-        path = ds.files.fetch(RENAMES, what="the part's renames")
-    except (LmprobeError, OSError):
-        return {}
-    if not path.is_file():
-        return {}
-    if path.stat().st_size > MAX_RENAMES_BYTES:
-        raise ExtractionError(f"{ds.source}: {RENAMES} is larger than {MAX_RENAMES_BYTES} bytes; re-run with "
-                              "--overwrite")
-    found = loads(path.read_text(), what=f"{ds.source}/{RENAMES}")
-    if not isinstance(found, dict):
-        raise ExtractionError(f"{ds.source}/{RENAMES} is not a map of names; re-run with --overwrite")
-    for new, old in found.items():
-        check_relpath(new, "a renamed shard")
-        check_relpath(old, "a provisional shard")
-        if not old.startswith(PROVISIONAL_DIR + "/"):
-            raise ExtractionError(f"{ds.source}/{RENAMES} names {old!r}, not a provisional shard; re-run with "
-                                  "--overwrite")
-    return found
-
-
-def _final_files(local: Path) -> list[str]:
-    """The files a finished writer leaves for last: the statistics, then the card, then the index."""
-    stats = sorted(p.relative_to(local).as_posix() for p in (local / "tensors").glob("statistics*.safetensors")) \
-        if (local / "tensors").is_dir() else []
-    return [*stats, *[rel for rel in (CARD_PATH, INDEX_PATH) if (local / rel).exists()]]
 
 
 class HubOutput(Output):
@@ -634,7 +558,7 @@ class HubOutput(Output):
             last = [RepoFile(self.repo_path(rel), local / rel) for rel in merge.finish(dss, local)]
             # one commit: server-side copies out of the parts' folders (nothing is sent, nothing comes back), the
             # statistics, card and index, and the parts' folder removed
-            renamed = [_part_renames(ds) for ds in dss]
+            renamed = [part_renames(ds) for ds in dss]
             committer.finish(last, moves=[(hubs[k].repo_path(renamed[k].get(src, src)), self.repo_path(dst))
                                           for k, src, dst in merge.moves],
                              remove=[self.repo_path(PARTS_DIR)], message="lmprobe: merge the parts")

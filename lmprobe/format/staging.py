@@ -140,3 +140,12 @@ def describe_mismatch(old: dict, new: dict, prefix: str = "") -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+#: where a sequence shard handed over before its number is known goes (a dot folder: never a dataset file)
+PROVISIONAL_DIR = "tensors/.provisional"
+
+
+def provisional_name(staging_name: str) -> str:
+    """The provisional path of a sequence shard handed over as it closed (renamed at the end)."""
+    return f"{PROVISIONAL_DIR}/{staging_name}"

@@ -50,7 +50,7 @@ from .resume import Checkpoint, check_progress, check_settings, open_output, rea
 from .safetensors_io import TensorSpec
 from .shards import ShardSeries
 from .spec import CARD_PATH, INDEX_PATH, LOGITS_INDICES_KEY, LOGITS_VALUES_KEY, hookpoint_tensor_name
-from .staging import STATE_VERSION, Staging, remove_files_inside
+from .staging import STATE_VERSION, Staging, provisional_name, remove_files_inside
 from .statistics import RunningStats, load_accumulators, save_accumulators, write_statistics
 from .values import one_torch_thread, to_numpy
 
@@ -615,12 +615,3 @@ class DatasetWriter:
                           metadata=encode_schema_metadata(info), fsync=self.fsync, num_rows=self.num_prompts,
                           num_tokens=self.num_tokens)
         self.staging.remove()
-
-
-#: where a sequence shard handed over before its number is known goes (a dot folder: never a dataset file)
-PROVISIONAL_DIR = "tensors/.provisional"
-
-
-def provisional_name(staging_name: str) -> str:
-    """The provisional path of a sequence shard handed over as it closed (renamed at the end)."""
-    return f"{PROVISIONAL_DIR}/{staging_name}"
