@@ -53,7 +53,9 @@ INDEX_FIXED_BYTES = 12 * 1024
 #: every shard (its rows, tokens, bytes, checksum)
 INDEX_BYTES_PER_SHARD = 300
 
-#: closed shards a writer keeps until its next checkpoint hands them over (format/writer.py)
+#: seconds the merge takes to open one part on the Hub (its index's footer, its metadata)
+PART_OPEN_SECONDS = 1.0
+#: closed shards (a file a site each) a writer keeps until its next checkpoint hands them over (format/writer.py)
 HANDED_OVER_AT_CHECKPOINT = 2
 #: an upload's speed from one rank, bytes a second (a cloud GPU node reaches 1-10 GB/s over its ranks)
 UPLOAD_BYTES_PER_SECOND = 100 * 10**6
@@ -151,7 +153,7 @@ class JobPlan:
             f"largest file: {format_size(self.largest_file_bytes)}",
             f"  index: {', '.join(format_size(b) for b in self.index_files)} in {len(self.index_files)} file(s), "
             "built in bounded memory",
-            f"  staging disk per node: {format_size(self.staging_bytes_per_node)}",
+            f"  staging disk per node: {format_size(self.staging_bytes_per_node)} at most",
             f"  model: {self.placement}",
         ]
         if self.destination.startswith("hf://"):
@@ -343,33 +345,41 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
     if not shape.exact:
         warnings.append("rows are planned from full windows: documents shorter than a window make more rows, and "
                         "the corpus may hold fewer tokens than --max-tokens")
-    sites_open = len(shape.site_row_bytes) + (1 if shape.logits_k else 0)
+    # series a rank fills at once: each site's last-token shards (and its sequence shards), the logits'
+    sites_open = len(shape.site_row_bytes) * (2 if shape.storage == "full_sequence" else 1) + (1 if shape.logits_k
+                                                                                            else 0)
     per_rank_index = index // ranks
     ranks_per_node = ranks if cluster is None else max(1, min(ranks, cluster.gpus_per_node // max(gpus_per_rank, 1)))
     if kind == "local":
         staging = dataset  # the output is the staging: every node writes its part into it (a shared disk)
     else:
-        # the shards a rank fills, up to 2 closed ones waiting for the checkpoint that hands them over, the ones
+        # the shards a rank fills, up to 2 closed ones waiting for the checkpoint that hands them over, the files
         # uploading (commits.py, budget.in_flight_files), and its share of the index, staged until the end
-        per_rank = (sites_open + HANDED_OVER_AT_CHECKPOINT + in_flight_files(size)) * f.largest_shard + per_rank_index
+        per_rank = (sites_open + HANDED_OVER_AT_CHECKPOINT * len(shape.site_row_bytes) + in_flight_files(size)) \
+            * f.largest_shard + per_rank_index
         staging = min(dataset // max(1, -(-ranks // ranks_per_node)), per_rank * ranks_per_node) \
             if ranks > 1 else min(dataset, per_rank)
     commits = tail = 0
     seconds = 0.0
     if hub:
         data_files = f.files - 2 - shape.hookpoints
+        ladder = commits_for(data_files)  # along the ladder, the last of them once the last shard is written
         if ranks > 1:
-            during = commits_for(data_files)
+            # after the last shard: the job's committer's last commit (the ranks' last files together), then the
+            # merge's copies out of the parts, 1,000 a commit, the last of them with the statistics, card and index
             copies = -(-data_files // MAX_COMMIT_FILES)
-            tail = 1 + copies + 1  # the parts' last files; the copies out of the parts; stats, card, index
-            commits = during + copies + 1
+            tail = 1 + copies
+            commits = ladder + copies
         else:
-            during = commits_for(data_files)
-            tail = 1
-            commits = during + 1
+            tail = 1  # the last shards with the statistics, card and index
+            commits = ladder
+        during = commits - tail
         last_uploads = sites_open * f.largest_shard / UPLOAD_BYTES_PER_SECOND
-        seconds = last_uploads + tail_seconds(tail, earlier=max(0, during - 1), per_hour=commits_per_hour,
-                                              commit_seconds=COMMIT_SECONDS)
+        # the merge opens every part (its index's footer and metadata), reads the parts' indexes and sends the
+        # merged one
+        merge = (ranks * PART_OPEN_SECONDS + 2 * index / UPLOAD_BYTES_PER_SECOND) if ranks > 1 else 0.0
+        seconds = last_uploads + merge + tail_seconds(tail, earlier=max(0, during), per_hour=commits_per_hour,
+                                                      commit_seconds=COMMIT_SECONDS)
         if dataset > HUB_PUBLIC_STORAGE:
             warnings.append(f"{format_size(dataset)} is past the 5 TB of public storage a free Hub account usually has: ask Hugging Face for more first, or write to a bucket "
                             "(--out s3://...)")
