@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from ..base.progress import logger
-from ..base.tokenizer import resolve_tokenizer
+from ..base.tokenizer import resolve_tokenizer, special_token_ids
 from ..base.units import format_size, parse_size
 from ..errors import InvalidArgumentError
 from ..format.reader import Dataset
@@ -165,10 +165,13 @@ class ShardStream:
     def _special_ids(self, skip: bool | Sequence[int]) -> np.ndarray | None:
         if skip is False or skip is None:
             return None
-        if skip is True:  # the one way a dataset's tokenizer is found: embedded, local, cached, then the Hub
-            tok = resolve_tokenizer(self.ds.model.get("name"), self.ds.model.get("revision"),
-                                    need="skip_special_tokens=True (or pass the ids: skip_special_tokens=[...])")
-            ids = sorted(set(tok.all_special_ids))
+        if skip is True:  # the tokenizer's files read as JSON (no transformers); else the tokenizer, loaded
+            name, revision = self.ds.model.get("name"), self.ds.model.get("revision")
+            ids = special_token_ids(name, revision)
+            if ids is None:  # the one way a dataset's tokenizer is found: embedded, local, cached, then the Hub
+                tok = resolve_tokenizer(name, revision,
+                                        need="skip_special_tokens=True (or pass the ids: skip_special_tokens=[...])")
+                ids = sorted(set(tok.all_special_ids))
         else:
             ids = sorted({int(x) for x in skip})
         if "token_ids" not in self.ds.schema.names:
