@@ -67,7 +67,11 @@ class ShardStream:
     - a remote dataset (Hub, object storage) is read in pieces of at most ``piece`` bytes (one request
       each) through a cache of at most ``cache`` bytes that the ranks and workers of one machine share
       (``LOCAL_WORLD_SIZE`` of them, as torchrun sets it, each holding its share); 429/5xx answers and
-      dropped or stalled connections are waited out for ``deadline`` seconds (docs/training.md).
+      dropped or stalled connections are waited out for ``deadline`` seconds (docs/training.md);
+      ``stream.resident`` is then ``K``, how many pieces one group of this rank may hold (its share of
+      the cache over two pieces): a capacity, not a count of pieces read, so a layer of 4 pieces under
+      the default cache shows thousands; ``stream.cache_budget`` and ``stream.piece_bytes`` are the
+      sizes it came from (all three None for a local dataset).
     """
 
     def __init__(self, dataset: Any, layer: int | None = None, batch_size: int = 4096, *, seed: int = 0,
