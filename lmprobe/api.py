@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .base.fields import settings_doc, settings_signature
-from .errors import InvalidArgumentError
+from .errors import HubUnreachableError, InvalidArgumentError
 from .extraction.config import ExtractionConfig
 from .extraction.examine import Architecture
 from .extraction.plan import JobPlan
@@ -96,7 +96,18 @@ def run_extraction(config: ExtractionConfig, *, token: str | None = None) -> Out
     """Run the extraction ``config`` describes, then publish it when ``config.push`` names a repo (rank 0 of a
     torchrun job only); return the outcome: the dataset, opened, and whether this run wrote it (``wrote`` is
     False when ``out`` already held this extraction)."""
-    outcome = execute(config)
+    try:
+        outcome = execute(config)
+    except HubUnreachableError as exc:
+        ref = parse_dataset_ref(config.out) if isinstance(config.out, str) else None
+        if ref is None:
+            raise
+        # the storage layer's words are a reader's ("read a local copy"); this is a write: say how to write
+        raise HubUnreachableError(
+            f"cannot reach the Hub at {exc.endpoint} to write {config.out} ({exc.reason}); check the network (or "
+            f"HF_ENDPOINT), or write locally (--out DIR, out=DIR) and publish it with `lmprobe push DIR "
+            f"{ref.repo_id}` once the Hub answers", endpoint=exc.endpoint, repo_id=exc.repo_id,
+            reason=exc.reason) from exc
     if config.push is not None and rank_and_world()[0] == 0:
         push_to_hub(config.out, config.push, private=config.private, token=token, quiet=config.quiet)
     return outcome

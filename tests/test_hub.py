@@ -625,3 +625,20 @@ def test_validate_checks_a_hub_dataset_in_place_and_full_checks_its_hashes(hub, 
     assert cli_main(["validate", url]) == 1
     out = capsys.readouterr().out
     assert rel in out and "INVALID" in out, out
+
+
+def test_an_unreachable_hub_tells_a_writer_how_to_write(tmp_path, monkeypatch, capsys):
+    """issue 47, item 6: a write to --out hf://... was told to read a local copy made by `lmprobe pull`."""
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in PROMPTS_TEXTS))
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(prompts), "--out",
+                     "hf://datasets/me/unreachable", "--layers", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot reach the Hub at http://127.0.0.1:9" in err and "pull" not in err, err
+    assert "--out DIR" in err and "lmprobe push DIR me/unreachable" in err, err
+
+
+PROMPTS_TEXTS = ["The cat sat on the mat.", "A dog."]

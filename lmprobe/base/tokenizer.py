@@ -114,6 +114,8 @@ def special_token_ids(name: Any, revision: Any = None) -> list[int] | None:
     mapped = read("special_tokens_map.json", 1 << 24) or {}
     if not isinstance(config, dict) or not isinstance(tokens, dict) or not isinstance(mapped, dict):
         return None
+    if "auto_map" in config:  # a tokenizer of its own code: never guessed at (resolve_tokenizer refuses to run it)
+        return None
     added = tokens.get("added_tokens") if isinstance(tokens.get("added_tokens"), list) else []
     vocab = (tokens.get("model") or {}).get("vocab") if isinstance(tokens.get("model"), dict) else None
     ids = {t.get("content"): t.get("id") for t in added if isinstance(t, dict)}
