@@ -22,7 +22,7 @@ from .extraction.plan import JobPlan
 from .extraction.preparation import examine_model
 from .extraction.runner import Outcome, execute
 from .extraction.runner import plan as plan_job
-from .extraction.torchrun import rank_and_world
+from .extraction.torchrun import peer_stopped, rank_and_world
 from .format.merge import merge_datasets
 from .format.reader import Dataset, open_local
 from .format.validate import Report
@@ -98,6 +98,11 @@ def run_extraction(config: ExtractionConfig, *, token: str | None = None) -> Out
     False when ``out`` already held this extraction)."""
     try:
         outcome = execute(config)
+    except RuntimeError as exc:  # under torchrun: a collective that found a peer's process gone
+        stopped = peer_stopped(exc) if rank_and_world()[1] > 1 else None
+        if stopped is None:
+            raise
+        raise stopped from None  # one line, not gloo's traceback
     except HubUnreachableError as exc:
         ref = parse_dataset_ref(config.out) if isinstance(config.out, str) else None
         if ref is None:
