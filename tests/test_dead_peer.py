@@ -168,5 +168,5 @@ def test_a_killed_node_is_one_line_on_the_other_found_early_and_every_node_shows
     assert took < 60, took  # found early: within the watch's timeout and a beat, not at the end of the share
     procs[victim].wait()
     # the same command again on every node resumes and finishes
-    outs = run(tmp_path, argv, env=env)
+    outs = run(tmp_path, argv, env={**env, "LMPROBE_PROGRESS_INTERVAL": "5"})  # nodes.wait reads one pipe at a time
     assert any("resuming after" in o for o in outs), outs
