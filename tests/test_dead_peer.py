@@ -170,3 +170,14 @@ def test_a_killed_node_is_one_line_on_the_other_found_early_and_every_node_shows
     # the same command again on every node resumes and finishes
     outs = run(tmp_path, argv, env={**env, "LMPROBE_PROGRESS_INTERVAL": "5"})  # nodes.wait reads one pipe at a time
     assert any("resuming after" in o for o in outs), outs
+
+
+def test_a_store_never_reached_is_no_watch_not_a_false_stop(capsys):
+    """Without a store to reach (another launcher), the watch gives up quietly: it never stops a healthy rank."""
+    store, exits = MemoryStore(), []
+    store.down = True
+    watch = _watch(store, 1, 2, exits)
+    watch._thread.start()
+    watch._thread.join(timeout=10)
+    assert exits == [] and not watch._thread.is_alive()
+    assert "cannot watch the other ranks" in capsys.readouterr().err

@@ -172,7 +172,8 @@ class PeerWatch:
     def _run(self) -> None:
         p = self.PREFIX
         watched = (self.rank + 1) % self.world
-        last_beat, since, store_ok = -1, time.monotonic(), time.monotonic()
+        last_beat, since, store_ok = -1, time.monotonic(), None
+        started = time.monotonic()
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             try:
@@ -183,8 +184,13 @@ class PeerWatch:
                     return
                 beat = store.add(f"{p}beat/{watched}", 0)
                 store_ok = now
-            except Exception:  # noqa: BLE001 - no answer: the node that hosts the store may be gone
-                if now - store_ok > self.timeout:
+            except Exception as exc:  # noqa: BLE001 - no answer: the node that hosts the store may be gone
+                if store_ok is None:  # never reached (no MASTER_ADDR, another launcher): no watch, never a false stop
+                    if now - started > self.timeout:
+                        logger.warning(f"lmprobe: cannot watch the other ranks through the rendezvous store ({exc}); "
+                                       "a rank that dies is found when a collective meets it")
+                        return
+                elif now - store_ok > self.timeout:
                     self._say(0 if self.rank else None, "the node that hosts the job's rendezvous stopped answering",
                               tell=False)
                     return
