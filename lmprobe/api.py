@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from .base.fields import settings_doc, settings_signature
+from .errors import HubUnreachableError, InvalidArgumentError
 from .extraction.config import ExtractionConfig
 from .extraction.examine import Architecture
 from .extraction.plan import JobPlan
 from .extraction.preparation import examine_model
 from .extraction.runner import Outcome, execute
 from .extraction.runner import plan as plan_job
-from .extraction.torchrun import rank_and_world
+from .extraction.torchrun import peer_stopped, rank_and_world
 from .format.merge import merge_datasets
 from .format.reader import Dataset, open_local
 from .format.validate import Report
@@ -30,9 +31,12 @@ from .opening import load
 from .pages.features import features
 from .pages.report import report
 from .publish.attachments import validate_attachments
+from .publish.check import validate_hub
 from .publish.pull import pull
 from .publish.push import push_to_hub
 from .saelens import export_saelens, import_saelens
+from .storage.hub import parse_dataset_ref
+from .storage.objectstore import is_object_store_url
 
 __all__ = ["export_saelens", "extract", "features", "hookpoints", "import_saelens", "load", "merge", "plan", "pull",
            "push_to_hub", "report", "run_extraction", "validate"]
@@ -92,7 +96,23 @@ def run_extraction(config: ExtractionConfig, *, token: str | None = None) -> Out
     """Run the extraction ``config`` describes, then publish it when ``config.push`` names a repo (rank 0 of a
     torchrun job only); return the outcome: the dataset, opened, and whether this run wrote it (``wrote`` is
     False when ``out`` already held this extraction)."""
-    outcome = execute(config)
+    try:
+        outcome = execute(config)
+    except RuntimeError as exc:  # under torchrun: a collective that found a peer's process gone
+        stopped = peer_stopped(exc) if rank_and_world()[1] > 1 else None
+        if stopped is None:
+            raise
+        raise stopped from None  # one line, not gloo's traceback
+    except HubUnreachableError as exc:
+        ref = parse_dataset_ref(config.out) if isinstance(config.out, str) else None
+        if ref is None:
+            raise
+        # the storage layer's words are a reader's ("read a local copy"); this is a write: say how to write
+        raise HubUnreachableError(
+            f"cannot reach the Hub at {exc.endpoint} to write {config.out} ({exc.reason}); check the network (or "
+            f"HF_ENDPOINT), or write locally (--out DIR, out=DIR) and publish it with `lmprobe push DIR "
+            f"{ref.repo_id}` once the Hub answers", endpoint=exc.endpoint, repo_id=exc.repo_id,
+            reason=exc.reason) from exc
     if config.push is not None and rank_and_world()[0] == 0:
         push_to_hub(config.out, config.push, private=config.private, token=token, quiet=config.quiet)
     return outcome
@@ -111,15 +131,27 @@ def hookpoints(model: str, *, revision: str | None = None, trust_remote_code: bo
     return examine_model(model, revision=revision, trust_remote_code=trust_remote_code, block_path=block_path)
 
 
-def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
-    """Check the dataset folder ``path`` against the format document, and the attachments its index records.
+def validate(path: str | os.PathLike, *, checksums: bool = True, full: bool = False,
+             token: str | bool | None = None) -> Report:
+    """Check the dataset ``path`` against the format document, and the attachments its index records.
 
-    Returns a report with ``.ok``, ``.errors`` and ``.warnings`` (``report.raise_for_errors()``
-    raises ValidationError listing them).
+    A local folder is read whole (``checksums=False`` skips the sha256 of each file). A Hub dataset
+    (``hf://datasets/OWNER/NAME`` or ``OWNER/NAME``) is checked in place: its metadata, its index and
+    every shard's header and size, without downloading the shards; ``full=True`` downloads every file
+    and checks its sha256 too. Returns a report with ``.ok``, ``.errors`` and ``.warnings``
+    (``report.raise_for_errors()`` raises ValidationError listing them).
 
     >>> lmprobe.validate("out/tiny").ok                        # doctest: +SKIP
     True
+    >>> lmprobe.validate("hf://datasets/me/acts", full=True).ok   # doctest: +SKIP
+    True
     """
+    ref = parse_dataset_ref(path)
+    if ref is not None:
+        return validate_hub(ref, full=full, token=token)
+    if is_object_store_url(path):
+        raise InvalidArgumentError(f"validate reads a local folder or a Hub dataset; copy {path} here first (for "
+                                   "instance with `aws s3 sync`), then validate the folder")
     rep = validate_format(path, checksums=checksums)
     if rep.info is not None:
         validate_attachments(path, rep.info, rep)

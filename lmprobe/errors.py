@@ -47,6 +47,15 @@ class ExtractionError(LmprobeError, ValueError):
     """An extraction setting is invalid; raised before the model loads."""
 
 
+class PeerStoppedError(LmprobeError, ConnectionError):
+    """Another rank of a ``torchrun`` job stopped (killed, its node lost): this rank stops too, and the same command
+    run again on every node resumes. ``.rank`` is the rank that stopped (None: not known)."""
+
+    def __init__(self, message: str, *, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
 class ModelError(LmprobeError, ValueError):
     """The model cannot do what was asked (no LM head, unknown block layout, bad layer, ...)."""
 

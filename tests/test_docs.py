@@ -193,3 +193,32 @@ def test_cli_md_lists_every_option_of_extract():
     missing = [o for a in extract._actions for o in a.option_strings
                if o.startswith("--") and o != "--help" and not re.search(re.escape(o) + r"\b(?!-)", synopsis)]
     assert not missing, f"options of extract missing from docs/cli.md's synopsis: {missing}"
+
+
+def _extract_commands(text: str) -> list[list[str]]:
+    """The concrete `lmprobe extract` command lines of a page's code blocks, as words."""
+    out = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        for cmd in re.split(r"\n|&&|;", block.replace("\\\n", " ")):
+            cmd = cmd.split(" #")[0].strip().removeprefix(".venv/bin/")
+            if cmd.startswith("lmprobe extract ") and "[" not in cmd and "..." not in cmd:
+                out.append(shlex.split(cmd))
+    return out
+
+
+def test_documented_extractions_into_one_folder_agree():
+    """issue 47, item 9: docs/publishing.md extracted into the README's out/tiny-demo with other settings, so it
+    failed right after the quickstart ("already holds a dataset made with other settings"). The commands with the
+    embedded model run as written, in any order: two of them into one folder must be the same extraction."""
+    by_out: dict[str, dict[str, tuple[str, list[str]]]] = {}
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for words in _extract_commands(page.read_text()):
+            args = build_parser().parse_args(words[1:])
+            if args.model != "lmprobe-tiny":
+                continue  # an example for a model of the reader's own, not a command to run as written
+            settings = {k: v for k, v in vars(args).items() if k not in ("push", "private", "token", "quiet", "func",
+                                                                          "overwrite", "dry_run")}
+            by_out.setdefault(str(args.out), {})[repr(sorted(settings.items()))] = (page.name, words)
+    clashes = {out: [f"{page}: {' '.join(words)}" for page, words in seen.values()]
+               for out, seen in by_out.items() if len(seen) > 1}
+    assert not clashes, f"extractions into the same --out with other settings: {clashes}"

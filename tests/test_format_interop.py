@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -43,26 +44,54 @@ def big_full_sequence(tmp_path_factory):
     return out, src
 
 
-def test_document_snippets_run_as_written(big_full_sequence, monkeypatch):
-    out, src = big_full_sequence
-    monkeypatch.chdir(out)
-    ns: dict = {}
-    last, per_token, logits = _reading_snippets()
-    exec(last, ns)
-    np.testing.assert_array_equal(ns["vector"].numpy(), src["hidden"][16][src["tok_start"][43] - 1])
-    exec(per_token, ns)
-    np.testing.assert_array_equal(ns["vector"].numpy(), src["hidden"][16][src["tok_start"][42] + 5])
-    exec(logits, ns)
-    np.testing.assert_array_equal(ns["values"].numpy(), src["lv"][42])
-    np.testing.assert_array_equal(ns["indices"].numpy(), src["li"][42])
+#: runs the format document's reading examples in a process where torch cannot be imported (the page promises that
+#: pyarrow, safetensors and numpy suffice), and saves what they read
+WITHOUT_TORCH = """
+import sys
+sys.modules["torch"] = None
+import json
+import numpy as np
+snippets = json.loads(open(sys.argv[1]).read())
+ns = {}
+for i, code in enumerate(snippets):
+    exec(code, ns)
+    names = ["vector"] if i < 2 else ["values", "indices"]
+    for name in names:
+        np.save(f"{sys.argv[2]}/{i}-{name}.npy", np.asarray(ns[name]))
+"""
 
 
-def test_document_snippet_on_pooled_output(tmp_path, rng, monkeypatch):
+def _run_snippets_without_torch(folder: Path, snippets: list[str], out: Path) -> None:
+    out.mkdir(exist_ok=True)
+    (out / "snippets.json").write_text(json.dumps(snippets))
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, str(out / "snippets.json"), str(out)], cwd=folder,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_document_snippets_run_as_written_without_torch(tmp_path, dtype):
+    """issue 47, item 4: the snippets used framework="pt", which needs torch; bfloat16 is read through uint16."""
+    out = tmp_path / "ds"
+    rng = np.random.default_rng(7)
+    src = write_dataset(out, rng, n=50, layers=(0, 16), dim=6, storage="full_sequence", shard_size="1KB",
+                        min_tokens=6, max_tokens=12, logits_k=4, dtype=dtype)
+    _run_snippets_without_torch(out, _reading_snippets(), tmp_path / "read")
+    ds = lmprobe.load(out)  # float32, as lmprobe reads every dtype
+    np.testing.assert_array_equal(np.load(tmp_path / "read/0-vector.npy").astype(np.float32), ds.hidden(16)[42])
+    np.testing.assert_array_equal(np.load(tmp_path / "read/1-vector.npy").astype(np.float32),
+                                  ds.token_hidden(42, 16)[5])
+    if dtype == "float32":
+        np.testing.assert_array_equal(np.load(tmp_path / "read/0-vector.npy"),
+                                      src["hidden"][16][src["tok_start"][43] - 1])
+    np.testing.assert_array_equal(np.load(tmp_path / "read/2-values.npy"), src["lv"][42])
+    np.testing.assert_array_equal(np.load(tmp_path / "read/2-indices.npy"), src["li"][42])
+
+
+def test_document_snippet_on_pooled_output(tmp_path, rng):
     src = write_dataset(tmp_path / "ds", rng, n=45, layers=(16,), dim=4, shard_size="100B")
-    monkeypatch.chdir(tmp_path / "ds")
-    ns: dict = {}
-    exec(_reading_snippets()[0], ns)
-    np.testing.assert_array_equal(ns["vector"].numpy(), src["hidden"][16][42])
+    _run_snippets_without_torch(tmp_path / "ds", _reading_snippets()[:1], tmp_path / "read")
+    np.testing.assert_array_equal(np.load(tmp_path / "read/0-vector.npy"), src["hidden"][16][42])
 
 
 def test_int8_numpy_snippet_reads_a_vector_exactly_as_lmprobe_load(tmp_path, rng, monkeypatch):
@@ -98,6 +127,7 @@ def test_card_snippet_runs_as_written_for_every_dtype(tmp_path, rng, monkeypatch
     write_dataset(tmp_path / "ds", rng, n=6, layers=(0, 3), dim=4, dtype=dtype)
     text = (tmp_path / "ds/README.md").read_text()
     standalone = [b for b in _python_blocks(text) if "safe_open" in b][0]
+    assert "torch" not in standalone  # issue 47, item 4: bfloat16 through its uint16 view
     monkeypatch.chdir(tmp_path / "ds")
     ns: dict = {}
     exec(standalone, ns)

@@ -592,3 +592,53 @@ def test_owner_name_without_such_a_local_folder_still_means_the_hub():
 
     assert parse_dataset_ref("someone/acts").repo_id == "someone/acts"
     assert parse_dataset_ref("out/nonexistent") is not None  # no ./out here: a Hub repo name
+
+
+# ------------------------------------------------------------------ issue 47, item 3: validate a Hub dataset in place
+
+def test_validate_checks_a_hub_dataset_in_place_and_full_checks_its_hashes(hub, tmp_path, rng, capsys):
+    from huggingface_hub import HfApi
+
+    write_dataset(tmp_path / "ds", rng, n=9, layers=(0, 1), dim=4)
+    repo = f"tester/valid-{uuid.uuid4().hex[:8]}"
+    push_to_hub(tmp_path / "ds", repo, quiet=True)
+    url = f"hf://datasets/{repo}"
+    n_shards = len(list((tmp_path / "ds").rglob("*.safetensors")))
+    for path in (url, repo):  # `validate me/acts` suggested hf://, which collapsed into hf:/ and did not exist
+        assert cli_main(["validate", path]) == 0
+        out = capsys.readouterr().out
+        assert f": OK ({n_shards} shard files checked" in out and "hf:/datasets" not in out, out
+    # a shard whose bytes changed but not its size: its header and size still agree; --full reads its hash
+    shard = sorted((tmp_path / "ds").rglob("*.safetensors"))[0]
+    rel = shard.relative_to(tmp_path / "ds").as_posix()
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    api = HfApi()
+    api.upload_file(path_or_fileobj=bytes(data), path_in_repo=rel, repo_id=repo, repo_type="dataset")
+    assert cli_main(["validate", url]) == 0
+    capsys.readouterr()
+    assert cli_main(["validate", url, "--full"]) == 1
+    out = capsys.readouterr().out
+    assert f"{rel}: sha256 is" in out and out.startswith(f"{url}: INVALID"), out
+    # a truncated shard: its size says it without downloading it
+    api.upload_file(path_or_fileobj=bytes(data[:-4]), path_in_repo=rel, repo_id=repo, repo_type="dataset")
+    assert cli_main(["validate", url]) == 1
+    out = capsys.readouterr().out
+    assert rel in out and "INVALID" in out, out
+
+
+def test_an_unreachable_hub_tells_a_writer_how_to_write(tmp_path, monkeypatch, capsys):
+    """issue 47, item 6: a write to --out hf://... was told to read a local copy made by `lmprobe pull`."""
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in PROMPTS_TEXTS))
+    assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(prompts), "--out",
+                     "hf://datasets/me/unreachable", "--layers", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot reach the Hub at http://127.0.0.1:9" in err and "pull" not in err, err
+    assert "--out DIR" in err and "lmprobe push DIR me/unreachable" in err, err
+
+
+PROMPTS_TEXTS = ["The cat sat on the mat.", "A dog."]

@@ -565,3 +565,37 @@ def test_pages_doc_runs_chromium_as_root_too():
     text = (Path(__file__).resolve().parent.parent / "docs" / "pages.md").read_text()
     for cmd in re.findall(r"`(chromium [^`]*)`", text.replace("\n", " ")):
         assert "--no-sandbox" in cmd, cmd
+
+
+# ------------------------------------------------------------------ issue 47, item 7: whitespace and wrapping
+
+def test_whitespace_tokens_are_visible_in_the_top_k_and_the_text():
+    """A top-k entry that is a space or a newline showed as an empty bold ("dis 10.4,  10.2, a 3.8")."""
+    from lmprobe.format.view import Prompt
+
+    view = Prompt(0, "a b", 3, tokens=["a", " ", "\n"], topk=[("dis", 10.4), (" ", 10.2), ("\n", 9.0), ("\t", 8.0),
+                                                                 (" a", 3.8)])
+    html = view.html()
+    preds = html.split('class="pred"')[1]
+    assert "<b>dis</b> 10.4, <b>␣</b> 10.2, <b>↵</b> 9, <b>⇥</b> 8, <b>␣a</b> 3.8" in preds, preds
+    text = html.split('class="toks"')[1].split("</div>")[0]
+    assert ">␣</span>" in text and ">↵\n</span>" in text, text  # the newline still breaks the line
+
+
+def test_windows_wrap_between_tokens_never_inside_one(tmp_path):
+    """A window wrapped mid-token ("conce rt"): every token must sit on one line, whatever the width."""
+    from lmprobe.base.html import tokens_html
+
+    words = ["The", " con", "cert", " was", " extraordinarily", " wonderful", ",", " and", " every", "one",
+             " adored", " it", "."] * 12
+    body = (f'<div style="width:230px">{tokens_html(words, [1.0] * len(words))}</div>'
+            "<script>document.addEventListener('DOMContentLoaded',function(){var n=0,lines=new Set();"
+            "document.querySelectorAll('.tok').forEach(function(t){var r=t.getClientRects();"
+            "if(r.length!==1)n++;lines.add(Math.round(r[0].top));});"
+            "document.body.dataset.split=n;document.body.dataset.lines=lines.size;});</script>")
+    (tmp_path / "wrap.html").write_text(page("wrapping", body))
+    dom = render(tmp_path / "wrap.html", "tokens-wrap")
+    assert_clean(dom)
+    lines = int(re.search(r'data-lines="(\d+)"', dom).group(1))
+    assert lines > 10, lines  # the test wraps at all
+    assert 'data-split="0"' in dom, re.search(r'data-split="\d+"', dom)

@@ -122,8 +122,14 @@ def test_example_notebook_runs_offline(tmp_path):
     stderr = "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
     assert "Warning" not in stderr, stderr
     assert (tmp_path / "out/sweep.png").exists() and (tmp_path / "out/sentiment-probe.safetensors").exists()
-    last = nb.cells[-1].outputs[-1]["data"]["text/plain"]
-    assert "The pizza was wonderful." in last
+    scored = nb.cells[-2].outputs[-1]["data"]["text/plain"]
+    assert "The pizza was wonderful." in scored and "The service was awful." in scored
+    # issue 47, item 8: plain values, a probe in one line, and a word on the sentence it gets wrong
+    plain = [o["data"]["text/plain"] for o in outputs if "text/plain" in o.get("data", {})]
+    assert not [t for t in plain if "np.int64" in t or "np.float" in t], plain
+    shown = [t for t in plain if t.startswith("<LinearProbe")]
+    assert len(shown) == 1 and "\n" not in shown[0] and "train accuracy" in shown[0], shown
+    assert 'Why "The service was awful." comes out positive' in "".join(nb.cells[-1].source)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -167,3 +173,17 @@ def test_cli_probe_methods_baselines_and_save(tmp_path, rng, capsys):
     assert cli_main(["probe", str(tmp_path / "ds"), "--layers", "1,2", "--concat", "--method", "mass_mean",
                      "--cv", "3"]) == 0
     assert "1+2" in capsys.readouterr().out
+
+
+def test_a_probe_shows_itself_in_one_line(tmp_path, rng):
+    """issue 47, item 8: repr(LinearProbe) printed hundreds of lines of arrays; and plain values, not np.int64(1)."""
+    separable(tmp_path / "ds", rng, dim=48)
+    p = probe.train_probe(tmp_path / "ds", layer=2, method="mass_mean")
+    text = repr(p)
+    assert "\n" not in text and len(text) < 300, text
+    assert text.startswith("<LinearProbe mass_mean, layer 2, resid_post, last_token pooling, 48 dims, classes [0, 1]")
+    assert "train accuracy 1.0" in text and "np." not in text, text
+    loaded_path = tmp_path / "p"
+    p.save(loaded_path)
+    assert repr(probe.LinearProbe.load(loaded_path)) == text  # the score is kept with the probe
+    assert all(type(c) is int for c in p.classes)

@@ -316,11 +316,12 @@ def test_info_and_validate_describe_a_saev_export_and_point_from_its_dump_folder
     assert out.splitlines()[0] == f"saev export {folder} (protocol 2.0)"
     assert f"examples     {len(SaevDataset(folder)):,} x 5 tokens" in out and "layers       [1, 4]" in out
     assert "d_model      6, float32" in out
-    for command in ("info", "validate"):
-        assert cli_main([command, str(tmp_path / "dump")]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err == (f"lmprobe {command}: error: {tmp_path / 'dump'} is the --out of `lmprobe export-saev`, not a "
-                       f"dataset; the export it holds is {folder}: `lmprobe {command} {folder}`"), err
+    # issue 47, item 3: the folder given to export-saev's --out is described and checked as the exports it holds
+    # (it was an exit-2 error naming the folder inside)
+    assert cli_main(["info", str(tmp_path / "dump")]) == 0
+    assert capsys.readouterr().out == out
+    assert cli_main(["validate", str(tmp_path / "dump")]) == 0
+    assert capsys.readouterr().out.startswith(f"{folder}: saev OK")
 
 
 def test_export_into_a_log_writes_lines_not_bars(tmp_path, source, capsys, monkeypatch):

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 __all__ = ["bar_chart", "esc", "filter_box", "histogram_chart", "line_chart", "nice_ticks", "page", "percent", "table",
-           "tokens_html"]
+           "tokens_html", "visible_whitespace"]
 
 _STYLE = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;color:#1d2330;background:#fafbfc}
@@ -26,8 +26,8 @@ figure.span2{grid-column:span 2} figure.histogram{grid-column:1/-1} @media(max-w
 figure{margin:0;background:#fff;border:1px solid #e3e6ea;padding:8px} figure svg{width:100%;height:auto;max-height:360px;display:block}
 figcaption{font-size:12px;color:#5b6472} .ell{color:#8a93a0} .filter{font:inherit;padding:4px 8px;width:320px}
 .prompt{background:#fff;border:1px solid #e3e6ea;padding:10px;margin:10px 0}
-.toks{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:13px;line-height:1.9;word-break:break-all}
-.tok{border-radius:3px;padding:1px 1px;white-space:pre-wrap}
+.toks{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:13px;line-height:1.9}
+.tok{border-radius:3px;padding:1px 1px;white-space:pre}
 .tok.hit{outline:2px solid #c2185b;font-weight:700}
 .meta{color:#5b6472;font-size:12px} .pred{font-family:ui-monospace,monospace;font-size:12px}
 a{color:#1a5fb4} .legend{font-size:12px;color:#5b6472}
@@ -102,12 +102,28 @@ def _num(v: float) -> str:
     return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
 
 
+#: how a whitespace character shows where it would otherwise be invisible (a token of spaces, a top-k entry)
+WHITESPACE_MARKS = {" ": "\u2423", "\n": "\u21b5", "\t": "\u21e5"}  # ␣ ↵ ⇥
+
+
+def visible_whitespace(text: str, *, keep_breaks: bool = False) -> str:
+    """``text`` with its spaces, newlines and tabs drawn as ␣, ↵ and ⇥ (``keep_breaks``: a newline also still
+    breaks the line after its mark), so that a whitespace token is seen, not an empty box.
+
+    >>> visible_whitespace(" a\n")
+    '␣a↵'
+    """
+    return "".join(WHITESPACE_MARKS.get(c, c) + ("\n" if keep_breaks and c == "\n" else "") for c in text)
+
+
 def tokens_html(tokens: Sequence[str], values: Sequence[float | None], *, vmax: float | None = None,
                 hue: str = "red", hit: int | None = None, titles: Sequence[str] | None = None,
                 cut_before: bool = False, cut_after: bool = False) -> str:
     """Tokens as spans shaded by ``values`` (None: unshaded); ``hit`` outlines one token.
 
-    ``cut_before``/``cut_after``: the tokens are an excerpt; an ellipsis shows the text goes on.
+    A line wraps between two tokens, never inside one (``<wbr>`` between the spans, each kept whole); a token of
+    whitespace alone shows its marks (``visible_whitespace``). ``cut_before``/``cut_after``: the tokens are an
+    excerpt; an ellipsis shows the text goes on.
     """
     finite = [v for v in values if v is not None and math.isfinite(v)]
     top = vmax if vmax is not None else (max(finite) if finite else 1.0)
@@ -122,10 +138,11 @@ def tokens_html(tokens: Sequence[str], values: Sequence[float | None], *, vmax: 
             style = f' style="background:rgba({rgb[0]},{rgb[1]},{rgb[2]},{a:.3f})"'
         title = titles[i] if titles is not None else ("" if v is None else f"{v:.4g}")
         cls = "tok hit" if hit == i else "tok"
-        out.append(f'<span class="{cls}" title="{esc(title)}"{style}>{esc(tok)}</span>')
+        shown = visible_whitespace(tok, keep_breaks=True) if tok and not tok.strip() else tok
+        out.append(f'<span class="{cls}" title="{esc(title)}"{style}>{esc(shown)}</span>')
     lead = '<span class="ell">… </span>' if cut_before else ""
     trail = '<span class="ell"> …</span>' if cut_after else ""
-    return '<div class="toks">' + lead + "".join(out) + trail + "</div>"
+    return '<div class="toks">' + lead + "<wbr>".join(out) + trail + "</div>"
 
 
 def nice_ticks(lo: float, hi: float, *, n: int = 6, integer: bool = False) -> list[float]:

@@ -10,6 +10,7 @@ Hugging Face cache (never a request), and only then the Hub, after one look that
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,74 @@ def resolve_tokenizer(name: Any, revision: Any = None, *, download: bool = True,
         except Exception as exc:  # noqa: BLE001 - a repo that is no model, no tokenizer files: said in the message
             why = f"{type(exc).__name__}: {one_line(exc)}"
     return fail(why)
+
+
+#: the special-token attributes of a tokenizer_config.json whose ids make transformers' ``all_special_ids``
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+                      "additional_special_tokens", "extra_special_tokens")
+
+
+def special_token_ids(name: Any, revision: Any = None) -> list[int] | None:
+    """The ids of model ``name``'s special tokens (transformers' ``all_special_ids``) read from its tokenizer
+    files as JSON, without loading transformers (seconds): the embedded model, a local folder or the local
+    Hugging Face cache, never a request. None when the files are not here or do not say it plainly (a
+    sentencepiece model without tokenizer.json, a token the vocabulary lacks): ``resolve_tokenizer`` then
+    loads the tokenizer.
+
+    >>> special_token_ids("lmprobe-tiny")
+    [0, 1, 2, 3]
+    """
+    if not isinstance(name, str) or not name:
+        return None
+    embedded = embedded_model_dir(name)
+    folder = embedded if embedded is not None else Path(name) if os.path.isdir(name) else None
+
+    def file(rel: str) -> Path | None:
+        if folder is not None:
+            return folder / rel if (folder / rel).is_file() else None
+        try:
+            from huggingface_hub import try_to_load_from_cache  # the cache only: no request
+        except ImportError:
+            return None
+        rev = revision if isinstance(revision, str) and not revision.startswith("sha256:") else None
+        try:
+            found = try_to_load_from_cache(name, rel, revision=rev)
+        except ValueError:  # not a repo id
+            return None
+        return Path(found) if isinstance(found, str) else None
+
+    def read(rel: str, limit: int) -> Any:
+        path = file(rel)
+        if path is None or path.stat().st_size > limit:
+            return None
+        try:
+            return json.loads(path.read_bytes())
+        except ValueError:
+            return None
+
+    config, tokens = read("tokenizer_config.json", 1 << 24), read("tokenizer.json", 1 << 30)
+    mapped = read("special_tokens_map.json", 1 << 24) or {}
+    if not isinstance(config, dict) or not isinstance(tokens, dict) or not isinstance(mapped, dict):
+        return None
+    if "auto_map" in config:  # a tokenizer of its own code: never guessed at (resolve_tokenizer refuses to run it)
+        return None
+    added = tokens.get("added_tokens") if isinstance(tokens.get("added_tokens"), list) else []
+    vocab = (tokens.get("model") or {}).get("vocab") if isinstance(tokens.get("model"), dict) else None
+    ids = {t.get("content"): t.get("id") for t in added if isinstance(t, dict)}
+    if isinstance(vocab, dict):
+        ids = {**vocab, **ids}
+    elif vocab is not None:
+        return None  # a vocabulary as a list (unigram): leave it to transformers
+    out: set[int] = set()
+    for key in SPECIAL_TOKEN_KEYS:
+        value = config.get(key, mapped.get(key))
+        for token in value if isinstance(value, list) else [value] if value is not None else []:
+            content = token.get("content") if isinstance(token, dict) else token
+            found = ids.get(content) if isinstance(content, str) else None
+            if not isinstance(found, int) or isinstance(found, bool):
+                return None  # not plainly said: transformers knows better
+            out.add(found)
+    return sorted(out) if out else None
 
 
 def local_tokenizer(name: Any, revision: Any = None) -> Any:

@@ -12,7 +12,8 @@ from ..format.demo import write_demo
 from ..opening import is_remote, load
 from ..pages import summary
 from ..sae.loader import is_dictionary_folder, validate_dictionary
-from ..saev import is_saev_folder, validate_saev
+from ..saev import is_saev_folder, saev_exports, validate_saev
+from .options import add_token_option
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -21,9 +22,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_exports(paths: list[str]) -> list[str]:
+    """The paths, each ``export-saev --out`` folder replaced by the exports it holds (<HASH>/ folders)."""
+    return [str(e) for p in paths for e in (saev_exports(p) if not is_remote(p) else []) or [p]]
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     worst = 0
-    for path in args.paths:
+    for path in _with_exports(args.paths):
         problems, kind = None, ""
         if is_saev_folder(path):
             problems, kind = validate_saev(path, check_sizes=True), "saev"
@@ -35,20 +41,22 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 print(f"  error: {escape_controls(p, keep_newlines=False)}")
             worst = max(worst, 1 if problems else 0)
             continue
-        summary.check_not_a_dump_folder(path, "validate")
-        report = api.validate(path, checksums=not args.no_checksums)
+        report = api.validate(path, checksums=not args.no_checksums, full=args.full, token=args.token)
         print(escape_controls(report))
+        if is_remote(path) and not args.full:
+            print("  (checked in place: the metadata, the index, every shard's header and size; --full downloads "
+                  "every file and checks its sha256)")
         if not report.ok or (args.strict and report.warnings):
             worst = 1
     return worst
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    text = summary.artefact_text(args.path) if not is_remote(args.path) else None  # a saev export, a dictionary
-    if text is None:
-        summary.check_not_a_dump_folder(args.path, "info")
-        text = summary.text(load(args.path), path=args.path)
-    print(text)
+    texts = []
+    for path in _with_exports([args.path]):  # export-saev's --out: each export it holds
+        text = summary.artefact_text(path) if not is_remote(path) else None  # a saev export, a dictionary
+        texts.append(text if text is not None else summary.text(load(path), path=path))
+    print("\n\n".join(texts))
     return 0
 
 
@@ -68,9 +76,13 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.set_defaults(func=cmd_merge)
 
     p = command("validate", help="check datasets against the format document")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="dataset folder(s)")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="dataset folder(s), Hub datasets (hf://datasets/OWNER/NAME), saev exports or SAE "
+                   "dictionaries")
     p.add_argument("--no-checksums", action="store_true", help="skip sha256 checks (faster on large datasets)")
     p.add_argument("--strict", action="store_true", help="fail on warnings too")
+    p.add_argument("--full", action="store_true", help="a Hub dataset: download every file and check its sha256 "
+                   "(without it, the metadata, the index and every shard's header and size are checked in place)")
+    add_token_option(p)
     p.set_defaults(func=cmd_validate)
 
     p = command("info", help="print a summary of a dataset")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..publish.attachments import publish_attachment
 from ..publish.dictionary import push_dictionary
 from ..sae.export import export_sae
 from ..sae.topk import top_features
 from ..saelens import export_saelens, import_saelens
+from ..saelens.export import choose_hook
 from ..saev import compat_mode, export_saev
 from .options import (
     add_cache_option,
@@ -38,7 +40,10 @@ def cmd_export_saev(args: argparse.Namespace) -> int:
 
 
 def cmd_export_saelens(args: argparse.Namespace) -> int:
-    export_saelens(open_source(args.source, args.cache, args.quiet), args.out, layer=args.layer,
+    def check(ds: Any) -> None:  # a missing --layer is said before the cache line and any download
+        choose_hook(ds, args.source, layer=args.layer, hookpoint=args.hookpoint)
+
+    export_saelens(open_source(args.source, args.cache, args.quiet, check), args.out, layer=args.layer,
                    hookpoint=args.hookpoint, context_len=args.context_len, tokens=False if args.no_tokens else None,
                    windows=args.windows, quiet=args.quiet)
     return 0

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, fields
 from typing import Any, Literal
 
 from ..base.fields import cli_of, field_docs, plain_text
 from ..base.layers import parse_layers
 from ..opening import is_remote, load
-from ..storage.cache import cache_budget
+from ..storage.cache import announce_budget, cache_budget
 
 
 def stored_layers(spec: str | None, stored: list[int]) -> list[int] | None:
@@ -45,11 +46,21 @@ def positive_int(text: str) -> int:
     return v
 
 
-def open_source(path: str, cache: str | None, quiet: bool) -> Any:
-    """A dataset for a command that reads it whole: a remote one through a bounded cache (said on stderr)."""
+def open_source(path: str, cache: str | None, quiet: bool, check: Callable[[Any], object] | None = None) -> Any:
+    """A dataset for a command that reads it whole: a remote one through a bounded cache, said on stderr once
+    ``check(ds)`` (the command's arguments against the metadata) has passed: a mistake is one line, alone."""
     if not is_remote(path):
-        return load(path)
-    return load(path, cache=cache_budget(cache, path, announce=not quiet))
+        ds = load(path)
+        if check is not None:
+            check(ds)
+        return ds
+    budget = cache_budget(cache, path, announce=False)
+    ds = load(path, cache=budget)
+    if check is not None:
+        check(ds)
+    if not quiet:
+        announce_budget(path, budget)
+    return ds
 
 
 def hookpoint_list(text: str | None) -> list[str] | None:

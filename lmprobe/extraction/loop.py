@@ -45,6 +45,12 @@ def load_backend(job: Job) -> Any:
     return TransformersBackend(model, blocks, causal_lm=job.spec.causal_lm, inputs=job.arch.inputs)
 
 
+def _bar_name(job: Job) -> str:
+    """What a progress bar is called: ``extract``, or ``extract rank 1/2`` (every node shows its own rank's bar)."""
+    ranks = job.ranks
+    return "extract" if ranks is None or ranks.world == 1 else f"extract rank {ranks.rank}/{ranks.world}"
+
+
 def run_prompts(writer: DatasetWriter, job: Job) -> None:
     cfg = job.config
     bound_allocator_cache()  # one arena: freed batch buffers are reused by every thread
@@ -62,7 +68,7 @@ def run_prompts(writer: DatasetWriter, job: Job) -> None:
     encoder = Encoder(tok, chat_template=cfg.chat_template, drop_special_tokens=cfg.drop_special_tokens,
                       max_length=job.settings["max_length"], truncate=cfg.truncate)
     bg = BackgroundWorker(lambda item: writer.add_batch(**item), max_pending=1, name="lmprobe-writer")
-    bar = Progress(n, initial=done, desc="extract", unit="prompt", quiet=cfg.quiet, tokens=True)
+    bar = Progress(n, initial=done, desc=_bar_name(job), unit="prompt", quiet=cfg.quiet, tokens=True)  # its share
     try:
         _loop(bg, backend, encoder, job, order, done, bar)
     except BaseException:
@@ -160,8 +166,12 @@ def run_corpus(writer: DatasetWriter, job: Job) -> None:
     layers = job.settings["layers"]
     left = tok.padding_side == "left"
     bg = BackgroundWorker(lambda item: writer.add_batch(**item), max_pending=1, name="lmprobe-writer")
-    total = plan.max_tokens if plan.max_tokens is None or ranks.world == 1 else plan.max_tokens // ranks.world
-    bar = Progress(total, initial=writer.num_tokens, desc="extract", unit="tok", quiet=cfg.quiet)
+    # a rank's share of a budget is planned round by round with the others (ranks.py), unknown up front: its bar
+    # counts its tokens without a total (max_tokens // world stopped at 88% on one rank, passed 100% on another)
+    total = plan.max_tokens if ranks.world == 1 else None
+    desc = _bar_name(job) if ranks.world == 1 or plan.max_tokens is None else \
+        f"{_bar_name(job)}, of the job's {plan.max_tokens:,}"
+    bar = Progress(total, initial=writer.num_tokens, desc=desc, unit="tok", quiet=cfg.quiet)
     trim = HeapTrimmer()
     try:
         with torch.inference_mode():

@@ -83,9 +83,7 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
         # transformers refuses the file (an unknown model type, values its config class rejects)
         raise ModelError(f"transformers cannot read the config of model {name!r}: {one_line(exc)}"[:600]) from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    # an encoder-decoder's layers are its decoder's (BART's num_hidden_layers means its encoder's)
-    n_layers = next((getattr(text, a) for a in ("decoder_layers", "num_decoder_layers", "num_hidden_layers", "n_layer",
-                                                 "num_layers") if isinstance(getattr(text, a, None), int)), None)
+    n_layers = next((getattr(text, a) for a in LAYER_ATTRIBUTES if _is_int(getattr(text, a, None))), None)
     hidden = next((getattr(text, a) for a in ("hidden_size", "n_embd", "d_model") if hasattr(text, a)), None)
     if not isinstance(n_layers, int) or not isinstance(hidden, int):
         raise ModelError(f"cannot tell the number of layers or the hidden size of {name!r} from its config")
@@ -102,6 +100,39 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
         recorded = getattr(config, "_commit_hash", None) or revision
     return ModelSpec(display, path, local, revision, trust_remote_code, config, n_layers, hidden, _is_causal_lm(config),
                      recorded, bool(access))
+
+
+#: the attributes that count a model's blocks, in the order they are asked: an encoder-decoder's layers are its
+#: decoder's (BART's num_hidden_layers means its encoder's)
+LAYER_ATTRIBUTES = ("decoder_layers", "num_decoder_layers", "num_hidden_layers", "n_layer", "num_layers")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def declared_layers(name: str, *, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
+    """The number of layers a model's config.json declares, read as JSON without transformers or torch (a second,
+    not half a minute, before a wrong ``--layers`` is said); None when the file is not on this machine (a Hub
+    model not in the local cache: ``read_model_spec`` asks the Hub) or declares none that can be read this way.
+
+    >>> declared_layers("lmprobe-tiny")
+    6
+    """
+    path, local = resolve_model_path(name)
+    if local:
+        file: Path | None = Path(path) / "config.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache  # no request: the cache only
+
+        cached = try_to_load_from_cache(path, "config.json", revision=revision)
+        file = Path(cached) if isinstance(cached, str) else None
+    if file is None or not file.is_file():
+        return None  # read_model_spec says what is wrong with it
+    config = check_config_file(file, model=name, trust_remote_code=True)  # remote code is checked by the real read
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    n = next((text[a] for a in LAYER_ATTRIBUTES if _is_int(text.get(a))), None)
+    return n if n is not None and n > 0 else None
 
 
 def _hub_config(repo_id: str, revision: str | None, access: dict) -> Path:

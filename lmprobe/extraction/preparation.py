@@ -40,6 +40,7 @@ from .hookpoints import NAMED, Capture
 from .miniature import build_miniature, skeleton
 from .model import (
     ModelSpec,
+    declared_layers,
     load_model,
     load_tokenizer,
     parse_layers,
@@ -109,6 +110,15 @@ def _where(prompts: Prompts, i: int) -> str:
     return f"prompt {i}" if prompts.source in ("prompts", "DataFrame", "<memory>") else prompts.where(i)
 
 
+def check_layers_early(cfg: ExtractionConfig) -> None:
+    """``--layers`` against the layers the model's config.json declares, read without torch or transformers (the
+    same attributes ``read_model_spec`` reads), before the prompts, the tokenizer and the weights: a wrong layer is
+    said in a second. A config this cannot read is checked by ``read_model_spec`` as before."""
+    n = declared_layers(cfg.model, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    if n is not None:
+        parse_layers(cfg.layers, n)
+
+
 def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> Job:
     """Read and check everything but the weights."""
     if cfg.backend == "nnsight":
@@ -116,6 +126,7 @@ def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> Job:
         if cfg.remote is True:
             check_api_key()
     ranks = ranks or Ranks(0, 1, None)
+    check_layers_early(cfg)
     if cfg.corpus:
         p = None
         source = open_source(cfg.prompts, text_column=cfg.text_column, config=cfg.dataset_config, split=cfg.split)

@@ -184,9 +184,12 @@ def _extract(job: Job, output: Output) -> Dataset | None:
         session.abort()
         raise
     writer.close()
-    ds = session.finish()  # None: a job's part, committed with the others' when the job ends
-    if ds is not None and not output.local and not cfg.quiet:
-        logger.info(f"uploaded the dataset to {output}")
+    ds = session.finish()  # None: a job's part, committed with the other ranks' when the job ends
+    if not output.local and not cfg.quiet:
+        part = settings.get("part")  # a rank's part of a torchrun job (_extract_parallel): not yet the dataset
+        what = f"part {part[0]} of {part[1]} of the dataset" if part else "the dataset"
+        later = "" if ds is not None else " (rank 0 commits it with the other parts when the job ends)"
+        logger.info(f"uploaded {what} to {output}{later}")
     return ds
 
 
@@ -207,7 +210,7 @@ def _extract_parallel(job: Job, output: Output, rank: int, world: int) -> Datase
         what = {"prompts_sha256": job.prompts.fingerprint(), "num_prompts": len(job.prompts)}
     else:
         what = {}
-    part_job = dataclasses.replace(job, config=dataclasses.replace(cfg, quiet=cfg.quiet or rank != 0),
+    part_job = dataclasses.replace(job, config=dataclasses.replace(cfg, quiet=cfg.quiet),  # every rank shows its own
                                    settings={**job.settings, **what, "part": [rank, world]})
     done = _finished(part_job, part)
     if done is None:
@@ -286,7 +289,8 @@ def _announce(job: Job, writer: DatasetWriter, out: Path, *, local: bool) -> Non
     planned, what = _planned_bytes(job, writer)
     if not cfg.quiet:
         size = "size unknown (no --max-tokens)" if planned is None else f"about {format_size(planned)}"
-        resumed = f", resuming after {writer.num_prompts:,} rows" if writer.num_prompts else ""
+        resumed = (f", resuming after {plural(writer.num_prompts, 'row')} ({plural(writer.num_tokens, 'token')})"
+                   if writer.num_prompts else "")
         logger.info(f"lmprobe: writing {what}: {size}{resumed}")
     if planned is None or not cfg.space_check:
         return

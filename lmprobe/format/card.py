@@ -133,13 +133,14 @@ def _section(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] 
         "## Read it without lmprobe",
         "",
         "Everything is described by the `lmprobe:` keys of the index's parquet schema metadata."
-        + (" The shards hold bfloat16, which numpy has no type for: read them through torch." if hidden["dtype"]
-           == "bfloat16" else "")
+        + (" The shards hold bfloat16, which numpy has no type for: a row's bytes are read as uint16, the upper "
+           "half of each float32 (docs/format.md of lmprobe)." if hidden["dtype"] == "bfloat16" else "")
         + (" The shards hold int8 codes and a float32 scale per row: a vector is codes x scale (format 3.0)."
            if hidden.get("scale_key_pattern") else ""),
         "",
         "```python",
         "import json",
+        *(["import numpy as np"] if hidden["dtype"] == "bfloat16" else []),
         "import pyarrow.parquet as pq",
         "from safetensors import safe_open",
         "",
@@ -158,10 +159,14 @@ def _section(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] 
             '    scale = f.get_slice(hidden["scale_key_pattern"].format(layer=layer))[int(row["row_offset"])]',
             '    vector = codes.astype("float32") * scale  # last-token activation of prompt 0',
         ]
-    elif hidden["dtype"] == "bfloat16":  # numpy has no bfloat16: read through torch
+    elif hidden["dtype"] == "bfloat16":  # numpy has no bfloat16: its uint16 view, no torch needed
         lines += [
-            'with safe_open(path, framework="pt") as f:',
-            '    vector = f.get_slice(key)[int(row["row_offset"])].float().numpy()  # last-token activation of prompt 0',
+            'with open(path, "rb") as f:  # the row\'s bytes as uint16: the upper half of each float32',
+            '    n = int.from_bytes(f.read(8), "little")',
+            '    entry = json.loads(f.read(n))[key]',
+            f'    f.seek(8 + n + entry["data_offsets"][0] + 2 * {hidden["dim"]} * int(row["row_offset"]))',
+            f'    bits = np.frombuffer(f.read(2 * {hidden["dim"]}), dtype="<u2")',
+            'vector = (bits.astype(np.uint32) << 16).view(np.float32)  # last-token activation of prompt 0',
         ]
     else:
         lines += [

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..base.html import esc, table, tokens_html
+from ..base.html import esc, table, tokens_html, visible_whitespace
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Prompt:
         out = [f'<div class="prompt"><div class="meta"><b>{head}</b> · {" · ".join(bits)}</div>',
                tokens_html(toks, values, vmax=vmax, titles=titles)]
         if self.topk:
-            preds = ", ".join(f"<b>{esc(t)}</b> {v:.3g}" for t, v in self.topk)
+            preds = ", ".join(f"<b>{esc(visible_whitespace(t))}</b> {v:.3g}" for t, v in self.topk)  # " " is ␣
             # stored are the top-k logits, not the whole distribution: no probability can be computed
             out.append(f'<div class="pred">next token, top {len(self.topk)} by logit: {preds}</div>')
         out.append("</div>")

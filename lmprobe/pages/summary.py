@@ -13,13 +13,12 @@ from typing import Any
 
 from ..base.display import escape_controls
 from ..base.units import format_size, plural
-from ..errors import DatasetNotFoundError
 from ..format.metadata import recorded_attachments
 from ..format.reader import Dataset
 from ..format.spec import RESERVED_COLUMNS
 from ..sae.activation import describe as describe_activation
 from ..sae.loader import SAEConfig, is_dictionary_folder, load_dictionary
-from ..saev import SaevDataset, is_saev_folder, saev_exports
+from ..saev import SaevDataset, is_saev_folder
 
 #: what the stored (non-addressing) reserved columns hold, in the order they are listed
 _STORED = {"token_ids": "token ids", "token_strings": "token strings", "token_perplexity": "per-token perplexity",
@@ -218,13 +217,3 @@ def artefact_text(path: str | os.PathLike) -> str | None:
                ("model hash", str(meta["model_hash"])), ("format", f"{meta['format']}, {meta['dtype']} weights")]
         return f"SAE dictionary {escape_controls(p, keep_newlines=False)}\n" + _lines(out, escape=True)
     return None
-
-
-def check_not_a_dump_folder(path: str | os.PathLike, command: str) -> None:
-    """Refuse, pointing at the exports inside, the folder given to ``export-saev --out`` (it holds <HASH>/ folders)."""
-    exports = saev_exports(path)
-    if exports:
-        held = (f"the export it holds is {exports[0]}" if len(exports) == 1 else
-                f"the exports it holds are {', '.join(map(str, exports))}")
-        raise DatasetNotFoundError(f"{path} is the --out of `lmprobe export-saev`, not a dataset; {held}: "
-                                   f"`lmprobe {command} {' '.join(map(str, exports))}`")

@@ -50,8 +50,10 @@ def train_probe(ds: Any, layer: LayerArg, *, method: Any = "logistic", label_col
     X, blocks = data.features(layer)
     f = fit(X, data.y, method, task=task, pairs=data.pairs, blocks=blocks, seed=seed, C=C)
     layers = data.layers_list(layer)
-    return LinearProbe.from_fit(f, layers[0] if isinstance(layer, (int, np.integer)) else layers,
-                                _settings(data, method, label_column, seed, {"C": C}))
+    p = LinearProbe.from_fit(f, layers[0] if isinstance(layer, (int, np.integer)) else layers,
+                             _settings(data, method, label_column, seed, {"C": C}))
+    p.settings["train_score"] = p.score(X, data.y)  # in-sample: what the repr shows (sweep gives held-out scores)
+    return p
 
 
 def _fitter(X: np.ndarray, data: ProbeData, method: Any, blocks: list[int], seed: int, C: float):

@@ -72,6 +72,20 @@ class LinearProbe:
     intercept: np.ndarray
     settings: dict = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        """One line: what the probe reads and how well it fit, never its arrays (``probe.coef`` shows them)."""
+        s = self.settings
+        layer = self.layer if isinstance(self.layer, int) else "+".join(map(str, self.layer))
+        parts = [str(s.get("method", "linear")), f"layer {layer}"]
+        parts += [str(s["hookpoint"])] if s.get("hookpoint") else []
+        parts += [f"{s['pooling']} pooling"] if s.get("pooling") else []
+        parts.append(f"{self.coef.shape[1]} dims")
+        parts.append(f"classes {self.classes}" if self.classes else "regression")
+        score = s.get("train_score")
+        if isinstance(score, (int, float)):
+            parts.append(f"train {'R^2' if self.task == 'regression' else 'accuracy'} {round(float(score), 3)}")
+        return f"<LinearProbe {', '.join(parts)}>"
+
     def decision_function(self, X: Any) -> np.ndarray:
         X = np.asarray(X, dtype=np.float32)
         if X.ndim == 1:
@@ -96,7 +110,8 @@ class LinearProbe:
 
     @classmethod
     def from_fit(cls, fit: Fit, layer: int | list[int], settings: dict) -> LinearProbe:
-        return cls(layer, list(fit.classes), fit.mean.astype(np.float32), fit.scale.astype(np.float32),
+        classes = [c.item() if hasattr(c, "item") else c for c in fit.classes]  # plain values: 1, not np.int64(1)
+        return cls(layer, classes, fit.mean.astype(np.float32), fit.scale.astype(np.float32),
                    fit.coef.astype(np.float32), fit.intercept.astype(np.float32), settings)
 
     def predict_proba(self, X: Any) -> np.ndarray:

@@ -25,6 +25,7 @@ from ..errors import ProbeError
 from ..extraction.examine import forward_kwargs
 from ..extraction.hookpoints import Reading, Site, first_input, first_output
 from ..extraction.model import get_module, load_model, load_tokenizer, pick_device, read_model_spec
+from ..extraction.placement import Placement
 from ..extraction.preparation import examine_model
 from ..extraction.prompts import read_prompts
 from .linear import LinearProbe
@@ -101,7 +102,8 @@ def steer(model: str, probe: LinearProbe | str | os.PathLike, prompts: Any, *, a
     if width != spec.hidden_size and hookpoint in ("resid_pre", "resid_post", "resid_mid"):
         raise ProbeError(f"the probe takes {width}-dim activations; {spec.name}'s stream is {spec.hidden_size}-dim")
 
-    lm, _ = load_model(spec, device=pick_device(device), compute_dtype=compute_dtype, quiet=True)
+    # the whole model on one device (load_model takes a placement since models can be spread over GPUs)
+    lm, _ = load_model(spec, placement=Placement(pick_device(device)), compute_dtype=compute_dtype, quiet=True)
     dev = next(lm.parameters()).device
     blocks = get_module(lm, arch.block_path)
     direction = torch.tensor(p.direction, dtype=torch.float32, device=dev)  # (dim,), unit

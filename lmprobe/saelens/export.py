@@ -85,14 +85,9 @@ class ExportPlan:
         return max(1, -(-self.n_windows // self.rows_per_file))
 
 
-def plan_export(ds: Dataset, source_desc: str, *, layer: int | None, hookpoint: str | None,
-                context_len: int | None = None, shard_bytes: int = SHARD_BYTES, windows: str = "pack") -> ExportPlan:
-    """Check the source and choose rows, windows and files, before anything is written."""
-    if windows not in WINDOWS:
-        raise SaelensError(f"windows must be 'pack' or 'exact', got {windows!r}")
-    if ds.storage != "full_sequence":
-        raise SaelensError(f"{source_desc} is pooled (it stores only each prompt's last token); a SAELens cache "
-                           "holds every token of each window: extract with --storage full_sequence")
+def choose_hook(ds: Dataset, source_desc: str, *, layer: int | None, hookpoint: str | None) -> tuple[str, int]:
+    """The (hookpoint, layer) a SAELens cache of ``ds`` holds: the arguments checked against the metadata alone
+    (no index, no shard), so that the command line answers a missing ``--layer`` before it says anything else."""
     hp = hookpoint or ds.hookpoints[0]
     if hp not in ds.hookpoints:
         raise SaelensError(f"hookpoint {hp!r} is not in {source_desc} (it stores {ds.hookpoints})")
@@ -103,9 +98,20 @@ def plan_export(ds: Dataset, source_desc: str, *, layer: int | None, hookpoint: 
                                "pass --layer")
         layer = here[0]
     try:
-        layer = ds.check_layer(layer, hp)  # -1: the last stored layer, as everywhere
+        return hp, ds.check_layer(layer, hp)  # -1: the last stored layer, as everywhere
     except LayerNotFoundError:
         raise SaelensError(f"layer {layer} is not in {source_desc} (it stores {ds.layers})") from None
+
+
+def plan_export(ds: Dataset, source_desc: str, *, layer: int | None, hookpoint: str | None,
+                context_len: int | None = None, shard_bytes: int = SHARD_BYTES, windows: str = "pack") -> ExportPlan:
+    """Check the source and choose rows, windows and files, before anything is written."""
+    if windows not in WINDOWS:
+        raise SaelensError(f"windows must be 'pack' or 'exact', got {windows!r}")
+    if ds.storage != "full_sequence":
+        raise SaelensError(f"{source_desc} is pooled (it stores only each prompt's last token); a SAELens cache "
+                           "holds every token of each window: extract with --storage full_sequence")
+    hp, layer = choose_hook(ds, source_desc, layer=layer, hookpoint=hookpoint)
     hook = tl_hook_name(hp, layer)
     lengths = ds.token_lengths()
     if not len(lengths):

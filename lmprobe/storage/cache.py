@@ -85,9 +85,15 @@ def cache_budget(cache: int | str | None, source: object, *, announce: bool) -> 
                                    "half of what is free after this machine's other readers): free some space or "
                                    "point LMPROBE_CACHE at another disk")
     if announce:
-        logger.info(f"lmprobe: reading {source} through a local cache of at most {format_size(budget)} "
-                    "(cache= / --cache to change it)")
+        announce_budget(source, budget)
     return budget
+
+
+def announce_budget(source: object, budget: int) -> None:
+    """Say on stderr which cache a remote ``source`` is read through (a user who did not choose it learns what it
+    is and how to change it)."""
+    logger.info(f"lmprobe: reading {source} through a local cache of at most {format_size(budget)} "
+                "(cache= / --cache to change it)")
 
 
 class BoundedCache:

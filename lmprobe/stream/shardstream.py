@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from ..base.progress import logger
-from ..base.tokenizer import resolve_tokenizer
+from ..base.tokenizer import resolve_tokenizer, special_token_ids
 from ..base.units import format_size, parse_size
 from ..errors import InvalidArgumentError
 from ..format.reader import Dataset
@@ -69,7 +69,11 @@ class ShardStream:
       draws from enough pieces to stay within 1.5x of uniform sampling, with a warning when the cache
       is too small for that) through a cache of at most ``cache`` bytes that the ranks and workers of one machine share
       (``LOCAL_WORLD_SIZE`` of them, as torchrun sets it, each holding its share); 429/5xx answers and
-      dropped or stalled connections are waited out for ``deadline`` seconds (docs/training.md).
+      dropped or stalled connections are waited out for ``deadline`` seconds (docs/training.md);
+      ``stream.resident`` is then ``K``, how many pieces one group of this rank may hold (its share of
+      the cache over two pieces): a capacity, not a count of pieces read, so a layer of 4 pieces under
+      the default cache shows thousands; ``stream.cache_budget`` and ``stream.piece_bytes`` are the
+      sizes it came from (all three None for a local dataset).
     """
 
     def __init__(self, dataset: Any, layer: int | None = None, batch_size: int = 4096, *, seed: int = 0,
@@ -182,10 +186,13 @@ class ShardStream:
     def _special_ids(self, skip: bool | Sequence[int]) -> np.ndarray | None:
         if skip is False or skip is None:
             return None
-        if skip is True:  # the one way a dataset's tokenizer is found: embedded, local, cached, then the Hub
-            tok = resolve_tokenizer(self.ds.model.get("name"), self.ds.model.get("revision"),
-                                    need="skip_special_tokens=True (or pass the ids: skip_special_tokens=[...])")
-            ids = sorted(set(tok.all_special_ids))
+        if skip is True:  # the tokenizer's files read as JSON (no transformers); else the tokenizer, loaded
+            name, revision = self.ds.model.get("name"), self.ds.model.get("revision")
+            ids = special_token_ids(name, revision)
+            if ids is None:  # the one way a dataset's tokenizer is found: embedded, local, cached, then the Hub
+                tok = resolve_tokenizer(name, revision,
+                                        need="skip_special_tokens=True (or pass the ids: skip_special_tokens=[...])")
+                ids = sorted(set(tok.all_special_ids))
         else:
             ids = sorted({int(x) for x in skip})
         if "token_ids" not in self.ds.schema.names:
