@@ -107,6 +107,19 @@ def test_cli_probe_table_and_plot(tmp_path, rng, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+def test_the_probe_command_saves_nothing_unasked_once_nnsight_is_imported(tmp_path, rng, capsys):
+    """nnsight, once imported (an nnsight extraction earlier in the same process), gives every object a `save` method,
+    argparse.Namespace too; `lmprobe probe` without --save must still not try to save (it tried to save to that
+    method: a TypeError)."""
+    import nnsight  # noqa: F401
+
+    separable(tmp_path / "ds", rng)
+    assert cli_main(["probe", str(tmp_path / "ds"), "--cv", "2"]) == 0
+    assert "wrote" not in capsys.readouterr().out
+    assert cli_main(["probe", str(tmp_path / "ds"), "--cv", "2", "--save", str(tmp_path / "p")]) == 0
+    assert (tmp_path / "p.json").exists()
+
+
 @pytest.mark.slow
 def test_example_notebook_runs_offline(tmp_path):
     import nbformat

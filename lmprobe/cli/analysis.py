@@ -65,13 +65,13 @@ def cmd_probe(args: argparse.Namespace) -> int:
     if args.plot:
         plot_sweep(table, args.plot, title=f"{ds.model.get('name')}: {args.label_column} probe")
         print(f"wrote {args.plot}")
-    if args.save:
+    if args.save_to:
         layer = best["layer"]
         layer = int(layer) if not isinstance(layer, str) else [int(x) for x in layer.split("+")]
         p = train_probe(ds, layer, method=best["method"], label_column=args.label_column, task=args.task,
                         pooling=_pooling(args.pooling), pairs=args.pairs,
                         hookpoint=best["hookpoint"] if "hookpoint" in table.columns else None, seed=args.seed)
-        weights, meta = p.save(args.save)
+        weights, meta = p.save(args.save_to)
         print(f"wrote {weights} and {meta}")
     return 0
 
@@ -135,7 +135,9 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--baselines", action="store_true", help="score the baselines on the same folds and say whether "
                    "the probe beats them")
     p.add_argument("--bootstrap", type=int, default=0, metavar="N", help="95%% intervals from N resamples")
-    p.add_argument("--save", default=None, metavar="PATH", help="train the best row's probe on every row and save it "
+    # (dest save_to: nnsight, once imported, gives every object a `save` method, argparse.Namespace too, and argparse
+    # then leaves a dest named `save` at that method instead of its default)
+    p.add_argument("--save", dest="save_to", default=None, metavar="PATH", help="train the best row's probe on every row and save it "
                    "as PATH.safetensors + PATH.json")
     p.add_argument("--hookpoints", default=None, help="sweep these stored hookpoints too, a comma list "
                    "(default: what hidden_layers holds)")
