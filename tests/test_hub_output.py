@@ -260,3 +260,32 @@ def test_a_resumed_run_commits_only_what_its_writer_recorded(hub, llama_dir, tmp
     lmprobe.extract(str(llama_dir), MANY, out=url, **KW)
     tree = _history(_repo(hub, name))[-1]
     assert not [p for p in tree if "foreign" in p or "forged" in p], sorted(tree)
+
+
+def _identities(hub, since: int) -> set[str | None]:
+    """The Authorization header of each Hub API request since ``since`` (the LFS storage's own upload and verify
+    URLs are the storage's, presigned on the real Hub: not counted)."""
+    return {auth for method, path, auth in hub.state.requests[since:] if "/lfs-upload/" not in path}
+
+
+def test_the_token_given_is_used_for_every_hub_call_of_the_extraction(hub, llama_dir, monkeypatch, tmp_path):
+    """Issue 44 item 7: ``token=`` (and ``--token``) is the identity of every request of an extraction to the Hub
+    (the commits, paths-info, the finished check that opens the dataset): never HF_TOKEN's, never none."""
+    from lmprobe.cli.app import main
+
+    monkeypatch.setenv("HF_TOKEN", "hf_other_identity")
+    since = len(hub.state.requests)
+    lmprobe.extract(str(llama_dir), PROMPTS, out="hf://datasets/user/token-api", token="hf_given_api", **KW)
+    assert _identities(hub, since) == {"Bearer hf_given_api"}
+    since = len(hub.state.requests)  # again, against what it made: the "already done?" check and nothing else
+    lmprobe.extract(str(llama_dir), PROMPTS, out="hf://datasets/user/token-api", token="hf_given_api", **KW)
+    assert _identities(hub, since) == {"Bearer hf_given_api"}
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    since = len(hub.state.requests)
+    assert main(["extract", "--model", str(llama_dir), "--prompts", str(prompts), "--out", "hf://datasets/user/token-cli", "--token",
+                 "hf_given_cli", "--layers", "0,3", "--shard-size", "2KB", "--quiet"]) == 0
+    assert _identities(hub, since) == {"Bearer hf_given_cli"}
+    assert "hf_given" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*")
+                                     if p.is_file())

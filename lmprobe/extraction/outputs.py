@@ -133,11 +133,12 @@ class Output(ABC):
         return None
 
 
-def open_output(out: str | os.PathLike) -> Output:
-    """The output ``out`` names, checked before anything expensive runs."""
+def open_output(out: str | os.PathLike, *, token: str | None = None) -> Output:
+    """The output ``out`` names, checked before anything expensive runs; ``token`` is the identity of every Hub call
+    a Hub output makes (None: HF_TOKEN or the saved login), kept in memory only."""
     s = os.fspath(out)
     if isinstance(s, str) and s.startswith("hf://"):
-        return HubOutput.parse(s)
+        return HubOutput.parse(s, token=token)
     if is_object_store_url(s):
         return ObjectStoreOutput(s.rstrip("/"))
     return LocalOutput(check_output_path(out, "output folder"))
@@ -452,12 +453,12 @@ class HubOutput(Output):
         self.job: HubCommitter | None = None  # rank 0 of a job: that committer
 
     @classmethod
-    def parse(cls, url: str) -> HubOutput:
+    def parse(cls, url: str, *, token: str | None = None) -> HubOutput:
         ref = parse_hf_url(url)
         if ref.repo_type != "dataset":
             raise InvalidArgumentError(f"--out {url}: an extraction writes to a dataset repo, "
                                        "hf://datasets/OWNER/NAME[@branch]")
-        return cls(HubRef(ref.repo_id, "dataset", ref.revision or "main", ref.path.strip("/")))
+        return cls(HubRef(ref.repo_id, "dataset", ref.revision or "main", ref.path.strip("/")), token=token)
 
     def repo_path(self, rel: str) -> str:
         return f"{self.ref.path}/{rel}" if self.ref.path else rel
