@@ -620,6 +620,7 @@ def test_hf_urls_parse_revisions_with_slashes_as_huggingface_hub_does(url, ref):
     ("hf://datasets/u/n/x/.lmprobe-staging", ".lmprobe-"),
     ("hf://datasets/u/n/a/../b", ".."),
     ("hf://datasets/u/n@", "revision"),
+    ("hf://datasets/u/n@/sub", "revision"),
     ("hf://datasets/u/n@refs/pr/x", "refs/pr/N"),
 ])
 def test_odd_folders_in_hf_urls_are_refused_in_one_line(url, says):

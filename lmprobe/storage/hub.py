@@ -193,6 +193,8 @@ def parse_hf_url(url: str, *, revision: str | None = None) -> HubRef:
     HubRef(repo_id='me/acts', repo_type='dataset', revision='v1', path='saev/abc')
     >>> parse_hf_url("hf://me/my-sae").repo_type
     'model'
+    >>> parse_hf_url("hf://datasets/me/acts@refs/pr/1/saev").revision   # a PR's ref, as huggingface_hub reads it
+    'refs/pr/1'
     """
     if not url.startswith("hf://"):
         raise InvalidArgumentError(f"{url!r} is not an hf:// URL")
@@ -214,7 +216,7 @@ def parse_hf_url(url: str, *, revision: str | None = None) -> HubRef:
         raise InvalidArgumentError(f"{url}: {repo_id!r} is not a valid repo id")
     sub = parts[2] if len(parts) > 2 else ""
     if at:
-        rev, sub = _split_revision(url, "/".join(x for x in (rev, sub) if x))
+        rev, sub = _split_revision(url, f"{rev}/{sub}" if sub else rev)
     if sub:
         _check_repo_folder(url, sub, str(HubRef(repo_id, repo_type, rev or None)))
     if revision and rev and revision != rev:
