@@ -51,8 +51,9 @@ def extract(model: str, prompts: Any, *, out: str | os.PathLike, token: str | No
     ``prompts`` may also be a folder of prompt files or a Hugging Face dataset
     (``hf://datasets/OWNER/NAME``). With ``context_len`` or ``max_tokens`` it is read as a corpus:
     streamed, every document cut into windows, one row each, up to exactly ``max_tokens`` tokens.
-    With ``push="OWNER/NAME"`` the finished folder is published to the Hub (``token``: the Hub
-    token, default HF_TOKEN or the saved login; never stored).
+    With ``push="OWNER/NAME"`` the finished folder is published to the Hub. ``token``: the Hub
+    identity of every Hub call (an ``hf://`` output, the push), default HF_TOKEN or the saved login;
+    never stored.
 
     Every option is a field of ``lmprobe.ExtractionConfig``, listed below from its docstrings.
     Re-running the same call after an interruption continues where it stopped; a different
@@ -97,7 +98,7 @@ def run_extraction(config: ExtractionConfig, *, token: str | None = None) -> Out
     torchrun job only); return the outcome: the dataset, opened, and whether this run wrote it (``wrote`` is
     False when ``out`` already held this extraction)."""
     try:
-        outcome = execute(config)
+        outcome = execute(config, token=token)
     except RuntimeError as exc:  # under torchrun: a collective that found a peer's process gone
         stopped = peer_stopped(exc) if rank_and_world()[1] > 1 else None
         if stopped is None:

@@ -110,6 +110,7 @@ class HubState:
         self.stalls: list[Stall] = []
         self.corruptions: list[Stall] = []  # (pattern, -, times): answers whose last byte is flipped
         self.auth_headers: list[str] = []
+        self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Authorization header or None), each
         self.rate: float | None = None  # bytes/s of file downloads, shared by all connections (one link)
         self.rate_pattern: re.Pattern | None = None  # only downloads whose path matches (None: all)
         self.link_free_at = 0.0
@@ -257,6 +258,7 @@ class Handler(BaseHTTPRequestHandler):
     def _dispatch(self):
         if auth := self.headers.get("Authorization"):
             self.state.auth_headers.append(auth)
+        self.state.requests.append((self.command, self.path, auth or None))
         self.state.log.append((self.command, self.path))
         if self._fault():
             return

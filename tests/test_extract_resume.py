@@ -108,3 +108,26 @@ def test_a_changed_batch_size_resumes_and_each_run_is_recorded(llama_dir, tmp_pa
     assert [(r["first_row"], r["batch_size"], r["checkpoint_interval"], r["device"]) for r in runs] == [
         (0, 3, 0.0, "cpu"), (done, 2, 5.0, "cpu")], runs
     assert ds.info["extraction"]["settings"]["batch_size"] == 2
+
+
+def test_a_local_models_weights_fingerprint_follows_its_weights(llama_dir, tmp_path):
+    """Issue 44 item 5: the fingerprint a local model's extraction records changes when the weights are saved again
+    (same names, shapes and sizes), not when nothing changed; a hostile header length is not a crash."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lmprobe.extraction.model import weights_fingerprint
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    first = weights_fingerprint(model)
+    assert first.startswith("files:") and weights_fingerprint(model) == first
+    (f,) = model.glob("*.safetensors")
+    size, tensors = f.stat().st_size, load_file(f)
+    save_file({k: v * 2 for k, v in tensors.items()}, f, metadata={"format": "pt"})
+    assert f.stat().st_size == size and weights_fingerprint(model) != first
+    (model / "bad.safetensors").write_bytes((2**63).to_bytes(8, "little") + b"{}")
+    os.utime(model / "bad.safetensors", ns=(1, 1))
+    assert weights_fingerprint(model).startswith("files:")

@@ -642,3 +642,43 @@ def test_an_unreachable_hub_tells_a_writer_how_to_write(tmp_path, monkeypatch, c
 
 
 PROMPTS_TEXTS = ["The cat sat on the mat.", "A dog."]
+
+
+@pytest.mark.parametrize("url, ref", [
+    ("hf://datasets/u/n@refs/pr/1", ("u/n", "refs/pr/1", "")),
+    ("hf://datasets/u/n@refs/pr/12/sub/dir", ("u/n", "refs/pr/12", "sub/dir")),
+    ("hf://datasets/u/n@refs/convert/parquet/x", ("u/n", "refs/convert/parquet", "x")),
+    ("hf://datasets/u/n@refs%2Fpr%2F3/x", ("u/n", "refs/pr/3", "x")),
+    ("hf://datasets/u/n@v1/a/b", ("u/n", "v1", "a/b")),
+    ("hf://datasets/u/n/a/b/", ("u/n", None, "a/b")),
+])
+def test_hf_urls_parse_revisions_with_slashes_as_huggingface_hub_does(url, ref):
+    """Issue 44 item 2: a PR's ref (``refs/pr/N``) or a conversion's (``refs/convert/NAME``) is the revision, not a
+    branch ``refs`` and a folder ``pr/1``."""
+    from lmprobe.storage.hub import parse_hf_url
+
+    got = parse_hf_url(url)
+    assert (got.repo_id, got.revision, got.path) == ref
+
+
+@pytest.mark.parametrize("url, says", [
+    ("hf://datasets/u/n/.", "'.'"),
+    ("hf://datasets/u/n/./sub", "'.'"),
+    ("hf://datasets/u/n/a/./b", "'.'"),
+    ("hf://datasets/u/n/a//b", "a/b"),
+    ("hf://datasets/u/n/.lmprobe-parts/part-00000", ".lmprobe-"),
+    ("hf://datasets/u/n/x/.lmprobe-staging", ".lmprobe-"),
+    ("hf://datasets/u/n/a/../b", ".."),
+    ("hf://datasets/u/n@", "revision"),
+    ("hf://datasets/u/n@/sub", "revision"),
+    ("hf://datasets/u/n@refs/pr/x", "refs/pr/N"),
+])
+def test_odd_folders_in_hf_urls_are_refused_in_one_line(url, says):
+    """Issue 44 item 2: ``/.``, ``/./sub``, ``a//b``, lmprobe's own ``.lmprobe-*`` folders, an empty or malformed
+    revision: one line from the one hf:// grammar, before any request (it was a whole extraction, then a failure)."""
+    from lmprobe.errors import LmprobeError
+    from lmprobe.storage.hub import parse_hf_url
+
+    with pytest.raises(LmprobeError) as err:
+        parse_hf_url(url)
+    assert says in str(err.value) and "\n" not in str(err.value)

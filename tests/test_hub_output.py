@@ -260,3 +260,124 @@ def test_a_resumed_run_commits_only_what_its_writer_recorded(hub, llama_dir, tmp
     lmprobe.extract(str(llama_dir), MANY, out=url, **KW)
     tree = _history(_repo(hub, name))[-1]
     assert not [p for p in tree if "foreign" in p or "forged" in p], sorted(tree)
+
+
+def _identities(hub, since: int) -> set[str | None]:
+    """The Authorization header of each Hub API request since ``since`` (the LFS storage's own upload and verify
+    URLs are the storage's, presigned on the real Hub: not counted)."""
+    return {auth for method, path, auth in hub.state.requests[since:] if "/lfs-upload/" not in path}
+
+
+def test_the_token_given_is_used_for_every_hub_call_of_the_extraction(hub, llama_dir, monkeypatch, tmp_path):
+    """Issue 44 item 7: ``token=`` (and ``--token``) is the identity of every request of an extraction to the Hub
+    (the commits, paths-info, the finished check that opens the dataset): never HF_TOKEN's, never none."""
+    from lmprobe.cli.app import main
+
+    monkeypatch.setenv("HF_TOKEN", "hf_other_identity")
+    since = len(hub.state.requests)
+    lmprobe.extract(str(llama_dir), PROMPTS, out="hf://datasets/user/token-api", token="hf_given_api", **KW)
+    assert _identities(hub, since) == {"Bearer hf_given_api"}
+    since = len(hub.state.requests)  # again, against what it made: the "already done?" check and nothing else
+    lmprobe.extract(str(llama_dir), PROMPTS, out="hf://datasets/user/token-api", token="hf_given_api", **KW)
+    assert _identities(hub, since) == {"Bearer hf_given_api"}
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    since = len(hub.state.requests)
+    assert main(["extract", "--model", str(llama_dir), "--prompts", str(prompts), "--out", "hf://datasets/user/token-cli", "--token",
+                 "hf_given_cli", "--layers", "0,3", "--shard-size", "2KB", "--quiet"]) == 0
+    assert _identities(hub, since) == {"Bearer hf_given_cli"}
+    assert "hf_given" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*")
+                                     if p.is_file())
+
+
+@pytest.mark.parametrize("sub", ["/.", "/./sub", "/a//b", "/.lmprobe-parts/part-00000"])
+def test_an_odd_folder_is_refused_before_any_work(hub, llama_dir, sub):
+    """Issue 44 item 2: these ran the whole extraction and then failed, or committed under ``a//b/``, or wrote
+    into lmprobe's own parts folder; now one line, no request to the Hub, no weights loaded."""
+    since = len(hub.state.requests)
+    with pytest.raises(InvalidArgumentError):
+        lmprobe.extract(str(llama_dir), PROMPTS, out=f"hf://datasets/user/odd{sub}", **KW)
+    assert hub.state.requests[since:] == []
+
+
+def _plant(repo_id: str, files: dict[str, bytes]) -> None:
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, repo_type="dataset", exist_ok=True)
+    api.create_commit(repo_id, [CommitOperationAdd(k, v) for k, v in files.items()], repo_type="dataset",
+                      commit_message="the owner's files")
+
+
+def test_the_owners_readme_is_kept_and_lmprobes_card_merged_into_it(hub, llama_dir):
+    """Issue 44 item 1: an extraction into a repo holding the owner's README.md replaced it with the generated card
+    (exit 0, not a word); the owner's text and front matter stay, lmprobe's section and keys are merged in, as
+    publishing attachments does (docs/security.md: "updated, not replaced")."""
+    from lmprobe.format.card import BEGIN
+
+    own = b"---\nlicense: mit\n---\n\n# My activations\n\nCollected by our lab.\n"
+    _plant("user/readme-kept", {"README.md": own})
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out="hf://datasets/user/readme-kept", **KW)
+    text = hub.read("user/readme-kept", "README.md").decode()
+    assert "Collected by our lab." in text and "# My activations" in text and "license: mit" in text
+    assert BEGIN in text and "configs:" in text  # lmprobe's section, and the index's config for the viewer
+    assert ds.num_prompts == len(PROMPTS)
+    # an overwrite keeps it too, with one lmprobe section
+    lmprobe.extract(str(llama_dir), PROMPTS, out="hf://datasets/user/readme-kept", overwrite=True,
+                    **{**KW, "layers": "0"})
+    text = hub.read("user/readme-kept", "README.md").decode()
+    assert "Collected by our lab." in text and text.count(BEGIN) == 1
+
+
+def test_an_overwrite_with_fewer_layers_removes_the_old_layers_shards(hub, llama_dir):
+    """Issue 44 item 1: ``--overwrite`` with fewer layers left the old layers' shards in the repo, outside the new
+    index; they go in the overwrite, and only files the old index named (the owner's files stay)."""
+    _plant("user/fewer", {"tensors/owners-notes.txt": b"mine\n", "data.csv": b"a,b\n"})
+    lmprobe.extract(str(llama_dir), PROMPTS, out="hf://datasets/user/fewer", **KW)
+    old = {p for p in hub.files("user/fewer") if p.endswith(".safetensors")}
+    assert any("layer003" in p for p in old)
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out="hf://datasets/user/fewer", overwrite=True,
+                         **{**KW, "layers": "0"})
+    files = set(hub.files("user/fewer"))
+    assert {p for p in files if p.endswith(".safetensors")} == {r.rel for r in ds.meta.files()
+                                                                  if r.rel.endswith(".safetensors")}
+    assert {"tensors/owners-notes.txt", "data.csv"} <= files
+
+
+def _change_weights(folder: Path) -> None:
+    """The same folder, the same shapes and file sizes, other weights (a fine-tune saved over the old one)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in folder.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({k: v + 0.5 for k, v in tensors.items()}, f, metadata={"format": "pt"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["hub", "local"])
+def test_a_resume_over_changed_weights_is_refused(hub, llama_dir, tmp_path, where):
+    """Issue 44 item 5: a killed run from a local model folder, re-run after the weights in that folder changed,
+    resumed and published a mix (13 of 40 rows from the new weights): a local model has no commit, so its weights
+    are fingerprinted (safetensors headers, sizes, modification times) and a resume over others is refused in one
+    line; the finished dataset is not taken for this extraction either."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    out = f"hf://datasets/user/weights-{uuid.uuid4().hex[:6]}" if where == "hub" else str(tmp_path / "out")
+    kw = {k: v for k, v in KW.items() if k != "quiet"}
+    crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"), json.dumps([MANY, str(model), out, 6,
+                                                                                          kw])],
+                             capture_output=True, text=True)
+    assert crashed.returncode == 9, crashed.stderr[-3000:]
+    _change_weights(model)
+    with pytest.raises(ResumeMismatchError) as err:
+        lmprobe.extract(str(model), MANY, out=out, **KW)
+    assert "\n" not in str(err.value) and "weights" in str(err.value) and "--overwrite" in str(err.value)
+    ds = lmprobe.extract(str(model), MANY, out=out, overwrite=True, **KW)  # the way out it names
+    fresh = lmprobe.extract(str(model), MANY, out=tmp_path / "fresh", **KW)
+    _same(fresh, ds, (0, 3))
+    _change_weights(model)
+    with pytest.raises(OutputExistsError):  # a finished dataset of the old weights is not this extraction
+        lmprobe.extract(str(model), MANY, out=out, **KW)

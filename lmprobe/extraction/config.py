@@ -258,7 +258,7 @@ class ExtractionConfig:
 
     def settings(self, *, model_name: str, revision: str | None, layers: list[int], max_length: int | None,
                  prompts_sha256: str | None = None, num_prompts: int | None = None,
-                 source: dict[str, Any] | None = None) -> dict[str, Any]:
+                 source: dict[str, Any] | None = None, weights: str | None = None) -> dict[str, Any]:
         """The settings recorded in the dataset (``lmprobe:extraction``) and compared when resuming.
 
         Values are resolved (layer indices, the model's commit, the prompt set's hash or the
@@ -293,6 +293,8 @@ class ExtractionConfig:
         if self.corpus:
             for name in ("max_length", "truncate", "drop_special_tokens", "chat_template"):
                 del out[name]
+        if weights is not None:  # a local model folder's weights (no commit names them): a resume over others is refused
+            out["weights"] = weights
         if self.hookpoints != (DEFAULT_HOOKPOINT,):  # absent by default: earlier partial outputs still resume
             out["hookpoints"] = list(self.hookpoints)
         return out

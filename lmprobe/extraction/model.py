@@ -50,6 +50,7 @@ class ModelSpec:
     causal_lm: bool
     recorded_revision: str | None = None  # what the dataset records as model.revision
     cached_only: bool = False  # the Hub is unreachable and the files are in the local cache: never ask it
+    weights: str | None = None  # a local folder's weights fingerprint (``weights_fingerprint``): no commit names them
 
 
 
@@ -98,8 +99,9 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
         recorded = None
     else:
         recorded = getattr(config, "_commit_hash", None) or revision
+    weights = weights_fingerprint(Path(path)) if local and not embedded else None
     return ModelSpec(display, path, local, revision, trust_remote_code, config, n_layers, hidden, _is_causal_lm(config),
-                     recorded, bool(access))
+                     recorded, bool(access), weights)
 
 
 #: the attributes that count a model's blocks, in the order they are asked: an encoder-decoder's layers are its
@@ -155,6 +157,37 @@ def weights_revision(folder: Path) -> str:
     for p in sorted(folder.glob("*.safetensors")):
         h.update(p.name.encode() + b"\0" + bytes.fromhex(sha256_file(p)))
     return "sha256:" + h.hexdigest()
+
+
+#: the weight files of a local model folder that its fingerprint covers
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.msgpack", "*.h5")
+#: the largest safetensors header read for a fingerprint (safetensors itself refuses headers over 100 MB)
+MAX_HEADER_BYTES = 100 * 10**6
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """``files:`` + a SHA-256 over a local model folder's weight files: each name, size and modification time (ns),
+    and for safetensors its header (every tensor's name, dtype, shape and offsets), in name order.
+
+    Cheap at any size (a 70B model: ~30 headers of a few hundred KiB, no tensor bytes read), and it changes when a
+    file is written again (a fine-tune saved over the old weights: same shapes and sizes, a new modification time).
+    A copy that does not keep the times (``cp`` without ``-p``) counts as other weights: a resume over it is refused
+    and ``--overwrite`` starts again; that is the safe side (issue 44 item 5: a resume over changed weights published
+    a mix of two models' rows).
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    files = sorted({p for pattern in WEIGHT_PATTERNS for p in folder.glob(pattern)}, key=lambda p: p.name)
+    for p in files:
+        st = p.stat()  # (a link to the weights: its target's, which from_pretrained reads)
+        h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        if p.suffix == ".safetensors" and st.st_size >= 8:
+            with open(p, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if n <= min(MAX_HEADER_BYTES, st.st_size - 8):  # untrusted: a bad header is from_pretrained's to refuse
+                    h.update(f.read(n))
+    return "files:" + h.hexdigest()
 
 
 def parse_layers(spec: str | int | list[int] | None, num_layers: int) -> list[int]:

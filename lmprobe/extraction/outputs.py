@@ -45,11 +45,14 @@ from ..storage.hub import HubRef, hub_api, parse_hf_url
 from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
 from ..storage.relay import Relay, StoreRelay
 from .hubrecords import LEDGER, RENAMES, final_files, part_renames, read_ledger, staged_record
+from .hubrepo import keep_their_card, old_shards
 
 logger = logging.getLogger("lmprobe")
 
 #: where the parts of a multi-process job are kept until they are merged (a folder, or a prefix)
 PARTS_DIR = ".lmprobe-parts"
+#: an overwrite's deletes of the old dataset's shards, per commit
+DELETES_PER_COMMIT = 1000
 
 
 def part_name(rank: int) -> str:
@@ -133,11 +136,12 @@ class Output(ABC):
         return None
 
 
-def open_output(out: str | os.PathLike) -> Output:
-    """The output ``out`` names, checked before anything expensive runs."""
+def open_output(out: str | os.PathLike, *, token: str | None = None) -> Output:
+    """The output ``out`` names, checked before anything expensive runs; ``token`` is the identity of every Hub call
+    a Hub output makes (None: HF_TOKEN or the saved login), kept in memory only."""
     s = os.fspath(out)
     if isinstance(s, str) and s.startswith("hf://"):
-        return HubOutput.parse(s)
+        return HubOutput.parse(s, token=token)
     if is_object_store_url(s):
         return ObjectStoreOutput(s.rstrip("/"))
     return LocalOutput(check_output_path(out, "output folder"))
@@ -341,7 +345,14 @@ class _HubSession(Session):
         output.prepare(self.committer)
         if overwrite:
             if output.holds(INDEX_PATH):  # the old index goes before any new shard: never old texts over new vectors
+                stale = output.old_shards()
                 output.delete([INDEX_PATH], self.committer, "remove the index before an overwrite")
+                # then the old dataset's own shards (an overwrite with fewer layers left them outside the new
+                # index): only files under tensors/ that the old index named and the repo holds; at full size
+                # 10^5 old shards are 100 commits of 1,000 deletes, within the commit window like any other
+                for k in range(0, len(stale), DELETES_PER_COMMIT):
+                    output.delete(stale[k:k + DELETES_PER_COMMIT], self.committer,
+                                  "remove the old dataset's shards before an overwrite")
             self.ledger.unlink(missing_ok=True)
         self.committer.start()
         self.renames: list[tuple[str, str]] = []
@@ -415,6 +426,8 @@ class _HubSession(Session):
         self.renames.append((old, new))
 
     def finish(self) -> Dataset:
+        if self.output.relay is None:
+            self.output.keep_their_card(self.local)
         # one commit ends the part: what is uploaded, the provisional files renamed, the statistics, card and index
         last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in final_files(self.local)]
         moves = [(self.output.repo_path(old), self.output.repo_path(new)) for old, new in self.renames]
@@ -452,12 +465,12 @@ class HubOutput(Output):
         self.job: HubCommitter | None = None  # rank 0 of a job: that committer
 
     @classmethod
-    def parse(cls, url: str) -> HubOutput:
+    def parse(cls, url: str, *, token: str | None = None) -> HubOutput:
         ref = parse_hf_url(url)
         if ref.repo_type != "dataset":
             raise InvalidArgumentError(f"--out {url}: an extraction writes to a dataset repo, "
                                        "hf://datasets/OWNER/NAME[@branch]")
-        return cls(HubRef(ref.repo_id, "dataset", ref.revision or "main", ref.path.strip("/")))
+        return cls(HubRef(ref.repo_id, "dataset", ref.revision or "main", ref.path.strip("/")), token=token)
 
     def repo_path(self, rel: str) -> str:
         return f"{self.ref.path}/{rel}" if self.ref.path else rel
@@ -484,6 +497,14 @@ class HubOutput(Output):
                                                            repo_type="dataset", revision=self.ref.revision))
         except (RepositoryNotFoundError, RevisionNotFoundError):
             return False
+
+    def old_shards(self) -> list[str]:
+        """What an overwrite removes of the old dataset (``hubrepo.old_shards``)."""
+        return old_shards(self)
+
+    def keep_their_card(self, local: Path) -> None:
+        """The card in ``local`` merged into the repo's README.md (``hubrepo.keep_their_card``)."""
+        keep_their_card(self, local)
 
     def delete(self, rels: list[str], committer: HubCommitter, why: str, *, folder: bool = False) -> None:
         """Delete files (or folders) of this output in one commit."""
@@ -555,7 +576,9 @@ class HubOutput(Output):
         merge = plan_merge(dss, settings=settings, order=order)
         local = Path(tempfile.mkdtemp(prefix="lmprobe-merge-"))
         try:
-            last = [RepoFile(self.repo_path(rel), local / rel) for rel in merge.finish(dss, local)]
+            names = merge.finish(dss, local)
+            self.keep_their_card(local)
+            last = [RepoFile(self.repo_path(rel), local / rel) for rel in names]
             # one commit: server-side copies out of the parts' folders (nothing is sent, nothing comes back), the
             # statistics, card and index, and the parts' folder removed
             renamed = [part_renames(ds) for ds in dss]

@@ -195,11 +195,19 @@ def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> Job:
     # ranks, from every share's digest); each part records its share's fingerprint (_extract_parallel)
     whole, n_prompts = (p.fingerprint(), len(p)) if ranks.world == 1 else (p.set_identity(), p.total)
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, prompts_sha256=whole,
-                            num_prompts=n_prompts, layers=layer_list, max_length=limit)
+                            num_prompts=n_prompts, layers=layer_list, max_length=limit, weights=job_weights(spec, ranks))
     job = Job(cfg, p, spec, tok, lengths, settings, dev, captures=captures, model=model, cut=cut, arch=arch,
                ranks=ranks)
     follow_plan(job)
     return job
+
+
+def job_weights(spec: ModelSpec, ranks: Ranks) -> str | None:
+    """A local model's weights fingerprint, as the job records it: rank 0's (each node has its own copy, with its
+    own modification times), so that the parts of a job agree."""
+    if spec.weights is None or ranks.world == 1:
+        return spec.weights
+    return ranks.all_gather(spec.weights)[0]
 
 
 def job_shape(job: Job) -> Shape:
@@ -450,7 +458,7 @@ def _prepare_corpus(cfg: ExtractionConfig, source: Any, spec: ModelSpec, tok: An
     if ranks.world > 1:  # each node has its own copy (paths, times): the job records rank 0's
         identity = ranks.all_gather(identity)[0]
     settings = cfg.settings(model_name=spec.name, revision=spec.recorded_revision, layers=layer_list,
-                            max_length=context_len, source=identity)
+                            max_length=context_len, source=identity, weights=job_weights(spec, ranks))
     plan = CorpusPlan(source, affixes, context_len, cfg.max_tokens, vocab)
     return Job(cfg, None, spec, tok, None, settings, dev, corpus=plan, ranks=ranks)
 

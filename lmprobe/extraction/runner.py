@@ -45,18 +45,19 @@ class Outcome:
     wrote: bool  # False: the output already held this extraction, and nothing was done
 
 
-def run(cfg: ExtractionConfig) -> Dataset:
+def run(cfg: ExtractionConfig, *, token: str | None = None) -> Dataset:
     """Run the extraction ``cfg`` describes and return the dataset, opened.
 
     Re-running the same extraction after an interruption continues where it stopped; a different
     configuration against a partial output is an error unless ``overwrite`` is set.
     """
-    return execute(cfg).dataset
+    return execute(cfg, token=token).dataset
 
 
-def execute(cfg: ExtractionConfig) -> Outcome:
-    """``run``, also saying whether anything was written (the command line's last line depends on it)."""
-    output = open_output(cfg.out)  # a bad --out is an error before the tokenizer and the weights load
+def execute(cfg: ExtractionConfig, *, token: str | None = None) -> Outcome:
+    """``run``, also saying whether anything was written (the command line's last line depends on it). ``token``:
+    the Hub identity of every call to a Hub output (never stored)."""
+    output = open_output(cfg.out, token=token)  # a bad --out is an error before the tokenizer and the weights load
     ranks = start_ranks()
     rank, world = ranks.rank, ranks.world
     output = output.for_world(world)

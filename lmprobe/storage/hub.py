@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import unquote
 
 from ..base.display import hide_credentials
 from ..base.paths import check_relpath
@@ -192,6 +193,8 @@ def parse_hf_url(url: str, *, revision: str | None = None) -> HubRef:
     HubRef(repo_id='me/acts', repo_type='dataset', revision='v1', path='saev/abc')
     >>> parse_hf_url("hf://me/my-sae").repo_type
     'model'
+    >>> parse_hf_url("hf://datasets/me/acts@refs/pr/1/saev").revision   # a PR's ref, as huggingface_hub reads it
+    'refs/pr/1'
     """
     if not url.startswith("hf://"):
         raise InvalidArgumentError(f"{url!r} is not an hf:// URL")
@@ -204,19 +207,59 @@ def parse_hf_url(url: str, *, revision: str | None = None) -> HubRef:
     else:
         if rest.startswith("spaces/"):
             raise InvalidArgumentError(f"{url}: lmprobe reads dataset and model repos, not Spaces")
-    parts = rest.strip("/").split("/")
+    parts = rest.strip("/").split("/", 2)
     if len(parts) < 2:
         raise InvalidArgumentError(f"{url}: expected hf://[datasets/|models/]OWNER/NAME[@REVISION][/PATH]")
-    name, _, rev = parts[1].partition("@")
+    name, at, rev = parts[1].partition("@")
     repo_id = f"{parts[0]}/{name}"
     if not REPO_ID_RE.match(repo_id):
         raise InvalidArgumentError(f"{url}: {repo_id!r} is not a valid repo id")
-    sub = "/".join(parts[2:])
+    sub = parts[2] if len(parts) > 2 else ""
+    if at:
+        rev, sub = _split_revision(url, f"{rev}/{sub}" if sub else rev)
     if sub:
-        check_relpath(sub, "path in the repo")
+        _check_repo_folder(url, sub, str(HubRef(repo_id, repo_type, rev or None)))
     if revision and rev and revision != rev:
         raise InvalidArgumentError(f"{url} names revision {rev!r} but revision={revision!r} was passed")
     return HubRef(repo_id, repo_type, revision or rev or None, sub)
+
+
+#: the Hub's revisions with slashes, as huggingface_hub reads them (``SPECIAL_REFS_REVISION_REGEX``): a PR's ref and a
+#: conversion's; any other revision is one path component (a branch with a slash is written with %2F)
+_SPECIAL_REF_RE = re.compile(r"^refs/(?:pr/\d+|convert/\w+)(?=/|$)")
+
+
+def _split_revision(url: str, rev_path: str) -> tuple[str, str]:
+    """``REV[/PATH]`` after the ``@``: the revision and the path in the repo."""
+    first, _, rest = rev_path.partition("/")
+    if "%" in first:  # refs%2Fpr%2F1, feature%2Fx: a quoted revision is one component
+        rev = unquote(first)
+    elif first == "refs":
+        m = _SPECIAL_REF_RE.match(rev_path)
+        if m is None:
+            raise InvalidArgumentError(f"{url}: a revision under refs/ is refs/pr/N or refs/convert/NAME; write another "
+                                       "revision with slashes quoted (@refs%2Fname)")
+        rev, rest = m.group(0), rev_path[m.end():].lstrip("/")
+    else:
+        rev = first
+    if not rev or rev.strip() != rev or any(c in rev for c in "\x00\n\r"):
+        raise InvalidArgumentError(f"{url}: the revision after '@' is empty or not a revision; write @BRANCH, @TAG, "
+                                   "@COMMIT or @refs/pr/N, or leave it out for main")
+    return rev, rest
+
+
+def _check_repo_folder(url: str, sub: str, repo_url: str) -> None:
+    """A path in a repo is one spelling of one folder: no empty or '.' component (``a//b`` was committed under
+    ``a//b/``, ``/.`` ran a whole extraction and then failed), and not lmprobe's own working folders."""
+    comps = sub.split("/")
+    if "" in comps or "." in comps:
+        clean = "/".join(c for c in comps if c not in ("", "."))
+        raise InvalidArgumentError(f"{url}: the path {sub!r} has an empty or '.' component; write "
+                                   + (f"{repo_url}/{clean}" if clean else f"{repo_url} (the repo's root)"))
+    if any(c.startswith(".lmprobe-") for c in comps):
+        raise InvalidArgumentError(f"{url}: {sub!r} is inside a folder lmprobe keeps for its own work (.lmprobe-*); "
+                                   "name another folder")
+    check_relpath(sub, "path in the repo")
 
 
 def parse_dataset_ref(path: Any, revision: str | None = None) -> HubRef | None:
