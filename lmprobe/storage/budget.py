@@ -40,17 +40,22 @@ MAX_IN_FLIGHT_FILES = 8
 IN_FLIGHT_BYTES = 16 * 1024**3
 
 
+def _env_number(name: str, default: float, most: float, what: str) -> float:
+    """The number in environment variable ``name`` (``default`` when unset), above 0 and at most ``most``."""
+    raw = os.environ.get(name, str(default))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= most:
+        raise InvalidArgumentError(f"{name}={raw!r}: {what}: give a number above 0 and at most {most:g}")
+    return value
+
+
 def commits_per_hour() -> float:
     """The job's commits an hour, all ranks together (``LMPROBE_HUB_COMMITS_PER_HOUR``, default 100, at most 128)."""
-    raw = os.environ.get("LMPROBE_HUB_COMMITS_PER_HOUR", str(DEFAULT_COMMITS_PER_HOUR))
-    try:
-        rate = float(raw)
-    except ValueError:
-        rate = -1.0
-    if not 0 < rate <= HUB_COMMITS_PER_HOUR:
-        raise InvalidArgumentError(f"LMPROBE_HUB_COMMITS_PER_HOUR={raw!r}: give a number of commits an hour above 0 "
-                                   f"and at most {HUB_COMMITS_PER_HOUR} (the Hub's limit for one repo)")
-    return rate
+    return _env_number("LMPROBE_HUB_COMMITS_PER_HOUR", DEFAULT_COMMITS_PER_HOUR, HUB_COMMITS_PER_HOUR,
+                       "the commits an hour of the whole job (the Hub takes 128 an hour for one repo)")
 
 
 def hour_seconds() -> float:
@@ -58,15 +63,8 @@ def hour_seconds() -> float:
     benchmarks against the local Hub test server, which enforces its commit rate on a scaled clock (128 commits
     an "hour" of 60 s), scale the committer's clock the same way: the window, the wait for a fuller commit and
     what counts as a fast commit."""
-    raw = os.environ.get("LMPROBE_HUB_HOUR_SECONDS", str(HOUR))
-    try:
-        hour = float(raw)
-    except ValueError:
-        hour = -1.0
-    if not 0 < hour <= HOUR:
-        raise InvalidArgumentError(f"LMPROBE_HUB_HOUR_SECONDS={raw!r}: a test knob, the seconds of the Hub's hour on a "
-                                   f"scaled clock: give a number above 0 and at most {HOUR:g}")
-    return hour
+    return _env_number("LMPROBE_HUB_HOUR_SECONDS", HOUR, HOUR,
+                       "a test knob, the seconds of the Hub's hour on a scaled clock")
 
 
 def in_flight_files(shard_bytes: int | None) -> int:
