@@ -159,3 +159,52 @@ def test_feature_pages_on_int8_score_the_decoded_vectors(tmp_path, extracted):
     t = load_file(out / "features.safetensors")
     X = np.concatenate([q.token_hidden(p, layer) for p in range(q.num_prompts)])
     np.testing.assert_allclose(t["frequency"], ((X @ W.T + b) > 0).mean(axis=0))
+
+
+@pytest.mark.parametrize("where", ["local", "hub"])
+def test_two_threads_reading_one_int8_shard_see_its_codes_and_scales(hub, tmp_path, rng, fresh_hf_cache, monkeypatch,
+                                                                     where):
+    """The first window of a pass is read on two threads; both may open the same shard. The second must never see
+    the codes mapped without their scales (a KeyError in CI, one run in about thirty)."""
+    import threading
+    import time
+    import uuid
+
+    write_dataset(tmp_path / "ds", rng, n=10, layers=(0,), dim=6, storage="full_sequence", dtype="int8")
+    url = tmp_path / "ds"
+    if where == "hub":
+        repo = f"tester/int8-race-{uuid.uuid4().hex[:8]}"
+        lmprobe.push_to_hub(tmp_path / "ds", repo, quiet=True)
+        url = f"hf://datasets/{repo}"
+    s = ShardStream(url, layer=0, batch_size=4, seed=0)
+    src = s.engine.source
+    src.prepare([0])
+    real = np.memmap
+
+    def slow_memmap(*args, **kw):  # the scales are mapped last: widen the window between the two maps
+        m = real(*args, **kw)
+        if kw.get("dtype") is np.float32:
+            time.sleep(0.2)
+        return m
+
+    monkeypatch.setattr(np, "memmap", slow_memmap)
+    rows = np.arange(4)
+    outs, errors = [np.empty((4, 6), np.float32) for _ in range(2)], []
+
+    def read(out):
+        try:
+            src.read_rows(0, rows, 0, out)
+        except Exception as e:  # noqa: BLE001 - the test reports what the thread raised
+            errors.append(e)
+
+    threads = [threading.Thread(target=read, args=(o,)) for o in outs]
+    threads[0].start()
+    time.sleep(0.05)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    s.close()
+    assert errors == []
+    want = lmprobe.load(tmp_path / "ds").shards.read_hidden_rows(0, np.zeros(4, int), rows)
+    for o in outs:
+        np.testing.assert_array_equal(o, want)

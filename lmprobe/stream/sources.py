@@ -41,35 +41,30 @@ class DatasetRows(RowSource):
         self.shard_rows = [h.shard_rows(s) for s in range(len(h.shards))]
         self.n_sites = len(sites)
         self.kind = DTYPES[self.dtype]
-        self._maps: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self._scale_maps: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        # (shard, site) -> (codes, a scaled dtype's per-row scales or None), published as one entry: the first window
+        # of a pass is read on two threads, and the second must never see codes mapped without their scales
+        self._maps: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray | None]] = OrderedDict()
 
-    def _scales(self, shard: int, site: int) -> np.ndarray:
-        """A scaled dtype's per-row scales of a shard, mapped (the tensor beside the codes)."""
-        key = (shard, site)
-        m = self._scale_maps.get(key)
-        if m is None:
-            hp, layer = self.sites[site]
-            path, entry = self.ds.shards.hidden_scales(layer, shard, hp)
-            m = self._scale_maps[key] = np.memmap(path, dtype=np.float32, mode="r", offset=entry.start,
-                                                  shape=(self.shard_rows[shard],))
-            if len(self._scale_maps) > self._MAX_MAPS:
-                self._scale_maps.popitem(last=False)
-        return m
-
-    def _map(self, shard: int, site: int) -> np.ndarray:
+    def _map(self, shard: int, site: int) -> tuple[np.ndarray, np.ndarray | None]:
         key = (shard, site)
         m = self._maps.get(key)
         if m is None:
             hp, layer = self.sites[site]
             path, entry = self.ds.shards.hidden_shard(layer, shard, hp)  # fetched; header checked against the metadata
             storage = DTYPES[self.dtype].np_storage
-            m = np.memmap(path, dtype=storage, mode="r", offset=entry.start, shape=(self.shard_rows[shard], self.dim))
-            self._maps[key] = m
+            codes = np.memmap(path, dtype=storage, mode="r", offset=entry.start, shape=(self.shard_rows[shard], self.dim))
+            scales = None
+            if self.kind.scaled:  # a scaled dtype's per-row scales: the tensor beside the codes
+                path, entry = self.ds.shards.hidden_scales(layer, shard, hp)
+                scales = np.memmap(path, dtype=np.float32, mode="r", offset=entry.start, shape=(self.shard_rows[shard],))
+            m = self._maps[key] = (codes, scales)
             if len(self._maps) > self._MAX_MAPS:
-                self._maps.popitem(last=False)
+                self._maps.pop(next(iter(self._maps)), None)
         else:
-            self._maps.move_to_end(key)
+            try:
+                self._maps.move_to_end(key)
+            except KeyError:  # evicted by the other reading thread meanwhile: the arrays in hand stay valid
+                pass
         return m
 
     def prepare(self, shards: Iterable[int]) -> None:
@@ -79,10 +74,11 @@ class DatasetRows(RowSource):
 
     def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
         # mode="clip": no buffered copy (rows are in range by construction); one gather, page cache -> pool
-        if self.kind.scaled:
-            decode_rows(self.kind, self._map(shard, site), self._scales(shard, site), rows, out)
+        codes, scales = self._map(shard, site)
+        if scales is not None:
+            decode_rows(self.kind, codes, scales, rows, out)
             return
-        np.take(self._map(shard, site), rows, axis=0, out=out, mode="clip")
+        np.take(codes, rows, axis=0, out=out, mode="clip")
 
 
 #: bytes of codes gathered per step before they are decoded: they stay in cache
@@ -323,7 +319,6 @@ class RemoteRows(DatasetRows):
             self._pending_bytes = 0
             self._paths.clear()
             self._maps.clear()
-            self._scale_maps.clear()
         return self._cache
 
     def _names(self, pieces: Iterable[int]) -> list[tuple[str, int]]:
@@ -379,7 +374,7 @@ class RemoteRows(DatasetRows):
                 name, _ = self._name(s, site, *self._part(s))
                 self._paths[(s, site)] = (cache.get(name), lo)
 
-    def _map(self, shard: int, site: int) -> np.ndarray:
+    def _map(self, shard: int, site: int) -> tuple[np.ndarray, np.ndarray | None]:
         key = (shard, site)
         m = self._maps.get(key)
         if m is None:
@@ -392,18 +387,20 @@ class RemoteRows(DatasetRows):
                 scales = int(self.scale_start[s, site])
             else:  # a piece file holds its rows (codes, then a scaled dtype's scales) and nothing else
                 offset, scales = 0, (hi - lo) * self.code_bytes
-            m = self._maps[key] = np.memmap(path, dtype=storage, mode="r", offset=offset, shape=(hi - lo, self.dim))
-            if self.kind.scaled:
-                self._scale_maps[key] = np.memmap(path, dtype=np.float32, mode="r", offset=scales, shape=(hi - lo,))
+            codes = np.memmap(path, dtype=storage, mode="r", offset=offset, shape=(hi - lo, self.dim))
+            scale_map = (np.memmap(path, dtype=np.float32, mode="r", offset=scales, shape=(hi - lo,))
+                         if self.kind.scaled else None)
+            m = self._maps[key] = (codes, scale_map)
         return m
 
     def read_rows(self, shard: int, rows: np.ndarray, site: int, out: np.ndarray) -> None:
-        m = self._map(shard, site)
+        codes, scales = self._map(shard, site)
         lo = self._paths[(shard, site)][1]
-        if self.kind.scaled:
-            decode_rows(self.kind, m, self._scale_maps[(shard, site)], rows - lo if lo else rows, out)
+        rows = rows - lo if lo else rows
+        if scales is not None:
+            decode_rows(self.kind, codes, scales, rows, out)
             return
-        np.take(m, rows - lo if lo else rows, axis=0, out=out, mode="clip")
+        np.take(codes, rows, axis=0, out=out, mode="clip")
 
     def done(self, shards: Iterable[int]) -> None:
         cache = self.cache()
@@ -412,7 +409,6 @@ class RemoteRows(DatasetRows):
             lo, hi = self._part(s)
             for site in range(self.n_sites):
                 self._maps.pop((s, site), None)  # unmapped before the file goes: its disk space is freed
-                self._scale_maps.pop((s, site), None)
                 self._paths.pop((s, site), None)
                 name, _ = self._name(s, site, lo, hi)
                 cache.release(name)
@@ -431,6 +427,5 @@ class RemoteRows(DatasetRows):
     def close(self) -> None:
         if self._cache is not None and self._pid == os.getpid():
             self._maps.clear()
-            self._scale_maps.clear()
             self._cache.close()
         self._cache = None
