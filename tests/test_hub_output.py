@@ -123,6 +123,57 @@ def test_a_branch_and_a_folder_of_the_repo(hub, llama_dir, tmp_path):
     assert ds.num_prompts == len(PROMPTS)
 
 
+def test_an_extraction_into_an_open_pull_request_commits_there(hub, llama_dir):
+    """``@refs/pr/N`` (issue 44 item 2): the commits go to the pull request's ref, which opening the pull request
+    made (no branch is created: the Hub refuses a branch named refs/pr/N); main is untouched, and the dataset is
+    read back from the pull request."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    name = f"pr-{uuid.uuid4().hex[:6]}"
+    api = HfApi()
+    api.create_repo(f"user/{name}", repo_type="dataset")
+    api.create_commit(f"user/{name}", [CommitOperationAdd("notes.txt", b"the owner's")], repo_type="dataset",
+                      commit_message="main's own file")
+    pr = api.create_pull_request(f"user/{name}", "activations", repo_type="dataset")
+    assert pr.git_reference == "refs/pr/1"
+    repo = _repo(hub, name)
+    main_commit = repo.branches["main"]
+    since = len(hub.state.requests)
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out=f"hf://datasets/user/{name}@refs/pr/1", **KW)
+    assert not [path for _, path, _ in hub.state.requests[since:] if "/branch/" in path]
+    assert repo.branches["main"] == main_commit  # main untouched
+    assert INDEX_PATH in repo.commits[repo.branches["refs/pr/1"]]
+    back = lmprobe.load(f"hf://datasets/user/{name}@refs/pr/1")
+    assert back.texts == ds.texts == [p["text"] for p in PROMPTS]
+    with pytest.raises(Exception):  # noqa: B017 - main holds no dataset
+        lmprobe.load(f"hf://datasets/user/{name}")
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_a_pull_request_that_is_not_open_is_refused_before_the_model_is_read(hub, llama_dir, monkeypatch, exists):
+    """A ``refs/pr/N`` that does not exist (in a repo, or no repo at all) is one line naming the way out, before the
+    model's config is read; nothing is created or committed. A branch that does not exist is still created
+    (test_a_branch_and_a_folder_of_the_repo)."""
+    from huggingface_hub import HfApi
+
+    from lmprobe.extraction import preparation
+
+    name = f"nopr-{uuid.uuid4().hex[:6]}"
+    if exists:
+        HfApi().create_repo(f"user/{name}", repo_type="dataset")
+    read = []
+    monkeypatch.setattr(preparation, "read_model_spec", lambda *a, **k: read.append(1))
+    since = len(hub.state.requests)
+    with pytest.raises(InvalidArgumentError, match="create_pull_request") as err:
+        lmprobe.extract(str(llama_dir), PROMPTS, out=f"hf://datasets/user/{name}@refs/pr/7", **KW)
+    assert "\n" not in str(err.value) and "refs/pr/7" in str(err.value) and not read
+    assert all(method in ("GET", "HEAD") for method, _, _ in hub.state.requests[since:])
+    assert exists == (("dataset", f"user/{name}") in hub.state.repos)
+    with pytest.raises(InvalidArgumentError, match="conversion"):  # the Hub's own ref: not one to write to
+        lmprobe.extract(str(llama_dir), PROMPTS, out=f"hf://datasets/user/{name}@refs/convert/parquet", **KW)
+    assert not read
+
+
 def test_the_cli_writes_to_the_hub_quietly(hub, llama_dir, tmp_path, capfd):
     from lmprobe.cli import main
 

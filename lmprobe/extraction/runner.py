@@ -59,6 +59,7 @@ def execute(cfg: ExtractionConfig, *, token: str | None = None) -> Outcome:
     the Hub identity of every Hub call of the extraction (never stored): the output's, the model's download, an
     ``hf://`` prompt or corpus source's reads."""
     output = open_output(cfg.out, token=token)  # a bad --out is an error before the tokenizer and the weights load
+    output.check()  # (a pull request that is not open: before the model's config is read)
     ranks = start_ranks()
     rank, world = ranks.rank, ranks.world
     output = output.for_world(world)
