@@ -413,6 +413,9 @@ def test_the_token_given_downloads_the_model_and_reads_the_corpus(hub, llama_dir
         assert token not in said
         for folder in (tmp_path / "corpus", tmp_path / "cli", tmp_path / "cache", fresh_hf_cache):
             _no_token_in(folder, token)
+    from transformers.utils.hub import hf_api
+
+    assert hf_api().token is None  # lent to transformers' shared client while loading, not left there
 
 
 @pytest.mark.parametrize("sub", ["/.", "/./sub", "/a//b", "/.lmprobe-parts/part-00000"])
