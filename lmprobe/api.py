@@ -52,8 +52,8 @@ def extract(model: str, prompts: Any, *, out: str | os.PathLike, token: str | No
     (``hf://datasets/OWNER/NAME``). With ``context_len`` or ``max_tokens`` it is read as a corpus:
     streamed, every document cut into windows, one row each, up to exactly ``max_tokens`` tokens.
     With ``push="OWNER/NAME"`` the finished folder is published to the Hub. ``token``: the Hub
-    identity of every Hub call (an ``hf://`` output, the push), default HF_TOKEN or the saved login;
-    never stored.
+    identity of every Hub call (the model's download, an ``hf://`` source, an ``hf://`` output, the
+    push), default HF_TOKEN or the saved login; never stored.
 
     Every option is a field of ``lmprobe.ExtractionConfig``, listed below from its docstrings.
     Re-running the same call after an interruption continues where it stopped; a different
@@ -67,18 +67,19 @@ extract.__signature__ = settings_signature(extract, ExtractionConfig)  # type: i
 extract.__doc__ = (extract.__doc__ or "") + settings_doc(ExtractionConfig, skip=("model", "prompts"))
 
 
-def plan(model: str, prompts: Any, *, out: str | os.PathLike, **options: Any) -> JobPlan:
+def plan(model: str, prompts: Any, *, out: str | os.PathLike, token: str | None = None, **options: Any) -> JobPlan:
     """What ``extract`` with the same arguments would write and how (``lmprobe extract ... --dry-run``), without
     loading the weights: bytes per layer and site, the shard size, files per folder and per repo, the largest
     file, the index, staging disk per node, how the model is placed, the Hub commits and the tail after the
-    last shard, and ``refused`` (None, or why the job cannot work and which setting fixes it).
+    last shard, and ``refused`` (None, or why the job cannot work and which setting fixes it). ``token``: as
+    ``extract``'s.
 
     >>> p = lmprobe.plan("lmprobe-tiny", "examples/prompts.jsonl", out="hf://datasets/me/acts",
     ...                  world_size=64, max_tokens=10**9, context_len=128)   # doctest: +SKIP
     >>> print(p.describe())                                                   # doctest: +SKIP
     """
     _check_options(options)
-    return plan_job(ExtractionConfig(model=model, prompts=prompts, out=out, **options))
+    return plan_job(ExtractionConfig(model=model, prompts=prompts, out=out, **options), token=token)
 
 
 plan.__signature__ = settings_signature(plan, ExtractionConfig)  # type: ignore[attr-defined]

@@ -2,7 +2,9 @@
 
 It implements what huggingface_hub's client uses to publish and read repos over the plain LFS path
 (HF_HUB_DISABLE_XET=1): create repo, preupload, LFS batch / upload / verify, NDJSON commit, tree
-listing, paths-info, repo and revision info, resolve (HEAD, GET, Range) and validate-yaml. It
+listing, paths-info, repo and revision info, resolve (HEAD, GET, Range) and validate-yaml; branches, and
+pull requests (create_pull_request: a ref ``refs/pr/N`` that commits and reads may name; a branch under
+``refs/`` is refused, as the Hub refuses it). It
 rejects what the Hub rejects where it matters here: a commit naming an LFS object that was never
 uploaded, an upload whose bytes do not match its sha256.
 
@@ -63,8 +65,9 @@ class Repo:
     repo_type: str
     repo_id: str
     private: bool
-    branches: dict[str, str] = field(default_factory=dict)  # branch -> commit
+    branches: dict[str, str] = field(default_factory=dict)  # branch (or a pull request's refs/pr/N) -> commit
     commits: dict[str, dict[str, Entry]] = field(default_factory=dict)  # commit -> tree
+    discussions: list[dict] = field(default_factory=list)  # discussions and pull requests, number k at [k - 1]
 
 
 @dataclass
@@ -275,6 +278,8 @@ class Handler(BaseHTTPRequestHandler):
             ("GET", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)/revision/(?P<rev>[^/]+)$", self.info),
             ("GET", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)$", self.info),
             ("POST", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)/branch/(?P<rev>[^/]+)$", self.create_branch),
+            ("POST", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)/discussions$", self.create_discussion),
+            ("GET", r"^/api/(?P<t>model|dataset|space)s/(?P<id>[^/]+/[^/]+)/discussions/(?P<num>\d+)$", self.discussion),
             ("POST", r"^/(?:(?P<t>dataset|space)s/)?(?P<id>[^/]+/[^/]+)\.git/info/lfs/objects/batch$", self.lfs_batch),
             ("PUT", r"^/lfs-upload/(?P<oid>[0-9a-f]{64})$", self.lfs_upload),
             ("POST", r"^/lfs-verify/(?P<oid>[0-9a-f]{64})$", self.lfs_verify),
@@ -314,11 +319,41 @@ class Handler(BaseHTTPRequestHandler):
         repo = self._repo(t, id)
         if repo is None:
             return self._error(404, "Repository not found", "RepoNotFound")
+        if unquote(rev).startswith("refs/"):  # refs/pr/N is made by opening a pull request, never as a branch
+            return self._error(400, f"Invalid reference for a branch: {unquote(rev)}")
         with self.state.lock:
             if unquote(rev) in repo.branches:
                 return self._error(409, "Reference already exists")
             repo.branches[unquote(rev)] = repo.branches["main"]
         self._json(200, {})
+
+    def create_discussion(self, query, t, id):
+        """A discussion, or a pull request (``pullRequest``): a draft whose ref ``refs/pr/N`` starts at main's head,
+        numbered with the repo's discussions (create_pull_request, create_discussion)."""
+        body = json.loads(self._body() or b"{}")
+        repo = self._repo(t, id)
+        if repo is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        with self.state.lock:
+            num = len(repo.discussions) + 1
+            pr = bool(body.get("pullRequest"))
+            repo.discussions.append({"num": num, "title": body.get("title", ""), "isPullRequest": pr,
+                                     "status": "draft" if pr else "open"})
+            if pr:
+                repo.branches[f"refs/pr/{num}"] = repo.branches["main"]
+        self._json(200, {"num": num, "pullRequest": pr})
+
+    def discussion(self, query, t, id, num):
+        repo = self._repo(t, id)
+        if repo is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        k = int(num)
+        if not 1 <= k <= len(repo.discussions):
+            return self._error(404, "Discussion not found")
+        d = repo.discussions[k - 1]
+        self._json(200, {**d, "author": {"name": "user"}, "createdAt": "2026-01-01T00:00:00.000Z",
+                         "repo": {"name": repo.repo_id, "type": repo.repo_type}, "events": [],
+                         "changes": {"base": "refs/heads/main"}, "filesWithConflicts": [], "diff": ""})
 
     def validate_yaml(self, query):
         body = json.loads(self._body() or b"{}")

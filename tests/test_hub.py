@@ -13,7 +13,8 @@ from conftest import PROMPTS, write_dataset
 import lmprobe
 from lmprobe import push_to_hub
 from lmprobe.cli import main as cli_main
-from lmprobe.errors import LmprobeError, PushError
+from lmprobe.errors import InvalidArgumentError, LmprobeError, PushError
+from lmprobe.format.spec import INDEX_PATH
 
 TOKEN = "hf_testSECRETtoken1234567890"
 
@@ -682,3 +683,22 @@ def test_odd_folders_in_hf_urls_are_refused_in_one_line(url, says):
     with pytest.raises(LmprobeError) as err:
         parse_hf_url(url)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_push_into_a_pull_request_commits_there_once_it_is_open(hub, dataset):
+    """``revision="refs/pr/N"``: refused in one line before anything is sent while the pull request is not open
+    (a branch cannot be named so); committed to the pull request's ref once it is, main untouched."""
+    from huggingface_hub import HfApi
+
+    path, _ = dataset
+    repo = repo_name()
+    api = HfApi(token=TOKEN)
+    api.create_repo(repo, repo_type="dataset")
+    since = len(hub.log)
+    with pytest.raises(InvalidArgumentError, match="create_pull_request"):
+        push_to_hub(path, repo, revision="refs/pr/1", token=TOKEN, quiet=True)
+    assert not [p for m, p in hub.log[since:] if m in ("POST", "PUT") and "/repos/create" not in p]
+    api.create_pull_request(repo, "activations", repo_type="dataset")
+    push_to_hub(path, repo, revision="refs/pr/1", token=TOKEN, quiet=True)
+    assert lmprobe.load(f"hf://datasets/{repo}@refs/pr/1").num_prompts == 30
+    assert INDEX_PATH not in hub.files(repo) and INDEX_PATH in hub.files(repo, rev="refs/pr/1")

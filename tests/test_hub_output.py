@@ -123,6 +123,57 @@ def test_a_branch_and_a_folder_of_the_repo(hub, llama_dir, tmp_path):
     assert ds.num_prompts == len(PROMPTS)
 
 
+def test_an_extraction_into_an_open_pull_request_commits_there(hub, llama_dir):
+    """``@refs/pr/N`` (issue 44 item 2): the commits go to the pull request's ref, which opening the pull request
+    made (no branch is created: the Hub refuses a branch named refs/pr/N); main is untouched, and the dataset is
+    read back from the pull request."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    name = f"pr-{uuid.uuid4().hex[:6]}"
+    api = HfApi()
+    api.create_repo(f"user/{name}", repo_type="dataset")
+    api.create_commit(f"user/{name}", [CommitOperationAdd("notes.txt", b"the owner's")], repo_type="dataset",
+                      commit_message="main's own file")
+    pr = api.create_pull_request(f"user/{name}", "activations", repo_type="dataset")
+    assert pr.git_reference == "refs/pr/1"
+    repo = _repo(hub, name)
+    main_commit = repo.branches["main"]
+    since = len(hub.state.requests)
+    ds = lmprobe.extract(str(llama_dir), PROMPTS, out=f"hf://datasets/user/{name}@refs/pr/1", **KW)
+    assert not [path for _, path, _ in hub.state.requests[since:] if "/branch/" in path]
+    assert repo.branches["main"] == main_commit  # main untouched
+    assert INDEX_PATH in repo.commits[repo.branches["refs/pr/1"]]
+    back = lmprobe.load(f"hf://datasets/user/{name}@refs/pr/1")
+    assert back.texts == ds.texts == [p["text"] for p in PROMPTS]
+    with pytest.raises(Exception):  # noqa: B017 - main holds no dataset
+        lmprobe.load(f"hf://datasets/user/{name}")
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_a_pull_request_that_is_not_open_is_refused_before_the_model_is_read(hub, llama_dir, monkeypatch, exists):
+    """A ``refs/pr/N`` that does not exist (in a repo, or no repo at all) is one line naming the way out, before the
+    model's config is read; nothing is created or committed. A branch that does not exist is still created
+    (test_a_branch_and_a_folder_of_the_repo)."""
+    from huggingface_hub import HfApi
+
+    from lmprobe.extraction import preparation
+
+    name = f"nopr-{uuid.uuid4().hex[:6]}"
+    if exists:
+        HfApi().create_repo(f"user/{name}", repo_type="dataset")
+    read = []
+    monkeypatch.setattr(preparation, "read_model_spec", lambda *a, **k: read.append(1))
+    since = len(hub.state.requests)
+    with pytest.raises(InvalidArgumentError, match="create_pull_request") as err:
+        lmprobe.extract(str(llama_dir), PROMPTS, out=f"hf://datasets/user/{name}@refs/pr/7", **KW)
+    assert "\n" not in str(err.value) and "refs/pr/7" in str(err.value) and not read
+    assert all(method in ("GET", "HEAD") for method, _, _ in hub.state.requests[since:])
+    assert exists == (("dataset", f"user/{name}") in hub.state.repos)
+    with pytest.raises(InvalidArgumentError, match="conversion"):  # the Hub's own ref: not one to write to
+        lmprobe.extract(str(llama_dir), PROMPTS, out=f"hf://datasets/user/{name}@refs/convert/parquet", **KW)
+    assert not read
+
+
 def test_the_cli_writes_to_the_hub_quietly(hub, llama_dir, tmp_path, capfd):
     from lmprobe.cli import main
 
@@ -289,6 +340,82 @@ def test_the_token_given_is_used_for_every_hub_call_of_the_extraction(hub, llama
     assert _identities(hub, since) == {"Bearer hf_given_cli"}
     assert "hf_given" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*")
                                      if p.is_file())
+
+
+def _host_model_and_corpus(tmp_path, llama_dir, tag: str) -> tuple[str, str]:
+    """A model repo (the tiny llama: random weights, a tokenizer trained here) and a corpus dataset repo of two
+    parquet files on the local Hub, both private; (model id, corpus id)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from huggingface_hub import HfApi
+
+    api = HfApi(token="hf_owner")
+    model, corpus = f"user/tiny-{tag}-{uuid.uuid4().hex[:6]}", f"user/corpus-{tag}-{uuid.uuid4().hex[:6]}"
+    api.create_repo(model, repo_type="model", private=True)
+    api.upload_folder(folder_path=llama_dir, repo_id=model, repo_type="model")
+    api.create_repo(corpus, repo_type="dataset", private=True)
+    texts = [p["text"] for p in PROMPTS]
+    for k in range(2):  # two files: a corpus is then read piece by piece through HfFileSystem
+        f = tmp_path / f"train-{k}.parquet"
+        pq.write_table(pa.table({"text": texts[k::2], "label": [p["label"] for p in PROMPTS][k::2]}), f)
+        api.upload_file(path_or_fileobj=str(f), path_in_repo=f"data/train-{k:05d}-of-00002.parquet", repo_id=corpus,
+                        repo_type="dataset")
+    return model, corpus
+
+
+def _requests_for(hub, since: int, *repos: str) -> list[tuple[str, str, str | None]]:
+    return [r for r in hub.state.requests[since:] if any(repo in r[1] for repo in repos)]
+
+
+def _no_token_in(folder: Path, token: str) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            assert token.encode() not in p.read_bytes(), p
+
+
+def test_the_token_given_downloads_the_model_and_reads_the_corpus(hub, llama_dir, tmp_path, monkeypatch, capfd,
+                                                                  caplog, fresh_hf_cache):
+    """Issue 44 item 7: ``token=`` (and ``--token``) is also the identity of the model's download (config,
+    tokenizer, weights) and of an ``hf://`` prompt or corpus source (its listing, its files): never HF_TOKEN's,
+    never none. The token is in no file the extraction writes, no log line, no output."""
+    import logging
+
+    import huggingface_hub.constants as c
+
+    from lmprobe.cli.app import main
+
+    monkeypatch.setenv("HF_TOKEN", "hf_other_identity")
+    monkeypatch.setattr(c, "HF_HUB_DISABLE_IMPLICIT_TOKEN", False)  # as for a user: HF_TOKEN would be sent
+    caplog.set_level(logging.DEBUG)
+    model, corpus = _host_model_and_corpus(tmp_path, llama_dir, "api")
+
+    since = len(hub.state.requests)
+    ds = lmprobe.extract(model, f"hf://datasets/{corpus}", out=tmp_path / "corpus", token="hf_given_api",
+                         context_len=8, layers="0,3", quiet=True)
+    asked = _requests_for(hub, since, model, corpus)
+    assert any("/resolve/" in path and model in path and path.endswith(".safetensors") for _, path, _ in asked)
+    assert any(corpus in path and path.endswith(".parquet") for _, path, _ in asked)
+    assert {auth for _, _, auth in hub.state.requests[since:]} == {"Bearer hf_given_api"}, [
+        r for r in hub.state.requests[since:] if r[2] != "Bearer hf_given_api"]
+    assert ds.num_prompts > len(PROMPTS)  # windows of every document
+
+    since = len(hub.state.requests)
+    assert main(["extract", "--model", model, "--prompts", f"hf://datasets/{corpus}", "--out", str(tmp_path / "cli"),
+                 "--token", "hf_given_cli", "--layers", "1"]) == 0
+    assert any(corpus in path for _, path, _ in hub.state.requests[since:])
+    assert {auth for _, _, auth in hub.state.requests[since:]} == {"Bearer hf_given_cli"}, [
+        r for r in hub.state.requests[since:] if r[2] != "Bearer hf_given_cli"]
+    assert lmprobe.load(tmp_path / "cli").num_prompts == len(PROMPTS)
+
+    out, err = capfd.readouterr()
+    said = out + err + caplog.text
+    for token in ("hf_given_api", "hf_given_cli"):
+        assert token not in said
+        for folder in (tmp_path / "corpus", tmp_path / "cli", tmp_path / "cache", fresh_hf_cache):
+            _no_token_in(folder, token)
+    from transformers.utils.hub import hf_api
+
+    assert hf_api().token is None  # lent to transformers' shared client while loading, not left there
 
 
 @pytest.mark.parametrize("sub", ["/.", "/./sub", "/a//b", "/.lmprobe-parts/part-00000"])

@@ -149,19 +149,21 @@ def close_embedded_name(name: str) -> str | None:
     return found[0] if found else None
 
 
-def hub_access(repo_id: str, revision: str | None, what: str) -> dict[str, Any]:
+def hub_access(repo_id: str, revision: str | None, what: str, *, token: str | bool | None = None) -> dict[str, Any]:
     """``from_pretrained`` keyword arguments for loading Hub repo ``repo_id``, after one look at the Hub.
 
     ``{}`` when the Hub answers (or offline mode is on: transformers then reads the cache itself);
     ``{"local_files_only": True}`` when it cannot be reached but the files are in the local cache;
     otherwise a one-line ModelError at once (huggingface_hub would retry five times, about 30 s).
+    ``token``: the identity the look goes with, as the downloads that follow (a string; else none).
     """
     from huggingface_hub import constants, get_session, try_to_load_from_cache
 
     if constants.HF_HUB_OFFLINE:
         return {}
     try:
-        get_session().head(constants.ENDPOINT, timeout=10)
+        get_session().head(constants.ENDPOINT, timeout=10,
+                           headers={"authorization": f"Bearer {token}"} if isinstance(token, str) else None)
     except Exception as exc:  # noqa: BLE001 - any failure to get an answer is "unreachable"
         if isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str):
             return {"local_files_only": True}

@@ -16,7 +16,7 @@ from .options import add_settings, add_token_option
 def cmd_extract(args: argparse.Namespace) -> int:
     cfg = ExtractionConfig(**{name: getattr(args, name) for name in ExtractionConfig.field_names()})
     if args.dry_run is not None:
-        return show_plan(cfg, args.dry_run)
+        return show_plan(cfg, args.dry_run, token=args.token)
     outcome = api.run_extraction(cfg, token=args.token)
     ds = outcome.dataset
     if outcome.wrote and not cfg.quiet:  # else the runner said it had nothing to do
@@ -24,9 +24,9 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
-def show_plan(cfg: ExtractionConfig, form: str) -> int:
+def show_plan(cfg: ExtractionConfig, form: str, *, token: str | None = None) -> int:
     """``--dry-run``: the job's plan (text or one JSON object) on stdout; exit 1 when the plan is refused."""
-    plan = api.plan(cfg.model, cfg.prompts, out=cfg.out, **{name: getattr(cfg, name) for name in
+    plan = api.plan(cfg.model, cfg.prompts, out=cfg.out, token=token, **{name: getattr(cfg, name) for name in
                                                                ExtractionConfig.field_names()
                                                                if name not in ("model", "prompts", "out")})
     print(json.dumps(plan.as_json()) if form == "json" else escape_controls(plan.describe()))

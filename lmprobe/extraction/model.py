@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +54,36 @@ class ModelSpec:
     recorded_revision: str | None = None  # what the dataset records as model.revision
     cached_only: bool = False  # the Hub is unreachable and the files are in the local cache: never ask it
     weights: str | None = None  # a local folder's weights fingerprint (``weights_fingerprint``): no commit names them
+    # the Hub identity of every download of the model's files (config, tokenizer, weights; None: HF_TOKEN or the
+    # saved login): kept in memory only, never shown (repr) nor recorded
+    token: str | bool | None = field(default=None, repr=False, compare=False)
 
+
+_IDENTITY_LOCK = threading.Lock()
+
+
+@contextmanager
+def transformers_identity(token: str | bool | None) -> Iterator[None]:
+    """While transformers loads a Hub model's files, its shared Hub client (``transformers.utils.hub.hf_api()``)
+    carries ``token`` too: the token given to ``from_pretrained`` reaches its downloads, but not every request it
+    makes (the tokenizer lists the repo's files with ``list_repo_files`` and no token), which would go with
+    HF_TOKEN's identity, or with none. Nothing changes when ``token`` is not a string."""
+    api = None
+    if isinstance(token, str):
+        from transformers.utils import hub as transformers_hub
+
+        maker = getattr(transformers_hub, "hf_api", None)
+        api = maker() if callable(maker) else None
+    if api is None or not hasattr(api, "token"):
+        yield
+        return
+    with _IDENTITY_LOCK:  # one load at a time changes the shared client
+        before = api.token
+        api.token = token
+        try:
+            yield
+        finally:
+            api.token = before
 
 
 def _is_causal_lm(config: Any) -> bool:
@@ -63,19 +95,24 @@ def _is_causal_lm(config: Any) -> bool:
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(config, "is_encoder_decoder", False)
 
 
-def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
-    """Read the config only (no weights): enough to check layers and heads before loading."""
+def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code: bool = False,
+                    token: str | bool | None = None) -> ModelSpec:
+    """Read the config only (no weights): enough to check layers and heads before loading. ``token``: the Hub
+    identity of every download of a Hub model's files, here and in ``load_tokenizer``/``load_model`` (None:
+    HF_TOKEN or the saved login)."""
     from transformers import AutoConfig
 
     path, local = resolve_model_path(name)
-    access = {} if local else hub_access(path, revision, "model")
+    access = {} if local else hub_access(path, revision, "model", token=token)
     hint = "" if local else " (is it a Hub id you can reach, or a local folder with config.json?)"
     try:
         # the file is untrusted: its sizes, depth and code are checked before transformers reads it (configfile.py)
-        file = Path(path) / "config.json" if local else _hub_config(path, revision, access)
+        file = Path(path) / "config.json" if local else _hub_config(path, revision, access, token)
         if file.exists():  # a FIFO or a folder named config.json is refused, not handed to transformers
             check_config_file(file, model=name, trust_remote_code=trust_remote_code)
-        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code, **access)
+        with transformers_identity(token):
+            config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code,
+                                                token=token, **access)
     except OSError as exc:
         raise ModelError(f"cannot load the config of model {name!r}{hint}: {one_line(exc)}") from None
     except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
@@ -101,7 +138,7 @@ def read_model_spec(name: str, *, revision: str | None = None, trust_remote_code
         recorded = getattr(config, "_commit_hash", None) or revision
     weights = weights_fingerprint(Path(path)) if local and not embedded else None
     return ModelSpec(display, path, local, revision, trust_remote_code, config, n_layers, hidden, _is_causal_lm(config),
-                     recorded, bool(access), weights)
+                     recorded, bool(access), weights, token=token)
 
 
 #: the attributes that count a model's blocks, in the order they are asked: an encoder-decoder's layers are its
@@ -137,13 +174,13 @@ def declared_layers(name: str, *, revision: str | None = None, trust_remote_code
     return n if n is not None and n > 0 else None
 
 
-def _hub_config(repo_id: str, revision: str | None, access: dict) -> Path:
+def _hub_config(repo_id: str, revision: str | None, access: dict, token: str | bool | None) -> Path:
     """The local copy of a Hub model's config.json (the one AutoConfig then reads from the cache)."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
     try:
-        return Path(hf_hub_download(repo_id, "config.json", revision=revision, **access))
+        return Path(hf_hub_download(repo_id, "config.json", revision=revision, token=token, **access))
     except EntryNotFoundError:
         raise ModelError(f"the Hub repo {repo_id!r} holds no config.json; lmprobe reads transformers models "
                          "(a repo with config.json and weights)") from None
@@ -252,9 +289,10 @@ def load_model(spec: ModelSpec, *, placement: Placement, compute_dtype: str = "a
         spread = {"device_map": placement.device_map, "offload_folder": offload.name}
         if placement.max_memory is not None:
             spread["max_memory"] = placement.max_memory
-    with third_party_bars(not quiet):  # restores the bars as they were (an upload to the Hub may run meanwhile)
+    with third_party_bars(not quiet), transformers_identity(spec.token):  # (the bars restored as they were: an
+        # upload to the Hub may run meanwhile)
         model = cls.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code,
-                                    dtype=dtype, local_files_only=spec.cached_only, **spread)
+                                    dtype=dtype, local_files_only=spec.cached_only, token=spec.token, **spread)
     if placement.spread:
         where = getattr(model, "hf_device_map", None) or {}
         if "disk" in where.values():
@@ -273,8 +311,9 @@ def load_model(spec: ModelSpec, *, placement: Placement, compute_dtype: str = "a
 def load_tokenizer(spec: ModelSpec):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code,
-                                        local_files_only=spec.cached_only)
+    with transformers_identity(spec.token):
+        tok = AutoTokenizer.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code,
+                                            local_files_only=spec.cached_only, token=spec.token)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     if tok.pad_token is None:

@@ -41,7 +41,7 @@ from ..format.staging import PROVISIONAL_DIR
 from ..opening import open_hub, open_object_store
 from ..storage.budget import CommitWindow, commits_per_hour, hour_seconds, in_flight_files
 from ..storage.commits import HubCommitter, PushConfig, RepoFile
-from ..storage.hub import HubRef, hub_api, parse_hf_url
+from ..storage.hub import HubRef, check_pull_request_open, hub_api, is_pull_request, parse_hf_url
 from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
 from ..storage.relay import Relay, StoreRelay
 from .hubrecords import LEDGER, RENAMES, final_files, part_renames, read_ledger, staged_record
@@ -120,6 +120,11 @@ class Output(ABC):
 
     def release_staging(self) -> None:
         """The job is complete: what this output kept on this machine for a re-run may go (nothing by default)."""
+        return None
+
+    def check(self) -> None:
+        """What can be checked of the output before the model is read (a Hub output: that the pull request it names
+        is open); nothing by default."""
         return None
 
     def for_world(self, world: int) -> Output:
@@ -470,6 +475,9 @@ class HubOutput(Output):
         if ref.repo_type != "dataset":
             raise InvalidArgumentError(f"--out {url}: an extraction writes to a dataset repo, "
                                        "hf://datasets/OWNER/NAME[@branch]")
+        if ref.revision is not None and ref.revision.startswith("refs/") and not is_pull_request(ref.revision):
+            raise InvalidArgumentError(f"--out {url}: {ref.revision} is the Hub's own conversion of the repo; write to "
+                                       "a branch (@BRANCH) or an open pull request (@refs/pr/N)")
         return cls(HubRef(ref.repo_id, "dataset", ref.revision or "main", ref.path.strip("/")), token=token)
 
     def repo_path(self, rel: str) -> str:
@@ -523,11 +531,17 @@ class HubOutput(Output):
         # another would take for its own (an upload ledger naming objects that Hub never had)
         return cache_dir(f"{constants.ENDPOINT} {self.url}", "outputs")
 
+    def check(self) -> None:
+        """A pull request's ref is written to once the pull request is open (nothing creates it but opening it):
+        one request before the model is read, and a one-line error naming the way out when it is not."""
+        if is_pull_request(self.ref.revision):
+            check_pull_request_open(HubRef(self.ref.repo_id, "dataset", self.ref.revision), token=self.token)
+
     def prepare(self, committer: HubCommitter) -> None:
-        """The repo and the branch, created when missing."""
+        """The repo and the branch, created when missing (a pull request's ref: ``check`` found it open)."""
         committer.call(f"creating {self.ref.repo_id}", lambda: committer.api.create_repo(
             self.ref.repo_id, repo_type="dataset", exist_ok=True))
-        if self.ref.revision != "main":
+        if self.ref.revision != "main" and not is_pull_request(self.ref.revision):
             committer.call(f"creating the branch {self.ref.revision}", lambda: committer.api.create_branch(
                 self.ref.repo_id, repo_type="dataset", branch=self.ref.revision, exist_ok=True))
 

@@ -119,8 +119,10 @@ def check_layers_early(cfg: ExtractionConfig) -> None:
         parse_layers(cfg.layers, n)
 
 
-def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> Job:
-    """Read and check everything but the weights."""
+def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None, *, token: str | bool | None = None) -> Job:
+    """Read and check everything but the weights. ``token``: the Hub identity of every download of the model's
+    files and of every read of an ``hf://`` prompt or corpus source (None: HF_TOKEN or the saved login); held by
+    the source and the model spec in memory only, never recorded in the settings."""
     if cfg.backend == "nnsight":
         require_nnsight()
         if cfg.remote is True:
@@ -129,14 +131,15 @@ def prepare(cfg: ExtractionConfig, ranks: Ranks | None = None) -> Job:
     check_layers_early(cfg)
     if cfg.corpus:
         p = None
-        source = open_source(cfg.prompts, text_column=cfg.text_column, config=cfg.dataset_config, split=cfg.split)
+        source = open_source(cfg.prompts, text_column=cfg.text_column, config=cfg.dataset_config, split=cfg.split,
+                             token=token)
     elif isinstance(cfg.prompts, Prompts):
         p = cfg.prompts
     else:  # a rank reads and checks its own share only (prompt i goes to rank i % world)
         p = read_prompts(cfg.prompts, text_column=cfg.text_column, label_column=cfg.label_column,
                          dataset_config=cfg.dataset_config, split=cfg.split, rank=ranks.rank, world=ranks.world,
-                         all_gather=ranks.all_gather, limit=cfg.max_prompts)
-    spec = read_model_spec(cfg.model, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+                         all_gather=ranks.all_gather, limit=cfg.max_prompts, token=token)
+    spec = read_model_spec(cfg.model, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, token=token)
     layer_list = parse_layers(cfg.layers, spec.num_layers)
     if (cfg.logits_topk or cfg.perplexity) and not spec.causal_lm:
         asked = "--logits-topk" if cfg.logits_topk else "--perplexity"

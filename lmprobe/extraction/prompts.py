@@ -288,7 +288,7 @@ def _labels(records: list[Record], column: str) -> tuple[list[Any], str | None]:
 
 def read_prompts(source: Any, *, text_column: str = "text", label_column: str | None = "label",
                  dataset_config: str | None = None, split: str = "train", rank: int = 0, world: int = 1,
-                 all_gather: Gather | None = None, limit: int | None = None) -> Prompts:
+                 all_gather: Gather | None = None, limit: int | None = None, token: Any = None) -> Prompts:
     """Read every prompt of ``source``: a file or folder path, a Hub dataset, a list of strings/dicts, or a DataFrame.
 
     A label column named explicitly (anything but the default "label") must exist; the default
@@ -303,12 +303,14 @@ def read_prompts(source: Any, *, text_column: str = "text", label_column: str | 
 
     With ``limit``: the first ``limit`` prompts of the source only; the source is read no further.
 
+    ``token``: the Hub identity a Hub dataset is read with (None: HF_TOKEN or the saved login).
+
     >>> read_prompts(["The cat sat.", "A dog ran."]).texts
     ['The cat sat.', 'A dog ran.']
     """
     check_share(rank, world)
     src = source if isinstance(source, Source) else open_source(source, text_column=text_column, config=dataset_config,
-                                                                split=split)
+                                                                split=split, token=token)
     label_required = label_column not in (None, "label")
 
     def take(**share: int) -> list[Record]:

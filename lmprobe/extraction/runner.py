@@ -56,12 +56,14 @@ def run(cfg: ExtractionConfig, *, token: str | None = None) -> Dataset:
 
 def execute(cfg: ExtractionConfig, *, token: str | None = None) -> Outcome:
     """``run``, also saying whether anything was written (the command line's last line depends on it). ``token``:
-    the Hub identity of every call to a Hub output (never stored)."""
+    the Hub identity of every Hub call of the extraction (never stored): the output's, the model's download, an
+    ``hf://`` prompt or corpus source's reads."""
     output = open_output(cfg.out, token=token)  # a bad --out is an error before the tokenizer and the weights load
+    output.check()  # (a pull request that is not open: before the model's config is read)
     ranks = start_ranks()
     rank, world = ranks.rank, ranks.world
     output = output.for_world(world)
-    job = prepare(cfg, ranks)
+    job = prepare(cfg, ranks, token=token)
     check_plan(job)
     done = _finished(job, output)
     if done is not None:
@@ -80,12 +82,12 @@ def execute(cfg: ExtractionConfig, *, token: str | None = None) -> Outcome:
                               "the same command again: it resumes from its last checkpoint") from exc
 
 
-def plan(cfg: ExtractionConfig) -> JobPlan:
+def plan(cfg: ExtractionConfig, *, token: str | None = None) -> JobPlan:
     """The plan of the extraction ``cfg`` describes (plan.py), made as a real run makes it, without loading the
     weights or running anything: the cluster is the plan options' (``world_size``, ``gpus_per_node``,
-    ``gpu_memory``) or this machine's."""
-    open_output(cfg.out)  # a bad --out is an error here too
-    job = prepare(cfg, Ranks(0, 1, None))
+    ``gpu_memory``) or this machine's. ``token``: as ``execute``'s (the model's config, the source)."""
+    open_output(cfg.out, token=token)  # a bad --out is an error here too
+    job = prepare(cfg, Ranks(0, 1, None), token=token)
     assert job.plan is not None
     return job.plan
 

@@ -62,7 +62,7 @@ from .budget import (
     hour_seconds,
     next_commit_files,
 )
-from .hub import hub_api, transport_errors
+from .hub import HubRef, check_pull_request_open, hub_api, is_pull_request, transport_errors
 from .relay import Relay
 
 logger = logging.getLogger(__name__)
@@ -342,10 +342,12 @@ class HubCommitter:
         return out
 
     def prepare(self, private: bool) -> None:
-        """Create the repo (and the branch) if needed."""
+        """Create the repo (and the branch) if needed; a pull request's ref must be open already."""
         self.call("creating the repo", lambda: self.api.create_repo(
             self.repo_id, repo_type=self.repo_type, private=private, exist_ok=True))
-        if self.revision != "main":
+        if is_pull_request(self.revision):
+            check_pull_request_open(HubRef(self.repo_id, self.repo_type, self.revision), token=self.api.token)
+        elif self.revision != "main":
             self.call("creating the branch", lambda: self.api.create_branch(
                 self.repo_id, repo_type=self.repo_type, branch=self.revision, exist_ok=True))
 

@@ -248,6 +248,31 @@ def _split_revision(url: str, rev_path: str) -> tuple[str, str]:
     return rev, rest
 
 
+#: a pull request's ref: made by opening the pull request, then written to like a branch; never created as a branch
+#: (the Hub answers 400 to a branch of that name)
+_PULL_REQUEST_RE = re.compile(r"^refs/pr/\d+$")
+
+
+def is_pull_request(revision: str | None) -> bool:
+    """Whether ``revision`` is a pull request's ref, ``refs/pr/N``.
+
+    >>> is_pull_request("refs/pr/3"), is_pull_request("main"), is_pull_request("refs/convert/parquet")
+    (True, False, False)
+    """
+    return isinstance(revision, str) and _PULL_REQUEST_RE.match(revision) is not None
+
+
+def check_pull_request_open(ref: HubRef, *, token: str | bool | None = None) -> None:
+    """A write to ``ref``, a pull request's ref, needs the pull request open: one request, and a one-line
+    InvalidArgumentError naming the way out when the repo has no such ref (nothing is created for it)."""
+    try:
+        resolve_commit(ref, token=token)
+    except DatasetNotFoundError as exc:
+        raise InvalidArgumentError(f"{ref}: {exc}; a pull request's ref exists once the pull request is open: open "
+                                   "the pull request first, e.g. with huggingface_hub.create_pull_request, or write "
+                                   "to a branch (@BRANCH, created when missing)") from None
+
+
 def _check_repo_folder(url: str, sub: str, repo_url: str) -> None:
     """A path in a repo is one spelling of one folder: no empty or '.' component (``a//b`` was committed under
     ``a//b/``, ``/.`` ran a whole extraction and then failed), and not lmprobe's own working folders."""
