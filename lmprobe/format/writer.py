@@ -38,7 +38,7 @@ from . import card, index
 from .batch import check_batch, hidden_by_slot
 from .datasetspec import DatasetSpec
 from .dtypes import DTYPES
-from .layout import plan
+from .layout import Cursor, Plan, plan
 from .metadata import (
     build_hidden_descriptor,
     build_info,
@@ -109,6 +109,11 @@ class DatasetWriter:
       are known only at the end, are then handed over as they close under provisional names
       (``tensors/.provisional/...``) and this callback says, when the dataset closes, which final
       name each one takes: the caller renames its copy.
+    - ``on_checkpoint(staging, state)`` (needs ``on_file_complete``): called after each checkpoint with the
+      staging folder and the state just written (its closed shards all hashed and handed over), for a caller
+      that keeps a copy of the checkpoint elsewhere. A writer reopened on such a copy without the open shards'
+      partial files (they never leave the machine) recomputes them: ``refill_from`` is then the first prompt to
+      give again, to ``refill_batch``, before ``add_batch`` continues at ``num_prompts``.
 
     ``hidden`` maps each layer to a (batch, dim) array for pooled storage, or to the batch's tokens
     packed prompt after prompt, (sum(num_tokens), dim), for full_sequence storage.
@@ -129,6 +134,7 @@ class DatasetWriter:
         name: str | None = None,
         on_file_complete: Callable[..., None] | None = None,
         on_file_renamed: Callable[[str, str], None] | None = None,
+        on_checkpoint: Callable[[Path, dict[str, Any]], None] | None = None,
         **fields: Any,
     ):
         # --- check the configuration before touching the disk
@@ -154,6 +160,12 @@ class DatasetWriter:
         if on_file_renamed is not None and on_file_complete is None:
             raise InvalidArgumentError("on_file_renamed needs on_file_complete: it renames files handed over")
         self.on_file_renamed = on_file_renamed
+        if on_checkpoint is not None and on_file_complete is None:
+            raise InvalidArgumentError("on_checkpoint needs on_file_complete: it publishes a checkpoint of files handed over")
+        self.on_checkpoint = on_checkpoint
+        # refilling (a checkpoint whose open shards are not on this machine: ``refill_batch``): per series, the first
+        # prompt of its open shard and the cursor the checkpoint recorded
+        self._refill: dict[str, tuple[int, Cursor]] = {}
         self.checkpoint_interval = float(checkpoint_interval)
         self.fingerprint = spec.fingerprint()
         if fingerprint:
@@ -256,7 +268,12 @@ class DatasetWriter:
         if cp.created_at is not None:
             self.provenance["created_at"] = cp.created_at
         for s in self._series():
-            s.restore(cp.streams[s.name])
+            if self.on_file_complete is not None and not s.open_shard_here(cp.streams[s.name]):
+                self._refill[s.name] = (-1, s.restore_empty(cp.streams[s.name]))
+            else:
+                s.restore(cp.streams[s.name])
+        if self._refill:
+            self._plan_refill()
         known = cp.staged_names()
         for s in self._series():
             known |= s.open_staging_names()
@@ -266,6 +283,83 @@ class DatasetWriter:
             self._stats_checkpoint = cp.statistics_number
         self._rehash_closed()  # opened before they are published: a published file may leave the machine
         self._publish_closed()
+
+    def _plan_refill(self) -> None:
+        """The first prompt (in arrival order) of each open shard to recompute, from the staged index parts."""
+        import pyarrow.parquet as pq
+
+        column = {"last": "shard_index", "seq": "_seq_shard", "logits": "shard_index_logits"}
+        first: dict[str, int] = {}
+        row = 0
+        for path in self.staging.parts(self._n_parts):
+            t = pq.read_table(path, columns=[column[n] for n in self._refill])
+            for name, (_, target) in self._refill.items():
+                if name not in first:
+                    hits = np.flatnonzero(t.column(column[name]).to_numpy() == target.shard)
+                    if len(hits):
+                        first[name] = row + int(hits[0])
+            row += t.num_rows
+        if row != self.num_prompts or set(first) != set(self._refill):
+            raise FormatError(f"{self.name}: the checkpoint's index rows do not say where its open shards start; "
+                              "pass overwrite=True (--overwrite) to start over")
+        self._refill = {name: (first[name], target) for name, (_, target) in self._refill.items()}
+
+    @property
+    def refill_from(self) -> int | None:
+        """The first prompt to give again to ``refill_batch`` (None: nothing to refill)."""
+        return min(f for f, _ in self._refill.values()) if self._refill else None
+
+    def refill_batch(self, *, first: int, texts: Sequence[str], hidden: Mapping[int, Any], num_tokens: Sequence[int],
+                     logits_values: Any = None, logits_indices: Any = None, **_: Any) -> None:
+        """Give again the prompts ``first ..`` (recomputed exactly as before) whose rows were in shards that a
+        checkpoint left open on another machine: only those rows are written again, into those shards; the index,
+        counts and statistics already hold them. Once ``num_prompts`` is reached, each refilled shard must be
+        where the checkpoint left it (else FormatError: the recomputed rows differ)."""
+        if not self._refill:
+            raise RuntimeError("this DatasetWriter has nothing to refill")
+        batch = check_batch(self.spec, first, texts=texts, hidden=hidden, num_tokens=num_tokens,
+                            logits_values=logits_values, logits_indices=logits_indices)
+        b = len(batch)
+        if first + b > self.num_prompts:
+            raise InvalidArgumentError(f"refill_batch: prompts {first}..{first + b - 1} go past the checkpoint's "
+                                       f"{self.num_prompts}; give them to add_batch")
+        counts = batch.counts
+        for s in self._series():
+            if s.name not in self._refill:
+                continue
+            k = max(0, self._refill[s.name][0] - first)  # the batch's prompts before the open shard: not its rows
+            if k >= b:
+                continue
+            ones = np.ones(b - k, dtype=np.int64)
+            if s is self._logits:
+                s.write(self._refill_plan(s, ones), {"all": [a[k:] for a in batch.logits]}, ones)
+            elif s is self._seq:
+                off = int(counts[:k].sum())
+                seq_counts = counts[k:] - 1
+                s.write(self._refill_plan(s, seq_counts), {slot: [t[off:] for t in ts] for slot, ts in
+                                                           batch.hidden.items()}, seq_counts, packed_counts=counts[k:])
+            else:
+                if self.spec.full_sequence:
+                    ends = np.cumsum(counts) - 1
+                    rows = {slot: [t[ends][k:] for t in ts] for slot, ts in batch.hidden.items()}
+                else:
+                    rows = {slot: [t[k:] for t in ts] for slot, ts in batch.hidden.items()}
+                s.write(self._refill_plan(s, ones), rows, ones)
+        if first + b == self.num_prompts:
+            wrong = [n for n, (_, target) in self._refill.items()
+                     if next(s for s in self._series() if s.name == n).cursor != target]
+            if wrong:
+                raise FormatError(f"{self.name}: the recomputed rows do not fill the {', '.join(wrong)} shards the "
+                                  "way the checkpoint says; pass overwrite=True (--overwrite) to start over")
+            self._refill = {}
+            self.checkpoint()
+
+    def _refill_plan(self, s: ShardSeries, counts: np.ndarray) -> Plan:
+        p = plan(s.cursor, counts, s.cap_rows)
+        if any(seg.close_before for seg in p.segments):
+            raise FormatError(f"{self.name}: the recomputed rows do not fit the {s.name} shard the checkpoint left "
+                              "open; pass overwrite=True (--overwrite) to start over")
+        return p
 
     # ------------------------------------------------------------------ adding data
 
@@ -339,6 +433,8 @@ class DatasetWriter:
             raise RuntimeError("this DatasetWriter is closed")
         if self._phase != "writing":
             raise RuntimeError("this dataset is already being finalized; call close()")
+        if self._refill:
+            raise RuntimeError(f"give prompts {self.refill_from}..{self.num_prompts - 1} to refill_batch first")
         batch = check_batch(
             self.spec, self.num_prompts, texts=texts, hidden=hidden, num_tokens=num_tokens, labels=labels,
             columns=columns, logits_values=logits_values, logits_indices=logits_indices,
@@ -452,7 +548,7 @@ class DatasetWriter:
             self._stats_checkpoint += 1
             stats_name = f"statistics-{self._stats_checkpoint:08d}.safetensors"
             save_accumulators(self.staging.path / stats_name, self._stats)
-        self.staging.write_state({
+        state = {
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint,
             "num_prompts": self.num_prompts,
@@ -464,7 +560,8 @@ class DatasetWriter:
             "created_at": self.provenance["created_at"],
             "streams": {s.name: s.state() for s in self._series()},
             "statistics_file": stats_name,
-        })
+        }
+        self.staging.write_state(state)
         for s in self._series():
             for p in s.obsolete:
                 p.unlink(missing_ok=True)
@@ -473,6 +570,8 @@ class DatasetWriter:
             if p.name != stats_name:
                 p.unlink(missing_ok=True)
         self._publish_closed()
+        if self.on_checkpoint is not None and not self._refill:
+            self.on_checkpoint(self.staging.path, json.loads(json.dumps(state)))
         self._last_checkpoint = time.monotonic()
         self._closed_at_checkpoint = self._closed_count()
 
