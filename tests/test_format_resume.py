@@ -244,7 +244,7 @@ def _remote_writer(root: Path, name: str, snapshots: list | None = None, **kw) -
         (remote / new).parent.mkdir(parents=True, exist_ok=True)
         (remote / old).rename(remote / new)
 
-    def checkpointed(staging, state):
+    def checkpointed(staging, state, files):
         copy = root / f"snapshot-{len(snapshots)}"
         (copy / "index").mkdir(parents=True)
         for i in range(state["index_parts"]):

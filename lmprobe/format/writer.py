@@ -12,8 +12,10 @@ to continue. The index is written last, so a folder with an index is a complete 
 
 The concerns live in their own modules: ``datasetspec`` (what the dataset stores), ``batch``
 (checks), ``layout`` (shard planning, pure), ``shards`` (shard files), ``staging`` (folder states
-and checkpoints), ``resume`` (reopening a partial output), ``index`` (the parquet index),
-``metadata`` (the ``lmprobe:`` keys).
+and checkpoints), ``resume`` (reopening a partial output), ``refill`` (a checkpoint reopened on
+another machine), ``index`` (the parquet index), ``metadata`` (the ``lmprobe:`` keys). What is left
+here is past 600 lines on purpose: one object's state (the series, the pending index rows, the
+statistics, the phase) that every method reads and changes together.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from . import card, index
 from .batch import check_batch, hidden_by_slot
 from .datasetspec import DatasetSpec
 from .dtypes import DTYPES
-from .layout import Cursor, Plan, plan
+from .layout import plan
 from .metadata import (
     build_hidden_descriptor,
     build_info,
@@ -46,6 +48,7 @@ from .metadata import (
     default_provenance,
     encode_schema_metadata,
 )
+from .refill import Refill
 from .resume import Checkpoint, check_progress, check_settings, open_output, read_checkpoint, refusing_damage
 from .safetensors_io import TensorSpec
 from .shards import ShardSeries
@@ -109,8 +112,9 @@ class DatasetWriter:
       are known only at the end, are then handed over as they close under provisional names
       (``tensors/.provisional/...``) and this callback says, when the dataset closes, which final
       name each one takes: the caller renames its copy.
-    - ``on_checkpoint(staging, state)`` (needs ``on_file_complete``): called after each checkpoint with the
-      staging folder and the state just written (its closed shards all hashed and handed over), for a caller
+    - ``on_checkpoint(staging, state, files)`` (needs ``on_file_complete``): called after each checkpoint with
+      the staging folder, the state just written (its closed shards all hashed and handed over) and
+      ``recorded_files()``, for a caller
       that keeps a copy of the checkpoint elsewhere. A writer reopened on such a copy without the open shards'
       partial files (they never leave the machine) recomputes them: ``refill_from`` is then the first prompt to
       give again, to ``refill_batch``, before ``add_batch`` continues at ``num_prompts``.
@@ -134,7 +138,7 @@ class DatasetWriter:
         name: str | None = None,
         on_file_complete: Callable[..., None] | None = None,
         on_file_renamed: Callable[[str, str], None] | None = None,
-        on_checkpoint: Callable[[Path, dict[str, Any]], None] | None = None,
+        on_checkpoint: Callable[[Path, dict[str, Any], dict[str, tuple[int, str]]], None] | None = None,
         **fields: Any,
     ):
         # --- check the configuration before touching the disk
@@ -163,9 +167,7 @@ class DatasetWriter:
         if on_checkpoint is not None and on_file_complete is None:
             raise InvalidArgumentError("on_checkpoint needs on_file_complete: it publishes a checkpoint of files handed over")
         self.on_checkpoint = on_checkpoint
-        # refilling (a checkpoint whose open shards are not on this machine: ``refill_batch``): per series, the first
-        # prompt of its open shard and the cursor the checkpoint recorded
-        self._refill: dict[str, tuple[int, Cursor]] = {}
+        self._refill: Refill | None = None  # a checkpoint whose open shards are not on this machine (refill.py)
         self.checkpoint_interval = float(checkpoint_interval)
         self.fingerprint = spec.fingerprint()
         if fingerprint:
@@ -267,13 +269,14 @@ class DatasetWriter:
         self._n_parts, self._phase = cp.index_parts, cp.phase
         if cp.created_at is not None:
             self.provenance["created_at"] = cp.created_at
+        targets = {}
         for s in self._series():
             if self.on_file_complete is not None and not s.open_shard_here(cp.streams[s.name]):
-                self._refill[s.name] = (-1, s.restore_empty(cp.streams[s.name]))
+                targets[s.name] = s.restore_empty(cp.streams[s.name])  # (its partial file stayed on another machine)
             else:
                 s.restore(cp.streams[s.name])
-        if self._refill:
-            self._plan_refill()
+        if targets:
+            self._refill = Refill(targets, self.staging.parts(self._n_parts), self.num_prompts, self.name)
         known = cp.staged_names()
         for s in self._series():
             known |= s.open_staging_names()
@@ -284,82 +287,20 @@ class DatasetWriter:
         self._rehash_closed()  # opened before they are published: a published file may leave the machine
         self._publish_closed()
 
-    def _plan_refill(self) -> None:
-        """The first prompt (in arrival order) of each open shard to recompute, from the staged index parts."""
-        import pyarrow.parquet as pq
-
-        column = {"last": "shard_index", "seq": "_seq_shard", "logits": "shard_index_logits"}
-        first: dict[str, int] = {}
-        row = 0
-        for path in self.staging.parts(self._n_parts):
-            t = pq.read_table(path, columns=[column[n] for n in self._refill])
-            for name, (_, target) in self._refill.items():
-                if name not in first:
-                    hits = np.flatnonzero(t.column(column[name]).to_numpy() == target.shard)
-                    if len(hits):
-                        first[name] = row + int(hits[0])
-            row += t.num_rows
-        if row != self.num_prompts or set(first) != set(self._refill):
-            raise FormatError(f"{self.name}: the checkpoint's index rows do not say where its open shards start; "
-                              "pass overwrite=True (--overwrite) to start over")
-        self._refill = {name: (first[name], target) for name, (_, target) in self._refill.items()}
-
     @property
     def refill_from(self) -> int | None:
         """The first prompt to give again to ``refill_batch`` (None: nothing to refill)."""
-        return min(f for f, _ in self._refill.values()) if self._refill else None
+        return self._refill.start if self._refill is not None else None
 
-    def refill_batch(self, *, first: int, texts: Sequence[str], hidden: Mapping[int, Any], num_tokens: Sequence[int],
-                     logits_values: Any = None, logits_indices: Any = None, **_: Any) -> None:
-        """Give again the prompts ``first ..`` (recomputed exactly as before) whose rows were in shards that a
-        checkpoint left open on another machine: only those rows are written again, into those shards; the index,
-        counts and statistics already hold them. Once ``num_prompts`` is reached, each refilled shard must be
-        where the checkpoint left it (else FormatError: the recomputed rows differ)."""
-        if not self._refill:
+    def refill_batch(self, *, first: int, statistics: Any = None, progress: Any = None, **batch_kw: Any) -> None:
+        """Give again prompts ``first ..`` (recomputed as before, up to ``num_prompts``; ``add_batch``'s arguments)
+        whose rows were in shards that a checkpoint left open on another machine (refill.py)."""
+        if self._refill is None:
             raise RuntimeError("this DatasetWriter has nothing to refill")
-        batch = check_batch(self.spec, first, texts=texts, hidden=hidden, num_tokens=num_tokens,
-                            logits_values=logits_values, logits_indices=logits_indices)
-        b = len(batch)
-        if first + b > self.num_prompts:
-            raise InvalidArgumentError(f"refill_batch: prompts {first}..{first + b - 1} go past the checkpoint's "
-                                       f"{self.num_prompts}; give them to add_batch")
-        counts = batch.counts
-        for s in self._series():
-            if s.name not in self._refill:
-                continue
-            k = max(0, self._refill[s.name][0] - first)  # the batch's prompts before the open shard: not its rows
-            if k >= b:
-                continue
-            ones = np.ones(b - k, dtype=np.int64)
-            if s is self._logits:
-                s.write(self._refill_plan(s, ones), {"all": [a[k:] for a in batch.logits]}, ones)
-            elif s is self._seq:
-                off = int(counts[:k].sum())
-                seq_counts = counts[k:] - 1
-                s.write(self._refill_plan(s, seq_counts), {slot: [t[off:] for t in ts] for slot, ts in
-                                                           batch.hidden.items()}, seq_counts, packed_counts=counts[k:])
-            else:
-                if self.spec.full_sequence:
-                    ends = np.cumsum(counts) - 1
-                    rows = {slot: [t[ends][k:] for t in ts] for slot, ts in batch.hidden.items()}
-                else:
-                    rows = {slot: [t[k:] for t in ts] for slot, ts in batch.hidden.items()}
-                s.write(self._refill_plan(s, ones), rows, ones)
-        if first + b == self.num_prompts:
-            wrong = [n for n, (_, target) in self._refill.items()
-                     if next(s for s in self._series() if s.name == n).cursor != target]
-            if wrong:
-                raise FormatError(f"{self.name}: the recomputed rows do not fill the {', '.join(wrong)} shards the "
-                                  "way the checkpoint says; pass overwrite=True (--overwrite) to start over")
-            self._refill = {}
+        batch = check_batch(self.spec, first, **batch_kw)
+        if self._refill.write(self._series(), batch, first, full_sequence=self.spec.full_sequence):
+            self._refill = None
             self.checkpoint()
-
-    def _refill_plan(self, s: ShardSeries, counts: np.ndarray) -> Plan:
-        p = plan(s.cursor, counts, s.cap_rows)
-        if any(seg.close_before for seg in p.segments):
-            raise FormatError(f"{self.name}: the recomputed rows do not fit the {s.name} shard the checkpoint left "
-                              "open; pass overwrite=True (--overwrite) to start over")
-        return p
 
     # ------------------------------------------------------------------ adding data
 
@@ -433,7 +374,7 @@ class DatasetWriter:
             raise RuntimeError("this DatasetWriter is closed")
         if self._phase != "writing":
             raise RuntimeError("this dataset is already being finalized; call close()")
-        if self._refill:
+        if self._refill is not None:
             raise RuntimeError(f"give prompts {self.refill_from}..{self.num_prompts - 1} to refill_batch first")
         batch = check_batch(
             self.spec, self.num_prompts, texts=texts, hidden=hidden, num_tokens=num_tokens, labels=labels,
@@ -570,8 +511,8 @@ class DatasetWriter:
             if p.name != stats_name:
                 p.unlink(missing_ok=True)
         self._publish_closed()
-        if self.on_checkpoint is not None and not self._refill:
-            self.on_checkpoint(self.staging.path, json.loads(json.dumps(state)))
+        if self.on_checkpoint is not None and self._refill is None:
+            self.on_checkpoint(self.staging.path, json.loads(json.dumps(state)), self.recorded_files())
         self._last_checkpoint = time.monotonic()
         self._closed_at_checkpoint = self._closed_count()
 
