@@ -46,7 +46,7 @@ from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_s
 from ..storage.relay import Relay, StoreRelay
 from .hubrecords import LEDGER, RENAMES, final_files, part_renames, read_ledger, staged_record
 from .hubrepo import keep_their_card, old_shards
-from .hubresume import RESUME_DIR, CheckpointCopies, seed_from_hub
+from .hubresume import RESUME_DIR, RESUME_FILE, CheckpointCopies, seed_from_hub
 
 logger = logging.getLogger("lmprobe")
 
@@ -359,6 +359,9 @@ class _HubSession(Session):
                 for k in range(0, len(stale), DELETES_PER_COMMIT):
                     output.delete(stale[k:k + DELETES_PER_COMMIT], self.committer,
                                   "remove the old dataset's shards before an overwrite")
+            if output.holds(RESUME_FILE):  # an earlier run's checkpoint copy: it names shards about to go
+                output.delete([RESUME_DIR], self.committer, "remove the checkpoint copy before an overwrite",
+                              folder=True)
             self.ledger.unlink(missing_ok=True)
         self.committer.start()
         self.renames: list[tuple[str, str]] = []
@@ -450,6 +453,8 @@ class _HubSession(Session):
         last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in final_files(self.local)]
         moves = [(self.output.repo_path(old), self.output.repo_path(new)) for old, new in self.renames]
         if self.output.relay is None and self.copies.sent:  # (a job's part: the merge removes the parts' folder)
+            if self.committer.holds(self.output.repo_path(RESUME_FILE)):
+                self.committer.flush()  # (a copy on its way: landed first, not added and removed in one commit)
             self.remove.append(self.output.repo_path(RESUME_DIR))
         if self.output.relay is not None and self.renames:
             # a job's part: its sequence shards stay under their provisional names, which a small file maps to the
