@@ -150,40 +150,36 @@ def seed_staging(staging: Path, doc: dict, copy: Path) -> None:
 
 
 class CheckpointCopies:
-    """A Hub session's copies of its writer's checkpoints: each waits until every shard it names has landed (the
-    newest such one goes, older ones are dropped), one copy on its way at a time (always the same path)."""
+    """A Hub session's copies of its writer's checkpoints. One copy waits until every shard it names has landed,
+    then goes (always to the same path) once the copy before it has landed; a new one is made only when none
+    waits, so that a copy is made about once a commit, not at every checkpoint (each holds the index rows so far)."""
 
     def __init__(self, local: Path, repo_path: Callable[[str], str], landed: set[str],
                  pending: Callable[[str], bool]):
         self.local, self.repo_path, self.pending = local, repo_path, pending  # pending: the committer holds a path
         self._lock = threading.Lock()
         self._landed = set(landed)  # repo paths the repo holds
-        self._waiting: list[tuple[Path, set[str]]] = []  # (copy, shards it needs), oldest first
+        self._waiting: tuple[Path, set[str]] | None = None  # the copy made, and the shards it needs
         self._sending: int | None = None  # id of the RepoFile on its way
         self._copies = 0
         self.sent = repo_path(RESUME_FILE) in landed  # the repo holds a copy
 
     def checkpointed(self, staging: Path, state: dict, files: dict[str, tuple[int, str]]) -> list[RepoFile]:
-        """The writer checkpointed: what to hand the committer now (the newest copy whose shards landed, or none)."""
+        """The writer checkpointed: what to hand the committer now (the waiting copy, when it may go, or none)."""
         if state.get("phase") != "writing":
             return []  # closing: the part's index follows
-        self._copies += 1
-        dst = self.local / f"{RESUME_FILE}-{self._copies:08d}"
-        if not write_resume(staging, state, files, dst):
-            return []
+        if self._waiting is None:
+            self._copies += 1
+            dst = self.local / f"{RESUME_FILE}-{self._copies:08d}"
+            if write_resume(staging, state, files, dst):
+                with self._lock:
+                    self._waiting = (dst, {self.repo_path(rel) for rel in files})
         with self._lock:
-            for old, _ in self._waiting[:-2]:  # (overtaken by newer ones)
-                old.unlink(missing_ok=True)
-            self._waiting = [*self._waiting[-2:], (dst, {self.repo_path(rel) for rel in files})]
-            ready = [i for i, w in enumerate(self._waiting) if w[1] <= self._landed]
-            if self._sending is not None or not ready or self.pending(self.repo_path(RESUME_FILE)):
+            if self._waiting is None or not self._waiting[1] <= self._landed or self._sending is not None \
+                    or self.pending(self.repo_path(RESUME_FILE)):
                 return []
-            for old, _ in self._waiting[:ready[-1]]:
-                old.unlink(missing_ok=True)
-            dst = self._waiting[ready[-1]][0]
-            self._waiting = self._waiting[ready[-1] + 1:]
-            f = RepoFile(self.repo_path(RESUME_FILE), dst)
-            self._sending, self.sent = id(f), True
+            f = RepoFile(self.repo_path(RESUME_FILE), self._waiting[0])
+            self._waiting, self._sending, self.sent = None, id(f), True
         return [f]
 
     def landed(self, files: list[RepoFile]) -> None:

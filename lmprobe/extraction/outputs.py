@@ -447,15 +447,15 @@ class _HubSession(Session):
         self.renames.append((old, new))
 
     def finish(self) -> Dataset:
+        if self.output.relay is None and self.copies.sent:  # (a job's part: the merge removes the parts' folder)
+            if self.committer.holds(self.output.repo_path(RESUME_FILE)):
+                self.committer.flush()  # (a copy on its way: landed first, not added and removed in one commit)
+            self.remove.append(self.output.repo_path(RESUME_DIR))
         if self.output.relay is None:
             self.output.keep_their_card(self.local)
         # one commit ends the part: what is uploaded, the provisional files renamed, the statistics, card and index
         last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in final_files(self.local)]
         moves = [(self.output.repo_path(old), self.output.repo_path(new)) for old, new in self.renames]
-        if self.output.relay is None and self.copies.sent:  # (a job's part: the merge removes the parts' folder)
-            if self.committer.holds(self.output.repo_path(RESUME_FILE)):
-                self.committer.flush()  # (a copy on its way: landed first, not added and removed in one commit)
-            self.remove.append(self.output.repo_path(RESUME_DIR))
         if self.output.relay is not None and self.renames:
             # a job's part: its sequence shards stay under their provisional names, which a small file maps to the
             # part's own names; the merge copies each straight to its place in the dataset (one copy a shard, in the
