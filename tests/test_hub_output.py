@@ -407,7 +407,6 @@ def test_a_killed_extraction_resumes_on_another_machine_from_its_checkpoint_on_t
 
     monkeypatch.setattr(backend_hf.TransformersBackend, "run", counted)
     ds = lmprobe.extract(str(llama_dir), MANY, out=url, **KW)
-    print("forward passes after the move:", calls[0])
     assert 0 < calls[0] < len(MANY) // KW["batch_size"], calls  # the rows of the copy are not computed again
     _same(local, ds, (0, 3))
     assert not [p for p in _history(_repo(hub, name))[-1] if ".lmprobe" in p]

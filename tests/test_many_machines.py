@@ -349,7 +349,6 @@ def test_a_rank_resuming_on_another_node_resumes_from_what_the_hub_holds(hub, fa
     assert not [p for p in _hub_tree(hub, name) if p.startswith("index/")]  # (caught before the merge)
     outs = run(tmp_path / "elsewhere", argv)  # other nodes: nothing of the first run's staging is there
     resumed = _resumed(outs)
-    print("resumed (rows, recomputed):", resumed)
     # rank 1 did not compute again the rows of the shards that were committed: only those of its open shards
     assert any(n >= 12 and n - k >= 10 for n, k in resumed), (resumed, [o[-3000:] for o in outs])
     shutil.rmtree(tmp_path / "first")
