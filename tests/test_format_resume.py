@@ -227,3 +227,104 @@ def test_a_remote_output_killed_while_its_last_shards_upload_finishes_on_the_sam
     monkeypatch.setattr(writer.index, "write_index", real)
     DatasetWriter(out, **kw).close()  # raised FormatError "shard ... is missing" before the fix
     assert (out / INDEX).exists()
+
+
+def _remote_writer(root: Path, name: str, snapshots: list | None = None, **kw) -> DatasetWriter:
+    """A writer whose finished files leave for ``root/remote-<name>`` (an upload), keeping a copy of each
+    checkpoint (``on_checkpoint``) in ``snapshots`` as a Hub output's session does."""
+    import shutil
+
+    out, remote = root / name, root / f"remote-{name}"
+
+    def complete(rel, sha256=None):
+        (remote / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(out / rel, remote / rel)
+
+    def renamed(old, new):
+        (remote / new).parent.mkdir(parents=True, exist_ok=True)
+        (remote / old).rename(remote / new)
+
+    def checkpointed(staging, state, files):
+        copy = root / f"snapshot-{len(snapshots)}"
+        (copy / "index").mkdir(parents=True)
+        for i in range(state["index_parts"]):
+            shutil.copy(staging / "index" / f"part-{i:06d}.parquet", copy / "index")
+        if state["statistics_file"]:
+            shutil.copy(staging / state["statistics_file"], copy)
+        (copy / "state.json").write_text(json.dumps(state))
+        snapshots.append(copy)
+
+    return DatasetWriter(out, on_file_complete=complete, on_file_renamed=renamed,
+                         on_checkpoint=checkpointed if snapshots is not None else None, **kw)
+
+
+def test_a_checkpoint_taken_on_another_machine_resumes_by_refilling_its_open_shards(tmp_path, rng):
+    """Issue 43, point 6: a writer whose files left the machine, reopened elsewhere on a copy of its checkpoint
+    (state, index rows, statistics: never the open shards' partial files) recomputes only the rows of the shards
+    the checkpoint left open, then goes on; the dataset is byte for byte an uninterrupted writer's."""
+    import shutil
+
+    n, dim = 40, 4
+    lengths = rng.integers(1, 7, size=n)
+    hidden = {layer: rng.normal(size=(int(lengths.sum()), dim)).astype(np.float32) for layer in (0, 1)}
+    logits = rng.normal(size=(n, 2)).astype(np.float32)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    kw = dict(layers=[0, 1], dim=dim, model_name="m", storage="full_sequence", shard_size=6 * dim * 4, logits_k=2,
+              checkpoint_interval=0, provenance={"created_at": "2026-01-01T00:00:00+00:00"})
+
+    def batch(i):
+        return dict(texts=[f"p{i}"], num_tokens=lengths[i:i + 1],
+                    hidden={layer: h[starts[i]:starts[i + 1]] for layer, h in hidden.items()},
+                    logits_values=logits[i:i + 1], logits_indices=np.array([[0, 1]], dtype=np.int32))
+
+    whole = _remote_writer(tmp_path, "whole", **kw)
+    for i in range(n):
+        whole.add_batch(**batch(i))
+    whole.close()
+
+    snapshots: list = []
+    first = _remote_writer(tmp_path, "a", snapshots, **kw)
+    for i in range(23):
+        first.add_batch(**batch(i))
+    first.abort()  # killed; its node is gone with the open shards' partial files
+    seeded = tmp_path / "b" / ".lmprobe-staging"
+    shutil.copytree(snapshots[-1], seeded)
+    shutil.copytree(tmp_path / "remote-a", tmp_path / "remote-b")
+    again = _remote_writer(tmp_path, "b", **kw)
+    assert again.num_prompts == 23 and again.refill_from is not None and 0 < again.refill_from < 23
+    for i in range(again.refill_from, 23):
+        again.refill_batch(first=i, **batch(i))
+    assert again.refill_from is None
+    for i in range(23, n):
+        again.add_batch(**batch(i))
+    again.close()
+    shutil.copytree(tmp_path / "b", tmp_path / "remote-b", dirs_exist_ok=True)
+    shutil.copytree(tmp_path / "whole", tmp_path / "remote-whole", dirs_exist_ok=True)
+    a = sorted(p.relative_to(tmp_path / "remote-whole") for p in (tmp_path / "remote-whole").rglob("*") if p.is_file())
+    b = sorted(p.relative_to(tmp_path / "remote-b") for p in (tmp_path / "remote-b").rglob("*") if p.is_file())
+    assert [p for p in a if ".provisional" not in str(p)] == [p for p in b if ".provisional" not in str(p)]
+    for rel in a:
+        if ".provisional" not in str(rel):
+            assert (tmp_path / "remote-whole" / rel).read_bytes() == (tmp_path / "remote-b" / rel).read_bytes(), rel
+
+
+def test_a_refill_that_recomputes_other_rows_is_refused(tmp_path, rng):
+    """Rows recomputed differently (another model, other prompts) do not fill the open shards as the checkpoint
+    says: refused in one line, not a dataset of two runs' rows."""
+    import shutil
+
+    from lmprobe.errors import FormatError
+
+    kw = dict(layers=[0], dim=4, model_name="m", storage="full_sequence", shard_size=6 * 4 * 4, checkpoint_interval=0)
+    snapshots: list = []
+    first = _remote_writer(tmp_path, "a", snapshots, **kw)
+    for i in range(9):
+        first.add_batch(texts=[f"p{i}"], num_tokens=[3], hidden={0: rng.normal(size=(3, 4)).astype(np.float32)})
+    first.abort()
+    shutil.copytree(snapshots[-1], tmp_path / "b" / ".lmprobe-staging")
+    again = _remote_writer(tmp_path, "b", **kw)
+    with pytest.raises(FormatError, match="recomputed rows"):
+        for i in range(again.refill_from, 9):
+            again.refill_batch(first=i, texts=[f"p{i}"], num_tokens=[2],
+                               hidden={0: rng.normal(size=(2, 4)).astype(np.float32)})
+    again.abort()

@@ -508,3 +508,32 @@ def test_a_resume_over_changed_weights_is_refused(hub, llama_dir, tmp_path, wher
     _change_weights(model)
     with pytest.raises(OutputExistsError):  # a finished dataset of the old weights is not this extraction
         lmprobe.extract(str(model), MANY, out=out, **KW)
+
+
+def test_a_killed_extraction_resumes_on_another_machine_from_its_checkpoint_on_the_hub(hub, llama_dir, tmp_path,
+                                                                                      monkeypatch):
+    """Issue 43, point 6, one process: kill -9 once its checkpoint's copy is on the Hub, then the same command on a
+    machine that holds nothing of it (another cache): it resumes from the copy, the result equals an uninterrupted
+    run, the model ran for fewer batches than a whole run, and the copy is gone from the repo."""
+    from lmprobe.extraction import backend_hf
+
+    local = lmprobe.extract(str(llama_dir), MANY, out=tmp_path / "local", **KW)
+    name = f"elsewhere-{uuid.uuid4().hex[:6]}"
+    url = f"hf://datasets/user/{name}"
+    kw = {k: v for k, v in KW.items() if k != "quiet"}
+    crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"),
+                              json.dumps([MANY, str(llama_dir), url, 19, kw])], capture_output=True, text=True)
+    assert crashed.returncode == 9, crashed.stderr[-3000:]
+    assert ".lmprobe-resume/checkpoint.parquet" in _history(_repo(hub, name))[-1]
+    monkeypatch.setenv("LMPROBE_CACHE", str(tmp_path / "another-machine"))
+    real, calls = backend_hf.TransformersBackend.run, [0]
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(backend_hf.TransformersBackend, "run", counted)
+    ds = lmprobe.extract(str(llama_dir), MANY, out=url, **KW)
+    assert 0 < calls[0] < len(MANY) // KW["batch_size"], calls  # the rows of the copy are not computed again
+    _same(local, ds, (0, 3))
+    assert not [p for p in _history(_repo(hub, name))[-1] if ".lmprobe" in p]

@@ -302,3 +302,60 @@ def test_a_jobs_sequence_shards_are_copied_once_by_the_merge_not_renamed_in_the_
     removed = [sorted(set(a) - set(b)) for a, b in zip(trees, trees[1:], strict=False)]
     assert not [r for r in removed[:-1] if r], [r[:3] for r in removed if r]
     assert any(".provisional" in p for p in removed[-1])
+
+
+def _resumed(outs):
+    """Each node's "resuming after N rows ..., recomputing the last K of them" (N, K), from the announce lines."""
+    import re
+
+    found = []
+    for out in outs:
+        for m in re.finditer(r"resuming after (\d+) rows? \([\d,]+ tokens?\)(?:, recomputing the last (\d+) rows?)?",
+                             out):
+            found.append((int(m.group(1)), int(m.group(2) or 0)))
+    return found
+
+
+def test_a_rank_resuming_on_another_node_resumes_from_what_the_hub_holds(hub, fast_commits, llama_dir, tmp_path):
+    """Issue 43, point 6: both nodes killed once rank 1's checkpoint was on the Hub (after some of its shards were
+    committed), then the job run again on two fresh nodes (empty working, temporary and cache folders: c10d placed
+    the ranks elsewhere). Each rank resumes from its part's checkpoint on the Hub, recomputing only the rows of the
+    shards that had not landed, and the dataset's shards are byte for byte an uninterrupted job's."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in MANY + MANY) + "\n")  # 168 prompts: long enough to be caught
+    args = ["--model", str(llama_dir), "--prompts", str(f), "--layers", "1", "--storage", "full_sequence",
+            "--batch-size", "1", "--shard-size", "2KB", "--checkpoint-interval", "0"]
+    whole, name = f"whole-{uuid.uuid4().hex[:6]}", f"moved-{uuid.uuid4().hex[:6]}"
+    run(tmp_path / "uninterrupted", ["extract", *args, "--out", f"hf://datasets/user/{whole}", "--quiet"])
+    argv = ["extract", *args, "--out", f"hf://datasets/user/{name}"]
+    copy = ".lmprobe-parts/part-00001/.lmprobe-resume/checkpoint.parquet"
+
+    def rank1_checkpoint_on_hub():
+        try:
+            tree = _hub_tree(hub, name)
+        except KeyError:  # (the repo is not made yet)
+            return False
+        # its checkpoint, copied once the shards it names were committed, is well into the part
+        if copy not in tree:
+            return False
+        meta = pq.read_schema(hub.state.lfs_path(tree[copy].sha256)).metadata[b"lmprobe:resume"]
+        return json.loads(meta)["state"]["num_prompts"] >= 12
+
+    kill_when(launch(tmp_path / "first", argv + ["--quiet"]), rank1_checkpoint_on_hub)
+    assert not [p for p in _hub_tree(hub, name) if p.startswith("index/")]  # (caught before the merge)
+    outs = run(tmp_path / "elsewhere", argv)  # other nodes: nothing of the first run's staging is there
+    resumed = _resumed(outs)
+    # rank 1 did not compute again the rows of the shards that were committed: only those of its open shards
+    assert any(n >= 12 and n - k >= 10 for n, k in resumed), (resumed, [o[-3000:] for o in outs])
+    shutil.rmtree(tmp_path / "first")
+
+    a, b = lmprobe.load(f"hf://datasets/user/{whole}"), lmprobe.load(f"hf://datasets/user/{name}")
+    _same_rows(a, b, (1,), full=True)
+    assert a.index.equals(b.index)
+    shards = [{p: e.sha256 for p, e in _hub_tree(hub, repo).items() if p.endswith(".safetensors")} for repo in (whole, name)]
+    assert len(shards[0]) > 20 and shards[0] == shards[1]
+    assert not [p for p in _hub_tree(hub, name) if ".lmprobe-parts" in p or ".lmprobe-resume" in p]

@@ -59,7 +59,7 @@ def run_prompts(writer: DatasetWriter, job: Job) -> None:
     # resumed run continues in the same order after the writer's num_prompts
     order = np.lexsort((np.arange(n), -job.lengths))
     done = writer.num_prompts
-    if done >= n:
+    if done >= n and writer.refill_from is None:
         return
     backend = load_backend(job)
     tok = job.tokenizer
@@ -67,10 +67,22 @@ def run_prompts(writer: DatasetWriter, job: Job) -> None:
         tok.truncation_side = cfg.truncate
     encoder = Encoder(tok, chat_template=cfg.chat_template, drop_special_tokens=cfg.drop_special_tokens,
                       max_length=job.settings["max_length"], truncate=cfg.truncate)
-    bg = BackgroundWorker(lambda item: writer.add_batch(**item), max_pending=1, name="lmprobe-writer")
+    # a checkpoint from another node (hubresume.py): the prompts of the shards it left open are computed again, in
+    # the batches they were computed in (from a multiple of the batch size), and only those shards take them
+    refill = writer.refill_from
+    start = done if refill is None else refill // cfg.batch_size * cfg.batch_size
+
+    def write(item: dict) -> None:
+        first = item.pop("first")
+        if first < done:
+            writer.refill_batch(first=first, **item)
+        else:
+            writer.add_batch(**item)
+
+    bg = BackgroundWorker(write, max_pending=1, name="lmprobe-writer")
     bar = Progress(n, initial=done, desc=_bar_name(job), unit="prompt", quiet=cfg.quiet, tokens=True)  # its share
     try:
-        _loop(bg, backend, encoder, job, order, done, bar)
+        _loop(bg, backend, encoder, job, order, start, done, bar)
     except BaseException:
         bg.stop()
         if bg.error is None:
@@ -83,8 +95,9 @@ def run_prompts(writer: DatasetWriter, job: Job) -> None:
     bg.finish()
 
 
-def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: Job, order: np.ndarray, done: int,
+def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: Job, order: np.ndarray, start: int, done: int,
           bar: Progress) -> None:
+    """Prompts ``start ..`` in ``order``, batch by batch, to the writer (those before ``done``: a refill)."""
     import torch
 
     cfg, p = job.config, job.prompts
@@ -96,8 +109,9 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: Job, order:
     bs = cfg.batch_size
     trim = HeapTrimmer()  # after the model loaded
     with torch.inference_mode():
-        for s in range(done, len(order), bs):
-            idx = order[s : s + bs]
+        s = start
+        while s < len(order):
+            idx = order[s : min(s + bs, done) if s < done else s + bs]
             texts = [p.texts[i] for i in idx]
             input_ids, attention_mask, keep = encoder.batch(
                 texts, ids=[p.input_ids[i] for i in idx] if p.input_ids is not None else None)
@@ -105,7 +119,7 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: Job, order:
                               logits_k=cfg.logits_topk, perplexity=cfg.perplexity,
                               keep=None if encoder.plain else keep, captures=job.captures, statistics=statistics)
             item = _batch_item(job, texts, res)
-            item["positions"] = idx
+            item["positions"], item["first"] = idx, s
             if p.label_type is not None:
                 item["labels"] = [p.labels[i] for i in idx]
             if p.columns:
@@ -116,7 +130,9 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: Job, order:
             n_tokens = int(res.num_tokens.sum())
             del item, res  # the writer owns the batch now; free it while the next one computes
             trim()
-            bar.update(len(idx), tokens=n_tokens)
+            if s >= done:  # (a refill is not progress)
+                bar.update(len(idx), tokens=n_tokens)
+            s += len(idx)
 
 
 def _batch_item(job: Job, texts: list[str], res: Any) -> dict[str, Any]:

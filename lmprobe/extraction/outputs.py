@@ -36,7 +36,7 @@ from ..errors import DatasetNotFoundError, ExtractionError, InvalidArgumentError
 from ..format.merge import MergePlan, plan_merge
 from ..format.metadata import FileRecord
 from ..format.reader import Dataset, open_local
-from ..format.spec import CARD_PATH, INDEX_PATH
+from ..format.spec import CARD_PATH, INDEX_PATH, STAGING_DIR
 from ..format.staging import PROVISIONAL_DIR
 from ..opening import open_hub, open_object_store
 from ..storage.budget import CommitWindow, commits_per_hour, hour_seconds, in_flight_files
@@ -46,6 +46,7 @@ from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_s
 from ..storage.relay import Relay, StoreRelay
 from .hubrecords import LEDGER, RENAMES, final_files, part_renames, read_ledger, staged_record
 from .hubrepo import keep_their_card, old_shards
+from .hubresume import RESUME_DIR, RESUME_FILE, CheckpointCopies, seed_from_hub
 
 logger = logging.getLogger("lmprobe")
 
@@ -65,6 +66,11 @@ class Session(ABC):
     def writer_callbacks(self) -> dict[str, Any]:
         """The writer's ``on_file_complete``/``on_file_renamed`` (none: the files stay where they are written)."""
         return {}
+
+    def seed(self, settings: dict) -> bool:
+        """Before the writer opens: when this machine holds nothing of the output but the remote output holds a
+        checkpoint of it, copy that checkpoint into the staging folder (True), so that the writer resumes from it."""
+        return False
 
     def resume(self, recorded: dict[str, tuple[int, str]]) -> None:
         """The writer reopened what an earlier run left: ``recorded`` (path -> bytes, sha256) is what it recorded,
@@ -358,10 +364,16 @@ class _HubSession(Session):
                 for k in range(0, len(stale), DELETES_PER_COMMIT):
                     output.delete(stale[k:k + DELETES_PER_COMMIT], self.committer,
                                   "remove the old dataset's shards before an overwrite")
+            if output.holds(RESUME_FILE):  # an earlier run's checkpoint copy: it names shards about to go
+                output.delete([RESUME_DIR], self.committer, "remove the checkpoint copy before an overwrite",
+                              folder=True)
             self.ledger.unlink(missing_ok=True)
         self.committer.start()
         self.renames: list[tuple[str, str]] = []
         self.remove: list[str] = []
+        # the writer's checkpoints, copied to the Hub once their shards landed: a rank on another node resumes there
+        self.copies = CheckpointCopies(self.local, output.repo_path, set(self.committer.remote),
+                                       self.committer.holds)
         # what a killed run left, before the reopened writer hands anything over: committed once it says what it
         # recorded (resume)
         self._staged = [] if overwrite or record is not None else \
@@ -404,7 +416,15 @@ class _HubSession(Session):
             self.remove.append(provisional)  # (a job's part: the merge removes the parts' folder, provisional names too)
 
     def writer_callbacks(self) -> dict[str, Any]:
-        return {"on_file_complete": self._submit, "on_file_renamed": self._renamed}
+        return {"on_file_complete": self._submit, "on_file_renamed": self._renamed,
+                "on_checkpoint": lambda *a: [self.committer.add(f) for f in self.copies.checkpointed(*a)]}
+
+    def seed(self, settings: dict) -> bool:
+        """A rank that comes back on another node: nothing staged here, but its checkpoint on the Hub (hubresume.py),
+        checked as untrusted input, seeds the staging folder (state, index rows, statistics; never a shard)."""
+        if self.finishing or (self.local / STAGING_DIR / "state.json").exists():
+            return False
+        return seed_from_hub(self.output.ref, self.output.token, self.local, self.committer.remote, settings)
 
     def _submit(self, rel: str, sha256: str | None = None) -> None:
         # the sha256 the writer recorded goes with the file (LFS and hf_xet take it as is); without one, the upload
@@ -423,6 +443,7 @@ class _HubSession(Session):
         f.local.unlink(missing_ok=True)
 
     def _landed(self, files: list[RepoFile]) -> None:
+        self.copies.landed(files)
         for f in files:  # committed (or on the Hub already): nothing local is needed any more
             if f.local.name != INDEX_PATH and f.local.parent != self.local:
                 f.local.unlink(missing_ok=True)
@@ -431,6 +452,10 @@ class _HubSession(Session):
         self.renames.append((old, new))
 
     def finish(self) -> Dataset:
+        if self.output.relay is None and self.copies.sent:  # (a job's part: the merge removes the parts' folder)
+            if self.committer.holds(self.output.repo_path(RESUME_FILE)):
+                self.committer.flush()  # (a copy on its way: landed first, not added and removed in one commit)
+            self.remove.append(self.output.repo_path(RESUME_DIR))
         if self.output.relay is None:
             self.output.keep_their_card(self.local)
         # one commit ends the part: what is uploaded, the provisional files renamed, the statistics, card and index

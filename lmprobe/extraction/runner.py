@@ -134,6 +134,10 @@ def _extract(job: Job, output: Output) -> Dataset | None:
     if session.finishing:  # killed in its tail: what the closed writer recorded is staged or on the Hub
         return session.finish()
     try:
+        if not cfg.overwrite and job.corpus is None:
+            # a part whose node is gone: its checkpoint on the Hub (prompts only: a corpus share is planned with
+            # the other ranks from its source position, which the refill does not replay)
+            session.seed(settings)
         dataset_spec = DatasetSpec(  # what the dataset will hold; the writer's keywords below are this run's
             layers=settings["layers"],
             dim=job.spec.hidden_size,
@@ -294,6 +298,8 @@ def _announce(job: Job, writer: DatasetWriter, out: Path, *, local: bool) -> Non
         size = "size unknown (no --max-tokens)" if planned is None else f"about {format_size(planned)}"
         resumed = (f", resuming after {plural(writer.num_prompts, 'row')} ({plural(writer.num_tokens, 'token')})"
                    if writer.num_prompts else "")
+        if writer.refill_from is not None:  # a checkpoint from another node: its open shards' rows again
+            resumed += f", recomputing the last {plural(writer.num_prompts - writer.refill_from, 'row')} of them"
         logger.info(f"lmprobe: writing {what}: {size}{resumed}")
     if planned is None or not cfg.space_check:
         return

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..base.hashing import sha256_file
 from .layout import Cursor, Plan
-from .safetensors_io import StreamingSafetensorsWriter, TensorSpec
+from .safetensors_io import StreamingSafetensorsWriter, TensorSpec, reserved_header_size
 
 
 class ShardSeries:
@@ -143,6 +143,33 @@ class ShardSeries:
         self.closed = st["closed"]
         if self.cursor.rows:
             self._open(resume_rows=self.cursor.rows)
+
+    def open_shard_here(self, st: dict) -> bool:
+        """Whether the partial files of the open shard a checkpoint's ``state()`` names are in the staging folder,
+        each at least as long as its rows (a checkpoint copied from another machine has none of them)."""
+        rows = st["rows"]
+        if not rows:
+            return True
+        for slot in self.slots:
+            specs = self.specs(slot)
+            path = self.staging / self.staging_name(slot, st["shard"])
+            paths = [path] + [Path(f"{path}.t{i}") for i in range(1, len(specs))]
+            header = 8 + reserved_header_size(specs, self.metadata)
+            for i, (p, spec) in enumerate(zip(paths, specs, strict=True)):
+                if not p.is_file() or p.stat().st_size < rows * spec.row_bytes + (header if i == 0 else 0):
+                    return False
+        return True
+
+    def restore_empty(self, st: dict) -> Cursor:
+        """Continue from a checkpoint's ``state()`` whose open shard is not here: the shard starts empty again (its
+        rows are to be written again); returns the cursor the checkpoint recorded, where the refill must end."""
+        self.closed = st["closed"]
+        self.cursor = Cursor(st["shard"], 0, 0)
+        for slot in self.slots:  # what a kill during an earlier refill left
+            path = self.staging / self.staging_name(slot, st["shard"])
+            for p in [path] + [Path(f"{path}.t{i}") for i in range(1, 8)]:
+                p.unlink(missing_ok=True)
+        return Cursor(st["shard"], st["rows"], st["prompts"])
 
     def open_staging_names(self) -> set[str]:
         """Staging files of the open shard (with their side files)."""

@@ -12,8 +12,10 @@ to continue. The index is written last, so a folder with an index is a complete 
 
 The concerns live in their own modules: ``datasetspec`` (what the dataset stores), ``batch``
 (checks), ``layout`` (shard planning, pure), ``shards`` (shard files), ``staging`` (folder states
-and checkpoints), ``resume`` (reopening a partial output), ``index`` (the parquet index),
-``metadata`` (the ``lmprobe:`` keys).
+and checkpoints), ``resume`` (reopening a partial output), ``refill`` (a checkpoint reopened on
+another machine), ``index`` (the parquet index), ``metadata`` (the ``lmprobe:`` keys). What is left
+here is past 600 lines on purpose: one object's state (the series, the pending index rows, the
+statistics, the phase) that every method reads and changes together.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .metadata import (
     default_provenance,
     encode_schema_metadata,
 )
+from .refill import Refill
 from .resume import Checkpoint, check_progress, check_settings, open_output, read_checkpoint, refusing_damage
 from .safetensors_io import TensorSpec
 from .shards import ShardSeries
@@ -109,6 +112,12 @@ class DatasetWriter:
       are known only at the end, are then handed over as they close under provisional names
       (``tensors/.provisional/...``) and this callback says, when the dataset closes, which final
       name each one takes: the caller renames its copy.
+    - ``on_checkpoint(staging, state, files)`` (needs ``on_file_complete``): called after each checkpoint with
+      the staging folder, the state just written (its closed shards all hashed and handed over) and
+      ``recorded_files()``, for a caller
+      that keeps a copy of the checkpoint elsewhere. A writer reopened on such a copy without the open shards'
+      partial files (they never leave the machine) recomputes them: ``refill_from`` is then the first prompt to
+      give again, to ``refill_batch``, before ``add_batch`` continues at ``num_prompts``.
 
     ``hidden`` maps each layer to a (batch, dim) array for pooled storage, or to the batch's tokens
     packed prompt after prompt, (sum(num_tokens), dim), for full_sequence storage.
@@ -129,6 +138,7 @@ class DatasetWriter:
         name: str | None = None,
         on_file_complete: Callable[..., None] | None = None,
         on_file_renamed: Callable[[str, str], None] | None = None,
+        on_checkpoint: Callable[[Path, dict[str, Any], dict[str, tuple[int, str]]], None] | None = None,
         **fields: Any,
     ):
         # --- check the configuration before touching the disk
@@ -154,6 +164,10 @@ class DatasetWriter:
         if on_file_renamed is not None and on_file_complete is None:
             raise InvalidArgumentError("on_file_renamed needs on_file_complete: it renames files handed over")
         self.on_file_renamed = on_file_renamed
+        if on_checkpoint is not None and on_file_complete is None:
+            raise InvalidArgumentError("on_checkpoint needs on_file_complete: it publishes a checkpoint of files handed over")
+        self.on_checkpoint = on_checkpoint
+        self._refill: Refill | None = None  # a checkpoint whose open shards are not on this machine (refill.py)
         self.checkpoint_interval = float(checkpoint_interval)
         self.fingerprint = spec.fingerprint()
         if fingerprint:
@@ -255,8 +269,14 @@ class DatasetWriter:
         self._n_parts, self._phase = cp.index_parts, cp.phase
         if cp.created_at is not None:
             self.provenance["created_at"] = cp.created_at
+        targets = {}
         for s in self._series():
-            s.restore(cp.streams[s.name])
+            if self.on_file_complete is not None and not s.open_shard_here(cp.streams[s.name]):
+                targets[s.name] = s.restore_empty(cp.streams[s.name])  # (its partial file stayed on another machine)
+            else:
+                s.restore(cp.streams[s.name])
+        if targets:
+            self._refill = Refill(targets, self.staging.parts(self._n_parts), self.num_prompts, self.name)
         known = cp.staged_names()
         for s in self._series():
             known |= s.open_staging_names()
@@ -266,6 +286,21 @@ class DatasetWriter:
             self._stats_checkpoint = cp.statistics_number
         self._rehash_closed()  # opened before they are published: a published file may leave the machine
         self._publish_closed()
+
+    @property
+    def refill_from(self) -> int | None:
+        """The first prompt to give again to ``refill_batch`` (None: nothing to refill)."""
+        return self._refill.start if self._refill is not None else None
+
+    def refill_batch(self, *, first: int, statistics: Any = None, progress: Any = None, **batch_kw: Any) -> None:
+        """Give again prompts ``first ..`` (recomputed as before, up to ``num_prompts``; ``add_batch``'s arguments)
+        whose rows were in shards that a checkpoint left open on another machine (refill.py)."""
+        if self._refill is None:
+            raise RuntimeError("this DatasetWriter has nothing to refill")
+        batch = check_batch(self.spec, first, **batch_kw)
+        if self._refill.write(self._series(), batch, first, full_sequence=self.spec.full_sequence):
+            self._refill = None
+            self.checkpoint()
 
     # ------------------------------------------------------------------ adding data
 
@@ -339,6 +374,8 @@ class DatasetWriter:
             raise RuntimeError("this DatasetWriter is closed")
         if self._phase != "writing":
             raise RuntimeError("this dataset is already being finalized; call close()")
+        if self._refill is not None:
+            raise RuntimeError(f"give prompts {self.refill_from}..{self.num_prompts - 1} to refill_batch first")
         batch = check_batch(
             self.spec, self.num_prompts, texts=texts, hidden=hidden, num_tokens=num_tokens, labels=labels,
             columns=columns, logits_values=logits_values, logits_indices=logits_indices,
@@ -452,7 +489,7 @@ class DatasetWriter:
             self._stats_checkpoint += 1
             stats_name = f"statistics-{self._stats_checkpoint:08d}.safetensors"
             save_accumulators(self.staging.path / stats_name, self._stats)
-        self.staging.write_state({
+        state = {
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint,
             "num_prompts": self.num_prompts,
@@ -464,7 +501,8 @@ class DatasetWriter:
             "created_at": self.provenance["created_at"],
             "streams": {s.name: s.state() for s in self._series()},
             "statistics_file": stats_name,
-        })
+        }
+        self.staging.write_state(state)
         for s in self._series():
             for p in s.obsolete:
                 p.unlink(missing_ok=True)
@@ -473,6 +511,8 @@ class DatasetWriter:
             if p.name != stats_name:
                 p.unlink(missing_ok=True)
         self._publish_closed()
+        if self.on_checkpoint is not None and self._refill is None:
+            self.on_checkpoint(self.staging.path, json.loads(json.dumps(state)), self.recorded_files())
         self._last_checkpoint = time.monotonic()
         self._closed_at_checkpoint = self._closed_count()
 

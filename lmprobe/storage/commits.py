@@ -395,6 +395,11 @@ class HubCommitter:
         self._grow_bar([file])
         self._pool.submit(self._upload, item)
 
+    def holds(self, rel: str) -> bool:
+        """Whether a file added at repo path ``rel`` is not yet in a landed commit (another may not be added there)."""
+        with self._s.cv:
+            return rel in self._s.pending
+
     def add_uploaded(self, file: RepoFile) -> None:
         """Commit ``file`` (its ``sha256`` and ``size`` known) whose content an earlier run uploaded already
         (LFS or Xet): it is named by its sha256, with no local copy and nothing sent again. A file the repo
