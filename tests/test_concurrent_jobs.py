@@ -276,3 +276,61 @@ def test_a_marker_lmprobe_cannot_read_refuses_until_overwrite(hub):
     assert "\n" not in str(err.value) and "\x1b" not in str(err.value)
     c.claim(take_over=True)
     assert c.ours(c.marker_at(c.head()))
+
+
+@pytest.mark.slow
+def test_a_torchrun_job_into_a_folder_another_job_holds_stops_on_every_rank(hub, llama_dir, tmp_path):
+    """Two nodes into a folder holding another job's marker: rank 0 is refused, tells the other rank, and every rank
+    exits with the one line, before any commit; with --overwrite the job takes the folder over and its finished
+    dataset holds no marker."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from nodes import launch, run
+
+    name = f"ranks-{uuid.uuid4().hex[:6]}"
+    url = f"hf://datasets/user/{name}"
+    other = {"lmprobe_job": "ab" * 16, "settings_fingerprint": "cd" * 32, "created": "2026-01-01T00:00:00Z"}
+    HfApi().create_repo(f"user/{name}", repo_type="dataset")
+    HfApi().create_commit(f"user/{name}", [CommitOperationAdd(MARKER, json.dumps(other).encode())],
+                          commit_message="another job's marker", repo_type="dataset")
+    commits = len(_repo(hub, name).commits)
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in A_PROMPTS) + "\n")
+    argv = ["extract", "--model", str(llama_dir), "--prompts", str(f), "--out", url, "--layers", "0,3", "--storage",
+            "full_sequence", "--shard-size", "2KB", "--quiet"]
+    procs = launch(tmp_path, argv, per_node=1)
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode != 0 for p in procs)
+    for out in outs:  # each node's rank says it in the same one line
+        assert "lmprobe extract: error: " + url in out and "job ababababab" in out, out[-3000:]
+    assert len(_repo(hub, name).commits) == commits
+    run(tmp_path, [*argv, "--overwrite"], per_node=1)
+    assert lmprobe.load(url).num_prompts == len(A_PROMPTS)
+    assert not [p for p in _tree(hub, name) if p.endswith(MARKER)]
+
+
+def test_the_card_is_merged_into_the_readme_of_the_revision_the_final_commit_is_made_on(hub, llama_dir, tmp_path):
+    """The owner's edit that lands after the job merged its card, and that the job saw through another commit's 412
+    (so its final commit is not refused), is kept: the card is merged again at the final commit's own parent."""
+    import shutil
+
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    from lmprobe.extraction.hubrepo import card_merger
+    from lmprobe.extraction.outputs import HubOutput
+
+    name = f"card-{uuid.uuid4().hex[:6]}"
+    repo = f"user/{name}"
+    HfApi().create_repo(repo, repo_type="dataset")
+    HfApi().create_commit(repo, [CommitOperationAdd("README.md", b"# First notes\n")], commit_message="owner",
+                          repo_type="dataset")
+    local = tmp_path / "local"
+    lmprobe.extract(str(llama_dir), A_PROMPTS, out=local, quiet=True, **KW)
+    staged = tmp_path / "staged"
+    shutil.copytree(local, staged)
+    merge = card_merger(HubOutput.parse(f"hf://datasets/{repo}"), staged)
+    assert b"# First notes" in (staged / "README.md").read_bytes()  # merged as the branch held it
+    HfApi().create_commit(repo, [CommitOperationAdd("README.md", b"# Second notes\n")], commit_message="owner",
+                          repo_type="dataset")
+    merge(HfApi().repo_info(repo, repo_type="dataset").sha)  # the final commit's parent
+    card = (staged / "README.md").read_bytes()
+    assert b"# Second notes" in card and b"First notes" not in card and b"lmprobe:card" in card

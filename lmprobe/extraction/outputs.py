@@ -50,7 +50,7 @@ from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_s
 from ..storage.relay import Relay, StoreRelay
 from .config import settings_fingerprint
 from .hubrecords import LEDGER, RENAMES, final_files, part_renames, read_ledger, staged_record
-from .hubrepo import keep_their_card, old_shards
+from .hubrepo import card_merger, old_shards
 
 logger = logging.getLogger("lmprobe")
 
@@ -436,8 +436,6 @@ class _HubSession(Session):
         self.renames.append((old, new))
 
     def finish(self) -> Dataset:
-        if self.output.relay is None:
-            self.output.keep_their_card(self.local)
         # one commit ends the part: what is uploaded, the provisional files renamed, the statistics, card and index
         last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in final_files(self.local)]
         moves = [(self.output.repo_path(old), self.output.repo_path(new)) for old, new in self.renames]
@@ -454,9 +452,10 @@ class _HubSession(Session):
             self.committer.finish(last, moves=moves, remove=self.remove, wait=False)
             return None
         # the job's marker goes in the commit that publishes the index: a finished dataset holds none
-        # (the owner's README.md edited meanwhile: merged again before the commit is made again)
+        # (the card merged into the owner's README.md as the revision the commit is made on holds it: an edit meanwhile
+        # is kept)
         self.committer.finish(last, moves=moves, remove=self.remove, drop=self.output.marker_paths(),
-                              on_moved=lambda: self.output.keep_their_card(self.local),
+                              before=card_merger(self.output, self.local),
                               message="lmprobe: add the last shards, statistics, card and index")
         shutil.rmtree(self.local)
         return self.output.finished_or_raise()
@@ -517,10 +516,6 @@ class HubOutput(Output):
     def old_shards(self) -> list[str]:
         """What an overwrite removes of the old dataset (``hubrepo.old_shards``)."""
         return old_shards(self)
-
-    def keep_their_card(self, local: Path) -> None:
-        """The card in ``local`` merged into the repo's README.md (``hubrepo.keep_their_card``)."""
-        keep_their_card(self, local)
 
     def delete(self, rels: list[str], committer: HubCommitter, why: str, *, folder: bool = False) -> None:
         """Delete files (or folders) of this output in one commit."""
@@ -611,7 +606,6 @@ class HubOutput(Output):
         local = Path(tempfile.mkdtemp(prefix="lmprobe-merge-"))
         try:
             names = merge.finish(dss, local)
-            self.keep_their_card(local)
             last = [RepoFile(self.repo_path(rel), local / rel) for rel in names]
             # one commit: server-side copies out of the parts' folders (nothing is sent, nothing comes back), the
             # statistics, card and index, and the parts' folder removed
@@ -619,7 +613,7 @@ class HubOutput(Output):
             committer.finish(last, moves=[(hubs[k].repo_path(renamed[k].get(src, src)), self.repo_path(dst))
                                           for k, src, dst in merge.moves],
                              remove=[self.repo_path(PARTS_DIR)], drop=self.marker_paths(),
-                             on_moved=lambda: self.keep_their_card(local), message="lmprobe: merge the parts")
+                             before=card_merger(self, local), message="lmprobe: merge the parts")
         finally:
             shutil.rmtree(local, ignore_errors=True)
         return self.finished_or_raise()

@@ -159,8 +159,11 @@ class RepoClaim:
         for _ in range(MAX_PARENT_TRIES):
             head = self.head()
             found = self.marker_at(head)
-            if found is not None and not self.ours(found) and not take_over \
-                    and found.fingerprint != self.marker.fingerprint:
+            if self.ours(found):  # a retry after a lost answer: the marker landed
+                with self._lock:
+                    self.parent = head
+                return None
+            if found is not None and not take_over and found.fingerprint != self.marker.fingerprint:
                 raise self.refusal(found)
             take_turn()
             try:
@@ -211,11 +214,9 @@ class RepoClaim:
             "resumes", path=self.url)
 
     # ------------------------------------------------------------------ committing
-    def commit(self, make: Callable[[str], Any], *, on_moved: Callable[[], None] | None = None) -> Any:
+    def commit(self, make: Callable[[str], Any]) -> Any:
         """``make(parent)`` (a ``create_commit`` with ``parent_commit=parent``) on the revision this job last saw;
-        after a 412, on the new revision if the folder is still this job's (``on_moved`` first: what the commit
-        merged from the repo, the owner's README.md, is merged again), else an ``OutputInUseError``."""
-        moved = False
+        after a 412, on the new revision if the folder is still this job's, else an ``OutputInUseError``."""
         for _ in range(MAX_PARENT_TRIES):
             with self._lock:
                 parent = self.parent
@@ -224,8 +225,6 @@ class RepoClaim:
                 found = self.marker_at(parent)
                 if not self.ours(found):
                     raise self.lost(found)
-            if moved and on_moved is not None:
-                on_moved()
             try:
                 info = make(parent)
             except Exception as exc:
@@ -233,7 +232,6 @@ class RepoClaim:
                     if self.parent == parent:
                         self.parent = None  # (a lost answer: the commit may have landed; read the branch again)
                 if status_code(exc) == 412:
-                    moved = True
                     continue
                 raise
             with self._lock:

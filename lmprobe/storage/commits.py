@@ -52,7 +52,7 @@ from ..base.hashing import sha256_file
 from ..base.paths import check_relpath
 from ..base.progress import Progress, third_party_bars
 from ..base.retry import TRANSIENT_HTTP_STATUS, RetryPolicy, call_with_retry, describe, status_code
-from ..errors import InvalidArgumentError, LmprobeError, OutputInUseError, PushError
+from ..errors import InvalidArgumentError, LmprobeError, PushError
 from .budget import (
     HOUR,
     MAX_COMMIT_FILES,
@@ -296,8 +296,8 @@ class HubCommitter:
         """``fn()`` with retries; a failure becomes a PushError that says how to resume."""
         try:
             return call_with_retry(fn, policy=self.policy, landed=landed, on_wait=self._waiting(what))
-        except OutputInUseError:
-            raise  # another job writes the folder now (claim.py): its own one line, nothing to resume
+        except LmprobeError:
+            raise  # its own one line (another job writes the folder now, claim.py; the owner's README too large)
         except Exception as exc:
             raise self._push_error(what, exc) from exc
 
@@ -487,11 +487,12 @@ class HubCommitter:
 
     def finish(self, last: Sequence[RepoFile] = (), *, message: str | None = None,
                moves: Sequence[tuple[str, str]] = (), remove: Sequence[str] = (), drop: Sequence[str] = (),
-               on_moved: Callable[[], None] | None = None, wait: bool = True) -> PushResult:
+               before: Callable[[str | None], None] | None = None, wait: bool = True) -> PushResult:
         """Commit what is uploaded, ``last`` (the entry point: index and card), the renames ``moves`` (server-side),
         the removal of the folders ``remove`` and of the files ``drop`` (the job's marker, claim.py) in one final
-        commit; stop the threads. ``on_moved``: called before the final commit is made again on a revision someone
-        else committed meanwhile (claim.py), to merge what it read from the repo again (the owner's README.md).
+        commit; stop the threads. ``before(parent)``: called before each try of the final commit with the revision
+        it is made on (None: the branch, without a claim), to merge what the commit takes from the repo (the
+        owner's README.md) as that revision holds it.
 
         One commit ends the work however much of it is left (each commit costs a turn of the repo's commit
         rate); renames past one commit's worth (``RENAMES_PER_COMMIT``) go in commits of their own first. Files of
@@ -537,7 +538,7 @@ class HubCommitter:
                 self.take_turn()
                 what = " and ".join(it.file.rel for it in final) or f"{len(items)} file(s)"
                 self._commit(items, message or f"lmprobe: add {self.label} {what}", moves=todo[cut:],
-                             remove=[r.rstrip("/") for r in remove], drop=drop, on_moved=on_moved)
+                             remove=[r.rstrip("/") for r in remove], drop=drop, before=before)
         finally:
             self.close()
         return self.result
@@ -872,7 +873,7 @@ class HubCommitter:
 
     def _commit(self, batch: list[_Item], message: str, *, moves: Sequence[tuple[str, str]] = (),
                 remove: Sequence[str] = (), drop: Sequence[str] = (),
-                on_moved: Callable[[], None] | None = None) -> None:
+                before: Callable[[str | None], None] | None = None) -> None:
         """Commit ``batch`` (uploaded), the server-side renames ``moves``, the removal of the folders ``remove`` and
         of the files ``drop``; before a retry, the commit's own paths are checked so it is never made twice. With a
         claim (claim.py), the commit is made on the revision the job last saw."""
@@ -897,7 +898,7 @@ class HubCommitter:
         started = self._s.window.starts[-1] if self._s.window.starts else None
         try:
             self.call(f"committing {len(ops)} change(s) to {self.repo_id}",
-                      lambda: self.create_commit(ops, message, on_moved=on_moved), landed=landed)
+                      lambda: self.create_commit(ops, message, before=before), landed=landed)
         finally:
             with self._s.cv:  # counted from its answer (the Hub counted it on arrival, before that)
                 if started is not None:
@@ -918,14 +919,17 @@ class HubCommitter:
                     self._s.pending.pop(f"relay:{it.gid}", None)
                 self._s.cv.notify_all()
 
-    def create_commit(self, ops: list[Any], message: str, *, on_moved: Callable[[], None] | None = None) -> Any:
+    def create_commit(self, ops: list[Any], message: str, *,
+                      before: Callable[[str | None], None] | None = None) -> Any:
         """One commit of ``ops`` (no retry: ``call`` adds it); with a claim, on the revision the job last saw, and
-        stopped when another job holds the folder now (claim.py; ``on_moved`` as for ``finish``)."""
+        stopped when another job holds the folder now (claim.py; ``before`` as for ``finish``)."""
         def make(parent: str | None) -> Any:
+            if before is not None:
+                before(parent)
             return self.api.create_commit(self.repo_id, ops, commit_message=message, repo_type=self.repo_type,
                                           revision=self.revision, parent_commit=parent)
 
-        return make(None) if self.claim is None else self.claim.commit(make, on_moved=on_moved)
+        return make(None) if self.claim is None else self.claim.commit(make)
 
     def _landed(self, files: list[RepoFile], *, sent: bool) -> None:
         """``files`` are on the Hub: tell ``on_landed``, then let ``flush`` and ``add`` go on."""
