@@ -175,10 +175,10 @@ def test_a_killed_jobs_marker_refuses_other_work_until_overwrite_and_lets_the_sa
     name = f"stale-{uuid.uuid4().hex[:6]}"
     url = f"hf://datasets/user/{name}"
     _crash(tmp_path, llama_dir, url, KW)
-    assert [p for p in _tree(hub, name) if p.endswith(MARKER)]
     monkeypatch.setenv("LMPROBE_CACHE", str(tmp_path / "machine-b"))  # another machine: no staging of A's
     with pytest.raises(OtherExtractionError) as err:
         lmprobe.extract(str(llama_dir), B_PROMPTS, out=url, quiet=True, **KW)
+    assert [p for p in _tree(hub, name) if p.endswith(MARKER)]  # the killed job's
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(url) and "prompts_sha256" in msg and "--overwrite" in msg
     assert isinstance(err.value, OutputInUseError)
