@@ -27,6 +27,7 @@ commit while nobody else writes; each 412 costs one revision read, one paths-inf
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -40,6 +41,8 @@ from ..base.retry import status_code
 from ..base.safeio import loads
 from ..errors import FormatError, OtherExtractionError, OutputInUseError
 from ..format.staging import describe_mismatch
+
+logger = logging.getLogger(__name__)
 
 #: the job marker's name, in the folder the job writes
 MARKER = ".lmprobe-job.json"
@@ -177,6 +180,9 @@ class RepoClaim:
                 raise
             with self._lock:
                 self.parent = _oid(info)
+            if found is not None:
+                logger.info("%s: took the folder over from %s", self.url,
+                            "a marker lmprobe cannot read" if found is UNREADABLE else found.who())
             return found
         raise self.busy()
 
