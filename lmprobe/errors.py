@@ -115,6 +115,11 @@ class ResumeMismatchError(LmprobeError, ValueError):
     """A partial output was written with a different configuration than the one asked for now."""
 
 
+class OtherExtractionError(OutputInUseError, ResumeMismatchError):
+    """A Hub folder holds the job marker of an extraction with other settings: a job writing it now, or a killed one
+    that left a partial output (the marker cannot tell which)."""
+
+
 class ValidationError(LmprobeError, ValueError):
     """A dataset does not validate; ``.problems`` lists every problem found."""
 

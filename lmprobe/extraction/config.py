@@ -7,6 +7,8 @@ whether a partial output can be resumed.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -32,6 +34,13 @@ def same_extraction(recorded: dict[str, Any], settings: dict[str, Any]) -> bool:
         return {k: v for k, v in d.items() if k not in RESUMABLE_SETTINGS}
 
     return work(recorded) == work(settings)
+
+
+def settings_fingerprint(settings: dict[str, Any]) -> str:
+    """64 hex digits naming the work ``settings`` describe: equal for two settings ``same_extraction`` calls the same
+    (what a Hub output's job marker records, so that a re-run of a killed job knows its marker)."""
+    work = {k: v for k, v in settings.items() if k not in RESUMABLE_SETTINGS}
+    return hashlib.sha256(json.dumps(work, sort_keys=True, default=str).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

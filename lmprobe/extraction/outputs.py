@@ -14,6 +14,9 @@ Every output does the same few things, so that the extraction itself is written 
 - ``part(rank, world)``: the output of one rank of a multi-process job (a folder, a prefix, a branch),
   itself an output of the same kind; ``merge(parts)`` makes the parts one dataset without moving shard
   data through one machine (local renames, server-side copies in object storage and on the Hub).
+
+One file past 600 lines, on purpose: the three outputs implement one protocol and are read side by side; what of the
+Hub's stands alone lives beside it (hubrecords, hubrepo, storage/commits, storage/claim).
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ from ..format.spec import CARD_PATH, INDEX_PATH, STAGING_DIR
 from ..format.staging import PROVISIONAL_DIR
 from ..opening import open_hub, open_object_store
 from ..storage.budget import CommitWindow, commits_per_hour, hour_seconds, in_flight_files
+from ..storage.claim import RepoClaim
 from ..storage.commits import HubCommitter, PushConfig, RepoFile
 from ..storage.hub import HubRef, check_pull_request_open, hub_api, is_pull_request, parse_hf_url
 from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
 from ..storage.relay import Relay, StoreRelay
+from .config import settings_fingerprint
 from .hubrecords import LEDGER, RENAMES, final_files, part_renames, read_ledger, staged_record
-from .hubrepo import keep_their_card, old_shards
+from .hubrepo import card_merger, old_shards
 from .hubresume import RESUME_DIR, RESUME_FILE, CheckpointCopies, seed_from_hub
 
 logger = logging.getLogger("lmprobe")
@@ -137,9 +142,11 @@ class Output(ABC):
         """This output for a job of ``world`` processes."""
         return self
 
-    def start_job(self, store: Any, *, rank: int, world: int) -> Output:
+    def start_job(self, store: Any, *, rank: int, world: int, settings: dict | None = None,
+                  overwrite: bool = False) -> Output:
         """This output for rank ``rank`` of a multi-process job whose ranks share ``store`` (torch.distributed's
-        c10d store): the Hub's sends every rank's commits to one committer on rank 0, started here."""
+        c10d store): the Hub's sends every rank's commits to one committer on rank 0, started here, after rank 0
+        claimed the folder for the job (``settings``, ``overwrite``: as for ``session``)."""
         return self
 
     def end_job(self) -> None:
@@ -354,6 +361,9 @@ class _HubSession(Session):
                                       on_landed=self._landed, under=output.ref.path, send_to=output.relay,
                                       window=job_window(output.ref.repo_id, output.ref.revision))
         output.prepare(self.committer)
+        if output.relay is None:  # one process: it claims the folder itself (a job's rank 0 did in start_job)
+            output.start_writing(settings, overwrite=overwrite, committer=self.committer)
+        self.committer.claim = output.claim
         if overwrite:
             if output.holds(INDEX_PATH):  # the old index goes before any new shard: never old texts over new vectors
                 stale = output.old_shards()
@@ -456,8 +466,6 @@ class _HubSession(Session):
             if self.committer.holds(self.output.repo_path(RESUME_FILE)):
                 self.committer.flush()  # (a copy on its way: landed first, not added and removed in one commit)
             self.remove.append(self.output.repo_path(RESUME_DIR))
-        if self.output.relay is None:
-            self.output.keep_their_card(self.local)
         # one commit ends the part: what is uploaded, the provisional files renamed, the statistics, card and index
         last = [RepoFile(self.output.repo_path(rel), self.local / rel) for rel in final_files(self.local)]
         moves = [(self.output.repo_path(old), self.output.repo_path(new)) for old, new in self.renames]
@@ -473,7 +481,11 @@ class _HubSession(Session):
             # stays until then: a kill before that commit finishes from it)
             self.committer.finish(last, moves=moves, remove=self.remove, wait=False)
             return None
-        self.committer.finish(last, moves=moves, remove=self.remove,
+        # the job's marker goes in the commit that publishes the index: a finished dataset holds none
+        # (the card merged into the owner's README.md as the revision the commit is made on holds it: an edit meanwhile
+        # is kept)
+        self.committer.finish(last, moves=moves, remove=self.remove, drop=self.output.marker_paths(),
+                              before=card_merger(self.output, self.local),
                               message="lmprobe: add the last shards, statistics, card and index")
         shutil.rmtree(self.local)
         return self.output.finished_or_raise()
@@ -487,12 +499,15 @@ class HubOutput(Output):
     computes; the parts of a multi-process job are folders ``.lmprobe-parts/part-NNNNN`` of the same branch,
     merged by server-side copies (no byte is sent again) and removed."""
 
-    def __init__(self, ref: HubRef, *, token: str | bool | None = None, relay: Relay | None = None):
+    def __init__(self, ref: HubRef, *, token: str | bool | None = None, relay: Relay | None = None,
+                 claim: RepoClaim | None = None):
         self.ref = ref
         self.url = str(ref)
         self.token = token
         self.relay = relay  # a rank of a job: its files are committed by the job's committer (relay.py)
         self.job: HubCommitter | None = None  # rank 0 of a job: that committer
+        # the job's claim on the folder (storage/claim.py): its marker, and the revision every commit is made on
+        self.claim = claim
 
     @classmethod
     def parse(cls, url: str, *, token: str | None = None) -> HubOutput:
@@ -535,10 +550,6 @@ class HubOutput(Output):
         """What an overwrite removes of the old dataset (``hubrepo.old_shards``)."""
         return old_shards(self)
 
-    def keep_their_card(self, local: Path) -> None:
-        """The card in ``local`` merged into the repo's README.md (``hubrepo.keep_their_card``)."""
-        keep_their_card(self, local)
-
     def delete(self, rels: list[str], committer: HubCommitter, why: str, *, folder: bool = False) -> None:
         """Delete files (or folders) of this output in one commit."""
         from huggingface_hub import CommitOperationDelete
@@ -546,8 +557,17 @@ class HubOutput(Output):
         ops = [CommitOperationDelete(path_in_repo=self.repo_path(r) + ("/" if folder else ""), is_folder=folder)
                for r in rels]
         committer.take_turn()
-        committer.call(f"{why} in {self}", lambda: committer.api.create_commit(
-            self.ref.repo_id, ops, repo_type="dataset", revision=self.ref.revision, commit_message=f"lmprobe: {why}"))
+        committer.call(f"{why} in {self}", lambda: committer.create_commit(ops, f"lmprobe: {why}"))
+
+    def start_writing(self, settings: dict | None, *, overwrite: bool, committer: HubCommitter) -> str:
+        """Claim the folder for this job (its marker, storage/claim.py) before its first other commit; the job id."""
+        self.claim = RepoClaim(committer.api, self.ref.repo_id, self.ref.revision, self.ref.path, url=self.url,
+                               fingerprint=settings_fingerprint(settings or {}), settings=settings, token=self.token)
+        committer.call(f"claiming {self}", lambda: self.claim.claim(take_over=overwrite, take_turn=committer.take_turn))
+        return self.claim.marker.job
+
+    def marker_paths(self) -> list[str]:
+        return [self.claim.path] if self.claim is not None else []  # removed by the commit publishing the index
 
     def staging(self) -> Path:
         from huggingface_hub import constants
@@ -575,17 +595,25 @@ class HubOutput(Output):
 
     def part(self, rank: int) -> Output:
         return HubOutput(HubRef(self.ref.repo_id, "dataset", self.ref.revision,
-                                self.repo_path(f"{PARTS_DIR}/{part_name(rank)}")), token=self.token, relay=self.relay)
+                                self.repo_path(f"{PARTS_DIR}/{part_name(rank)}")), token=self.token, relay=self.relay,
+                         claim=self.claim)
 
-    def start_job(self, store: Any, *, rank: int, world: int) -> Output:
-        out = HubOutput(self.ref, token=self.token, relay=StoreRelay(store, rank=rank, world=world))
+    def start_job(self, store: Any, *, rank: int, world: int, settings: dict | None = None,
+                  overwrite: bool = False) -> Output:
+        out = HubOutput(self.ref, token=self.token, relay=(relay := StoreRelay(store, rank=rank, world=world)))
         if rank == 0:  # the job's one committer: every rank's files, within one commit window (budget.py)
             out.job = HubCommitter(self.ref.repo_id, token=self.token, revision=self.ref.revision,
                                    label=f"extraction (rank 0 for the job's {world} ranks)",
                                    under=self.repo_path(PARTS_DIR), commit_for=StoreRelay(store, rank=0, world=world),
                                    window=job_window(self.ref.repo_id, self.ref.revision))
-            self.prepare(out.job)
+            self.prepare(out.job)  # the folder claimed for the job, told to every rank (a refusal too)
+            relay.share_claim(lambda: out.start_writing(settings, overwrite=overwrite, committer=out.job))
+            out.job.claim = out.claim
             out.job.start()
+        else:  # the job's claim, as rank 0 made it: this rank's own commits (an overwrite's deletes) check it too
+            out.claim = RepoClaim(hub_api(self.token), self.ref.repo_id, self.ref.revision, self.ref.path,
+                                  url=self.url, fingerprint=settings_fingerprint(settings or {}), token=self.token,
+                                  job=relay.claimed())
         return out
 
     def end_job(self) -> None:
@@ -607,7 +635,8 @@ class HubOutput(Output):
             raise InvalidArgumentError("Hub parts merge into the branch of their own repo only")
         dss = [p.finished_or_raise() for p in hubs]
         committer = HubCommitter(self.ref.repo_id, token=self.token, revision=self.ref.revision, label="merge",
-                                 under=self.ref.path, window=job_window(self.ref.repo_id, self.ref.revision))
+                                 under=self.ref.path, window=job_window(self.ref.repo_id, self.ref.revision),
+                                 claim=self.claim)
         self.prepare(committer)
         if self.holds(INDEX_PATH):  # the index goes first: a half-merged repo never looks complete
             self.delete([INDEX_PATH], committer, "remove the index before a merge")
@@ -616,14 +645,14 @@ class HubOutput(Output):
         local = Path(tempfile.mkdtemp(prefix="lmprobe-merge-"))
         try:
             names = merge.finish(dss, local)
-            self.keep_their_card(local)
             last = [RepoFile(self.repo_path(rel), local / rel) for rel in names]
             # one commit: server-side copies out of the parts' folders (nothing is sent, nothing comes back), the
             # statistics, card and index, and the parts' folder removed
             renamed = [part_renames(ds) for ds in dss]
             committer.finish(last, moves=[(hubs[k].repo_path(renamed[k].get(src, src)), self.repo_path(dst))
                                           for k, src, dst in merge.moves],
-                             remove=[self.repo_path(PARTS_DIR)], message="lmprobe: merge the parts")
+                             remove=[self.repo_path(PARTS_DIR)], drop=self.marker_paths(),
+                             before=card_merger(self, local), message="lmprobe: merge the parts")
         finally:
             shutil.rmtree(local, ignore_errors=True)
         return self.finished_or_raise()

@@ -8,7 +8,7 @@ shard size, the layout, the space check, the refusal), so the two cannot disagre
 CPU). At full size (docs/publishing.md, "Jobs at full size"):
 
 - W1, an 8B model, 10^9 tokens, 3 layers, bfloat16, 64 GPUs: 22.4 TiB in 23,235 files of 1 GiB (7,744 a
-  folder), one GPU a rank, 49 commits for the job, 25 after the last shard: about 9 minutes.
+  folder), one GPU a rank, 50 commits for the job, 25 after the last shard: about 9 minutes.
 - W2, the same, 10^10 tokens, 1 layer: shards grow to 8 GiB (9,664 a folder; at 1 GiB one folder would hold
   76,000), 11 commits after the last shard.
 - W3, a 70B model (141 GB of weights), 2 x 10^9 tokens, 128 GPUs: 4 GiB shards, the model spread over
@@ -373,6 +373,7 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
         else:
             tail = 1  # the last shards with the statistics, card and index
             commits = ladder
+        commits += 1  # the job's marker, its first commit (storage/claim.py: one job at a time in the folder)
         during = commits - tail
         last_uploads = sites_open * f.largest_shard / UPLOAD_BYTES_PER_SECOND
         # the merge opens every part (its index's footer and metadata), reads the parts' indexes and sends the

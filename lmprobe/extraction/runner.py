@@ -211,7 +211,8 @@ def _extract_parallel(job: Job, output: Output, rank: int, world: int) -> Datase
 
     cfg = job.config  # the rank's GPU (or, with --device-map, its group of GPUs) was chosen in prepare: placement.py
     # the Hub's: every rank uploads its own files, rank 0 commits them all (one commit budget for the job)
-    output = output.start_job(dist.distributed_c10d._get_default_store(), rank=rank, world=world)
+    output = output.start_job(dist.distributed_c10d._get_default_store(), rank=rank, world=world,
+                              settings=job.settings, overwrite=cfg.overwrite)
     part = output.part(rank)
     if job.prompts is not None:
         what = {"prompts_sha256": job.prompts.fingerprint(), "num_prompts": len(job.prompts)}

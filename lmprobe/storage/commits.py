@@ -62,6 +62,7 @@ from .budget import (
     hour_seconds,
     next_commit_files,
 )
+from .claim import RepoClaim
 from .hub import HubRef, check_pull_request_open, hub_api, is_pull_request, transport_errors
 from .relay import Relay
 
@@ -248,7 +249,7 @@ class HubCommitter:
                  quiet: bool = True, on_landed: Callable[[list[RepoFile]], Any] | None = None,
                  on_uploaded: Callable[[RepoFile], Any] | None = None, under: str = "",
                  window: CommitWindow | None = None, send_to: Relay | None = None,
-                 commit_for: Relay | None = None):
+                 commit_for: Relay | None = None, claim: RepoClaim | None = None):
         self.api = hub_api(token)
         self.repo_id = repo_id
         self.repo_type = repo_type
@@ -272,6 +273,9 @@ class HubCommitter:
         # one committer for a job's ranks (relay.py): ``send_to`` uploads and hands each file's record to the job's
         # committer instead of committing it; ``commit_for`` is that committer, and commits what the ranks send
         self.send_to, self.commit_for = send_to, commit_for
+        # the job's claim on the folder it writes (claim.py): every commit is made on the revision the job last saw,
+        # and stops when another job holds the folder now
+        self.claim = claim
         self._sent: list[_Item | str] = []  # sender: the groups sent, in order ("flush", "last": no file of its own)
         self._send_lock = threading.Lock()
         self._receive_lock = threading.Lock()
@@ -292,6 +296,8 @@ class HubCommitter:
         """``fn()`` with retries; a failure becomes a PushError that says how to resume."""
         try:
             return call_with_retry(fn, policy=self.policy, landed=landed, on_wait=self._waiting(what))
+        except LmprobeError:
+            raise  # its own one line (another job writes the folder now, claim.py; the owner's README too large)
         except Exception as exc:
             raise self._push_error(what, exc) from exc
 
@@ -487,9 +493,13 @@ class HubCommitter:
                 s.flushing -= 1
 
     def finish(self, last: Sequence[RepoFile] = (), *, message: str | None = None,
-               moves: Sequence[tuple[str, str]] = (), remove: Sequence[str] = (), wait: bool = True) -> PushResult:
-        """Commit what is uploaded, ``last`` (the entry point: index and card), the renames ``moves`` (server-side)
-        and the removal of the folders ``remove`` in one final commit; stop the threads.
+               moves: Sequence[tuple[str, str]] = (), remove: Sequence[str] = (), drop: Sequence[str] = (),
+               before: Callable[[str | None], None] | None = None, wait: bool = True) -> PushResult:
+        """Commit what is uploaded, ``last`` (the entry point: index and card), the renames ``moves`` (server-side),
+        the removal of the folders ``remove`` and of the files ``drop`` (the job's marker, claim.py) in one final
+        commit; stop the threads. ``before(parent)``: called before each try of the final commit with the revision
+        it is made on (None: the branch, without a claim), to merge what the commit takes from the repo (the
+        owner's README.md) as that revision holds it.
 
         One commit ends the work however much of it is left (each commit costs a turn of the repo's commit
         rate); renames past one commit's worth (``RENAMES_PER_COMMIT``) go in commits of their own first. Files of
@@ -531,11 +541,11 @@ class HubCommitter:
                 self.take_turn()
                 self._timed_commit(chunk, f"lmprobe: add {len(chunk)} {self.label} file(s)")
             items = held + final
-            if items or todo[cut:] or remove:
+            if items or todo[cut:] or remove or drop:
                 self.take_turn()
                 what = " and ".join(it.file.rel for it in final) or f"{len(items)} file(s)"
                 self._commit(items, message or f"lmprobe: add {self.label} {what}", moves=todo[cut:],
-                             remove=[r.rstrip("/") for r in remove])
+                             remove=[r.rstrip("/") for r in remove], drop=drop, before=before)
         finally:
             self.close()
         return self.result
@@ -869,9 +879,11 @@ class HubCommitter:
             s.commit_files = self.config.next_commit_files(s.commit_files, (time.monotonic() - t0) * HOUR / self.hour)
 
     def _commit(self, batch: list[_Item], message: str, *, moves: Sequence[tuple[str, str]] = (),
-                remove: Sequence[str] = ()) -> None:
-        """Commit ``batch`` (uploaded), the server-side renames ``moves`` and the removal of the folders ``remove``;
-        before a retry, the commit's own paths are checked so it is never made twice."""
+                remove: Sequence[str] = (), drop: Sequence[str] = (),
+                before: Callable[[str | None], None] | None = None) -> None:
+        """Commit ``batch`` (uploaded), the server-side renames ``moves``, the removal of the folders ``remove`` and
+        of the files ``drop``; before a retry, the commit's own paths are checked so it is never made twice. With a
+        claim (claim.py), the commit is made on the revision the job last saw."""
         from huggingface_hub import CommitOperationCopy, CommitOperationDelete
 
         files = [it.file for it in batch if it.gid is None]
@@ -881,20 +893,19 @@ class HubCommitter:
         ops += [CommitOperationCopy(src_path_in_repo=a, path_in_repo=b) for a, b in moves]
         ops += [CommitOperationDelete(path_in_repo=a) for a, _ in moves]
         ops += [CommitOperationDelete(path_in_repo=f"{r}/", is_folder=True) for r in remove]
+        ops += [CommitOperationDelete(path_in_repo=p) for p in drop]
 
         def landed() -> bool:
-            now = self.paths_now([f.rel for f in files] + [p for m in moves for p in m] + list(expect))
+            now = self.paths_now([f.rel for f in files] + [p for m in moves for p in m] + list(expect) + list(drop))
             return (all(_same(f, now.get(f.rel)) for f in files) and all(b in now and a not in now for a, b in moves)
-                    and all(now.get(p) == v for p, v in expect.items())
+                    and all(now.get(p) == v for p, v in expect.items()) and not any(p in now for p in drop)
                     and not (remove and self.api.get_paths_info(self.repo_id, list(remove), repo_type=self.repo_type,
                                                                 revision=self.revision)))
 
         started = self._s.window.starts[-1] if self._s.window.starts else None
         try:
             self.call(f"committing {len(ops)} change(s) to {self.repo_id}",
-                      lambda: self.api.create_commit(self.repo_id, ops, commit_message=message,
-                                                     repo_type=self.repo_type, revision=self.revision),
-                      landed=landed)
+                      lambda: self.create_commit(ops, message, before=before), landed=landed)
         finally:
             with self._s.cv:  # counted from its answer (the Hub counted it on arrival, before that)
                 if started is not None:
@@ -914,6 +925,18 @@ class HubCommitter:
                 for it in groups:
                     self._s.pending.pop(f"relay:{it.gid}", None)
                 self._s.cv.notify_all()
+
+    def create_commit(self, ops: list[Any], message: str, *,
+                      before: Callable[[str | None], None] | None = None) -> Any:
+        """One commit of ``ops`` (no retry: ``call`` adds it); with a claim, on the revision the job last saw, and
+        stopped when another job holds the folder now (claim.py; ``before`` as for ``finish``)."""
+        def make(parent: str | None) -> Any:
+            if before is not None:
+                before(parent)
+            return self.api.create_commit(self.repo_id, ops, commit_message=message, repo_type=self.repo_type,
+                                          revision=self.revision, parent_commit=parent)
+
+        return make(None) if self.claim is None else self.claim.commit(make)
 
     def _landed(self, files: list[RepoFile], *, sent: bool) -> None:
         """``files`` are on the Hub: tell ``on_landed``, then let ``flush`` and ``add`` go on."""

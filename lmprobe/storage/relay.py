@@ -25,9 +25,11 @@ rank 0 has read it; rank 0 reads each rank's counter every ``poll`` seconds (64 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..errors import PushError
+from ..base.safeio import loads
+from ..errors import LmprobeError, OutputInUseError, PushError
 
 
 class Relay(Protocol):
@@ -79,6 +81,24 @@ class StoreRelay:
 
     def fail(self, message: str) -> None:
         self.store.set(self._key("failed"), message)
+
+    def share_claim(self, claim: Callable[[], str]) -> str:
+        """Rank 0: ``claim()`` (the job's claim on its folder, claim.py: the job id), told to every rank; a refusal
+        too, then raised here (every rank stops with the same line)."""
+        try:
+            job = claim()
+        except LmprobeError as exc:
+            self.store.set(self._key("claim"), json.dumps({"error": str(exc)}))
+            raise
+        self.store.set(self._key("claim"), json.dumps({"job": job}))
+        return job
+
+    def claimed(self) -> str:
+        """Another rank: the job id rank 0 claimed the folder under (waits for it), or rank 0's refusal, raised."""
+        told = loads(self.store.get(self._key("claim")), what="the job's claim", error=PushError)
+        if isinstance(told, dict) and isinstance(told.get("job"), str):
+            return told["job"]
+        raise OutputInUseError(str(told.get("error") if isinstance(told, dict) else told))
 
     def receive(self) -> list[tuple[tuple[int, int], dict]]:
         out = []
