@@ -412,18 +412,42 @@ class _HubSession(Session):
         provisional name); a provisional name committed before the kill goes with the final commit."""
         uploaded = {(e["sha256"], e["size"]) for e in read_ledger(self.ledger)}
         on_hub = {v.partition(":")[2] for v in self.committer.remote.values() if v.startswith("sha256:")}
+        staged_seq: dict[tuple[str, int], Path] | None = None
+        sent: set[Path] = set()
         for f in record.values():
             if (self.local / f.rel).is_file():
                 self._submit(f.rel, f.sha256)
-            elif f.sha256 in on_hub or (f.sha256, f.bytes) in uploaded:
+                continue
+            if f.sha256 in on_hub or (f.sha256, f.bytes) in uploaded:
                 self.committer.add_uploaded(RepoFile(self.output.repo_path(f.rel), self.local / f.rel, f.bytes,
                                                      f.sha256))
+                continue
+            if staged_seq is None:
+                staged_seq = self._staged_provisional()
+            if (f.sha256, f.bytes) in staged_seq:
+                # a sequence shard still staged under its provisional name (its upload was cut short), its content
+                # the writer's record: it goes up under its final name (a job's part: under the provisional name its
+                # renames file maps, which the merge copies)
+                local = staged_seq[f.sha256, f.bytes]
+                if local in sent:  # two shards of the same content (its upload deletes the staged copy): a copy each
+                    shutil.copyfile(local, local := local.with_name(f"{local.stem}-{len(sent)}{local.suffix}"))
+                sent.add(local)
+                rel = local.relative_to(self.local).as_posix() if self.output.relay is not None else f.rel
+                self.committer.add(RepoFile(self.output.repo_path(rel), local, sha256=f.sha256))
             else:
                 raise ExtractionError(f"{self.output}: {f.rel}, which an interrupted run wrote, is neither staged in "
                                       f"{self.local} nor on the Hub; the repo changed since: re-run with --overwrite")
         provisional = self.output.repo_path(PROVISIONAL_DIR)
         if self.output.relay is None and any(p.startswith(provisional + "/") for p in self.committer.remote):
             self.remove.append(provisional)  # (a job's part: the merge removes the parts' folder, provisional names too)
+
+    def _staged_provisional(self) -> dict[tuple[str, int], Path]:
+        """The sequence shards a killed run left staged under their provisional names, by (sha256, bytes): a few
+        (those whose upload had not finished), hashed here once."""
+        folder = self.local / PROVISIONAL_DIR
+        files = sorted(p for p in folder.glob("*.safetensors") if p.is_file() and not p.is_symlink()) \
+            if folder.is_dir() else []
+        return {(sha256_file(p), p.stat().st_size): p for p in files}
 
     def writer_callbacks(self) -> dict[str, Any]:
         return {"on_file_complete": self._submit, "on_file_renamed": self._renamed,
