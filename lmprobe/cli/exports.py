@@ -7,12 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..publish.attachments import publish_attachment
-from ..publish.dictionary import push_dictionary
-from ..sae.export import export_sae
-from ..sae.topk import top_features
-from ..saelens import export_saelens, import_saelens
-from ..saelens.export import choose_hook
+from .. import api
+from ..sae import export_sae
+from ..saelens import choose_hook, export_saelens, import_saelens
 from ..saev import compat_mode, export_saev
 from .options import (
     add_cache_option,
@@ -33,7 +30,7 @@ def cmd_export_saev(args: argparse.Namespace) -> int:
                          tokens=False if args.no_tokens else None, saev_compat=args.saev_compat,
                          hookpoint=args.hookpoint, quiet=args.quiet)
     if args.push:
-        where = publish_attachment(args.push, folder, "saev", token=args.token, quiet=args.quiet)
+        where = api.publish_attachment(args.push, folder, "saev", token=args.token, quiet=args.quiet)
         if not args.quiet:
             print(f"published {folder.name} to {args.push} under {where}/ (index and card updated)")
     return 0
@@ -75,15 +72,15 @@ def cmd_export_sae(args: argparse.Namespace) -> int:
     )
     print(report)
     if args.push and args.repo_type == "dataset":
-        where = publish_attachment(args.push, Path(args.root) / args.dict, "sae", token=args.token)
+        where = api.publish_attachment(args.push, Path(args.root) / args.dict, "sae", token=args.token)
         print(f"published dictionary {args.dict} to dataset {args.push} under {where}/ (index and card updated)")
     elif args.push:
-        print(push_dictionary(args.root, args.dict, args.push, token=args.token, quiet=False))
+        print(api.push_dictionary(args.root, args.dict, args.push, token=args.token, quiet=False))
     return 0
 
 
 def cmd_sae_topk(args: argparse.Namespace) -> int:
-    found = top_features(args.root, args.dictionary, args.layer, k=args.topk, dataset=args.dataset, prompt=args.prompt,
+    found = api.top_features(args.root, args.dictionary, args.layer, k=args.topk, dataset=args.dataset, prompt=args.prompt,
                          seed=args.seed, device=args.device, scores=args.scores)
     print("\n".join(found.lines()))
     return 0

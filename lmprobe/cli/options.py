@@ -9,10 +9,9 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from typing import Any, Literal
 
+from .. import api
 from ..base.fields import cli_of, field_docs, plain_text
 from ..base.layers import parse_layers
-from ..opening import is_remote, load
-from ..storage.cache import announce_budget, cache_budget
 
 
 def stored_layers(spec: str | None, stored: list[int]) -> list[int] | None:
@@ -47,20 +46,9 @@ def positive_int(text: str) -> int:
 
 
 def open_source(path: str, cache: str | None, quiet: bool, check: Callable[[Any], object] | None = None) -> Any:
-    """A dataset for a command that reads it whole: a remote one through a bounded cache, said on stderr once
-    ``check(ds)`` (the command's arguments against the metadata) has passed: a mistake is one line, alone."""
-    if not is_remote(path):
-        ds = load(path)
-        if check is not None:
-            check(ds)
-        return ds
-    budget = cache_budget(cache, path, announce=False)
-    ds = load(path, cache=budget)
-    if check is not None:
-        check(ds)
-    if not quiet:
-        announce_budget(path, budget)
-    return ds
+    """A dataset for a command that reads it whole (``lmprobe.api.open_dataset``): a remote one through a bounded
+    cache, said on stderr once ``check(ds)`` has passed."""
+    return api.open_dataset(path, cache=cache, quiet=quiet, check=check)
 
 
 def hookpoint_list(text: str | None) -> list[str] | None:

@@ -45,17 +45,12 @@ class Outcome:
     wrote: bool  # False: the output already held this extraction, and nothing was done
 
 
-def run(cfg: ExtractionConfig, *, token: str | None = None) -> Dataset:
-    """Run the extraction ``cfg`` describes and return the dataset, opened.
-
-    Re-running the same extraction after an interruption continues where it stopped; a different
-    configuration against a partial output is an error unless ``overwrite`` is set.
-    """
-    return execute(cfg, token=token).dataset
-
-
 def execute(cfg: ExtractionConfig, *, token: str | None = None) -> Outcome:
-    """``run``, also saying whether anything was written (the command line's last line depends on it). ``token``:
+    """Run the extraction ``cfg`` describes; return the dataset, opened, and whether anything was written (the
+    command line's last line depends on it). The runner's step of ``lmprobe.api.run_extraction``, the one function
+    that runs an extraction (it adds the push and the one-line wording of a peer's failure): call that. Re-running
+    the same extraction after an interruption continues where it stopped; a different configuration against a
+    partial output is an error unless ``overwrite`` is set. ``token``:
     the Hub identity of every Hub call of the extraction (never stored): the output's, the model's download, an
     ``hf://`` prompt or corpus source's reads."""
     output = open_output(cfg.out, token=token)  # a bad --out is an error before the tokenizer and the weights load
