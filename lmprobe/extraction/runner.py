@@ -134,27 +134,19 @@ def _extract(job: Job, output: Output) -> Dataset | None:
             # the other ranks from its source position, which the refill does not replay)
             session.seed(settings)
         dataset_spec = DatasetSpec(  # what the dataset will hold; the writer's keywords below are this run's
-            layers=settings["layers"],
+            **cfg.spec_settings(),  # the settings as asked for (the config's fields marked spec=)
+            layers=settings["layers"],  # and as resolved for this job
             dim=job.spec.hidden_size,
             model_name=job.spec.name,
             model_revision=settings["revision"],
-            storage=cfg.storage,
-            dtype=cfg.dtype,
             shard_size=job.shard_bytes,
-            logits_k=cfg.logits_topk,
             label_type=job.prompts.label_type if job.prompts else None,
             columns=job.prompts.column_types if job.prompts else None,
-            perplexity=cfg.perplexity,
             token_ids=settings["token_ids"],
-            token_strings=cfg.token_strings,
-            token_perplexity=cfg.perplexity,
             provenance=_provenance(cfg),
             metadata={"extraction": {"settings": settings, "architecture": _architecture_record(job)}},
-            checksums=cfg.checksums,
-            statistics=cfg.statistics,
             corpus=job.corpus is not None,
             truncation=job.cut is not None,  # each prompt's cut tokens, in `truncated_tokens`
-            hookpoints=cfg.hookpoints,
             hookpoint_dims=job.hookpoint_dims,
             layout=job.layout,
         )
