@@ -28,7 +28,7 @@ from functools import cache
 from itertools import pairwise
 from typing import Any
 
-__all__ = ["CommandLine", "Recorded", "cli_of", "field_docs", "option", "plain_text", "recorded_of", "settings_doc",
+__all__ = ["CommandLine", "Recorded", "cli_of", "command_line_text", "field_docs", "option", "plain_text", "recorded_of", "settings_doc",
            "settings_signature", "spec_names_of"]
 
 
@@ -102,6 +102,17 @@ def plain_text(doc: str) -> str:
     'Stop at max_tokens tokens.'
     """
     return re.sub(r"\s+", " ", doc.replace("``", "")).strip()
+
+
+def command_line_text(doc: str) -> str:
+    """A field's docstring as the command line says it: without its paragraphs that begin "In Python" (values only
+    Python can pass, such as a list or a DataFrame), as one line of plain text.
+
+    >>> command_line_text("A file or a folder.\\n\\nIn Python also a list of strings.")
+    'A file or a folder.'
+    """
+    kept = [part for part in re.split(r"\n\s*\n", doc) if not part.strip().startswith("In Python")]
+    return plain_text("\n\n".join(kept))
 
 
 def settings_signature(func: Any, settings: type) -> inspect.Signature:

@@ -10,7 +10,7 @@ from dataclasses import MISSING, fields
 from typing import Any, Literal
 
 from .. import api
-from ..base.fields import cli_of, field_docs, plain_text
+from ..base.fields import cli_of, command_line_text, field_docs
 from ..base.layers import parse_layers
 
 
@@ -66,7 +66,7 @@ def add_settings(parser: argparse.ArgumentParser, settings: type, groups: dict[s
     sections = {key: parser.add_argument_group(title) for key, title in groups.items()}
     for f in fields(settings):
         cli = cli_of(f)
-        help_text = _help_line(plain_text(docs[f.name]))
+        help_text = _help_line(command_line_text(docs[f.name]))
         kind, choices = _kind(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {"dest": f.name}

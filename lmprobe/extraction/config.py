@@ -54,8 +54,9 @@ class ExtractionConfig:
     """A local model folder, a Hub model id, or ``lmprobe-tiny`` (the model shipped inside lmprobe)."""
     prompts: Any = option(group="input", metavar="SOURCE")
     """A .jsonl, .csv, .tsv, .parquet or .txt file (one prompt a line), a folder of them, or a Hugging Face dataset
-    (``hf://datasets/OWNER/NAME`` or ``OWNER/NAME``); in Python also a list of strings or dicts, or a pandas
-    DataFrame."""
+    (``hf://datasets/OWNER/NAME`` or ``OWNER/NAME``).
+
+    In Python also a list of strings or dicts, or a pandas DataFrame."""
     out: str | os.PathLike = option(group="output", metavar="DIR")
     """The dataset folder to write (or to resume), an object-storage URL such as ``s3://bucket/prefix``, or a Hub
     dataset repo to write straight to (``hf://datasets/OWNER/NAME``)."""
@@ -70,8 +71,9 @@ class ExtractionConfig:
     backend: Literal["transformers", "nnsight"] = option("transformers", group="model", record=18)
     """``transformers``: hooks on a local model; ``nnsight``: an nnsight trace."""
     remote: bool | Literal["local"] = option(False, group="model", record=19)
-    """With the nnsight backend: run on NDIF (API key from NNSIGHT_API_KEY or nnsight's config); in Python,
-    ``"local"`` runs through nnsight's remote path locally."""
+    """With the nnsight backend: run on NDIF (API key from NNSIGHT_API_KEY or nnsight's config).
+
+    In Python, ``"local"`` runs through nnsight's remote path locally."""
     device: str = option("auto", group="model")
     """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
     compute_dtype: Literal["auto", "float32", "float16", "bfloat16"] = option("auto", group="model", record=10)
@@ -116,7 +118,9 @@ class ExtractionConfig:
 
     # ---- what to store
     layers: str | int | list[int] | None = option("all", group="store", record=7)
-    """``all``, ``0,3,-1``, ranges such as ``10:20`` (a Python slice: 10..19), or a list of ints."""
+    """``all``, ``0,3,-1``, or ranges such as ``10:20`` (10 to 19: the end is left out, as in a Python slice).
+
+    In Python also a list of ints."""
     hookpoints: str | tuple[str, ...] | list[str] = option("resid_post", group="store", spec=("hookpoints",))
     """Where in each block to read, a comma list: ``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_in``,
     ``mlp_out``, ``resid_post``, or a module path in the block with ``:input``/``:output``, e.g.
