@@ -307,3 +307,22 @@ def test_one_function_runs_an_extraction():
     assert not hasattr(lmprobe.extraction, "run")
     callers = sorted({a for a, b, names, _ in EDGES if b == "lmprobe.extraction.runner" and "execute" in names})
     assert callers == ["lmprobe.api"], callers
+
+
+def test_the_command_line_writes_no_default_of_its_own():
+    """An option's default is the API's (a settings field, or the called function's parameter): no literal
+    ``default=`` in lmprobe/cli/ but None (the option is absent) and False (a flag)."""
+    bad = []
+    for mod, path in MODULES.items():
+        if not mod.startswith("lmprobe.cli"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                for kw in node.keywords:
+                    v = kw.value
+                    literal = isinstance(v, (ast.List, ast.Tuple, ast.Dict, ast.Set)) or (
+                        isinstance(v, ast.UnaryOp) and isinstance(v.operand, ast.Constant)) or (
+                        isinstance(v, ast.Constant) and v.value is not None and v.value is not False)
+                    if kw.arg == "default" and literal:
+                        bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno} default={ast.unparse(v)}")
+    assert not bad, "literal defaults in the command line (take them from the API):\n" + "\n".join(bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import types
 import typing
 from collections.abc import Callable
@@ -12,6 +13,12 @@ from typing import Any, Literal
 from .. import api
 from ..base.fields import cli_of, command_line_text, field_docs
 from ..base.layers import parse_layers
+
+
+def default_of(func: Callable[..., Any], name: str) -> Any:
+    """The default of ``func``'s parameter ``name``: an option takes the default of the API function it feeds,
+    written once there (``--workers`` is ``push_to_hub``'s ``workers``), never a literal of the command line's."""
+    return inspect.signature(func).parameters[name].default
 
 
 def stored_layers(spec: str | None, stored: list[int]) -> list[int] | None:
