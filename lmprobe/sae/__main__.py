@@ -4,6 +4,10 @@ It hands over to the command line as a new program (``python -m lmprobe sae-topk
 the command line sits on top of the package, and nothing below it imports it."""
 
 import os
+import subprocess
 import sys
 
-os.execv(sys.executable, [sys.executable, "-m", "lmprobe", "sae-topk", *sys.argv[1:]])
+command = [sys.executable, "-m", "lmprobe", "sae-topk", *sys.argv[1:]]
+if os.name == "nt":  # Windows' exec starts a new process and returns at once: wait for its exit status instead
+    raise SystemExit(subprocess.call(command))
+os.execv(sys.executable, command)
