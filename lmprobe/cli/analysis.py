@@ -116,13 +116,15 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p = command("probe", help="cross-validated linear probes per layer, as a table and a plot")
     p.add_argument("dataset", metavar="DATASET", help="dataset folder or Hub repo")
     p.add_argument("--layers", default=None, help="layers to probe: all, '16', '0,8,-1', '10:20' (default: all)")
-    p.add_argument("--label-column", default=default_of(sweep, "label_column"), help="index column holding the class of each prompt")
+    p.add_argument("--label-column", default=default_of(sweep, "label_column"),
+                   help="index column holding the class of each prompt")
     p.add_argument("--method", default=default_of(sweep, "method"), metavar="M[,M...]",
                    help=f"probe methods, a comma list of {', '.join(METHODS)} (docs/probing.md says which when)")
     p.add_argument("--classifier", default=None, help=argparse.SUPPRESS)  # the older name of --method
     p.add_argument("--task", choices=["classification", "regression"], default=default_of(sweep, "task"),
                    help="regression: a numeric --label-column, scored by R^2")
-    p.add_argument("--cv", type=positive_int, default=default_of(sweep, "cv"), metavar="K", help="cross-validation folds")
+    p.add_argument("--cv", type=positive_int, default=default_of(sweep, "cv"),
+                   metavar="K", help="cross-validation folds")
     p.add_argument("--pooling", default=default_of(sweep, "pooling"), metavar="P",
                    help="the vector of a prompt: last_token, first, mean, max, min, a token position (int, negative "
                    "from the end) or tokens (every token a row); all but last_token need a full_sequence dataset")
@@ -135,14 +137,16 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                    help="held-out rows (split=test) or a held-out dataset: adds test_* columns")
     p.add_argument("--baselines", action="store_true", help="score the baselines on the same folds and say whether "
                    "the probe beats them")
-    p.add_argument("--bootstrap", type=int, default=default_of(sweep, "bootstrap"), metavar="N", help="95%% intervals from N resamples")
+    p.add_argument("--bootstrap", type=int, default=default_of(sweep, "bootstrap"),
+                   metavar="N", help="95%% intervals from N resamples")
     # (dest save_to: nnsight, once imported, gives every object a `save` method, argparse.Namespace too, and argparse
     # then leaves a dest named `save` at that method instead of its default)
     p.add_argument("--save", dest="save_to", default=None, metavar="PATH", help="train the best row's probe on every row and save it "
                    "as PATH.safetensors + PATH.json")
     p.add_argument("--hookpoints", default=None, help="sweep these stored hookpoints too, a comma list "
                    "(default: what hidden_layers holds)")
-    p.add_argument("--seed", type=int, default=default_of(sweep, "seed"), help="seed of the fold split and the classifier")
+    p.add_argument("--seed", type=int, default=default_of(sweep, "seed"),
+                   help="seed of the fold split and the classifier")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write accuracy against layer to this image (default: no plot)")
     p.set_defaults(func=cmd_probe)
@@ -174,7 +178,8 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="writes DIR/index.html")
     p.add_argument("--prompts", default=None, metavar="ROWS", help="prompts to show besides the sample, e.g. 3,17 "
                    "(default: none)")
-    p.add_argument("--sample", type=int, default=default_of(api.report, "sample"), metavar="N", help="random prompts to show")
+    p.add_argument("--sample", type=int, default=default_of(api.report, "sample"),
+                   metavar="N", help="random prompts to show")
     p.add_argument("--tokenizer", default=None, help="decodes token ids (default: the dataset's model, if it loads)")
     p.add_argument("--no-probe", action="store_true", help="skip the probe sweep of labelled datasets")
     add_cache_option(p)
@@ -188,8 +193,10 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--layer", required=True, type=int, help="the dataset's layer the dictionary reads")
     p.add_argument("--hookpoint", default=None, help="stored hookpoint to read (default: hidden_layers')")
     p.add_argument("--out", required=True, metavar="DIR", help="folder of the feature cache and browser")
-    p.add_argument("--top", type=positive_int, default=default_of(api.features, "top"), metavar="N", help="top activating tokens kept per feature")
-    p.add_argument("--memory", default=default_of(api.features, "memory"), metavar="SIZE", help="memory for a batch of scores")
+    p.add_argument("--top", type=positive_int, default=default_of(api.features, "top"),
+                   metavar="N", help="top activating tokens kept per feature")
+    p.add_argument("--memory", default=default_of(api.features, "memory"),
+                   metavar="SIZE", help="memory for a batch of scores")
     p.add_argument("--pages", type=int, default=None, metavar="N", help="feature pages for the N most frequent "
                    "features (default: every feature that fired)")
     p.add_argument("--tokenizer", default=None, help="decodes token ids (default: the dataset's model, if it loads)")

@@ -96,8 +96,10 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                    "(default: all)")
     p.add_argument("--hookpoint", default=None, help="stored hookpoint to export (default: what hidden_layers holds)")
     add_cache_option(p)
-    p.add_argument("--context-len", type=positive_int, default=default_of(export_saev, "context_len"), metavar="T", help="tokens per example")
-    p.add_argument("--patches-per-shard", type=positive_int, default=default_of(export_saev, "patches_per_shard"), metavar="N",
+    p.add_argument("--context-len", type=positive_int, default=default_of(export_saev, "context_len"),
+                   metavar="T", help="tokens per example")
+    p.add_argument("--patches-per-shard", type=positive_int, default=default_of(export_saev, "patches_per_shard"),
+                   metavar="N",
                    help="vectors per shard budget (default 2,400,000: ~10 GiB at d_model 1024)")
     p.add_argument("--drop-first-token", action="store_true", help="leave out each prompt's first token (e.g. BOS)")
     p.add_argument("--no-tokens", action="store_true",
@@ -161,7 +163,8 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                    help="in_out: [hidden, features] (SAELens); out_in: [features, hidden] (nn.Linear); auto: from the bias")
     p.add_argument("--model-revision", default=None, help="commit hash of the model (recorded as model_hash)")
     p.add_argument("--model-config", default=None, help="config.json of the model (its sha256 becomes model_hash)")
-    p.add_argument("--file-format", choices=["npz", "safetensors"], default=default_of(export_sae, "file_format"), help="file format of the weights")
+    p.add_argument("--file-format", choices=["npz", "safetensors"], default=default_of(export_sae, "file_format"),
+                   help="file format of the weights")
     p.add_argument("--activation", default=None, metavar="RULE",
                    help="the SAE's activation rule for a .safetensors/.npz file: relu (default), topk:K, groupmax:K, "
                    "jumprelu or batchtopk:THRESHOLD (a SAELens or sparsify save records its own)")
@@ -179,9 +182,12 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--layer", required=True, type=int, help="the layer of the dictionary to load (-1: its last)")
     p.add_argument("--topk", type=positive_int, default=default_of(api.top_features, "k"), help="features to print")
     p.add_argument("--dataset", default=None, help="take the probe vector from this lmprobe dataset (path or repo)")
-    p.add_argument("--prompt", type=int, default=default_of(api.top_features, "prompt"), help="with --dataset: the prompt (index row) to use")
-    p.add_argument("--seed", type=int, default=default_of(api.top_features, "seed"), help="seed of the random probe vector")
-    p.add_argument("--device", default=default_of(api.top_features, "device"), help="auto (cuda when available), cpu, cuda or cuda:N")
+    p.add_argument("--prompt", type=int, default=default_of(api.top_features, "prompt"),
+                   help="with --dataset: the prompt (index row) to use")
+    p.add_argument("--seed", type=int, default=default_of(api.top_features, "seed"),
+                   help="seed of the random probe vector")
+    p.add_argument("--device", default=default_of(api.top_features, "device"),
+                   help="auto (cuda when available), cpu, cuda or cuda:N")
     p.add_argument("--scores", action="store_true",
                    help="rank raw scores W x + b (the dictionary format's projection) instead of the SAE's "
                    "activations under its recorded rule (relu, top-k, JumpReLU)")

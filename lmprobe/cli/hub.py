@@ -48,7 +48,8 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                    help="also publish this SAE dictionary folder (copied into DIR/sae/<name>/); repeatable")
     p.add_argument("--workers", type=positive_int, default=default_of(api.push_to_hub, "workers"), metavar="N",
                    help="files uploading at the same time, while earlier ones are committed")
-    p.add_argument("--commit-deadline", type=float, default=default_of(api.push_to_hub, "commit_deadline"), metavar="SECONDS",
+    p.add_argument("--commit-deadline", type=float, default=default_of(api.push_to_hub, "commit_deadline"),
+                   metavar="SECONDS",
                    help="how long a request refused by the Hub's rate limit (429) keeps being retried")
     add_quiet_option(p)
     p.set_defaults(func=cmd_push)
