@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         features,
         hookpoints,
         import_saelens,
+        info,
         load,
         merge,
         plan,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "export_saelens": "api",
     "import_saelens": "api",
+    "info": "api",
     "extract": "api",
     "load": "api",
     "merge": "api",
@@ -54,7 +56,7 @@ _LAZY = {
 }
 
 __all__ = ["Dataset", "DatasetWriter", "ExtractionConfig", "LmprobeError", "__version__", "export_saelens", "extract",
-           "features", "hookpoints", "import_saelens", "load", "merge", "plan", "pull", "push_to_hub", "report", "validate"]
+           "features", "hookpoints", "import_saelens", "info", "load", "merge", "plan", "pull", "push_to_hub", "report", "validate"]
 
 
 def __getattr__(name: str) -> Any:

@@ -247,3 +247,82 @@ def test_no_module_past_600_lines_without_a_reason_at_its_top():
             if len(path.read_text().splitlines()) > 620 and "on purpose" not in (ast.get_docstring(ast.parse(
                 path.read_text())) or "")]
     assert not long, f"modules past 600 lines whose docstring gives no reason (say why it is 'on purpose'): {long}"
+
+
+def _cli_may_import(target: str) -> bool:
+    """What the command line may import: the public API (``lmprobe``, ``lmprobe.api``, ``lmprobe.errors``), the public
+    ``__init__`` of a subpackage (``lmprobe.saev``, ``lmprobe.probe``, ...), ``base/`` and itself."""
+    if target in ("lmprobe", "lmprobe.api", "lmprobe.errors"):
+        return True
+    if target.startswith(("lmprobe.base.", "lmprobe.cli.")) or target in ("lmprobe.base", "lmprobe.cli"):
+        return True
+    parts = target.split(".")
+    return len(parts) == 2 and MODULES[target].name == "__init__.py"
+
+
+def _cli_imports() -> list[tuple[str, str]]:
+    """(cli module, what it imports from) for every lmprobe import of lmprobe/cli/: ``from ..opening import load`` is
+    an import from ``lmprobe.opening`` (its __init__), ``from .. import api`` one of ``lmprobe.api``."""
+    out = []
+    for mod, path in MODULES.items():
+        if not mod.startswith("lmprobe.cli"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out += [(mod, a.name) for a in node.names if a.name.startswith("lmprobe")]
+            elif isinstance(node, ast.ImportFrom):
+                here = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+                base = here[: len(here) - (node.level - 1)] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                if not target.startswith("lmprobe"):
+                    continue
+                if target == "lmprobe":  # from .. import api: the names are modules (or the package's own names)
+                    out += [(mod, f"lmprobe.{a.name}" if f"lmprobe.{a.name}" in MODULES else "lmprobe")
+                            for a in node.names]
+                else:
+                    out.append((mod, target))
+    return out
+
+
+def test_the_command_line_is_a_thin_client_of_the_public_api():
+    """The command line parses and calls the public API: it reaches no module inside a layer (a feature's module,
+    the format, storage), only what lmprobe.api and the subpackages' __init__ offer."""
+    bad = [f"{a} imports {b}" for a, b in _cli_imports() if not _cli_may_import(b)]
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_imports_the_command_line():
+    """The command line sits on top: only lmprobe/__main__.py (``python -m lmprobe``) imports it."""
+    bad = [f"{a} imports {b}" for a, b, _, _ in EDGES
+           if (b == "lmprobe.cli" or b.startswith("lmprobe.cli.")) and not a.startswith("lmprobe.cli")
+           and a != "lmprobe.__main__"]
+    assert not bad, "\n".join(bad)
+
+
+def test_one_function_runs_an_extraction():
+    """lmprobe.api.run_extraction runs an extraction (then its push); lmprobe.extract is its one-line alias, and
+    only the API calls the runner's step."""
+    import lmprobe.extraction
+
+    assert not hasattr(lmprobe.extraction, "run")
+    callers = sorted({a for a, b, names, _ in EDGES if b == "lmprobe.extraction.runner" and "execute" in names})
+    assert callers == ["lmprobe.api"], callers
+
+
+def test_the_command_line_writes_no_default_of_its_own():
+    """An option's default is the API's (a settings field, or the called function's parameter): no literal
+    ``default=`` in lmprobe/cli/ but None (the option is absent) and False (a flag)."""
+    bad = []
+    for mod, path in MODULES.items():
+        if not mod.startswith("lmprobe.cli"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                for kw in node.keywords:
+                    v = kw.value
+                    literal = isinstance(v, (ast.List, ast.Tuple, ast.Dict, ast.Set)) or (
+                        isinstance(v, ast.UnaryOp) and isinstance(v.operand, ast.Constant)) or (
+                        isinstance(v, ast.Constant) and v.value is not None and v.value is not False)
+                    if kw.arg == "default" and literal:
+                        bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno} default={ast.unparse(v)}")
+    assert not bad, "literal defaults in the command line (take them from the API):\n" + "\n".join(bad)

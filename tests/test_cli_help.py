@@ -90,3 +90,17 @@ def test_a_mistyped_command_names_the_close_one(capsys):
     with pytest.raises(SystemExit):
         cli_main(["extrac", "--model", "m"])
     assert "did you mean 'extract'?" in capsys.readouterr().err
+
+
+def test_help_speaks_command_line_only(capsys):
+    """`--help` describes what a command line can pass: no Python-only values (a list, a DataFrame, "local"),
+    which the field's docstring still tells a Python user (help(lmprobe.extract))."""
+    import lmprobe
+
+    for command in ("extract", "push", "pull", "probe", "export-saev", "report", "features"):
+        with pytest.raises(SystemExit):
+            cli_main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "in Python" not in text and "In Python" not in text and "DataFrame" not in text, (command, text)
+    doc = " ".join(lmprobe.extract.__doc__.split())
+    assert "In Python also a list of ints" in doc and "In Python, \"local\" runs" in doc

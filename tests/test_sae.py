@@ -491,3 +491,20 @@ def test_a_dictionary_declaring_a_huge_hidden_dim_is_refused(tmp_path, rng):
     assert problems and "hidden_dim" in problems[0]
     with pytest.raises(ValueError, match="hidden_dim"):
         load_dictionary(SAEConfig(root_path=tmp_path, dictionary_name="d")).get_layer(0)
+
+
+def test_the_python_api_validates_and_describes_an_sae_dictionary(tmp_path, rng):
+    """lmprobe.validate and lmprobe.info take a dictionary folder as the command line does."""
+    import lmprobe
+    from lmprobe.sae.export import export_sae
+
+    export_sae(layer=0, root=tmp_path, dictionary="d", W_enc=rng.normal(size=(8, 12)).astype(np.float32),
+               b_enc=np.zeros(12, np.float32))
+    report = lmprobe.validate(tmp_path / "d")
+    assert report.ok and str(report) == f"{tmp_path / 'd'}: SAE dictionary OK (0 problem(s))"
+    assert lmprobe.info(tmp_path / "d").splitlines()[0] == f"SAE dictionary {tmp_path / 'd'}"
+    (tmp_path / "d" / "layer_0" / "encoder.npz").write_bytes(b"not a zip")
+    report = lmprobe.validate(tmp_path / "d")
+    assert not report.ok and len(report.errors) == 1
+    with pytest.raises(lmprobe.LmprobeError):
+        report.raise_for_errors()

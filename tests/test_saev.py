@@ -375,3 +375,20 @@ def test_token_id_lists_shorter_than_num_tokens_are_refused_before_export(tmp_pa
     with pytest.raises(FormatError, match="row 2: .* token ids for num_tokens="):
         export_saev(tmp_path / "ds", tmp_path / "saev", context_len=4, quiet=True)
     assert not list((tmp_path / "saev").glob("[!.]*"))
+
+
+def test_the_python_api_validates_and_describes_a_saev_export_and_its_dump_folder(tmp_path, source):
+    """lmprobe.validate and lmprobe.info take what the command line takes: a saev export is checked against the
+    protocol and described, and export-saev's --out folder stands for the exports it holds."""
+    import lmprobe
+
+    path, _ = source
+    folder = export_saev(path, tmp_path / "dump", context_len=5, quiet=True)
+    report = lmprobe.validate(folder)
+    assert report.ok and str(report) == f"{folder}: saev OK (0 problem(s))"
+    assert lmprobe.info(folder).splitlines()[0] == f"saev export {folder} (protocol 2.0)"
+    assert lmprobe.info(tmp_path / "dump") == lmprobe.info(folder)
+    assert lmprobe.api.artefact_paths(tmp_path / "dump") == [str(folder)]
+    (folder / "shards.json").write_text("[]")
+    report = lmprobe.validate(folder)
+    assert not report.ok and str(report).startswith(f"{folder}: saev INVALID")

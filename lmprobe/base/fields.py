@@ -28,7 +28,8 @@ from functools import cache
 from itertools import pairwise
 from typing import Any
 
-__all__ = ["CommandLine", "cli_of", "field_docs", "option", "plain_text", "settings_doc", "settings_signature"]
+__all__ = ["CommandLine", "Recorded", "cli_of", "command_line_text", "field_docs", "option", "plain_text", "recorded_of", "settings_doc",
+           "settings_signature", "spec_names_of"]
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,26 @@ class CommandLine:
     """The value's name in ``--help`` (``N``, ``DIR``); None: the option's own name."""
 
 
-def option(default: Any = MISSING, *, group: str, metavar: str | None = None) -> Any:
-    """A dataclass field with ``default`` that the command line lists under ``group``."""
-    meta = {"cli": CommandLine(group, metavar)}
+@dataclass(frozen=True)
+class Recorded:
+    """How a field is recorded in the settings a dataset keeps (``lmprobe:extraction``'s ``settings``), which a
+    re-run compares to decide whether a partial output resumes."""
+
+    place: int
+    """Its place among the recorded settings: the written order, kept so that the bytes of the metadata (and so
+    a dataset's sha256) do not change when a field is added or moved."""
+    when: str = "always"
+    """``always``, or only for a ``prompts`` or a ``corpus`` extraction."""
+
+
+def option(default: Any = MISSING, *, group: str, metavar: str | None = None, record: int | None = None,
+           record_when: str = "always", spec: tuple[str, ...] = ()) -> Any:
+    """A dataclass field with ``default`` that the command line lists under ``group``; ``record``: its place in the
+    recorded settings (:class:`Recorded`, only for ``record_when``); ``spec``: the fields of the dataset's
+    description (``format.datasetspec.DatasetSpec``) that take its value."""
+    meta: dict[str, Any] = {"cli": CommandLine(group, metavar), "spec": tuple(spec)}
+    if record is not None:
+        meta["record"] = Recorded(record, record_when)
     if default is MISSING:
         return field(metadata=meta)
     return field(default=default, metadata=meta)
@@ -52,6 +70,16 @@ def option(default: Any = MISSING, *, group: str, metavar: str | None = None) ->
 def cli_of(f: Field) -> CommandLine:
     """The command-line side of a field made with :func:`option`."""
     return f.metadata["cli"]
+
+
+def recorded_of(f: Field) -> Recorded | None:
+    """How a field made with :func:`option` is recorded in a dataset's settings; None: it is not."""
+    return f.metadata.get("record")
+
+
+def spec_names_of(f: Field) -> tuple[str, ...]:
+    """The fields of a dataset's description that take the value of a field made with :func:`option`."""
+    return f.metadata.get("spec", ())
 
 
 @cache
@@ -74,6 +102,17 @@ def plain_text(doc: str) -> str:
     'Stop at max_tokens tokens.'
     """
     return re.sub(r"\s+", " ", doc.replace("``", "")).strip()
+
+
+def command_line_text(doc: str) -> str:
+    """A field's docstring as the command line says it: without its paragraphs that begin "In Python" (values only
+    Python can pass, such as a list or a DataFrame), as one line of plain text.
+
+    >>> command_line_text("A file or a folder.\\n\\nIn Python also a list of strings.")
+    'A file or a folder.'
+    """
+    kept = [part for part in re.split(r"\n\s*\n", doc) if not part.strip().startswith("In Python")]
+    return plain_text("\n\n".join(kept))
 
 
 def settings_signature(func: Any, settings: type) -> inspect.Signature:

@@ -11,6 +11,7 @@ from ..probe import METHODS, plot_sweep, steer, sweep, train_probe
 from .options import (
     add_cache_option,
     add_quiet_option,
+    default_of,
     hookpoint_list,
     open_source,
     positive_int,
@@ -114,15 +115,17 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     """Add this group's subcommands through ``command(name, **kwargs)`` (the parser's add_parser)."""
     p = command("probe", help="cross-validated linear probes per layer, as a table and a plot")
     p.add_argument("dataset", metavar="DATASET", help="dataset folder or Hub repo")
-    p.add_argument("--layers", default="all", help="layers to probe: all, '16', '0,8,-1', '10:20'")
-    p.add_argument("--label-column", default="label", help="index column holding the class of each prompt")
-    p.add_argument("--method", default="logistic", metavar="M[,M...]",
+    p.add_argument("--layers", default=None, help="layers to probe: all, '16', '0,8,-1', '10:20' (default: all)")
+    p.add_argument("--label-column", default=default_of(sweep, "label_column"),
+                   help="index column holding the class of each prompt")
+    p.add_argument("--method", default=default_of(sweep, "method"), metavar="M[,M...]",
                    help=f"probe methods, a comma list of {', '.join(METHODS)} (docs/probing.md says which when)")
     p.add_argument("--classifier", default=None, help=argparse.SUPPRESS)  # the older name of --method
-    p.add_argument("--task", choices=["classification", "regression"], default="classification",
+    p.add_argument("--task", choices=["classification", "regression"], default=default_of(sweep, "task"),
                    help="regression: a numeric --label-column, scored by R^2")
-    p.add_argument("--cv", type=positive_int, default=5, metavar="K", help="cross-validation folds")
-    p.add_argument("--pooling", default="last_token", metavar="P",
+    p.add_argument("--cv", type=positive_int, default=default_of(sweep, "cv"),
+                   metavar="K", help="cross-validation folds")
+    p.add_argument("--pooling", default=default_of(sweep, "pooling"), metavar="P",
                    help="the vector of a prompt: last_token, first, mean, max, min, a token position (int, negative "
                    "from the end) or tokens (every token a row); all but last_token need a full_sequence dataset")
     p.add_argument("--concat", action="store_true", help="concatenate the --layers into one probe, each layer "
@@ -134,14 +137,16 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                    help="held-out rows (split=test) or a held-out dataset: adds test_* columns")
     p.add_argument("--baselines", action="store_true", help="score the baselines on the same folds and say whether "
                    "the probe beats them")
-    p.add_argument("--bootstrap", type=int, default=0, metavar="N", help="95%% intervals from N resamples")
+    p.add_argument("--bootstrap", type=int, default=default_of(sweep, "bootstrap"),
+                   metavar="N", help="95%% intervals from N resamples")
     # (dest save_to: nnsight, once imported, gives every object a `save` method, argparse.Namespace too, and argparse
     # then leaves a dest named `save` at that method instead of its default)
     p.add_argument("--save", dest="save_to", default=None, metavar="PATH", help="train the best row's probe on every row and save it "
                    "as PATH.safetensors + PATH.json")
     p.add_argument("--hookpoints", default=None, help="sweep these stored hookpoints too, a comma list "
                    "(default: what hidden_layers holds)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the fold split and the classifier")
+    p.add_argument("--seed", type=int, default=default_of(sweep, "seed"),
+                   help="seed of the fold split and the classifier")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write accuracy against layer to this image (default: no plot)")
     p.set_defaults(func=cmd_probe)
@@ -153,8 +158,8 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                    "from `lmprobe probe --save` or LinearProbe.save)")
     p.add_argument("--prompts", required=True, metavar="SOURCE", help="prompts: a .jsonl/.csv/.txt/.parquet file, "
                    "a folder or a Hub dataset, as extract reads them")
-    p.add_argument("--text-column", default="text", help="the prompts' text column")
-    p.add_argument("--alphas", type=_floats, default=[-4.0, 0.0, 4.0], metavar="A,B,...",
+    p.add_argument("--text-column", default=default_of(steer, "text_column"), help="the prompts' text column")
+    p.add_argument("--alphas", type=_floats, default=[float(a) for a in default_of(steer, "alphas")], metavar="A,B,...",
                    help="multiples of the probe's unit direction to add (default -4,0,4)")
     p.add_argument("--ablate", action="store_true", help="remove the direction's component instead of adding it")
     p.add_argument("--layer", type=int, default=None, help="the block to steer (default: the probe's layer)")
@@ -163,7 +168,7 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                    "layer its dataset stored)")
     p.add_argument("--target", action="append", default=None, metavar="TOKEN",
                    help="a next token whose log-probability to report (one token; repeat for several)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps")
+    p.add_argument("--device", default=default_of(steer, "device"), help="auto, cpu, cuda, cuda:1, mps")
     p.add_argument("--revision", default=None, help="the model's Hub revision")
     p.add_argument("--trust-remote-code", action="store_true", help="run the model repository's own code")
     p.set_defaults(func=cmd_steer)
@@ -173,7 +178,8 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="writes DIR/index.html")
     p.add_argument("--prompts", default=None, metavar="ROWS", help="prompts to show besides the sample, e.g. 3,17 "
                    "(default: none)")
-    p.add_argument("--sample", type=int, default=8, metavar="N", help="random prompts to show")
+    p.add_argument("--sample", type=int, default=default_of(api.report, "sample"),
+                   metavar="N", help="random prompts to show")
     p.add_argument("--tokenizer", default=None, help="decodes token ids (default: the dataset's model, if it loads)")
     p.add_argument("--no-probe", action="store_true", help="skip the probe sweep of labelled datasets")
     add_cache_option(p)
@@ -187,8 +193,10 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--layer", required=True, type=int, help="the dataset's layer the dictionary reads")
     p.add_argument("--hookpoint", default=None, help="stored hookpoint to read (default: hidden_layers')")
     p.add_argument("--out", required=True, metavar="DIR", help="folder of the feature cache and browser")
-    p.add_argument("--top", type=positive_int, default=20, metavar="N", help="top activating tokens kept per feature")
-    p.add_argument("--memory", default="512MiB", metavar="SIZE", help="memory for a batch of scores")
+    p.add_argument("--top", type=positive_int, default=default_of(api.features, "top"),
+                   metavar="N", help="top activating tokens kept per feature")
+    p.add_argument("--memory", default=default_of(api.features, "memory"),
+                   metavar="SIZE", help="memory for a batch of scores")
     p.add_argument("--pages", type=int, default=None, metavar="N", help="feature pages for the N most frequent "
                    "features (default: every feature that fired)")
     p.add_argument("--tokenizer", default=None, help="decodes token ids (default: the dataset's model, if it loads)")

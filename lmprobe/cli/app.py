@@ -9,10 +9,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..api import __version__
 from ..base.display import escape_controls, hide_credentials
 from ..base.progress import messages_shown
 from ..errors import LmprobeError
-from ..version import __version__
 from . import analysis, datasets, exports, extract, hub
 
 

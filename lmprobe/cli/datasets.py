@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from pathlib import Path
 
 from .. import api
 from ..base.display import escape_controls
-from ..format.demo import write_demo
-from ..opening import is_remote, load
-from ..pages import summary
-from ..sae.loader import is_dictionary_folder, validate_dictionary
-from ..saev import is_saev_folder, saev_exports, validate_saev
+from ..opening import is_remote
 from .options import add_token_option
 
 
@@ -22,27 +17,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_exports(paths: list[str]) -> list[str]:
-    """The paths, each ``export-saev --out`` folder replaced by the exports it holds (<HASH>/ folders)."""
-    return [str(e) for p in paths for e in (saev_exports(p) if not is_remote(p) else []) or [p]]
-
-
 def cmd_validate(args: argparse.Namespace) -> int:
     worst = 0
-    for path in _with_exports(args.paths):
-        problems, kind = None, ""
-        if is_saev_folder(path):
-            problems, kind = validate_saev(path, check_sizes=True), "saev"
-        elif is_dictionary_folder(path):
-            problems, kind = validate_dictionary(Path(path).parent, Path(path).name), "SAE dictionary"
-        if problems is not None:
-            print(f"{path}: {kind} {'OK' if not problems else 'INVALID'} ({len(problems)} problem(s))")
-            for p in problems:
-                print(f"  error: {escape_controls(p, keep_newlines=False)}")
-            worst = max(worst, 1 if problems else 0)
-            continue
+    for path in [p for given in args.paths for p in api.artefact_paths(given)]:  # export-saev's --out: its exports
         report = api.validate(path, checksums=not args.no_checksums, full=args.full, token=args.token)
         print(escape_controls(report))
+        if isinstance(report, api.ArtefactReport):  # a saev export or an SAE dictionary
+            worst = max(worst, 0 if report.ok else 1)
+            continue
         if is_remote(path) and not args.full:
             print("  (checked in place: the metadata, the index, every shard's header and size; --full downloads "
                   "every file and checks its sha256)")
@@ -52,16 +34,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    texts = []
-    for path in _with_exports([args.path]):  # export-saev's --out: each export it holds
-        text = summary.artefact_text(path) if not is_remote(path) else None  # a saev export, a dictionary
-        texts.append(text if text is not None else summary.text(load(path), path=path))
-    print("\n\n".join(texts))
+    print(api.info(args.path))
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    path = write_demo(args.out, overwrite=args.overwrite)
+    path = api.write_demo(args.out, overwrite=args.overwrite)
     print(f"wrote a synthetic demo dataset to {path}")
     return cmd_info(argparse.Namespace(path=str(path)))
 

@@ -7,17 +7,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..publish.attachments import publish_attachment
-from ..publish.dictionary import push_dictionary
-from ..sae.export import export_sae
-from ..sae.topk import top_features
-from ..saelens import export_saelens, import_saelens
-from ..saelens.export import choose_hook
+from .. import api
+from ..sae import export_sae
+from ..saelens import choose_hook, export_saelens, import_saelens
 from ..saev import compat_mode, export_saev
 from .options import (
     add_cache_option,
     add_quiet_option,
     add_token_option,
+    default_of,
     open_source,
     positive_int,
     stored_layers,
@@ -33,7 +31,7 @@ def cmd_export_saev(args: argparse.Namespace) -> int:
                          tokens=False if args.no_tokens else None, saev_compat=args.saev_compat,
                          hookpoint=args.hookpoint, quiet=args.quiet)
     if args.push:
-        where = publish_attachment(args.push, folder, "saev", token=args.token, quiet=args.quiet)
+        where = api.publish_attachment(args.push, folder, "saev", token=args.token, quiet=args.quiet)
         if not args.quiet:
             print(f"published {folder.name} to {args.push} under {where}/ (index and card updated)")
     return 0
@@ -75,15 +73,15 @@ def cmd_export_sae(args: argparse.Namespace) -> int:
     )
     print(report)
     if args.push and args.repo_type == "dataset":
-        where = publish_attachment(args.push, Path(args.root) / args.dict, "sae", token=args.token)
+        where = api.publish_attachment(args.push, Path(args.root) / args.dict, "sae", token=args.token)
         print(f"published dictionary {args.dict} to dataset {args.push} under {where}/ (index and card updated)")
     elif args.push:
-        print(push_dictionary(args.root, args.dict, args.push, token=args.token, quiet=False))
+        print(api.push_dictionary(args.root, args.dict, args.push, token=args.token, quiet=False))
     return 0
 
 
 def cmd_sae_topk(args: argparse.Namespace) -> int:
-    found = top_features(args.root, args.dictionary, args.layer, k=args.topk, dataset=args.dataset, prompt=args.prompt,
+    found = api.top_features(args.root, args.dictionary, args.layer, k=args.topk, dataset=args.dataset, prompt=args.prompt,
                          seed=args.seed, device=args.device, scores=args.scores)
     print("\n".join(found.lines()))
     return 0
@@ -94,11 +92,14 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p = command("export-saev", help="export a full_sequence dataset to the saev sharded activation protocol")
     p.add_argument("source", metavar="SOURCE", help="lmprobe full_sequence dataset (folder or Hub repo)")
     p.add_argument("--out", required=True, metavar="DUMP_TO", help="writes DUMP_TO/<HASH>/")
-    p.add_argument("--layers", default="all", help="layers to export: all (every stored layer), '16', '0,8,-1'")
+    p.add_argument("--layers", default=None, help="layers to export: all (every stored layer), '16', '0,8,-1' "
+                   "(default: all)")
     p.add_argument("--hookpoint", default=None, help="stored hookpoint to export (default: what hidden_layers holds)")
     add_cache_option(p)
-    p.add_argument("--context-len", type=positive_int, default=128, metavar="T", help="tokens per example")
-    p.add_argument("--patches-per-shard", type=positive_int, default=2_400_000, metavar="N",
+    p.add_argument("--context-len", type=positive_int, default=default_of(export_saev, "context_len"),
+                   metavar="T", help="tokens per example")
+    p.add_argument("--patches-per-shard", type=positive_int, default=default_of(export_saev, "patches_per_shard"),
+                   metavar="N",
                    help="vectors per shard budget (default 2,400,000: ~10 GiB at d_model 1024)")
     p.add_argument("--drop-first-token", action="store_true", help="leave out each prompt's first token (e.g. BOS)")
     p.add_argument("--no-tokens", action="store_true",
@@ -119,7 +120,7 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--hookpoint", default=None, help="stored hookpoint to write (default: what hidden_layers holds)")
     p.add_argument("--context-len", type=positive_int, default=None, metavar="T",
                    help="tokens per window (default: the longest stored prompt's)")
-    p.add_argument("--windows", choices=["pack", "exact"], default="pack",
+    p.add_argument("--windows", choices=["pack", "exact"], default=default_of(export_saelens, "windows"),
                    help="pack: every stored token in index order, cut into windows of T (as SAELens packs a corpus; "
                    "only the last partial window is left out); exact: one window per prompt of exactly T tokens, "
                    "the others left out")
@@ -158,16 +159,17 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                    help="with --weight-key: a decoder bias the SAE subtracts from its input (folded into the bias)")
     p.add_argument("--hookpoint", default=None, metavar="NAME",
                    help="the SAE to export from a folder holding several (its subfolder, e.g. layers.6)")
-    p.add_argument("--orientation", choices=["auto", "in_out", "out_in"], default="auto",
+    p.add_argument("--orientation", choices=["auto", "in_out", "out_in"], default=default_of(export_sae, "orientation"),
                    help="in_out: [hidden, features] (SAELens); out_in: [features, hidden] (nn.Linear); auto: from the bias")
     p.add_argument("--model-revision", default=None, help="commit hash of the model (recorded as model_hash)")
     p.add_argument("--model-config", default=None, help="config.json of the model (its sha256 becomes model_hash)")
-    p.add_argument("--file-format", choices=["npz", "safetensors"], default="npz", help="file format of the weights")
+    p.add_argument("--file-format", choices=["npz", "safetensors"], default=default_of(export_sae, "file_format"),
+                   help="file format of the weights")
     p.add_argument("--activation", default=None, metavar="RULE",
                    help="the SAE's activation rule for a .safetensors/.npz file: relu (default), topk:K, groupmax:K, "
                    "jumprelu or batchtopk:THRESHOLD (a SAELens or sparsify save records its own)")
     p.add_argument("--push", default=None, metavar="REPO", help="publish the dictionary to this Hub repo")
-    p.add_argument("--repo-type", choices=["model", "dataset"], default="model",
+    p.add_argument("--repo-type", choices=["model", "dataset"], default=default_of(api.push_dictionary, "repo_type"),
                    help="model: REPO/<dict>/; dataset: beside a dataset, under sae/<dict>/, index updated")
     add_token_option(p)
     p.set_defaults(func=cmd_export_sae)
@@ -178,11 +180,14 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--root", required=True, help="folder holding dictionaries, or hf://OWNER/NAME (a model repo)")
     p.add_argument("--dict", required=True, dest="dictionary", help="dictionary name (a folder under --root)")
     p.add_argument("--layer", required=True, type=int, help="the layer of the dictionary to load (-1: its last)")
-    p.add_argument("--topk", type=positive_int, default=10, help="features to print")
+    p.add_argument("--topk", type=positive_int, default=default_of(api.top_features, "k"), help="features to print")
     p.add_argument("--dataset", default=None, help="take the probe vector from this lmprobe dataset (path or repo)")
-    p.add_argument("--prompt", type=int, default=0, help="with --dataset: the prompt (index row) to use")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random probe vector")
-    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    p.add_argument("--prompt", type=int, default=default_of(api.top_features, "prompt"),
+                   help="with --dataset: the prompt (index row) to use")
+    p.add_argument("--seed", type=int, default=default_of(api.top_features, "seed"),
+                   help="seed of the random probe vector")
+    p.add_argument("--device", default=default_of(api.top_features, "device"),
+                   help="auto (cuda when available), cpu, cuda or cuda:N")
     p.add_argument("--scores", action="store_true",
                    help="rank raw scores W x + b (the dictionary format's projection) instead of the SAE's "
                    "activations under its recorded rule (relu, top-k, JumpReLU)")

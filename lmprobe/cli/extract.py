@@ -7,9 +7,8 @@ import json
 from collections.abc import Callable
 
 from .. import api
+from ..api import ExtractionConfig
 from ..base.display import escape_controls
-from ..extraction.config import ExtractionConfig
-from ..extraction.runner import rows_text
 from .options import add_settings, add_token_option
 
 
@@ -20,7 +19,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     outcome = api.run_extraction(cfg, token=args.token)
     ds = outcome.dataset
     if outcome.wrote and not cfg.quiet:  # else the runner said it had nothing to do
-        print(f"wrote {rows_text(ds, corpus=cfg.corpus)} ({ds.storage}, {ds.dtype}) to {cfg.out}")
+        print(f"wrote {api.rows_text(ds, corpus=cfg.corpus)} ({ds.storage}, {ds.dtype}) to {cfg.out}")
     return 0
 
 

@@ -10,6 +10,7 @@ from ..opening import load
 from .options import (
     add_quiet_option,
     add_token_option,
+    default_of,
     hookpoint_list,
     positive_int,
     stored_layers,
@@ -41,13 +42,14 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--revision", default=None, metavar="BRANCH", help="push to this branch (created if needed; "
                    "default: main)")
     add_token_option(p)
-    p.add_argument("--saev", action="append", default=[], metavar="FOLDER",
+    p.add_argument("--saev", action="append", default=list(default_of(api.push_to_hub, "saev")), metavar="FOLDER",
                    help="also publish this saev export (copied into DIR/saev/<HASH>/); repeatable")
-    p.add_argument("--sae", action="append", default=[], metavar="FOLDER",
+    p.add_argument("--sae", action="append", default=list(default_of(api.push_to_hub, "sae")), metavar="FOLDER",
                    help="also publish this SAE dictionary folder (copied into DIR/sae/<name>/); repeatable")
-    p.add_argument("--workers", type=positive_int, default=8, metavar="N",
+    p.add_argument("--workers", type=positive_int, default=default_of(api.push_to_hub, "workers"), metavar="N",
                    help="files uploading at the same time, while earlier ones are committed")
-    p.add_argument("--commit-deadline", type=float, default=3600.0, metavar="SECONDS",
+    p.add_argument("--commit-deadline", type=float, default=default_of(api.push_to_hub, "commit_deadline"),
+                   metavar="SECONDS",
                    help="how long a request refused by the Hub's rate limit (429) keeps being retried")
     add_quiet_option(p)
     p.set_defaults(func=cmd_push)
@@ -56,7 +58,7 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("repo", metavar="REPO", help="OWNER/NAME or hf://datasets/OWNER/NAME")
     p.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder, or an earlier pull of REPO "
                    "(a re-run resumes; more --layers extend it)")
-    p.add_argument("--layers", default="all", help="layers to fetch: all, '16', '0,8,-1', '10:20'")
+    p.add_argument("--layers", default=None, help="layers to fetch: all, '16', '0,8,-1', '10:20' (default: all)")
     p.add_argument("--hookpoints", default=None, help="hookpoints to fetch, a comma list (default: all stored)")
     p.add_argument("--no-logits", action="store_true", help="do not fetch the logits shards")
     p.add_argument("--only", default=None, metavar="PART",

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import MISSING, fields
 from typing import Any, Literal
 
-from ..base.fields import cli_of, field_docs, plain_text
+from .. import api
+from ..base.fields import cli_of, command_line_text, field_docs
 from ..base.layers import parse_layers
-from ..opening import is_remote, load
-from ..storage.cache import announce_budget, cache_budget
+
+
+def default_of(func: Callable[..., Any], name: str) -> Any:
+    """The default of ``func``'s parameter ``name``: an option takes the default of the API function it feeds,
+    written once there (``--workers`` is ``push_to_hub``'s ``workers``), never a literal of the command line's."""
+    return inspect.signature(func).parameters[name].default
 
 
 def stored_layers(spec: str | None, stored: list[int]) -> list[int] | None:
@@ -47,20 +53,9 @@ def positive_int(text: str) -> int:
 
 
 def open_source(path: str, cache: str | None, quiet: bool, check: Callable[[Any], object] | None = None) -> Any:
-    """A dataset for a command that reads it whole: a remote one through a bounded cache, said on stderr once
-    ``check(ds)`` (the command's arguments against the metadata) has passed: a mistake is one line, alone."""
-    if not is_remote(path):
-        ds = load(path)
-        if check is not None:
-            check(ds)
-        return ds
-    budget = cache_budget(cache, path, announce=False)
-    ds = load(path, cache=budget)
-    if check is not None:
-        check(ds)
-    if not quiet:
-        announce_budget(path, budget)
-    return ds
+    """A dataset for a command that reads it whole (``lmprobe.api.open_dataset``): a remote one through a bounded
+    cache, said on stderr once ``check(ds)`` has passed."""
+    return api.open_dataset(path, cache=cache, quiet=quiet, check=check)
 
 
 def hookpoint_list(text: str | None) -> list[str] | None:
@@ -78,7 +73,7 @@ def add_settings(parser: argparse.ArgumentParser, settings: type, groups: dict[s
     sections = {key: parser.add_argument_group(title) for key, title in groups.items()}
     for f in fields(settings):
         cli = cli_of(f)
-        help_text = _help_line(plain_text(docs[f.name]))
+        help_text = _help_line(command_line_text(docs[f.name]))
         kind, choices = _kind(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {"dest": f.name}

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from ..base.fields import option
+from ..base.fields import option, recorded_of, spec_names_of
 from ..base.units import parse_count, parse_size
 from ..errors import ExtractionError, InvalidArgumentError
 from ..format.dtypes import COMPUTE_DTYPES, HIDDEN_DTYPES
@@ -23,6 +23,9 @@ from .hookpoints import parse_hookpoints
 from .placement import parse_max_memory
 
 BACKENDS = ("transformers", "nnsight")
+#: the place of the prompt set's identity (``prompts_sha256``, ``num_prompts``) or the corpus source's in the
+#: recorded settings: after the model's (``record=1``, ``2``), before the corpus windows' (``4``..)
+_IDENTITY_PLACE = 3
 #: recorded settings that change no stored value beyond float rounding: an output made under other values of
 #: these is the same extraction, and a partial one resumes (a smaller batch after an out-of-memory error)
 RESUMABLE_SETTINGS = RUN_SETTINGS
@@ -47,37 +50,39 @@ def settings_fingerprint(settings: dict[str, Any]) -> str:
 class ExtractionConfig:
     """What to extract, from which model and prompts, into which output."""
 
-    model: str = option(group="model", metavar="MODEL")
+    model: str = option(group="model", metavar="MODEL", record=1)
     """A local model folder, a Hub model id, or ``lmprobe-tiny`` (the model shipped inside lmprobe)."""
     prompts: Any = option(group="input", metavar="SOURCE")
     """A .jsonl, .csv, .tsv, .parquet or .txt file (one prompt a line), a folder of them, or a Hugging Face dataset
-    (``hf://datasets/OWNER/NAME`` or ``OWNER/NAME``); in Python also a list of strings or dicts, or a pandas
-    DataFrame."""
+    (``hf://datasets/OWNER/NAME`` or ``OWNER/NAME``).
+
+    In Python also a list of strings or dicts, or a pandas DataFrame."""
     out: str | os.PathLike = option(group="output", metavar="DIR")
     """The dataset folder to write (or to resume), an object-storage URL such as ``s3://bucket/prefix``, or a Hub
     dataset repo to write straight to (``hf://datasets/OWNER/NAME``)."""
 
     # ---- the model and how it runs
-    revision: str | None = option(None, group="model")
+    revision: str | None = option(None, group="model", record=2)
     """Model revision (branch, tag or commit) on the Hub; the commit is recorded. Default: main."""
     trust_remote_code: bool = option(False, group="model")
     """Let the model repo's own Python code run. Off unless asked for."""
     block_path: str | None = option(None, group="model")
     """Attribute path of the decoder block list, for architectures lmprobe does not find (default: found)."""
-    backend: Literal["transformers", "nnsight"] = option("transformers", group="model")
+    backend: Literal["transformers", "nnsight"] = option("transformers", group="model", record=18)
     """``transformers``: hooks on a local model; ``nnsight``: an nnsight trace."""
-    remote: bool | Literal["local"] = option(False, group="model")
-    """With the nnsight backend: run on NDIF (API key from NNSIGHT_API_KEY or nnsight's config); in Python,
-    ``"local"`` runs through nnsight's remote path locally."""
+    remote: bool | Literal["local"] = option(False, group="model", record=19)
+    """With the nnsight backend: run on NDIF (API key from NNSIGHT_API_KEY or nnsight's config).
+
+    In Python, ``"local"`` runs through nnsight's remote path locally."""
     device: str = option("auto", group="model")
     """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
-    compute_dtype: Literal["auto", "float32", "float16", "bfloat16"] = option("auto", group="model")
+    compute_dtype: Literal["auto", "float32", "float16", "bfloat16"] = option("auto", group="model", record=10)
     """dtype the model runs in (``auto``: float32 on CPU, the checkpoint's dtype on GPU)."""
-    batch_size: int = option(8, group="model", metavar="N")
+    batch_size: int = option(8, group="model", metavar="N", record=15)
     """Prompts per forward pass. Changing it does not block a resume (each run is recorded in ``lmprobe:runs``)."""
-    max_length: int | None = option(None, group="model", metavar="N")
+    max_length: int | None = option(None, group="model", metavar="N", record=16, record_when="prompts")
     """Longest prompt in tokens (default: the model's limit)."""
-    truncate: Literal["left", "right"] | None = option(None, group="model")
+    truncate: Literal["left", "right"] | None = option(None, group="model", record=17, record_when="prompts")
     """Cut prompts longer than ``max_length`` (left keeps the end) instead of failing (default: fail)."""
     device_map: Literal["auto"] | None = option(None, group="model")
     """``auto``: spread the model over this process's GPUs (then the CPU, then disk) with accelerate, for a model
@@ -95,45 +100,47 @@ class ExtractionConfig:
     """The configuration (subset) of a Hugging Face dataset source."""
     split: str = option("train", group="input")
     """The split of a Hugging Face dataset source."""
-    chat_template: bool = option(False, group="input")
+    chat_template: bool = option(False, group="input", record=22, record_when="prompts")
     """Wrap each prompt in the tokenizer's chat template; store only the prompt's own tokens."""
     max_prompts: int | None = option(None, group="input", metavar="N")
     """Extract only the first N prompts of the source, which is read no further: a trial run on part of a large
     file (default: every prompt)."""
 
     # ---- corpus extraction
-    context_len: int | None = option(None, group="corpus", metavar="T")
+    context_len: int | None = option(None, group="corpus", metavar="T", record=4, record_when="corpus")
     """Corpus extraction: cut every document into windows of at most T tokens, one row each (default: the
     model's length when ``max_tokens`` is given)."""
-    max_tokens: int | str | None = option(None, group="corpus", metavar="N")
+    max_tokens: int | str | None = option(None, group="corpus", metavar="N", record=5, record_when="corpus")
     """Corpus extraction: stop at exactly N stored tokens (and stop reading the source); ``50M`` works."""
-    special_tokens: bool = option(True, group="corpus")
+    special_tokens: bool = option(True, group="corpus", record=6, record_when="corpus")
     """Corpus extraction: add the tokenizer's special tokens (BOS, ...) to every window, within the window's
     length."""
 
     # ---- what to store
-    layers: str | int | list[int] | None = option("all", group="store")
-    """``all``, ``0,3,-1``, ranges such as ``10:20`` (a Python slice: 10..19), or a list of ints."""
-    hookpoints: str | tuple[str, ...] | list[str] = option("resid_post", group="store")
+    layers: str | int | list[int] | None = option("all", group="store", record=7)
+    """``all``, ``0,3,-1``, or ranges such as ``10:20`` (10 to 19: the end is left out, as in a Python slice).
+
+    In Python also a list of ints."""
+    hookpoints: str | tuple[str, ...] | list[str] = option("resid_post", group="store", spec=("hookpoints",))
     """Where in each block to read, a comma list: ``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_in``,
     ``mlp_out``, ``resid_post``, or a module path in the block with ``:input``/``:output``, e.g.
     ``mlp.act_fn:output`` (docs/hookpoints.md)."""
-    storage: Literal["pooled", "full_sequence"] = option("pooled", group="store")
+    storage: Literal["pooled", "full_sequence"] = option("pooled", group="store", record=8, spec=("storage",))
     """``pooled`` keeps the last stored token of each prompt; ``full_sequence`` keeps every token."""
-    dtype: Literal["float32", "float16", "bfloat16", "int8"] = option("float32", group="store")
+    dtype: Literal["float32", "float16", "bfloat16", "int8"] = option("float32", group="store", record=9, spec=("dtype",))
     """Stored dtype of the hidden states. ``int8``: 8-bit codes with a float32 scale per vector (absmax), half the
     bytes of bfloat16; read back as float32 (format 3.0, docs/format.md)."""
-    logits_topk: int | None = option(None, group="store", metavar="K")
+    logits_topk: int | None = option(None, group="store", metavar="K", record=11, spec=("logits_k",))
     """Store the top-K logits at the last token (default: none)."""
-    perplexity: bool = option(False, group="store")
+    perplexity: bool = option(False, group="store", record=12, spec=("perplexity", "token_perplexity"))
     """Store per-prompt and per-token perplexity."""
-    token_strings: bool = option(False, group="store")
+    token_strings: bool = option(False, group="store", record=14, spec=("token_strings",))
     """Store the decoded tokens (and their ids)."""
-    token_ids: bool = option(False, group="store")
+    token_ids: bool = option(False, group="store", record=13)
     """Store the token ids."""
-    drop_special_tokens: bool = option(False, group="store")
+    drop_special_tokens: bool = option(False, group="store", record=21, record_when="prompts")
     """Do not store the tokenizer's special tokens (BOS, EOS, ...); the model still sees them."""
-    statistics: bool = option(True, group="store")
+    statistics: bool = option(True, group="store", record=20, spec=("statistics",))
     """Keep running per-layer statistics (count, mean, std, mean norm) over every stored vector."""
 
     # ---- the output
@@ -144,7 +151,7 @@ class ExtractionConfig:
     """Seconds between checkpoints: at most this much work is redone after an interruption."""
     space_check: bool = option(True, group="output")
     """Stop before the model runs when the output's disk has less free space than the planned bytes."""
-    checksums: bool = option(True, group="output")
+    checksums: bool = option(True, group="output", spec=("checksums",))
     """Record the SHA-256 of every shard (lets a push skip files already on the Hub)."""
     overwrite: bool = option(False, group="output")
     """Replace an existing or partial output instead of resuming it."""
@@ -261,6 +268,12 @@ class ExtractionConfig:
         """The shard size asked for; None: the plan chooses (plan.py)."""
         return None if self.shard_size is None else parse_size(self.shard_size)
 
+    def spec_settings(self) -> dict[str, Any]:
+        """The fields of the dataset's description (``DatasetSpec``) that are settings as asked for, from the fields
+        marked ``spec=``: ``logits_topk`` is the description's ``logits_k``, ``perplexity`` both ``perplexity`` and
+        ``token_perplexity``."""
+        return {name: getattr(self, f.name) for f in fields(self) for name in spec_names_of(f)}
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
@@ -273,35 +286,18 @@ class ExtractionConfig:
         Values are resolved (layer indices, the model's commit, the prompt set's hash or the
         source's identity), so that the same work asked for in other words still matches.
         """
-        what: dict[str, Any] = {"prompts_sha256": prompts_sha256, "num_prompts": num_prompts}
-        if self.corpus:
-            what = {"source": source, "context_len": max_length, "max_tokens": self.max_tokens,
-                    "special_tokens": self.special_tokens}
-        out = {
-            "model": model_name,
-            "revision": revision,
-            **what,
-            "layers": layers,
-            "storage": self.storage,
-            "dtype": self.dtype,
-            "compute_dtype": self.compute_dtype,
-            "logits_topk": self.logits_topk,
-            "perplexity": self.perplexity,
-            "token_ids": self.token_ids or self.token_strings,
-            "token_strings": self.token_strings,
-            "batch_size": self.batch_size,
-            "max_length": max_length,
-            "truncate": self.truncate,
-            "backend": self.backend,
-            "remote": self.remote,
-            "statistics": self.statistics,
-            "drop_special_tokens": self.drop_special_tokens,
-            "chat_template": self.chat_template,
-            "processing_order": "source" if self.corpus else "length_descending",
-        }
-        if self.corpus:
-            for name in ("max_length", "truncate", "drop_special_tokens", "chat_template"):
-                del out[name]
+        # the fields marked ``record=`` in their place, resolved values where the config holds a request; the
+        # prompt set's identity (or the corpus source's) follows the model's
+        resolved = {"model": model_name, "revision": revision, "layers": layers, "max_length": max_length,
+                    "context_len": max_length, "token_ids": self.token_ids or self.token_strings}
+        identity = {"source": source} if self.corpus else {"prompts_sha256": prompts_sha256, "num_prompts": num_prompts}
+        items = [(_IDENTITY_PLACE, key, value) for key, value in identity.items()]
+        for f in fields(self):
+            rec = recorded_of(f)
+            if rec is not None and rec.when in ("always", "corpus" if self.corpus else "prompts"):
+                items.append((rec.place, f.name, resolved.get(f.name, getattr(self, f.name))))
+        out = {key: value for _, key, value in sorted(items, key=lambda item: item[0])}
+        out["processing_order"] = "source" if self.corpus else "length_descending"
         if weights is not None:  # a local model folder's weights (no commit names them): a resume over others is refused
             out["weights"] = weights
         if self.hookpoints != (DEFAULT_HOOKPOINT,):  # absent by default: earlier partial outputs still resume

@@ -45,17 +45,12 @@ class Outcome:
     wrote: bool  # False: the output already held this extraction, and nothing was done
 
 
-def run(cfg: ExtractionConfig, *, token: str | None = None) -> Dataset:
-    """Run the extraction ``cfg`` describes and return the dataset, opened.
-
-    Re-running the same extraction after an interruption continues where it stopped; a different
-    configuration against a partial output is an error unless ``overwrite`` is set.
-    """
-    return execute(cfg, token=token).dataset
-
-
 def execute(cfg: ExtractionConfig, *, token: str | None = None) -> Outcome:
-    """``run``, also saying whether anything was written (the command line's last line depends on it). ``token``:
+    """Run the extraction ``cfg`` describes; return the dataset, opened, and whether anything was written (the
+    command line's last line depends on it). The runner's step of ``lmprobe.api.run_extraction``, the one function
+    that runs an extraction (it adds the push and the one-line wording of a peer's failure): call that. Re-running
+    the same extraction after an interruption continues where it stopped; a different configuration against a
+    partial output is an error unless ``overwrite`` is set. ``token``:
     the Hub identity of every Hub call of the extraction (never stored): the output's, the model's download, an
     ``hf://`` prompt or corpus source's reads."""
     output = open_output(cfg.out, token=token)  # a bad --out is an error before the tokenizer and the weights load
@@ -139,27 +134,19 @@ def _extract(job: Job, output: Output) -> Dataset | None:
             # the other ranks from its source position, which the refill does not replay)
             session.seed(settings)
         dataset_spec = DatasetSpec(  # what the dataset will hold; the writer's keywords below are this run's
-            layers=settings["layers"],
+            **cfg.spec_settings(),  # the settings as asked for (the config's fields marked spec=)
+            layers=settings["layers"],  # and as resolved for this job
             dim=job.spec.hidden_size,
             model_name=job.spec.name,
             model_revision=settings["revision"],
-            storage=cfg.storage,
-            dtype=cfg.dtype,
             shard_size=job.shard_bytes,
-            logits_k=cfg.logits_topk,
             label_type=job.prompts.label_type if job.prompts else None,
             columns=job.prompts.column_types if job.prompts else None,
-            perplexity=cfg.perplexity,
             token_ids=settings["token_ids"],
-            token_strings=cfg.token_strings,
-            token_perplexity=cfg.perplexity,
             provenance=_provenance(cfg),
             metadata={"extraction": {"settings": settings, "architecture": _architecture_record(job)}},
-            checksums=cfg.checksums,
-            statistics=cfg.statistics,
             corpus=job.corpus is not None,
             truncation=job.cut is not None,  # each prompt's cut tokens, in `truncated_tokens`
-            hookpoints=cfg.hookpoints,
             hookpoint_dims=job.hookpoint_dims,
             layout=job.layout,
         )
