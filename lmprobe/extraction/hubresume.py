@@ -41,7 +41,7 @@ from ..storage.commits import RepoFile
 from ..storage.hub import HubFiles, HubRef, hub_api
 from .config import same_extraction
 
-logger = logging.getLogger("lmprobe")
+logger = logging.getLogger(__name__)
 
 RESUME_DIR = ".lmprobe-resume"
 RESUME_FILE = f"{RESUME_DIR}/checkpoint.parquet"
@@ -227,6 +227,6 @@ def seed_from_hub(ref: HubRef, token: str | bool | None, local: Path, remote: di
     doc = check_resume(meta, listing, settings, str(ref))
     seed_staging(local / STAGING_DIR, doc, copy)
     copy.unlink()
-    logger.info(f"{ref}: this node held nothing of it; resuming from its checkpoint on the Hub "
-                f"({doc['state'].get('num_prompts')} rows)")
+    logger.info("%s: this node held nothing of it; resuming from its checkpoint on the Hub (%s rows)",
+                ref, doc['state'].get('num_prompts'))
     return True

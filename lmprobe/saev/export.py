@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,7 +17,7 @@ import numpy as np
 from ..base.atomic import atomic_output, atomic_write, move_into_place
 from ..base.lock import OutputLock
 from ..base.paths import check_output_path
-from ..base.progress import Progress, logger
+from ..base.progress import Progress
 from ..base.units import plural
 from ..base.worker import settle
 from ..errors import SaevError
@@ -37,6 +38,8 @@ from .protocol import (
     shard_sizes,
 )
 from .reader import validate_saev
+
+logger = logging.getLogger(__name__)
 
 #: source shard files an export keeps open at once (runs follow the source's order, so few are needed)
 _OPEN_SOURCES = 16
@@ -201,8 +204,8 @@ def export_saev(
                         "--token-ids, or leave tokens.bin out (--no-tokens)")
     with_tokens = has_ids if tokens is None else bool(tokens)
     if tokens is None and not has_ids and not quiet:
-        logger.info(f"note: {source_desc} stores no token ids, so tokens.bin is not written (extract with --token-ids "
-                    "to have it)")
+        logger.info("note: %s stores no token ids, so tokens.bin is not written (extract with --token-ids "
+                    "to have it)", source_desc)
     plan = _plan(ds, source_desc, layers=layer_list, context_len=context_len, patches_per_shard=patches_per_shard,
                  drop_first_token=drop_first_token, with_tokens=with_tokens, index_sha256=source_index_hash(ds),
                  saev_compat=saev_compat, hookpoint=hookpoint)
@@ -219,7 +222,7 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
         if problems:
             raise SaevError(f"{final} exists but does not validate ({'; '.join(problems)}); delete it and re-run")
         if not quiet:
-            logger.info(f"{final} already holds this export; nothing to do")
+            logger.info("%s already holds this export; nothing to do", final)
         return final
     h = ds.hidden_desc(hookpoint)
     T, L, D = context_len, len(layer_list), h.dim
@@ -311,8 +314,9 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     atomic_write(partial / "metadata.json", json.dumps(plan.metadata, indent=2) + "\n")  # last
     move_into_place(partial, final)
     if not quiet:
-        logger.info(f"wrote {plural(plan.n_ex, 'example')} x {plural(L, 'layer')} x {plural(T, 'token')} x {D} dims "
-                    f"in {plural(len(shards_json), 'shard')} to {final}")
+        logger.info("wrote %s x %s x %s x %s dims in %s to %s",
+                    plural(plan.n_ex, 'example'), plural(L, 'layer'), plural(T, 'token'), D,
+                    plural(len(shards_json), 'shard'), final)
     return final
 
 
