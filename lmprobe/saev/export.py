@@ -215,14 +215,35 @@ def export_saev(
         return _export(ds, plan, out, final, layer_list, context_len, with_tokens, saev_compat, quiet, hookpoint)
 
 
+def _already_exported(final: Path, quiet: bool) -> bool:
+    """Whether ``final`` holds a finished export already (one that does not validate is an error)."""
+    if not (final / "metadata.json").exists():
+        return False
+    problems = validate_saev(final)
+    if problems:
+        raise SaevError(f"{final} exists but does not validate ({'; '.join(problems)}); delete it and re-run")
+    if not quiet:
+        logger.info("%s already holds this export; nothing to do", final)
+    return True
+
+
+def _runs(shard_of: np.ndarray, offset_of: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                         np.ndarray]:
+    """Runs of stored positions that are consecutive rows of one source shard, cut at example boundaries (every
+    ``T`` positions): each run is one memcpy out of a memory-mapped source shard. (start, length, shard, row)."""
+    n_pos = len(shard_of)
+    cut = np.zeros(n_pos, dtype=bool)
+    cut[0] = True
+    cut[1:] = (np.diff(shard_of) != 0) | (np.diff(offset_of) != 1)
+    cut[::T] = True
+    run_start = np.flatnonzero(cut)
+    run_len = np.diff(np.append(run_start, n_pos))
+    return run_start, run_len, shard_of[run_start], offset_of[run_start]
+
+
 def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int], context_len: int, with_tokens: bool,
             saev_compat: str | None, quiet: bool, hookpoint: str | None = None) -> Path:
-    if (final / "metadata.json").exists():
-        problems = validate_saev(final)
-        if problems:
-            raise SaevError(f"{final} exists but does not validate ({'; '.join(problems)}); delete it and re-run")
-        if not quiet:
-            logger.info("%s already holds this export; nothing to do", final)
+    if _already_exported(final, quiet):
         return final
     h = ds.hidden_desc(hookpoint)
     T, L, D = context_len, len(layer_list), h.dim
@@ -244,16 +265,8 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     partial = out / f".{plan.hash}.partial"
     partial.mkdir(parents=True, exist_ok=True)
     n_pos = plan.n_ex * T
-    # runs of stored positions that are consecutive rows of one source shard, cut at example boundaries:
-    # each run is one memcpy out of a memory-mapped source shard
-    cut = np.zeros(n_pos, dtype=bool)
-    cut[0] = True
-    cut[1:] = (np.diff(shard_of) != 0) | (np.diff(offset_of) != 1)
-    cut[::T] = True
-    run_start = np.flatnonzero(cut)
-    run_len = np.diff(np.append(run_start, n_pos))
-    run_shard, run_off = shard_of[run_start], offset_of[run_start]
-    del cut, shard_of, offset_of
+    run_start, run_len, run_shard, run_off = _runs(shard_of, offset_of, T)
+    del shard_of, offset_of
     maps: dict[tuple[int, int], np.ndarray] = {}
     fds: dict[tuple[int, int], tuple[int, int]] = {}  # float32 sources: (fd, data start), read with preadv
 
@@ -284,8 +297,6 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     # float32 and bfloat16 runs are read with one preadv each straight into the block (bfloat16 into a
     # block of raw bits, converted in one pass per chunk); other dtypes are copied out of memory maps
     direct = (h.kind.half_of_float32 or h.dtype == "float32") and hasattr(os, "preadv")
-
-
     ex_chunk = max(1, _CHUNK_BYTES // (L * T * vec_bytes))
     bar = Progress(plan.n_ex, desc="export-saev", unit="example", quiet=quiet)
     shards_json = []
