@@ -1,4 +1,4 @@
-"""Many ranks, one source (issue 34): each rank reads only its own records, and a token budget stays exact.
+"""Many ranks, one source: each rank reads only its own records, and a token budget stays exact.
 
 Ranks are simulated with threads: ``all_gather`` is a barrier over a shared list, as
 ``torch.distributed.all_gather_object`` is over a process group.

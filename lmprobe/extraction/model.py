@@ -212,8 +212,8 @@ def weights_fingerprint(folder: Path) -> str:
     Cheap at any size (a 70B model: ~30 headers of a few hundred KiB, no tensor bytes read), and it changes when a
     file is written again (a fine-tune saved over the old weights: same shapes and sizes, a new modification time).
     A copy that does not keep the times (``cp`` without ``-p``) counts as other weights: a resume over it is refused
-    and ``--overwrite`` starts again; that is the safe side (issue 44 item 5: a resume over changed weights published
-    a mix of two models' rows).
+    and ``--overwrite`` starts again; that is the safe side (a resume over changed weights would publish a mix
+    of two models' rows).
     """
     import hashlib
 
