@@ -1,4 +1,4 @@
-"""The node-shared cache's bookkeeping against the downloads it manages (issue 44 items 8 and 9).
+"""The node-shared cache's bookkeeping against the downloads it manages.
 
     python benchmarks/bench_cache.py            # ~10 s
     python benchmarks/bench_cache.py --quick
@@ -14,7 +14,7 @@ downloads 64 MiB at full size. This measures, in one run:
   the bookkeeping is timed), windows of 3 pieces claimed together, a budget of six pieces;
 - turns: the same for each of 3 readers sharing the folder and the budget (two windows fit at once,
   so they take turns; a waiting reader looks for room every 50 ms): the time per piece includes the
-  waits. The reader before issue 44 (pieces claimed one at a time) deadlocks here: each holds two
+  waits. A reader that claims pieces one at a time (as the reader before did) deadlocks here: each holds two
   pieces of its window and waits for the others (it ends after ``patience``, 30 s here).
 
 It prints each per-piece time as a fraction of the baseline (what it adds to a pass).

@@ -1,4 +1,4 @@
-"""Fast answers (issue 47, item 5): the wall time of `lmprobe --help`, of an argument error, and of learning a
+"""Fast answers: the wall time of `lmprobe --help`, of an argument error, and of learning a
 dataset's special token ids, each in a fresh process, against the path that loads transformers (the baseline,
 measured in the same run).
 

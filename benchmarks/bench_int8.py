@@ -1,4 +1,4 @@
-"""int8 storage (issue 46): SAE quality against bfloat16, bytes per token, writer and reader rates against their floors.
+"""int8 storage: SAE quality against bfloat16, bytes per token, writer and reader rates against their floors.
 
     python benchmarks/bench_int8.py [--quick]
 

@@ -1,4 +1,4 @@
-"""The merge's memory and the index's size on disk, against the token count (issue 43, point 4).
+"""The merge's memory and the index's size on disk, against the token count.
 
     python benchmarks/bench_merge_memory.py                      # 8 parts, 10^6 and 10^7 tokens in all
     python benchmarks/bench_merge_memory.py --old /tmp/old       # and the merge of another checkout, same parts

@@ -19,7 +19,7 @@
    budget and with ``--max-tokens`` at 80% of the corpus. Dealt by piece (a row group or a file:
    what a folder or a Hub dataset of many files gets), the largest rank's bytes / the corpus's
    bytes should sit near 1/W (a rank reads the footers of 1/W of the parquet files, then its own
-   pieces); dealt by record (a single file, or lmprobe before issue 43), every rank reads every
+   pieces); dealt by record (a single file, or lmprobe before dealing by piece), every rank reads every
    byte: 1.00 (parquet: more, as pyarrow reads the last 64 KiB of every small file first).
    The windows stored by the ranks are checked against one process's, their tokens against the
    budget.

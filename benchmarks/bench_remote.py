@@ -19,7 +19,7 @@ of every answer, so the figures are what the Hub would see.
   pieces the data and the cache hold); the spread of the label fraction across one rank's batches
   against a uniform sample's (1.00 = uniform), for resident groups chosen by strata (now) and at
   random (the reader before, emulated in the same run).
-- pieces: pieces sized for mixing (issue 46, point 6) at 1/64 scale: a 1.6 GiB label-sorted layer, batches
+- pieces: pieces sized for mixing at 1/64 scale: a 1.6 GiB label-sorted layer, batches
   of 4,096, a cache of a quarter of it (spread against uniform, pieces chosen and given) and of all of it
   (bytes per request).
 - node: 4 ranks in 4 processes on one machine sharing one cache folder (LOCAL_WORLD_SIZE=4): bytes
@@ -207,7 +207,7 @@ def bench_mixing(server, tmp: Path, quick: bool) -> None:
 
 
 def bench_pieces(server, tmp: Path, quick: bool) -> None:
-    """Issue 46, point 6: pieces sized for mixing (no piece=), both ends, at 1/64 scale: a 1.6 GiB label-sorted
+    """Pieces sized for mixing (no piece=), both ends, at 1/64 scale: a 1.6 GiB label-sorted
     layer in 64 MiB shard files is 25.6 MiB in 1 MiB files, pieces of 1-64 MiB are 16 KiB-1 MiB."""
     import lmprobe.stream.plan as plan_mod
     from lmprobe.stream import ShardStream

@@ -1,7 +1,7 @@
 """The training reader against the floor of any shuffled reader, measured in the same run.
 
     python benchmarks/bench_stream.py [--quick]
-    python benchmarks/bench_stream.py --fresh 10     # a 230 MB layer in 10 fresh processes (issue 35 point 7)
+    python benchmarks/bench_stream.py --fresh 10     # a 230 MB layer in 10 fresh processes
 
 - speed: ShardStream with global shuffling vs the read-plus-gather floor of the same bytes (read
   every shard with np.fromfile, gather every row into a batch by a random permutation), local files
@@ -77,7 +77,7 @@ def fresh_child(path: Path, batch: int) -> None:
     """One fresh process of ``--fresh``: floor, reader and the reader as it was, in turn, 3 times; one JSON line."""
     import resource
 
-    def old_reader():  # before issue 35: a pool as large as memory allows (the whole layer), new every pass
+    def old_reader():  # the reader before: a pool as large as memory allows (the whole layer), new every pass
         s = ShardStream(path, 0, batch, seed=0)
         e = s.engine
         e.pool_rows = (2**30 - 4 * batch * e.source.dim * 4) // (2 * e.source.dim * 4) - batch

@@ -1,4 +1,4 @@
-"""A model spread by ``--device-map auto`` stores what the model whole on one device stores (issue 43, point 5).
+"""A model spread by ``--device-map auto`` stores what the model whole on one device stores.
 
     python benchmarks/gpu_device_map.py            # on a GPU machine (about a minute on an H100)
     python benchmarks/gpu_device_map.py --quick    # smaller model and fewer prompts (the default without a GPU)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .base import progress as _progress  # noqa: F401  (the lmprobe logger's handler, before any module logs)
 from .errors import LmprobeError
 from .version import __version__
 

@@ -1,5 +1,4 @@
-"""Runs lmprobe.extract and holds it right after its first commit landed (with a job marker: the marker's commit;
-issue 44, finding 3): writes FLAG, then waits until GO exists (at most 300 s, then exits 3), then goes on. Used by
+"""Runs lmprobe.extract and holds it right after its first commit landed (with a job marker: the marker's commit): writes FLAG, then waits until GO exists (at most 300 s, then exits 3), then goes on. Used by
 test_concurrent_jobs.py:
     python _held_extract.py '[SOURCE, MODEL, OUT, KWARGS, FLAG, GO]'
 """

@@ -234,7 +234,7 @@ def test_extraction_config_checks_itself_and_documents_every_field():
 
 
 def test_there_is_one_command_line():
-    """issue 38, point 4: every command is parsed in lmprobe/cli/ (one module per command group) and calls a public
+    """Every command is parsed in lmprobe/cli/ (one module per command group) and calls a public
     function; no feature package keeps a command line of its own (`python -m lmprobe.sae` hands over to it)."""
     parsers = sorted(name for name, path in MODULES.items()
                      if not name.startswith("lmprobe.cli") and "argparse" in path.read_text())
@@ -242,9 +242,9 @@ def test_there_is_one_command_line():
 
 
 def test_no_module_past_600_lines_without_a_reason_at_its_top():
-    """issue 38, point 2: one idea per file; a file past ~600 lines says at its top why it is one file."""
+    """One idea per file: a file past 600 lines says at its top why it is one file."""
     long = [name for name, path in MODULES.items()
-            if len(path.read_text().splitlines()) > 620 and "on purpose" not in (ast.get_docstring(ast.parse(
+            if len(path.read_text().splitlines()) > 600 and "on purpose" not in (ast.get_docstring(ast.parse(
                 path.read_text())) or "")]
     assert not long, f"modules past 600 lines whose docstring gives no reason (say why it is 'on purpose'): {long}"
 
@@ -326,3 +326,72 @@ def test_the_command_line_writes_no_default_of_its_own():
                     if kw.arg == "default" and literal:
                         bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno} default={ast.unparse(v)}")
     assert not bad, "literal defaults in the command line (take them from the API):\n" + "\n".join(bad)
+
+
+def _source_files(*folders: str) -> list[Path]:
+    root = PKG.parent
+    return sorted(p for folder in folders for p in (root / folder).rglob("*.py")
+                  if "reference" not in p.relative_to(root).parts[:2])  # tests/reference/: third-party code, as is
+
+
+def test_every_module_logs_through_a_logger_named_after_it():
+    """One idiom: ``logger = logging.getLogger(__name__)``, a child of the ``lmprobe`` logger whose handler shows its
+    messages (base/progress.py sets that one up, the only other getLogger call); %-style arguments, never an
+    f-string (ruff's G rules, switched on in pyproject.toml)."""
+    bad = []
+    for mod, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+        names = [ast.unparse(n) for n in calls if n.func.attr == "getLogger"]
+        logs = [n for n in calls if isinstance(n.func.value, ast.Name) and n.func.value.id == "logger"]
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+                    if a.name == "logger"]
+        allowed = {"logging.getLogger(__name__)"} | ({"logging.getLogger('lmprobe')"}
+                                                     if mod == "lmprobe.base.progress" else set())
+        if imported:
+            bad.append(f"{mod} imports another module's logger")
+        if set(names) - allowed:
+            bad.append(f"{mod} calls {sorted(set(names) - allowed)}")
+        if logs and "logging.getLogger(__name__)" not in names:
+            bad.append(f"{mod} logs without logger = logging.getLogger(__name__)")
+        bad += [f"{mod}:{n.lineno} formats its message itself" for n in logs
+                if n.args and isinstance(n.args[0], (ast.JoinedStr, ast.BinOp))]
+    assert not bad, "\n".join(bad)
+    import tomllib
+
+    select = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]["select"]
+    assert "G" in select, "ruff's logging-format rules (G) are off"
+
+
+def test_a_message_of_any_module_reaches_the_lmprobe_loggers_handler(capsys):
+    import logging
+
+    from lmprobe.base.progress import messages_shown
+
+    with messages_shown():
+        logging.getLogger("lmprobe.probe.folds").info("from %s", "a child")
+    assert capsys.readouterr().err == "from a child\n"
+
+
+def test_no_function_past_100_lines():
+    """A function reads as named steps: none runs past 100 lines (a long one is split into the steps it takes)."""
+    long = []
+    for mod, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 100:
+                    long.append(f"{mod}.{node.name}: {length} lines")
+    assert not long, "functions past 100 lines:\n" + "\n".join(long)
+
+
+def test_tests_and_code_name_behaviour_not_issue_numbers():
+    """A test says what behaviour it holds, and a comment what the code does: no "issue NN" in lmprobe/, tests/ or
+    benchmarks/ (the tracker's numbers mean nothing to a reader of the code)."""
+    import re
+
+    pattern = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
+    bad = [f"{p.relative_to(PKG.parent)}:{i}: {line.strip()}"
+           for p in _source_files("lmprobe", "tests", "benchmarks")
+           for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not bad, "\n".join(bad)

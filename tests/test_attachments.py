@@ -178,7 +178,7 @@ def test_info_lists_the_parts_published_beside_the_dataset(hub, bundle, capsys):
 
 def test_a_saev_export_of_replaced_data_is_not_published_beside_it(hub, tmp_path, rng, capsys):
     """export-saev into DS/saev, then `extract --overwrite` with other prompts: the export no longer belongs to DS;
-    validate, push and export-saev --push say so instead of publishing it (issue 36, finding 3)."""
+    validate, push and export-saev --push say so instead of publishing it."""
     import shutil
 
     ds_path = tmp_path / "ds"

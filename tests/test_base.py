@@ -73,7 +73,7 @@ def test_retry_by_status_code_and_retry_after():
 
 
 def test_a_wait_longer_than_the_caller_takes_ends_the_call_at_once():
-    """Issue 44 finding 11: a command refuses to sleep through `Retry-After: 100000`; the log says what was asked."""
+    """A command refuses to sleep through `Retry-After: 100000`; the log says what was asked."""
     from lmprobe.base.retry import RetryLog
 
     waits = []
@@ -319,7 +319,7 @@ def test_heap_trimmer_trims_piled_up_memory_but_not_a_grown_working_set(monkeypa
     assert trim.trims == 2 and trim.limit == 900 * mib + 32 * mib
 
 
-# ------------------------------------------------------------------ progress (issue 37, item 13)
+# ------------------------------------------------------------------ progress
 
 
 def test_progress_off_a_terminal_is_a_line_every_interval_and_one_at_the_end(capsys, monkeypatch):
@@ -366,7 +366,7 @@ def test_progress_on_a_terminal_is_a_tqdm_bar(capsys, monkeypatch):
 
 
 def test_the_library_is_quiet_by_default_and_the_command_line_shows_its_messages(tmp_path, capsys):
-    """issue 38, point 5: the lmprobe logger says nothing below a warning in library use, unless asked; the command
+    """The lmprobe logger says nothing below a warning in library use, unless asked; the command
     line shows its messages, and leaves the logger as it found it."""
     import logging
 

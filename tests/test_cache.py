@@ -1,6 +1,5 @@
 """The node-shared reader cache (storage.cache, storage.cachedir) against its other users: links planted in the
-shared folder are never followed (issue 44 item 8), and readers sharing one budget cannot wait on each other forever
-(issue 44 item 9)."""
+shared folder are never followed, and readers sharing one budget cannot wait on each other forever."""
 
 from __future__ import annotations
 
@@ -56,7 +55,7 @@ def _read_all(root: Path, key: str = "acts") -> None:
 
 @pytest.mark.parametrize("plant", ["x", "y/pieces", "z/parts", "w/readers", "v/readers/123-dead"])
 def test_links_planted_in_the_shared_cache_are_never_followed(tmp_path, plant):
-    """Issue 44 item 8: another user of the node plants `stream/x -> dir` (or a link for one of a cache folder's
+    """Another user of the node plants `stream/x -> dir` (or a link for one of a cache folder's
     parts); a reader of another dataset deletes nothing outside the cache and creates nothing there."""
     root = tmp_path / "stream"
     root.mkdir()
@@ -151,7 +150,7 @@ def _window_reader(cache, windows, served, errors, pause=0.0):
 
 
 def test_three_readers_on_one_budget_never_wait_on_each_other_for_ever(tmp_path):
-    """Issue 44 item 9: three readers of one dataset on a node share a budget of six pieces; each reads windows of
+    """Three readers of one dataset on a node share a budget of six pieces; each reads windows of
     three pieces at once. Before, each could hold two pieces of its window and wait for room for its third, which the
     others held while waiting for theirs: nobody ever released anything (here forced: every reader's second download
     waits until the three have started theirs). Now a window's pieces are claimed together and the reader that waited

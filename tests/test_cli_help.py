@@ -56,7 +56,7 @@ def test_help_shows_defaults_and_groups_the_corpus_options(capsys):
     assert "--seed SEED seed of the fold split and the classifier (default: 0)" in text
 
 
-# ------------------------------------------------------------------ issue 37, item 12: a new user's first commands
+# ------------------------------------------------------------------ a new user's first commands
 
 
 def test_bare_lmprobe_shows_the_help_not_an_error(capsys):

@@ -1,4 +1,4 @@
-"""One commit budget for a job (issue 43, point 3): commits grow along huggingface_hub's ladder and keep to one
+"""One commit budget for a job: commits grow along huggingface_hub's ladder and keep to one
 sliding hourly window, against the local Hub test server enforcing the Hub's commit rate on a scaled clock."""
 
 from __future__ import annotations

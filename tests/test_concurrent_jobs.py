@@ -1,4 +1,4 @@
-"""Two jobs on one Hub folder (issue 44, finding 3). Two machines extracting different prompts into the same
+"""Two jobs on one Hub folder. Two machines extracting different prompts into the same
 ``hf://`` repo at once published a shard shorter than its index, or one job's texts over the other's vectors, and
 both exited 0. Now a job commits a marker first and makes every commit on the revision it last saw
 (lmprobe/storage/claim.py): a second job is refused in one line, a job whose folder was taken over stops without

@@ -297,7 +297,7 @@ def test_info_of_a_corpus_dataset_shows_documents_window_length_and_budget(llama
 
 @pytest.mark.slow
 def test_a_killed_run_resumes_with_a_lower_budget_and_names_other_changes(llama_dir, tmp_path, capsys):
-    """Issue 28, item 2: the budget only says when to stop; any other change is named, one setting each."""
+    """The budget only says when to stop; any other change is named, one setting each."""
     f = write_jsonl(tmp_path / "docs.jsonl", DOCS * 3)
     kw = dict(context_len=10, max_tokens=150, storage="full_sequence", token_ids=True, layers="0", batch_size=2,
               shard_size="2KB", quiet=True)
@@ -326,8 +326,8 @@ def test_a_killed_run_resumes_with_a_lower_budget_and_names_other_changes(llama_
 
 
 def test_a_hub_corpus_whose_column_type_changes_between_files_is_one_line(hub, llama_dir, tmp_path, capsys):
-    """The interrupted-operation matrix (issue 27): a second parquet file with input_ids as strings gave a
-    65-line traceback from inside the `datasets` stream."""
+    """A corpus whose second parquet file holds input_ids as strings is a one-line error, not a 65-line traceback
+    from inside the `datasets` stream."""
     from huggingface_hub import HfApi
 
     repo = f"tester/mixed-{uuid.uuid4().hex[:8]}"

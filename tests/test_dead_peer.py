@@ -1,4 +1,4 @@
-"""Issue 47, items 1 and 2: a dead torchrun peer is one line, found early; every node shows its own rank's progress.
+"""A dead torchrun peer is one line, found early; every node shows its own rank's progress.
 
 The watcher (extraction/torchrun.py, PeerWatch) is tested against a store in memory; the two-node test runs
 torchrun on 127.0.0.1 (tests/nodes.py), SIGKILLs one node in the middle of its share and reads the other's output.

@@ -1,4 +1,4 @@
-"""A corpus of many files dealt to ranks by piece (issue 43, point 7): each rank opens and reads only its own files
+"""A corpus of many files dealt to ranks by piece: each rank opens and reads only its own files
 (or parquet row groups), and the ranks' windows together are one process's, with --max-tokens exact.
 
 Ranks are simulated with threads (tests/test_ranks.py's ``Ranks``), each with a source object of its own whose

@@ -207,7 +207,7 @@ def _extract_commands(text: str) -> list[list[str]]:
 
 
 def test_documented_extractions_into_one_folder_agree():
-    """issue 47, item 9: docs/publishing.md extracted into the README's out/tiny-demo with other settings, so it
+    """docs/publishing.md extracted into the README's out/tiny-demo with other settings, so it
     failed right after the quickstart ("already holds a dataset made with other settings"). The commands with the
     embedded model run as written, in any order: two of them into one folder must be the same extraction."""
     by_out: dict[str, dict[str, tuple[str, list[str]]]] = {}

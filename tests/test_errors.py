@@ -130,7 +130,7 @@ def test_an_unreachable_hub_is_one_attempt_and_one_line(tmp_path, rng, capsys, m
 
 
 def test_ctrl_c_says_how_to_go_on(monkeypatch, capsys):
-    """Issue 28, item 3: Ctrl-C said only 'interrupted'."""
+    """Ctrl-C says how to go on (resume, finish the merge, run again), not only 'interrupted'."""
     from lmprobe.cli import datasets, extract, main
 
     def interrupted(args):

@@ -218,11 +218,11 @@ def test_cli_extract_and_rerun_is_a_no_op(llama_dir, tmp_path, capsys):
     before = (tmp_path / "ds/index/train-00000-of-00001.parquet").stat().st_mtime_ns
     assert cli_main(args) == 0
     out = capsys.readouterr()
-    # issue 37, item 6: the re-run said "nothing to do", then "wrote 7 prompts"
+    # the re-run says "nothing to do" and nothing after it (no "wrote 7 prompts")
     assert out.out == "" and out.err.strip().splitlines()[-1] == (
         f"{tmp_path / 'ds'} already holds this extraction (7 prompts x 2 layers x 32 dims, pooled, float32); "
         "nothing to do"), out
-    # a batch size changes no stored value: still the same extraction (issue 37, item 5)
+    # a batch size changes no stored value: still the same extraction
     assert cli_main([*args[:-1], "5"]) == 0
     assert "nothing to do" in capsys.readouterr().err
     assert (tmp_path / "ds/index/train-00000-of-00001.parquet").stat().st_mtime_ns == before
@@ -243,7 +243,7 @@ def test_cli_errors_are_one_line(tmp_path, llama_dir, capsys):
 
 
 def test_cli_says_one_prompt_and_one_layer_in_the_singular(tmp_path, capsys):
-    """issue 37, item 16: "1 layers" read wrong."""
+    """One prompt and one layer are said in the singular ("1 layer", never "1 layers")."""
     f = tmp_path / "p.txt"
     f.write_text("The cat sat on the mat.\n")
     assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "ds"),
@@ -253,7 +253,8 @@ def test_cli_says_one_prompt_and_one_layer_in_the_singular(tmp_path, capsys):
 
 
 def test_a_label_column_named_in_another_case_is_pointed_out(tmp_path, capsys):
-    """issue 37, item 7: a CSV with `Text,Label` lost its labels silently."""
+    """A CSV with `Text,Label` does not lose its labels silently: the column named in another case is pointed
+    out."""
     f = tmp_path / "p.csv"
     f.write_text("Text,Label\nThe cat sat.,1\nA dog ran.,0\n")
     assert cli_main(["extract", "--model", "lmprobe-tiny", "--prompts", str(f), "--out", str(tmp_path / "a"),
@@ -274,8 +275,8 @@ def test_a_label_column_named_in_another_case_is_pointed_out(tmp_path, capsys):
 
 
 def test_a_log_file_gets_progress_lines_not_bars(llama_dir, tmp_path, capsys, monkeypatch):
-    """issue 37, item 13: into a file, extract drew transformers' "Loading weights" bar and then nothing until its
-    last line. Off a terminal: no bars, no escape codes, a progress line every LMPROBE_PROGRESS_INTERVAL seconds."""
+    """Into a file, extract draws no bars (not transformers' "Loading weights" bar, then nothing until its last
+    line). Off a terminal: no bars, no escape codes, a progress line every LMPROBE_PROGRESS_INTERVAL seconds."""
     monkeypatch.setenv("LMPROBE_PROGRESS_INTERVAL", "0")  # a line after every batch
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
@@ -294,7 +295,8 @@ def test_a_log_file_gets_progress_lines_not_bars(llama_dir, tmp_path, capsys, mo
 
 
 def test_truncation_is_recorded_per_prompt_and_shown(llama_dir, tmp_path, capsys):
-    """issue 37, item 10: `--truncate left` cut prompts and neither the index nor `info` said which, or how much."""
+    """What `--truncate left` cuts is recorded per prompt in the index, and `info` shows which prompts and how
+    much."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(llama_dir)
@@ -321,7 +323,7 @@ def cli_info_lines(path, capsys):
     return capsys.readouterr().out.splitlines()
 
 
-# ------------------------------------------------------------------ issue 38, point 3: each setting written once
+# ------------------------------------------------------------------ each setting written once, in ExtractionConfig
 
 
 def test_every_extraction_setting_is_an_option_of_extract_with_its_docstring_as_help(capsys):
@@ -358,7 +360,7 @@ def test_an_unknown_option_of_extract_names_the_close_one():
 
 
 def test_max_prompts_extracts_the_first_prompts_and_reads_the_source_no_further(tmp_path, capsys):
-    """The option issue 38 adds to show a setting written once: a trial run on the start of a large file."""
+    """--max-prompts, a setting written once in ExtractionConfig: a trial run on the start of a large file."""
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"text": f"prompt number {i}", "label": i % 2}) + "\n" for i in range(5))
                  + "{not json, and never read\n")

@@ -91,7 +91,7 @@ def test_changed_configuration_against_partial_output(llama_dir, tmp_path):
 
 
 def test_a_changed_batch_size_resumes_and_each_run_is_recorded(llama_dir, tmp_path, reference):
-    """issue 37, item 5: the usual retry after an out-of-memory error is a smaller batch; it must not lose the work.
+    """The usual retry after an out-of-memory error is a smaller batch; it must not lose the work.
     Batch size, device and checkpoint interval change no stored value beyond float rounding."""
     out = tmp_path / "ds"
     r = subprocess.run([sys.executable, str(CRASH_EXTRACT), json.dumps([PROMPT_LIST, str(llama_dir), str(out), 4, KW])],
@@ -111,7 +111,7 @@ def test_a_changed_batch_size_resumes_and_each_run_is_recorded(llama_dir, tmp_pa
 
 
 def test_a_local_models_weights_fingerprint_follows_its_weights(llama_dir, tmp_path):
-    """Issue 44 item 5: the fingerprint a local model's extraction records changes when the weights are saved again
+    """The fingerprint a local model's extraction records changes when the weights are saved again
     (same names, shapes and sizes), not when nothing changed; a hostile header length is not a crash."""
     import os
     import shutil

@@ -1,4 +1,4 @@
-"""Issue 47, item 5: simple mistakes are answered at once, and --help, info, validate and every argument error
+"""Simple mistakes are answered at once, and --help, info, validate and every argument error
 import nothing heavy (torch, transformers): each command runs here with ``sys.modules["torch"] = None``."""
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ def _run_snippets_without_torch(folder: Path, snippets: list[str], out: Path) ->
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_document_snippets_run_as_written_without_torch(tmp_path, dtype):
-    """issue 47, item 4: the snippets used framework="pt", which needs torch; bfloat16 is read through uint16."""
+    """The format document's snippets run without torch (never framework="pt"); bfloat16 is read through
+    uint16."""
     out = tmp_path / "ds"
     rng = np.random.default_rng(7)
     src = write_dataset(out, rng, n=50, layers=(0, 16), dim=6, storage="full_sequence", shard_size="1KB",
@@ -127,7 +128,7 @@ def test_card_snippet_runs_as_written_for_every_dtype(tmp_path, rng, monkeypatch
     write_dataset(tmp_path / "ds", rng, n=6, layers=(0, 3), dim=4, dtype=dtype)
     text = (tmp_path / "ds/README.md").read_text()
     standalone = [b for b in _python_blocks(text) if "safe_open" in b][0]
-    assert "torch" not in standalone  # issue 47, item 4: bfloat16 through its uint16 view
+    assert "torch" not in standalone  # bfloat16 is read through its uint16 view
     monkeypatch.chdir(tmp_path / "ds")
     ns: dict = {}
     exec(standalone, ns)

@@ -259,7 +259,7 @@ def _remote_writer(root: Path, name: str, snapshots: list | None = None, **kw) -
 
 
 def test_a_checkpoint_taken_on_another_machine_resumes_by_refilling_its_open_shards(tmp_path, rng):
-    """Issue 43, point 6: a writer whose files left the machine, reopened elsewhere on a copy of its checkpoint
+    """A writer whose files left the machine, reopened elsewhere on a copy of its checkpoint
     (state, index rows, statistics: never the open shards' partial files) recomputes only the rows of the shards
     the checkpoint left open, then goes on; the dataset is byte for byte an uninterrupted writer's."""
     import shutil

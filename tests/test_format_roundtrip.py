@@ -290,7 +290,7 @@ def test_opening_leaves_per_token_columns_on_disk_and_reads_them_by_row_group(tm
 
 
 def test_negative_layers_count_back_from_the_last_as_in_extract(tmp_path, rng):
-    """issue 37, item 8: one layer grammar in Python and on the command line (-1 is the last layer)."""
+    """One layer grammar in Python and on the command line (-1 is the last layer)."""
     from lmprobe.errors import LayerNotFoundError
 
     src = write_dataset(tmp_path / "ds", rng, n=9, layers=(0, 2, 5), dim=4, storage="full_sequence", statistics=True)

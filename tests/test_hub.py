@@ -196,7 +196,7 @@ def test_extract_push_round_trip(hub, llama_dir, tmp_path, fresh_hf_cache):
 
 
 def test_extract_then_push_is_an_api_call_too(hub, tmp_path, fresh_hf_cache):
-    """issue 38, point 4: the command line's extract --push is lmprobe.extract(..., push=...), checked before the
+    """The command line's extract --push is lmprobe.extract(..., push=...), checked before the
     model runs and published by the same call."""
     repo = repo_name()
     ds = lmprobe.extract("lmprobe-tiny", ["the cat sat", "a dog ran"], out=tmp_path / "ds", layers=-1, push=repo,
@@ -300,7 +300,7 @@ def test_prompt_decodes_with_a_tokenizer_in_the_local_cache_and_never_asks_the_h
 
 
 def test_credentials_in_hf_endpoint_are_never_printed(hub, dataset, tmp_path, monkeypatch, capsys, fresh_hf_cache):
-    """HF_ENDPOINT=http://user:KEY@host: the KEY reaches the server, never the terminal (issue 36, finding 9)."""
+    """HF_ENDPOINT=http://user:KEY@host: the KEY reaches the server, never the terminal."""
     import socket
 
     import huggingface_hub.constants as c
@@ -349,8 +349,8 @@ def tree(folder):
 
 
 def test_pull_refuses_a_folder_that_is_not_a_copy_of_the_repo(hub, dataset, tmp_path, rng, capsys):
-    """Pulling into the user's own folder replaced their README and their extraction without a word
-    (issue 36, finding 1): like extract, merge and the exports, pull refuses a non-empty output."""
+    """Pulling into the user's own folder must not replace their README and their extraction without a word:
+    like extract, merge and the exports, pull refuses a non-empty output."""
     path, src = dataset
     repo, other = repo_name(), repo_name()
     push_to_hub(path, repo, quiet=True)
@@ -383,8 +383,8 @@ def test_pull_refuses_a_folder_that_is_not_a_copy_of_the_repo(hub, dataset, tmp_
 
 
 def test_pulling_more_layers_after_a_new_push_never_mixes_versions(hub, tmp_path, rng, capsys):
-    """Pull layer 0, the repo is pushed again, pull layer 2 into the same copy: the copy held the new index
-    with the old layer's shards, and ds.hidden(0) returned other prompts' vectors (issue 36, finding 2)."""
+    """Pull layer 0, the repo is pushed again, pull layer 2 into the same copy: the copy never holds the new index
+    with the old layer's shards (ds.hidden(0) would return other prompts' vectors)."""
     from huggingface_hub import HfApi
 
     old, new, fewer = tmp_path / "old", tmp_path / "new", tmp_path / "fewer"
@@ -427,8 +427,8 @@ def test_pulling_more_layers_after_a_new_push_never_mixes_versions(hub, tmp_path
 
 
 def test_a_partial_copy_validates_as_one_and_commands_use_the_layers_it_holds(hub, dataset, tmp_path, capsys):
-    """issue 37, item 3: `validate` reported every layer not pulled as an error, and `probe`/`report` failed on
-    the first layer not there instead of using the ones that are."""
+    """`validate` lists the layers not pulled (not as errors), and `probe`/`report` use the layers the copy
+    holds instead of failing on the first one not there."""
     path, src = dataset
     repo = repo_name()
     push_to_hub(path, repo, quiet=True)
@@ -467,8 +467,8 @@ def test_a_partial_copy_validates_as_one_and_commands_use_the_layers_it_holds(hu
 
 
 def test_hints_name_what_works_for_push_and_an_offline_pull(hub, dataset, tmp_path, capsys, monkeypatch):
-    """issue 37, item 11: push of a missing folder mentioned hf://datasets/...; an offline pull suggested
-    `lmprobe pull`."""
+    """Hints name what works: push of a missing folder names the local folder it publishes (not
+    hf://datasets/...), and an offline pull does not suggest `lmprobe pull`."""
     from huggingface_hub import constants
 
     assert cli_main(["push", "out/nope", "me/x", "--quiet"]) == 2
@@ -490,7 +490,7 @@ def test_hints_name_what_works_for_push_and_an_offline_pull(hub, dataset, tmp_pa
 
 
 def test_push_and_pull_into_a_log_write_lines_not_bars(hub, dataset, tmp_path, capsys, monkeypatch):
-    """issue 37, item 13: push wrote dozens of tqdm bars with escape codes into a log; pull drew bars too."""
+    """Into a log, push and pull write progress lines, never tqdm bars with escape codes."""
     monkeypatch.setenv("LMPROBE_PROGRESS_INTERVAL", "0")
     path, _ = dataset
     repo = repo_name()
@@ -509,8 +509,8 @@ def test_push_and_pull_into_a_log_write_lines_not_bars(hub, dataset, tmp_path, c
 
 
 def test_the_local_hub_server_stopped_with_sigterm_removes_its_temporary_folder(tmp_path):
-    """issue 37, item 15: `python -m tests.hub_server` killed with SIGTERM (as a job scheduler or `kill` stops it) left
-    its temporary folder behind; a --root given by the user is kept."""
+    """`python -m tests.hub_server` killed with SIGTERM (as a job scheduler or `kill` stops it) removes its
+    temporary folder; a --root given by the user is kept."""
     import signal
     import subprocess
     import sys
@@ -595,7 +595,7 @@ def test_owner_name_without_such_a_local_folder_still_means_the_hub():
     assert parse_dataset_ref("out/nonexistent") is not None  # no ./out here: a Hub repo name
 
 
-# ------------------------------------------------------------------ issue 47, item 3: validate a Hub dataset in place
+# ------------------------------------------------------------------ validate a Hub dataset in place
 
 def test_validate_checks_a_hub_dataset_in_place_and_full_checks_its_hashes(hub, tmp_path, rng, capsys):
     from huggingface_hub import HfApi
@@ -629,7 +629,8 @@ def test_validate_checks_a_hub_dataset_in_place_and_full_checks_its_hashes(hub, 
 
 
 def test_an_unreachable_hub_tells_a_writer_how_to_write(tmp_path, monkeypatch, capsys):
-    """issue 47, item 6: a write to --out hf://... was told to read a local copy made by `lmprobe pull`."""
+    """An unreachable Hub, for a write to --out hf://..., is said as such: never "read a local copy made by
+    `lmprobe pull`"."""
     import huggingface_hub.constants as c
 
     monkeypatch.setattr(c, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
@@ -654,7 +655,7 @@ PROMPTS_TEXTS = ["The cat sat on the mat.", "A dog."]
     ("hf://datasets/u/n/a/b/", ("u/n", None, "a/b")),
 ])
 def test_hf_urls_parse_revisions_with_slashes_as_huggingface_hub_does(url, ref):
-    """Issue 44 item 2: a PR's ref (``refs/pr/N``) or a conversion's (``refs/convert/NAME``) is the revision, not a
+    """A PR's ref (``refs/pr/N``) or a conversion's (``refs/convert/NAME``) is the revision, not a
     branch ``refs`` and a folder ``pr/1``."""
     from lmprobe.storage.hub import parse_hf_url
 
@@ -675,7 +676,7 @@ def test_hf_urls_parse_revisions_with_slashes_as_huggingface_hub_does(url, ref):
     ("hf://datasets/u/n@refs/pr/x", "refs/pr/N"),
 ])
 def test_odd_folders_in_hf_urls_are_refused_in_one_line(url, says):
-    """Issue 44 item 2: ``/.``, ``/./sub``, ``a//b``, lmprobe's own ``.lmprobe-*`` folders, an empty or malformed
+    """``/.``, ``/./sub``, ``a//b``, lmprobe's own ``.lmprobe-*`` folders, an empty or malformed
     revision: one line from the one hf:// grammar, before any request (it was a whole extraction, then a failure)."""
     from lmprobe.errors import LmprobeError
     from lmprobe.storage.hub import parse_hf_url

@@ -1,4 +1,4 @@
-"""``--out hf://datasets/OWNER/NAME`` (issue 34, point 1): an extraction written straight to a Hub dataset repo (the
+"""``--out hf://datasets/OWNER/NAME``: an extraction written straight to a Hub dataset repo (the
 local test server), shards uploaded while the model computes from bounded local staging, the index in the last
 commit, a killed run resumed without sending again what is on the Hub."""
 
@@ -124,7 +124,7 @@ def test_a_branch_and_a_folder_of_the_repo(hub, llama_dir, tmp_path):
 
 
 def test_an_extraction_into_an_open_pull_request_commits_there(hub, llama_dir):
-    """``@refs/pr/N`` (issue 44 item 2): the commits go to the pull request's ref, which opening the pull request
+    """``@refs/pr/N``: the commits go to the pull request's ref, which opening the pull request
     made (no branch is created: the Hub refuses a branch named refs/pr/N); main is untouched, and the dataset is
     read back from the pull request."""
     from huggingface_hub import CommitOperationAdd, HfApi
@@ -271,7 +271,7 @@ def test_a_run_killed_in_its_commit_tail_finishes_without_extracting_again(hub, 
 
 def test_a_run_killed_against_one_hub_does_not_break_the_same_command_against_another(hub, llama_dir, tmp_path,
                                                                                     monkeypatch):
-    """Issue 44, item 6: the staging folder is keyed by the endpoint as well as the repo: what a run killed against one
+    """The staging folder is keyed by the endpoint as well as the repo: what a run killed against one
     Hub uploaded (its ledger) is not committed by reference to another, which never had it."""
     import os
 
@@ -296,7 +296,7 @@ def test_a_run_killed_against_one_hub_does_not_break_the_same_command_against_an
 
 
 def test_a_resumed_run_commits_only_what_its_writer_recorded(hub, llama_dir, tmp_path):
-    """Issue 44, item 4: after a kill, a file in the staging folder that the writer never recorded, and a ledger line
+    """After a kill, a file in the staging folder that the writer never recorded, and a ledger line
     naming a path the writer never recorded (content on the Hub all the same), are not committed."""
     from lmprobe.extraction.outputs import LEDGER, HubOutput
 
@@ -324,7 +324,7 @@ def _identities(hub, since: int) -> set[str | None]:
 
 
 def test_the_token_given_is_used_for_every_hub_call_of_the_extraction(hub, llama_dir, monkeypatch, tmp_path):
-    """Issue 44 item 7: ``token=`` (and ``--token``) is the identity of every request of an extraction to the Hub
+    """``token=`` (and ``--token``) is the identity of every request of an extraction to the Hub
     (the commits, paths-info, the finished check that opens the dataset): never HF_TOKEN's, never none."""
     from lmprobe.cli.app import main
 
@@ -379,7 +379,7 @@ def _no_token_in(folder: Path, token: str) -> None:
 
 def test_the_token_given_downloads_the_model_and_reads_the_corpus(hub, llama_dir, tmp_path, monkeypatch, capfd,
                                                                   caplog, fresh_hf_cache):
-    """Issue 44 item 7: ``token=`` (and ``--token``) is also the identity of the model's download (config,
+    """``token=`` (and ``--token``) is also the identity of the model's download (config,
     tokenizer, weights) and of an ``hf://`` prompt or corpus source (its listing, its files): never HF_TOKEN's,
     never none. The token is in no file the extraction writes, no log line, no output."""
     import logging
@@ -424,7 +424,7 @@ def test_the_token_given_downloads_the_model_and_reads_the_corpus(hub, llama_dir
 
 @pytest.mark.parametrize("sub", ["/.", "/./sub", "/a//b", "/.lmprobe-parts/part-00000"])
 def test_an_odd_folder_is_refused_before_any_work(hub, llama_dir, sub):
-    """Issue 44 item 2: these ran the whole extraction and then failed, or committed under ``a//b/``, or wrote
+    """These ran the whole extraction and then failed, or committed under ``a//b/``, or wrote
     into lmprobe's own parts folder; now one line, no request to the Hub, no weights loaded."""
     since = len(hub.state.requests)
     with pytest.raises(InvalidArgumentError):
@@ -442,7 +442,7 @@ def _plant(repo_id: str, files: dict[str, bytes]) -> None:
 
 
 def test_the_owners_readme_is_kept_and_lmprobes_card_merged_into_it(hub, llama_dir):
-    """Issue 44 item 1: an extraction into a repo holding the owner's README.md replaced it with the generated card
+    """An extraction into a repo holding the owner's README.md replaced it with the generated card
     (exit 0, not a word); the owner's text and front matter stay, lmprobe's section and keys are merged in, as
     publishing attachments does (docs/security.md: "updated, not replaced")."""
     from lmprobe.format.card import BEGIN
@@ -462,7 +462,7 @@ def test_the_owners_readme_is_kept_and_lmprobes_card_merged_into_it(hub, llama_d
 
 
 def test_an_overwrite_with_fewer_layers_removes_the_old_layers_shards(hub, llama_dir):
-    """Issue 44 item 1: ``--overwrite`` with fewer layers left the old layers' shards in the repo, outside the new
+    """``--overwrite`` with fewer layers left the old layers' shards in the repo, outside the new
     index; they go in the overwrite, and only files the old index named (the owner's files stay)."""
     _plant("user/fewer", {"tensors/owners-notes.txt": b"mine\n", "data.csv": b"a,b\n"})
     lmprobe.extract(str(llama_dir), PROMPTS, out="hf://datasets/user/fewer", **KW)
@@ -488,7 +488,7 @@ def _change_weights(folder: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["hub", "local"])
 def test_a_resume_over_changed_weights_is_refused(hub, llama_dir, tmp_path, where):
-    """Issue 44 item 5: a killed run from a local model folder, re-run after the weights in that folder changed,
+    """A killed run from a local model folder, re-run after the weights in that folder changed,
     resumed and published a mix (13 of 40 rows from the new weights): a local model has no commit, so its weights
     are fingerprinted (safetensors headers, sizes, modification times) and a resume over others is refused in one
     line; the finished dataset is not taken for this extraction either."""
@@ -516,7 +516,7 @@ def test_a_resume_over_changed_weights_is_refused(hub, llama_dir, tmp_path, wher
 
 def test_a_killed_extraction_resumes_on_another_machine_from_its_checkpoint_on_the_hub(hub, llama_dir, tmp_path,
                                                                                       monkeypatch):
-    """Issue 43, point 6, one process: kill -9 once its checkpoint's copy is on the Hub, then the same command on a
+    """One process: kill -9 once its checkpoint's copy is on the Hub, then the same command on a
     machine that holds nothing of it (another cache): it resumes from the copy, the result equals an uninterrupted
     run, the model ran for fewer batches than a whole run, and the copy is gone from the repo."""
     from lmprobe.extraction import backend_hf

@@ -1,4 +1,4 @@
-"""A rank's writer at corpus scale: its memory does not grow with the tokens it writes (issue 43, point 4)."""
+"""A rank's writer at corpus scale: its memory does not grow with the tokens it writes."""
 
 from __future__ import annotations
 

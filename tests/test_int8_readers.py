@@ -1,4 +1,4 @@
-"""int8 datasets (issue 46) through every reader above the format layer: extraction, ShardStream (float32 and
+"""int8 datasets through every reader above the format layer: extraction, ShardStream (float32 and
 bfloat16 out), export-saev, export-saelens, merge, probes and the report. Each reads the decoded values
 ``lmprobe.load`` returns."""
 

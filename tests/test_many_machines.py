@@ -1,4 +1,4 @@
-"""One dataset from many machines (issue 34): torchrun across simulated nodes on 127.0.0.1 (gloo, c10d), each node
+"""One dataset from many machines: torchrun across simulated nodes on 127.0.0.1 (gloo, c10d), each node
 with its own working, temporary and cache folders, writing straight to object storage (moto) or a Hub repo (the local
 test server); the result equals a single-process extraction, local disk stays bounded, a killed run resumes."""
 
@@ -234,7 +234,7 @@ def test_a_killed_two_node_corpus_run_to_the_hub_resumes(hub, fast_commits, llam
 
 
 def test_one_process_commits_for_all_ranks_within_the_hubs_rate(hub, llama_dir, tmp_path):
-    """Issue 43, point 3: two nodes of two ranks to hf://, the server enforcing 100 commits an "hour" of 10 s: every
+    """Two nodes of two ranks to hf://, the server enforcing 100 commits an "hour" of 10 s: every
     shard and part index is committed by rank 0's committer (no rank commits its own part), none is refused, and
     the job takes a handful of commits, not one per rank and per 50 files."""
     f = _prompts(tmp_path)
@@ -260,7 +260,7 @@ def test_one_process_commits_for_all_ranks_within_the_hubs_rate(hub, llama_dir, 
 
 
 def test_two_nodes_killed_in_their_commit_tail_finish_on_the_same_command(hub, fast_commits, llama_dir, tmp_path):
-    """Issue 43, point 6: every process killed once a rank's writer had closed (its index staged) while commits take a
+    """Every process killed once a rank's writer had closed (its index staged) while commits take a
     second: the same command again finishes from what is staged and uploaded, equal to one process."""
     f = _prompts(tmp_path)
     single = _single(str(llama_dir), f, out=tmp_path / "one", layers="1", storage="full_sequence", batch_size=1,
@@ -286,7 +286,7 @@ def test_two_nodes_killed_in_their_commit_tail_finish_on_the_same_command(hub, f
 
 def test_a_jobs_sequence_shards_are_copied_once_by_the_merge_not_renamed_in_the_tail(hub, fast_commits, llama_dir,
                                                                                      tmp_path):
-    """Issue 43, point 3: a rank's sequence shards go up under provisional names (their numbers are known at the
+    """A rank's sequence shards go up under provisional names (their numbers are known at the
     end); the merge copies them straight to their place in the dataset. No part renames its shards before (a copy
     and a delete each: at W1's size ~24 more commits in the tail), so no file leaves the repo before the merge's
     commit, which removes the parts' folder."""
@@ -318,7 +318,7 @@ def _resumed(outs):
 
 
 def test_a_rank_resuming_on_another_node_resumes_from_what_the_hub_holds(hub, fast_commits, llama_dir, tmp_path):
-    """Issue 43, point 6: both nodes killed once rank 1's checkpoint was on the Hub (after some of its shards were
+    """Both nodes killed once rank 1's checkpoint was on the Hub (after some of its shards were
     committed), then the job run again on two fresh nodes (empty working, temporary and cache folders: c10d placed
     the ranks elsewhere). Each rank resumes from its part's checkpoint on the Hub, recomputing only the rows of the
     shards that had not landed, and the dataset's shards are byte for byte an uninterrupted job's."""

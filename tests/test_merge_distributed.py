@@ -64,7 +64,7 @@ def test_merge_refuses_mismatched_parts(tmp_path, rng, capsys):
 @pytest.mark.slow
 def test_merge_refuses_a_part_given_twice(tmp_path, rng, capsys):
     """A A, a part and its link or copy, or two extractions of the same prompts would hold every prompt twice
-    (probe folds then share prompts; issue 36, finding 5)."""
+    (probe folds then share prompts)."""
     import shutil
 
     write_dataset(tmp_path / "a", rng, n=4, layers=(0,), dim=4)
@@ -115,7 +115,7 @@ def test_torchrun_two_processes_equal_one(llama_dir, tmp_path):
 
 @pytest.mark.slow
 def test_parts_made_with_other_batch_sizes_merge_and_keep_their_runs(tmp_path):
-    """issue 37, item 5: a batch size changes no stored value beyond float rounding, for a merge as for a resume;
+    """A batch size changes no stored value beyond float rounding, for a merge as for a resume;
     the merged dataset lists every part's runs, each at the row where its rows now start."""
     texts = [p["text"] for p in PROMPTS]
     a = lmprobe.extract("lmprobe-tiny", texts[:4], out=tmp_path / "a", layers="-1", batch_size=2, quiet=True)

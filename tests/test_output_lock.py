@@ -110,7 +110,7 @@ def test_other_outputs_are_locked_too(tmp_path, rng, command, hub, capsys):
 
 
 def test_info_on_a_folder_another_process_is_writing_says_so(tmp_path, rng, capsys):
-    """issue 37, item 11: `info` said "re-run the command that wrote it" while that command was still running."""
+    """`info` on a folder another process is writing says so, never "re-run the command that wrote it"."""
     out = tmp_path / "ds"
     (out / ".lmprobe-staging").mkdir(parents=True)
     child = hold_lock(out)
@@ -130,7 +130,7 @@ TOKEN = "hf_testSECRETtoken1234567890"
 
 
 def test_a_push_refuses_a_folder_under_rewrite_in_one_line(hub, tmp_path, rng, capsys):
-    """R40 (issue 44 finding 13): a push while `extract --overwrite` rewrote the folder published a mix (12 of 48
+    """A push while `extract --overwrite` rewrote the folder published a mix (12 of 48
     prompts paired with another prompt's vector). The rewrite holds the output lock: the push is refused at once,
     in one line naming the writer, and nothing reaches the Hub."""
     import uuid
@@ -184,7 +184,7 @@ def test_a_rewrite_that_starts_during_a_push_is_refused_and_the_push_publishes_o
 
 
 def test_a_lock_file_planted_as_a_link_is_not_written_through(tmp_path):
-    """Issue 44 item 8: `.ds.lmprobe-lock -> somebody's file` beside an output in a shared folder: taking the lock
+    """`.ds.lmprobe-lock -> somebody's file` beside an output in a shared folder: taking the lock
     must not truncate the file the link names (nor create one), and says so in one line."""
     from lmprobe.base.lock import OutputLock, lock_path
     from lmprobe.errors import UnsafePathError

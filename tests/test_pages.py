@@ -271,7 +271,7 @@ def _damage_cache(path, how):
 @pytest.mark.parametrize("how", ["truncated", "empty", "deleted", "no frequency", "wrong shape", "wrong dtype",
                                  "prompt out of range", "token out of range", "no histogram edges"])
 def test_a_damaged_feature_cache_is_computed_again(feature_setup, tmp_path, capsys, how):
-    """The interrupted-operation matrix (issue 27) found a complete cache trusted as it was: tracebacks."""
+    """A damaged feature cache, whatever the damage, is computed again, never trusted as complete (tracebacks)."""
     import shutil
 
     root, ref = feature_setup
@@ -485,7 +485,7 @@ def test_report_and_features_say_wrote_once(tiny_ds, tmp_path, capsys):
 
 def test_a_datasets_model_name_never_runs_tokenizer_code(tmp_path, monkeypatch):
     """model.name naming a tokenizer with custom code: transformers would ask "run the custom code? [y/N]"
-    and run it on "y". Metadata must never lead to code execution (issue 36, finding 8)."""
+    and run it on "y". Metadata must never lead to code execution."""
     from lmprobe.base.tokenizer import embedded_model_dir, local_tokenizer
     from lmprobe.stream import ShardStream
 
@@ -511,7 +511,7 @@ def test_a_datasets_model_name_never_runs_tokenizer_code(tmp_path, monkeypatch):
     assert not ran.exists()
 
 
-# ------------------------------------------------------------------ issue 37, item 14
+# ------------------------------------------------------------------ the report's layout: tables, facts, legends
 
 
 def _facts_table(dom: str) -> str:
@@ -567,7 +567,7 @@ def test_pages_doc_runs_chromium_as_root_too():
         assert "--no-sandbox" in cmd, cmd
 
 
-# ------------------------------------------------------------------ issue 47, item 7: whitespace and wrapping
+# ------------------------------------------------------------------ whitespace and wrapping
 
 def test_whitespace_tokens_are_visible_in_the_top_k_and_the_text():
     """A top-k entry that is a space or a newline showed as an empty bold ("dis 10.4,  10.2, a 3.8")."""

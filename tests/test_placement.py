@@ -1,5 +1,5 @@
 """Where the weights go (lmprobe/extraction/placement.py): ``--device-map auto`` spreads a model with accelerate over
-the GPUs, the CPU and disk, and stores the same vectors as the model in memory (issue 43, point 5)."""
+the GPUs, the CPU and disk, and stores the same vectors as the model in memory."""
 
 from __future__ import annotations
 

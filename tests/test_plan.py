@@ -1,5 +1,5 @@
 """The job's plan (lmprobe/extraction/plan.py, ``lmprobe extract --dry-run``): pure arithmetic tested at the real
-numbers of the SAE builders' jobs (W1-W3 of issue 43: 10^9-10^10 tokens, 64-128 GPUs), and checked against small
+numbers of the SAE builders' jobs (W1-W3 of docs/publishing.md: 10^9-10^10 tokens, 64-128 GPUs), and checked against small
 real jobs (the plan must be honest to within 10%)."""
 
 from __future__ import annotations

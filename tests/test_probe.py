@@ -137,7 +137,7 @@ def test_example_notebook_runs_offline(tmp_path):
     assert (tmp_path / "out/sweep.png").exists() and (tmp_path / "out/sentiment-probe.safetensors").exists()
     scored = nb.cells[-2].outputs[-1]["data"]["text/plain"]
     assert "The pizza was wonderful." in scored and "The service was awful." in scored
-    # issue 47, item 8: plain values, a probe in one line, and a word on the sentence it gets wrong
+    # plain values, a probe in one line, and a word on the sentence it gets wrong
     plain = [o["data"]["text/plain"] for o in outputs if "text/plain" in o.get("data", {})]
     assert not [t for t in plain if "np.int64" in t or "np.float" in t], plain
     shown = [t for t in plain if t.startswith("<LinearProbe")]
@@ -147,7 +147,7 @@ def test_example_notebook_runs_offline(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_third_party_reader_script_needs_no_lmprobe(tmp_path, rng, dtype):
-    """The example reads every stored dtype, bfloat16 (which numpy lacks; issue 37, item 9) without torch too."""
+    """The example reads every stored dtype, bfloat16 (which numpy lacks) without torch too."""
     write_dataset(tmp_path / "ds", rng, n=12, layers=(0, 7), dim=5, shard_size="100B", dtype=dtype)
     code = ("import runpy, sys; sys.modules['lmprobe'] = None; sys.modules['torch'] = None; sys.argv = sys.argv[1:];"
             "runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -160,7 +160,7 @@ def test_third_party_reader_script_needs_no_lmprobe(tmp_path, rng, dtype):
 
 
 def test_probe_without_a_label_column_names_the_columns_and_the_option(tmp_path, capsys):
-    """issue 37, item 7: "no 'label'" should say which columns there are and how to pick one."""
+    """Without a label column, the error names the columns there are and the option that picks one."""
     f = tmp_path / "p.csv"
     f.write_text("Text,Label,topic\n" + "".join(f"prompt number {i},{i % 2},t{i % 3}\n" for i in range(12)))
     lmprobe.extract("lmprobe-tiny", f, out=tmp_path / "ds", layers="-1", text_column="Text", quiet=True)
@@ -189,7 +189,7 @@ def test_cli_probe_methods_baselines_and_save(tmp_path, rng, capsys):
 
 
 def test_a_probe_shows_itself_in_one_line(tmp_path, rng):
-    """issue 47, item 8: repr(LinearProbe) printed hundreds of lines of arrays; and plain values, not np.int64(1)."""
+    """repr(LinearProbe) is one line, not hundreds of lines of arrays, with plain values, not np.int64(1)."""
     separable(tmp_path / "ds", rng, dim=48)
     p = probe.train_probe(tmp_path / "ds", layer=2, method="mass_mean")
     text = repr(p)

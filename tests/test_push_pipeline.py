@@ -1,4 +1,4 @@
-"""A push that keeps up (issue 34): parallel uploads pipelined with commits, no second hashing, one tree
+"""A push that keeps up: parallel uploads pipelined with commits, no second hashing, one tree
 listing per push, rate limits waited out, the incremental API a writer feeds shard by shard, the Xet
 upload path, and server-side renames (copy + delete) without a re-upload. All against the local Hub."""
 

@@ -1,4 +1,4 @@
-"""Many ranks, one source (issue 34): each rank reads only its own records, and a token budget stays exact.
+"""Many ranks, one source: each rank reads only its own records, and a token budget stays exact.
 
 Ranks are simulated with threads: ``all_gather`` is a barrier over a shared list, as
 ``torch.distributed.all_gather_object`` is over a process group.
@@ -600,3 +600,25 @@ def test_ahead_raises_an_error_of_the_maker_itself():
 
     with pytest.raises(OSError, match="no source"):
         list(ahead(broken))
+
+
+def test_every_message_of_a_rank_names_the_rank_whatever_module_logs_it(capsys):
+    """Under torchrun each node shows its own rank's lines: a message of any lmprobe module (a child logger of
+    ``lmprobe``) starts with ``[rank R/W]``; other libraries' records are left as they are."""
+    import logging
+
+    from lmprobe.base.progress import messages_shown
+    from lmprobe.extraction import torchrun
+
+    make = logging.getLogRecordFactory()
+    try:
+        torchrun._name_ranks(1, 2)
+        torchrun._name_ranks(1, 2)  # named once: one prefix
+        with messages_shown():
+            logging.getLogger("lmprobe.storage.commits").info("pushed %s file(s)", 3)
+            logging.getLogger("lmprobe").warning("done")
+        other = logging.getLogRecordFactory()("urllib3", logging.INFO, __file__, 1, "x", (), None)
+    finally:
+        logging.setLogRecordFactory(make)
+    assert capsys.readouterr().err == "[rank 1/2] pushed 3 file(s)\n[rank 1/2] done\n"
+    assert other.msg == "x"

@@ -127,7 +127,7 @@ def readers_of_0103(python: Path, dataset: Path) -> dict:
 
 
 def test_reference_implementation_refuses_int8_datasets_and_would_misread_them_as_2x(ref_python, tmp_path, rng):
-    """issue 46: 0.10.3 never returns wrong numbers for an int8 dataset. It is format 3.0, which every reader
+    """0.10.3 never returns wrong numbers for an int8 dataset. It is format 3.0, which every reader
     of 0.10.3 refuses (a higher major version); the same bytes labelled 2.0 are read as codes cast to float,
     wrong by 1/scale, which is why int8 is not a 2.x dtype."""
     from conftest import write_dataset

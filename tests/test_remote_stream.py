@@ -1,6 +1,6 @@
 """Training from a remote dataset in a bounded, node-shared cache: the Hub and S3 (local servers), request economy,
 no read amplification across ranks, mixing, the shared cache under concurrent and killed readers, faults waited
-out, checksums, hangs, full disks (issue 35; issue 36 findings 6, 10, 11, 12, 15)."""
+out, checksums, hangs, full disks."""
 
 from __future__ import annotations
 
@@ -486,7 +486,7 @@ def test_commands_cap_a_servers_retry_after_and_do_not_multiply_tries(hub, tmp_p
 def test_a_retry_after_of_a_day_stops_a_command_at_once_and_says_when_to_come_back(hub, tmp_path, rng,
                                                                                   fresh_hf_cache, monkeypatch,
                                                                                   capsys, command):
-    """Issue 44 finding 11 (R28): `Retry-After: 100000` during `pull` and `export-saev` was waited out at 61 s a try,
+    """`Retry-After: 100000` during `pull` and `export-saev` was waited out at 61 s a try,
     5 tries. A command that cannot go on within a minute says so at once, in one line: the server's time, and
     running the same command again then."""
     from lmprobe.cli import main as cli_main
@@ -614,7 +614,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_four_ranks_on_two_nodes_share_a_cache_per_node_cover_every_vector_once_and_resume_exactly(
         hub, tmp_path, rng, fresh_hf_cache):
-    """The proof of issue 35: torchrun, gloo, c10d rendezvous on 127.0.0.1; two simulated nodes of two ranks, each
+    """Training from a remote dataset on many nodes, end to end: torchrun, gloo, c10d rendezvous on 127.0.0.1; two simulated nodes of two ranks, each
     node with its own working, temporary and cache folders. Together the ranks see every vector once and download
     the layer about once; each node's cache stays within its budget while its ranks read at once; ranks stopped
     mid-epoch and started again from their states serve exactly the batches of an uninterrupted run; nothing is
@@ -793,7 +793,7 @@ def test_hub_stream_with_filters_normalisation_len_and_dataloader_workers(hub, t
 
 @pytest.mark.slow  # three streams of a Hub dataset, 5-10 s on a loaded machine
 def test_three_streams_sharing_a_small_cache_serve_every_row(hub, tmp_path, rng, fresh_hf_cache, monkeypatch):
-    """Issue 44 item 9, end to end: three readers of one Hub dataset on a machine (not one launch: each thinks it has
+    """End to end: three readers of one Hub dataset on a machine (not one launch: each thinks it has
     the whole cache) share one folder and budget; each serves every vector once, and none waits out the bound (a
     deadlock would end in OutOfSpaceError after DEFAULT_PATIENCE, made 20 s here)."""
     import lmprobe.storage.cache as cache_mod
@@ -829,7 +829,7 @@ def test_three_streams_sharing_a_small_cache_serve_every_row(hub, tmp_path, rng,
 
 
 def test_links_planted_in_the_node_cache_make_a_stream_delete_nothing_outside(hub, tmp_path, rng, fresh_hf_cache):
-    """Issue 44 item 8, as found: `stream/x -> dir`, `stream/y/pieces -> dir`, `stream/z/parts -> dir` planted by
+    """Links as another user left them: `stream/x -> dir`, `stream/y/pieces -> dir`, `stream/z/parts -> dir` planted by
     another user of the node; a remote ShardStream deletes none of the 15 files and creates no `.lock` there."""
     src, url = _push(hub, tmp_path, rng)
     root = stream_root()

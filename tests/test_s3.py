@@ -161,7 +161,7 @@ def _interrupted(llama_dir, url, monkeypatch, after=3, **kw):
 
 def test_a_resumed_run_whose_bucket_lost_uploaded_shards_is_an_error_not_a_broken_dataset(s3, llama_dir, monkeypatch,
                                                                                           capsys, tmp_path):
-    """The interrupted-operation matrix (issue 27): kill, wipe the prefix, re-run: exit 0 and 3 shards missing."""
+    """Kill, wipe the bucket's prefix, re-run: an error, never exit 0 with 3 shards missing."""
     from lmprobe.cli import main as cli_main
 
     url = f"s3://acts/wiped-{uuid.uuid4().hex[:6]}"

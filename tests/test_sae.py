@@ -195,7 +195,7 @@ def test_cli_export_and_topk(tmp_path, rng, capsys, llama_dir):
     assert r.returncode == 0 and r.stdout.count("feat_") == 4
     assert cli_main(["sae-topk", "--root", str(tmp_path / "r"), "--dict", "tiny", "--layer", "5"]) == 2
     assert "layer 5 is not in dictionary" in capsys.readouterr().err
-    # -1 is the last layer here too (issue 37, item 8): the dictionary's, and the dataset's
+    # -1 is the last layer here too: the dictionary's, and the dataset's
     assert cli_main(["sae-topk", "--root", str(tmp_path / "r"), "--dict", "tiny", "--layer", "-1", "--topk", "3",
                      "--dataset", str(tmp_path / "ds"), "--prompt", "1"]) == 0
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines() if "feat_" in line] == \
@@ -285,7 +285,8 @@ def huge_npz(path) -> None:
 
 
 def test_a_dictionary_with_nan_or_inf_is_refused_before_features_run(tmp_path, rng, capsys):
-    """NaN thresholds or weights made `features` say "0 fired" and exit 0 (issue 36, finding 7)."""
+    """A dictionary with NaN or inf thresholds or weights is refused before `features` runs (never "0 fired" and
+    exit 0)."""
     import shutil
 
     from conftest import write_dataset
@@ -325,7 +326,8 @@ def test_a_dictionary_with_nan_or_inf_is_refused_before_features_run(tmp_path, r
 
 
 def test_damaged_shapes_and_huge_requests_are_one_line_errors(tmp_path, rng, capsys, monkeypatch):
-    """2-D bias or shape, a dense expansion past the memory, --top 10^9, --prompt -99999 (issue 36, finding 13)."""
+    """Damaged shapes (a 2-D bias or shape) and huge requests (a dense expansion past the memory, --top 10^9,
+    --prompt -99999) are one-line errors."""
     import shutil
 
     from conftest import write_dataset
@@ -396,7 +398,7 @@ def _features_limited(tmp_path, root):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status")
 def test_a_small_file_declaring_2_24_features_is_refused_by_its_declared_sizes(tmp_path, rng):
-    """R31 (issue 44 finding 12): a 66 KB dictionary declaring 2^24 features died with numpy's _ArrayMemoryError
+    """A 66 KB dictionary declaring 2^24 features died with numpy's _ArrayMemoryError
     traceback where memory is limited (MemAvailable said there was room). The declared sizes are checked against
     the file: a few KB cannot hold 2^24 features' weights."""
     from conftest import write_dataset
@@ -443,7 +445,7 @@ def test_a_dense_expansion_past_the_process_limit_is_one_line(tmp_path, rng):
 
 
 def test_auto_device_on_a_machine_without_a_gpu_does_not_import_torch():
-    """issue 37, item 16: `sae-topk` spent ~1 s importing torch to learn there is no GPU, on every call."""
+    """device "auto" on a machine without a GPU does not import torch (~1 s on every `sae-topk` call)."""
     code = ("import sys; from lmprobe.sae.loader import detect_device; print(detect_device('auto'), "
             "'torch' in sys.modules)")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU visible, as on this machine and CI
@@ -452,7 +454,7 @@ def test_auto_device_on_a_machine_without_a_gpu_does_not_import_torch():
 
 
 def test_info_and_validate_describe_an_sae_dictionary(tmp_path, rng, capsys):
-    """issue 37, item 11: `info` and `validate` refused SAE dictionaries instead of describing them."""
+    """`info` and `validate` describe an SAE dictionary instead of refusing it."""
     from safetensors.numpy import save_file
 
     W = rng.normal(size=(8, 16)).astype(np.float32)

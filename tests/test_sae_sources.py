@@ -273,7 +273,7 @@ def test_sparsify_own_encode_agrees(library_saes, tmp_path, name):
 
 
 def test_a_topk_sae_fires_k_features_per_token_in_features_and_sae_topk(tmp_path, rng, capsys):
-    """Finding 6 of issue 27: top-k SAEs looked dense (a feature counted as firing whenever W x + b > 0)."""
+    """A top-k SAE fires its k largest features, never as a dense one (every feature with W x + b > 0)."""
     from conftest import write_dataset
 
     import lmprobe

@@ -319,7 +319,7 @@ def tokens(values, type_: pa.DataType) -> pa.Array:
 def test_import_checks_the_arrow_data_against_its_description(tmp_path, source, capsys):
     """Offsets outside their buffer read process memory (or abort); types that contradict dataset_info.json were
     cast silently (2^40+1 lost its +1, 1e300 became inf, NaN token ids -2^63, 1.7 became 1); text gave
-    tracebacks (issue 36, finding 4)."""
+    tracebacks."""
     import subprocess
     import sys
 
@@ -368,7 +368,7 @@ def test_import_checks_the_arrow_data_against_its_description(tmp_path, source, 
 
 def test_an_interrupted_import_resumes_with_the_same_command(tmp_path, source, monkeypatch, capsys):
     """import-saelens interrupted, then the same command: refused with "resume it, or pass --overwrite", an option
-    it did not have (issue 36, finding 16)."""
+    it did not have."""
     from lmprobe.format.writer import DatasetWriter
     from lmprobe.saelens import layout
 
@@ -426,7 +426,7 @@ def test_a_cache_of_no_rows_leaves_nothing_behind(tmp_path, capsys):
 
 @pytest.mark.parametrize("stale", ["file", "symlink", "dangling symlink"])
 def test_export_replaces_a_stale_partial_of_any_kind(tmp_path, source, stale):
-    """A `.NAME.partial` that is a file or a symlink gave a traceback (issue 36, finding 14); a link is removed,
+    """A `.NAME.partial` that is a file or a symlink gave a traceback; a link is removed,
     never followed."""
     path, src = source
     partial = tmp_path / ".cache.partial"
@@ -447,7 +447,7 @@ def test_export_replaces_a_stale_partial_of_any_kind(tmp_path, source, stale):
 
 def test_export_run_again_has_nothing_to_do_and_another_is_refused(tmp_path, source, capsys):
     """The same export after it finished (or after a kill that landed once it had) is done, not refused; another
-    export into the folder is refused (the kill matrix of issue 36)."""
+    export into the folder is refused (a kill at every step of the export)."""
     path, _ = source
     argv = ["export-saelens", str(path), "--out", str(tmp_path / "cache"), "--layer", "1"]
     assert cli_main(argv) == 0
@@ -461,7 +461,7 @@ def test_export_run_again_has_nothing_to_do_and_another_is_refused(tmp_path, sou
 
 
 def test_info_of_an_imported_cache_and_of_the_demo_says_how_they_were_made(tmp_path, source, capsys):
-    """issue 37, item 16: `info` said "backend None" for datasets that no extraction made."""
+    """`info` says how an imported cache and the demo were made, never "backend None"."""
     path, _ = source
     cache = export_saelens(path, tmp_path / "cache", layer=1, quiet=True)
     back = import_saelens(cache, tmp_path / "back", quiet=True)
@@ -474,7 +474,7 @@ def test_info_of_an_imported_cache_and_of_the_demo_says_how_they_were_made(tmp_p
 
 
 def test_export_takes_a_negative_layer_as_every_other_command_does(tmp_path, source):
-    """issue 37, item 8: `export-saelens --layer -1` is the last stored layer, as `--layers -1` is elsewhere."""
+    """`export-saelens --layer -1` is the last stored layer, as `--layers -1` is elsewhere."""
     path, src = source
     assert cli_main(["export-saelens", str(path), "--out", str(tmp_path / "c"), "--layer", "-1", "--quiet"]) == 0
     _, batches = read_cache(tmp_path / "c")
@@ -484,7 +484,7 @@ def test_export_takes_a_negative_layer_as_every_other_command_does(tmp_path, sou
 
 
 def test_export_packs_every_stored_token_into_windows_by_default(tmp_path, rng, capsys, messages):
-    """issue 37, item 4: prompts of many lengths exported 1 prompt of 48 (those of the longest length) and exited 0.
+    """Prompts of many lengths exported 1 prompt of 48 (those of the longest length) and exited 0.
     By default the tokens are packed in index order, as SAELens' own caching does: all but the last partial window."""
     src = write_dataset(tmp_path / "ds", rng, n=48, layers=(2,), dim=4, storage="full_sequence", min_tokens=3,
                         max_tokens=20, token_ids=True)

@@ -307,8 +307,8 @@ def test_a_saev_dataset_shows_what_it_holds(tmp_path, source):
 
 
 def test_info_and_validate_describe_a_saev_export_and_point_from_its_dump_folder(tmp_path, source, capsys):
-    """issue 37, item 11: `info` refused saev folders; `validate DUMP_TO` (export-saev's --out) did not point at
-    the export inside it."""
+    """`info` and `validate` describe a saev folder, and `validate DUMP_TO` (export-saev's --out) points at the
+    export inside it."""
     path, _ = source
     folder = export_saev(path, tmp_path / "dump", context_len=5, quiet=True)
     assert cli_main(["info", str(folder)]) == 0
@@ -316,7 +316,7 @@ def test_info_and_validate_describe_a_saev_export_and_point_from_its_dump_folder
     assert out.splitlines()[0] == f"saev export {folder} (protocol 2.0)"
     assert f"examples     {len(SaevDataset(folder)):,} x 5 tokens" in out and "layers       [1, 4]" in out
     assert "d_model      6, float32" in out
-    # issue 47, item 3: the folder given to export-saev's --out is described and checked as the exports it holds
+    # the folder given to export-saev's --out is described and checked as the exports it holds
     # (it was an exit-2 error naming the folder inside)
     assert cli_main(["info", str(tmp_path / "dump")]) == 0
     assert capsys.readouterr().out == out
@@ -325,7 +325,7 @@ def test_info_and_validate_describe_a_saev_export_and_point_from_its_dump_folder
 
 
 def test_export_into_a_log_writes_lines_not_bars(tmp_path, source, capsys, monkeypatch):
-    """issue 37, item 13: the export commands drew bars when stderr was not a terminal."""
+    """When stderr is not a terminal the export commands write progress lines, never bars."""
     monkeypatch.setenv("LMPROBE_PROGRESS_INTERVAL", "0")
     path, _ = source
     assert cli_main(["export-saev", str(path), "--out", str(tmp_path / "dump"), "--context-len", "5"]) == 0

@@ -1,4 +1,4 @@
-"""Shard file layout at scale (issue 34): names that sort in shard order and folders the Hub takes, and sequence
+"""Shard file layout at scale: names that sort in shard order and folders the Hub takes, and sequence
 shards that leave the machine as they close.
 
 A dataset of under 1,000 shards per layer keeps today's names (``tensors/hidden_layer003_shard012.safetensors``,

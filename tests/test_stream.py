@@ -56,7 +56,7 @@ def test_pooled_dataset_streams_last_tokens(tmp_path, rng):
     assert len(src["texts"]) == len(got)
 
 
-# ------------------------------------------------------------------ the training reader (issue 16)
+# ------------------------------------------------------------------ the training reader
 
 N_SORTED = 12000
 
@@ -302,8 +302,8 @@ def test_world_size_zero_is_refused(tmp_path):
 
 
 def test_skip_special_tokens_finds_the_embedded_tokenizer_offline(tmp_path, monkeypatch):
-    """issue 37, item 2: `skip_special_tokens=True` on an lmprobe-tiny dataset asked the Hub for `lmprobe-tiny`
-    (retries, ~47 s offline, then an error) while `report` and `ds.prompt()` found the embedded tokenizer."""
+    """`skip_special_tokens=True` on an lmprobe-tiny dataset finds the embedded tokenizer, never asks the Hub for
+    `lmprobe-tiny` (retries, ~47 s offline, then an error), as `report` and `ds.prompt()` found the embedded tokenizer."""
     import huggingface_hub
     from huggingface_hub import constants
 
@@ -322,7 +322,7 @@ def test_skip_special_tokens_finds_the_embedded_tokenizer_offline(tmp_path, monk
     assert sum(len(b) for b in stream) == len(stream) and not calls
 
 
-# ------------------------------------------------------------------ the plan of a remote pass (issue 35), no I/O
+# ------------------------------------------------------------------ the plan of a remote pass, no I/O
 
 from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -433,7 +433,7 @@ def test_the_plan_of_a_pass_stays_small_at_ten_billion_stored_tokens():
 
 
 def test_windows_stay_small_and_a_fresh_reader_reuses_warm_pool_buffers(tmp_path, rng, monkeypatch):
-    """Issue 35 point 7: a pass recycles two small pool buffers (not one the size of a small dataset), and a fresh
+    """A pass recycles two small pool buffers (not one the size of a small dataset), and a fresh
     reader in the same process takes the buffers the last pass left, whose pages are warm (docs/performance.md)."""
     import lmprobe.stream.engine as engine
 

@@ -1,4 +1,4 @@
-"""The training reader picks its pieces for mixing (issue 46, point 6): plan.choose_piece at full size, and a remote
+"""The training reader picks its pieces for mixing: plan.choose_piece at full size, and a remote
 ShardStream without ``piece=`` that sizes them, says when its cache is too small, and records what it chose."""
 
 from __future__ import annotations

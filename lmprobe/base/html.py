@@ -107,7 +107,7 @@ WHITESPACE_MARKS = {" ": "\u2423", "\n": "\u21b5", "\t": "\u21e5"}  # ␣ ↵ �
 
 
 def visible_whitespace(text: str, *, keep_breaks: bool = False) -> str:
-    """``text`` with its spaces, newlines and tabs drawn as ␣, ↵ and ⇥ (``keep_breaks``: a newline also still
+    r"""``text`` with its spaces, newlines and tabs drawn as ␣, ↵ and ⇥ (``keep_breaks``: a newline also still
     breaks the line after its mark), so that a whitespace token is seen, not an empty box.
 
     >>> visible_whitespace(" a\n")

@@ -1,6 +1,7 @@
 """How lmprobe tells the user what it is doing: the ``lmprobe`` logger, and progress of long work.
 
-Messages go through ``logging.getLogger("lmprobe")``. Like huggingface_hub's, the logger comes
+Every module logs through ``logging.getLogger(__name__)``, a child of the ``lmprobe`` logger, whose
+handlers show its messages. Like huggingface_hub's, the ``lmprobe`` logger comes
 with a handler of its own (plain messages on stderr) and is quiet by default in library use: it
 shows warnings, and ``logging.getLogger("lmprobe").setLevel(logging.INFO)`` shows what the
 command line shows (what is about to be written, what was pushed). The command line shows them
@@ -26,7 +27,10 @@ from typing import Any
 
 from .units import format_size
 
-logger = logging.getLogger("lmprobe")
+#: the package's logger: every module's ``logging.getLogger(__name__)`` is a child of it, so its handler and
+#: level apply to them all (``lmprobe/__init__.py`` imports this module, so the handler is there from the start)
+package_logger = logging.getLogger("lmprobe")
+logger = logging.getLogger(__name__)
 
 #: seconds between progress lines when stderr is not a terminal (LMPROBE_PROGRESS_INTERVAL overrides it)
 DEFAULT_INTERVAL = 30.0
@@ -47,25 +51,25 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-if not logger.handlers:
+if not package_logger.handlers:
     _handler = _StderrHandler()
     _handler.setFormatter(logging.Formatter("%(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.WARNING)  # quiet in library use; the command line shows INFO (messages_shown)
-    logger.propagate = False  # one copy of each line, even when the application configures the root logger
+    package_logger.addHandler(_handler)
+    package_logger.setLevel(logging.WARNING)  # quiet in library use; the command line shows INFO (messages_shown)
+    package_logger.propagate = False  # one copy of each line, even when the application configures the root logger
 
 
 @contextmanager
 def messages_shown() -> Iterator[None]:
     """The ``lmprobe`` logger's INFO messages shown for the block (a command of the command line), unless the
     application set a level of its own; the level it had comes back after."""
-    before = logger.level
+    before = package_logger.level
     if before == logging.WARNING:
-        logger.setLevel(logging.INFO)
+        package_logger.setLevel(logging.INFO)
     try:
         yield
     finally:
-        logger.setLevel(before)
+        package_logger.setLevel(before)
 
 
 def in_notebook() -> bool:

@@ -176,170 +176,204 @@ def _find_mlp(block: Any, mixer: str | None) -> tuple[str | None, str | None]:
 
 
 def block_anatomy(block: Any, rec: BlockRecord, *, tol: float) -> BlockAnatomy:
-    """The readings of every named hookpoint of ``block``, checked on ``rec`` (see the module docstring)."""
-    kids = _children(block)
-    norms = [n for n, m in kids.items() if is_norm(m)]
-    mixer, attention = _find_mixer(block)
-    mlp_in_mod, mlp_out_mod = _find_mlp(block, mixer)
+    """The readings of every named hookpoint of ``block``, checked on ``rec`` (see the module docstring).
 
-    def inp(n: str | None) -> Any:
-        return rec.inputs.get(n) if n is not None else None
+    The steps: find the block's parts (norms, token mixer, MLP) and how they were called; a block without an MLP
+    reads its mixer's contribution only; else the MLP's input is read, and a parallel block reads its two branches,
+    a sequential one the stream between them (or, when that fails, the post-norm reading that explains more)."""
+    parts = _Parts(block, rec, tol)
+    anatomy = BlockAnatomy(parts.kind, {"resid_pre": Reading(parts.pre), "resid_post": Reading(parts.post)}, {},
+                           parts.children, parts.mixer, parts.attention, parts.mlp_in)
+    if not parts.attention:
+        anatomy.refusals["attn_out"] = parts.no_attention()
+    if parts.mlp_in is None:
+        return parts.read_mixer_only(anatomy)
+    parts.read_mlp_in(anatomy)
+    if parts.parallel:
+        anatomy.refusals["resid_mid"] = ("its attention and MLP read the same input in parallel, so there is no "
+                                         "stream between them")
+        _parallel_branches(anatomy, parts.x, parts.y, parts.mixer_sites(), parts.mlp_sites(), tol, parts.attention)
+        return anatomy
+    return parts.read_sequential(anatomy)
 
-    def out(n: str | None) -> Any:
-        return rec.outputs.get(n) if n is not None else None
 
-    def same(a: Any, b: Any) -> bool:
-        return a is not None and b is not None and (a is b or close(a, b, tol))
+class _Parts:
+    """A block's parts as one forward pass showed them: its norms, token mixer and MLP, what each read and
+    returned, and how a sublayer's contribution to the stream is read."""
 
-    def norm_where(pred: Callable[[str], bool]) -> str | None:
-        hits = [n for n in norms if pred(n)]
+    def __init__(self, block: Any, rec: BlockRecord, tol: float):
+        self.block, self.rec, self.tol = block, rec, tol
+        self.kids = _children(block)
+        self.norms = [n for n, m in self.kids.items() if is_norm(m)]
+        mixer, self.attention = _find_mixer(block)
+        mlp_in, mlp_out = _find_mlp(block, mixer)
+        self.x, self.y = self.inp(""), self.out("")
+        self.pre, self.post = Site("", "input"), Site("", "output")
+        self.children = list(self.kids)
+        self.mixer = mixer if mixer is not None and mixer in rec.outputs else None  # a mixer never called is none
+        if mlp_in is not None and (mlp_in not in rec.inputs or mlp_out not in rec.outputs):
+            mlp_in = mlp_out = None
+        self.mlp_in, self.mlp_out = mlp_in, mlp_out
+        self.ln_mix = self.norm_where(lambda n: self.same(self.out(n), self.inp(self.mixer)))
+        self.mix_post_norm = self.norm_where(lambda n: self.same(self.inp(n), self.out(self.mixer)))
+        # the pre-MLP norm may sit inside another child (DBRX keeps it in norm_attn_norm): any norm of the block
+        deep_norms = [n for n in rec.outputs if n and n in rec.inputs and is_norm(block.get_submodule(n))
+                      and not (mlp_in and n.startswith(mlp_in + "."))]
+        self.ln_mlp = self.norm_where(lambda n: self.same(self.out(n), self.inp(mlp_in))) or next(
+            (n for n in deep_norms if self.same(self.out(n), self.inp(mlp_in))), None)
+        self.mlp_post_norm = self.norm_where(lambda n: mlp_out == mlp_in and self.same(self.inp(n), self.out(mlp_out)))
+        x = self.x
+        self.parallel = self.mixer is not None and mlp_in is not None and (
+            self.same(self.inp(mlp_in), self.inp(self.mixer)) or self.same(self.inp(mlp_in), x)
+            or (self.ln_mlp is not None and self.same(self.inp(self.ln_mlp), x)))
+        self.post_norm = (not self.parallel and self.mixer is not None and self.ln_mix is None
+                          and self.mix_post_norm is None and self.same(self.inp(self.mixer), x))
+        self.kind = "parallel" if self.parallel else "pre_norm" if mlp_in is not None else "mixer_only"
+
+    def inp(self, n: str | None) -> Any:
+        return self.rec.inputs.get(n) if n is not None else None
+
+    def out(self, n: str | None) -> Any:
+        return self.rec.outputs.get(n) if n is not None else None
+
+    def same(self, a: Any, b: Any) -> bool:
+        return a is not None and b is not None and (a is b or close(a, b, self.tol))
+
+    def norm_where(self, pred: Callable[[str], bool]) -> str | None:
+        hits = [n for n in self.norms if pred(n)]
         return hits[0] if hits else None
 
-    x, y = inp(""), out("")
-    pre, post = Site("", "input"), Site("", "output")
-    readings: dict[str, Reading] = {"resid_pre": Reading(pre), "resid_post": Reading(post)}
-    refusals: dict[str, str] = {}
-    children = list(kids)
-    called = mixer is not None and mixer in rec.outputs
-    if mixer is not None and not called:
-        mixer = None
-    if mlp_in_mod is not None and (mlp_in_mod not in rec.inputs or mlp_out_mod not in rec.outputs):
-        mlp_in_mod = mlp_out_mod = None
-    ln_mix = norm_where(lambda n: same(out(n), inp(mixer)))
-    mix_post_norm = norm_where(lambda n: same(inp(n), out(mixer)))
-    # a module the sublayer's output goes through before its add (Inkling's short convolutions), norms aside
-    def after(module: str | None) -> str | None:
-        hits = [n for n, m in kids.items() if n not in (mixer, mlp_in_mod, mlp_out_mod) and not is_norm(m)
-                and not _inert(m) and n in rec.inputs and same(inp(n), out(module))]
+    def after(self, module: str | None) -> str | None:
+        """A module the sublayer's output goes through before its add (Inkling's short convolutions), norms
+        aside."""
+        hits = [n for n, m in self.kids.items() if n not in (self.mixer, self.mlp_in, self.mlp_out) and not is_norm(m)
+                and not _inert(m) and n in self.rec.inputs and self.same(self.inp(n), self.out(module))]
         return hits[0] if module is not None and hits else None
 
-    # the pre-MLP norm may sit inside another child (DBRX keeps it in norm_attn_norm): any norm of the block
-    deep_norms = [n for n in rec.outputs if n and n in rec.inputs and is_norm(block.get_submodule(n))
-                  and not (mlp_in_mod and n.startswith(mlp_in_mod + "."))]
-    ln_mlp = norm_where(lambda n: same(out(n), inp(mlp_in_mod))) or next(
-        (n for n in deep_norms if same(out(n), inp(mlp_in_mod))), None)
-    mlp_post_norm = norm_where(lambda n: mlp_out_mod == mlp_in_mod and same(inp(n), out(mlp_out_mod)))
-    parallel = mixer is not None and mlp_in_mod is not None and (
-        same(inp(mlp_in_mod), inp(mixer)) or same(inp(mlp_in_mod), x) or (ln_mlp is not None and same(inp(ln_mlp), x)))
-    post_norm = (not parallel and mixer is not None and ln_mix is None and mix_post_norm is None
-                 and same(inp(mixer), x))
-    kind = "parallel" if parallel else "pre_norm" if mlp_in_mod is not None else "mixer_only"
-    anatomy = BlockAnatomy(kind, readings, refusals, children, mixer, attention, mlp_in_mod)
+    def no_attention(self) -> str:
+        name = type(self.block).__name__
+        return (f"block {name} has no attention (its token mixer is {self.mixer!r}: read it with "
+                f"'{self.mixer}:output')" if self.mixer else
+                f"block {name} has no attention (children: {', '.join(self.children)})")
 
-    no_attention = (f"block {type(block).__name__} has no attention (its token mixer is "
-                    f"{mixer!r}: read it with '{mixer}:output')" if mixer else
-                    f"block {type(block).__name__} has no attention (children: {', '.join(children)})")
-    no_mlp = f"block {type(block).__name__} has no MLP (children: {', '.join(children)})"
-
-    def inner(module: str | None) -> list[tuple[Site, Any]]:
+    def inner(self, module: str | None) -> list[tuple[Site, Any]]:
         """Outputs of the modules inside ``module``, the last computed first (BLOOM's ``dense`` before the
         residual add inside its attention)."""
         if module is None:
             return []
+        rec = self.rec
         found = sorted(((rec.order.get(Site(n, "output"), 0), n) for n in rec.outputs
-                        if n.startswith(module + ".") and not _inert(block.get_submodule(n))), reverse=True)
+                        if n.startswith(module + ".") and not _inert(self.block.get_submodule(n))), reverse=True)
         return [(Site(n, "output"), rec.outputs[n]) for _, n in found]
 
-    def ends_in_norm(module: str | None) -> bool:
+    def ends_in_norm(self, module: str | None) -> bool:
         """Whether the module's output is what a norm inside it returned (post-norm: BERT's attention)."""
-        value = out(module)
-        return any(close(v, value, tol) for site, v in inner(module) if is_norm(block.get_submodule(site.path)))
+        value = self.out(module)
+        return any(close(v, value, self.tol) for site, v in self.inner(module)
+                   if is_norm(self.block.get_submodule(site.path)))
 
-    def mixer_site() -> list[tuple[Site, Any]]:
+    def mixer_sites(self) -> list[tuple[Site, Any]]:
         sites = []
-        if after(mixer):
-            sites.append((Site(after(mixer), "output"), out(after(mixer))))
-        if mix_post_norm:
-            sites.append((Site(mix_post_norm, "output"), out(mix_post_norm)))
-        if mixer:
-            sites.append((Site(mixer, "output"), out(mixer)))
+        if self.after(self.mixer):
+            sites.append((Site(self.after(self.mixer), "output"), self.out(self.after(self.mixer))))
+        if self.mix_post_norm:
+            sites.append((Site(self.mix_post_norm, "output"), self.out(self.mix_post_norm)))
+        if self.mixer:
+            sites.append((Site(self.mixer, "output"), self.out(self.mixer)))
         return sites
 
-    def mlp_sites() -> list[tuple[Site, Any]]:
+    def mlp_sites(self) -> list[tuple[Site, Any]]:
         sites = []
-        if mlp_out_mod == mlp_in_mod and after(mlp_out_mod):
-            sites.append((Site(after(mlp_out_mod), "output"), out(after(mlp_out_mod))))
-        if mlp_post_norm:
-            sites.append((Site(mlp_post_norm, "output"), out(mlp_post_norm)))
-        if mlp_out_mod:
-            sites.append((Site(mlp_out_mod, "output"), out(mlp_out_mod)))
+        if self.mlp_out == self.mlp_in and self.after(self.mlp_out):
+            sites.append((Site(self.after(self.mlp_out), "output"), self.out(self.after(self.mlp_out))))
+        if self.mlp_post_norm:
+            sites.append((Site(self.mlp_post_norm, "output"), self.out(self.mlp_post_norm)))
+        if self.mlp_out:
+            sites.append((Site(self.mlp_out, "output"), self.out(self.mlp_out)))
         return sites
 
-    def contribution(before: Any, after: Any, candidates: list[tuple[Site, Any]], module: str | None,
+    def contribution(self, before: Any, after: Any, candidates: list[tuple[Site, Any]], module: str | None,
                      site_after: Site, site_before: Site) -> Reading | None:
         """How to read what a sublayer (``module``) adds between two stream tensors, or None when it adds no such
         thing: a module whose output is exactly that, else the stream's difference when the sublayer's output is
         scaled, offset by a bias, or has the residual added inside the module (never when a norm ends it)."""
+        tol = self.tol
         if before is None or after is None or not hasattr(after, "shape") or not hasattr(before, "shape") \
                 or tuple(after.shape) != tuple(before.shape):
             return None  # not two states of one stream
         delta = after.detach().double() - before.detach().to(after.device).double()
-        for site, value in [*candidates, *inner(module)]:
+        for site, value in [*candidates, *self.inner(module)]:
             if value is not None and close(value, delta, tol):
                 return Reading(site)
         for _site, value in candidates:
             if value is None:
                 continue
-            inside = close(value, after, tol) and not ends_in_norm(module)
+            inside = close(value, after, tol) and not self.ends_in_norm(module)
             if inside or _scaled(delta, value, tol) or _offset(delta, value, tol):
                 # a multiplier (Granite), a bias the block adds (GPT-NeoX-Japanese), or a residual inside
                 return Reading(site_after, minus=site_before)
         return None
 
-    if not attention:
-        refusals["attn_out"] = no_attention
-    if mlp_in_mod is None:
+    def read_mixer_only(self, anatomy: BlockAnatomy) -> BlockAnatomy:
+        """A block without an MLP: its attention's contribution, if it has attention."""
+        no_mlp = f"block {type(self.block).__name__} has no MLP (children: {', '.join(self.children)})"
         for hp in ("resid_mid", "mlp_in", "mlp_out"):
-            refusals[hp] = no_mlp
-        if attention:
-            r = contribution(x, y, mixer_site(), mixer, post, pre)
+            anatomy.refusals[hp] = no_mlp
+        if self.attention:
+            r = self.contribution(self.x, self.y, self.mixer_sites(), self.mixer, self.post, self.pre)
             if r is None:
-                refusals["attn_out"] = (f"block {type(block).__name__} does not add its attention's output to the "
-                                        f"stream; read the module with '{mixer}:output'")
+                anatomy.refusals["attn_out"] = (f"block {type(self.block).__name__} does not add its attention's "
+                                                f"output to the stream; read the module with '{self.mixer}:output'")
             else:
-                readings["attn_out"] = r
+                anatomy.readings["attn_out"] = r
         return anatomy
 
-    # "after its normalisation": a norm at the start of the MLP module (RoBERTa-PreLayerNorm's intermediate)
-    inner_norm = next((n for n in rec.outputs if mlp_in_mod and n.startswith(mlp_in_mod + ".") and n in rec.inputs
-                       and is_norm(block.get_submodule(n)) and same(inp(n), inp(mlp_in_mod))), None)
-    readings["mlp_in"] = Reading(Site(inner_norm, "output") if inner_norm else Site(mlp_in_mod, "input"))
-    if parallel:
-        refusals["resid_mid"] = ("its attention and MLP read the same input in parallel, so there is no stream "
-                                 "between them")
-        _parallel_branches(anatomy, x, y, mixer_site(), mlp_sites(), tol, attention)
-        return anatomy
+    def read_mlp_in(self, anatomy: BlockAnatomy) -> None:
+        """mlp_in is "after its normalisation": a norm at the start of the MLP module (RoBERTa-PreLayerNorm's
+        intermediate), else the MLP's input."""
+        mlp_in, rec = self.mlp_in, self.rec
+        inner_norm = next((n for n in rec.outputs if mlp_in and n.startswith(mlp_in + ".") and n in rec.inputs
+                           and is_norm(self.block.get_submodule(n)) and self.same(self.inp(n), self.inp(mlp_in))),
+                          None)
+        anatomy.readings["mlp_in"] = Reading(Site(inner_norm, "output") if inner_norm else Site(mlp_in, "input"))
 
-    mid_site = Site(ln_mlp, "input") if ln_mlp else Site(mlp_in_mod, "input")
-    mid = inp(mid_site.path)
-    mixed = contribution(x, mid, mixer_site(), mixer, mid_site, pre) if mixer else None
-    mlp_read = contribution(mid, y, mlp_sites(), mlp_out_mod if mlp_out_mod == mlp_in_mod else None, post, mid_site)
-    if post_norm and (mixed is None or mlp_read is None):
-        # the attention reads the block's input: the norms may come after the adds (BERT, BART's encoder), where
-        # the stream is the normalised sum. Whichever reading explains more of the block is the block's.
-        alt = BlockAnatomy("post_norm", dict(readings), dict(refusals), children, mixer, attention, mlp_in_mod)
-        _post_norm(alt, block, rec, mixer, mlp_in_mod, mlp_out_mod, ln_mlp, tol)
-        if len(alt.readings) > len(readings) + (mixed is not None) + (mlp_read is not None) + (mixed is not None):
-            return alt
-    anatomy.kind = "pre_norm"
-    if mixer is None or mixed is None:
-        what = f"its token mixer {mixer!r}" if mixer else "no token mixer"
-        why = (f"block {type(block).__name__}'s stream before its MLP is not its input plus the output of {what}; "
-               f"read a module with PATH:input or PATH:output instead (children: {', '.join(children)})")
-        refusals["resid_mid"] = why
-        if attention:
-            refusals["attn_out"] = why
-    else:
-        readings["resid_mid"] = Reading(mid_site)
-        if attention:
-            readings["attn_out"] = mixed
-    if mlp_read is None:
-        refusals["mlp_out"] = (f"block {type(block).__name__} adds more than its MLP's output to the stream after "
-                               f"the MLP (resid_post - resid_mid is not {mlp_out_mod!r}'s output); read the MLP with "
-                               f"'{mlp_out_mod}:output'")
-    else:
-        readings["mlp_out"] = mlp_read
-    return anatomy
+    def read_sequential(self, anatomy: BlockAnatomy) -> BlockAnatomy:
+        """A block whose attention and MLP come one after the other: the stream between them (resid_mid) and each
+        sublayer's contribution; a post-norm reading instead where that explains more of the block."""
+        mixer, mlp_in, mlp_out = self.mixer, self.mlp_in, self.mlp_out
+        readings, refusals, name = anatomy.readings, anatomy.refusals, type(self.block).__name__
+        mid_site = Site(self.ln_mlp, "input") if self.ln_mlp else Site(mlp_in, "input")
+        mid = self.inp(mid_site.path)
+        mixed = self.contribution(self.x, mid, self.mixer_sites(), mixer, mid_site, self.pre) if mixer else None
+        mlp_read = self.contribution(mid, self.y, self.mlp_sites(), mlp_out if mlp_out == mlp_in else None, self.post,
+                                     mid_site)
+        if self.post_norm and (mixed is None or mlp_read is None):
+            # the attention reads the block's input: the norms may come after the adds (BERT, BART's encoder), where
+            # the stream is the normalised sum. Whichever reading explains more of the block is the block's.
+            alt = BlockAnatomy("post_norm", dict(readings), dict(refusals), self.children, mixer, self.attention,
+                               mlp_in)
+            _post_norm(alt, self.block, self.rec, mixer, mlp_in, mlp_out, self.ln_mlp, self.tol)
+            if len(alt.readings) > len(readings) + (mixed is not None) + (mlp_read is not None) + (mixed is not None):
+                return alt
+        anatomy.kind = "pre_norm"
+        if mixer is None or mixed is None:
+            what = f"its token mixer {mixer!r}" if mixer else "no token mixer"
+            why = (f"block {name}'s stream before its MLP is not its input plus the output of {what}; "
+                   f"read a module with PATH:input or PATH:output instead (children: {', '.join(self.children)})")
+            refusals["resid_mid"] = why
+            if self.attention:
+                refusals["attn_out"] = why
+        else:
+            readings["resid_mid"] = Reading(mid_site)
+            if self.attention:
+                readings["attn_out"] = mixed
+        if mlp_read is None:
+            refusals["mlp_out"] = (f"block {name} adds more than its MLP's output to the stream after the MLP "
+                                   f"(resid_post - resid_mid is not {mlp_out!r}'s output); read the MLP with "
+                                   f"'{mlp_out}:output'")
+        else:
+            readings["mlp_out"] = mlp_read
+        return anatomy
 
 
 def _parallel_branches(anatomy: BlockAnatomy, x: Any, y: Any, mixers: list, mlps: list, tol: float,

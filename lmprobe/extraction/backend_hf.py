@@ -131,16 +131,7 @@ class TransformersBackend:
         last = last_token_index(real)
         rows = torch.arange(b, device=self.device)
         need_head = bool(logits_k) or perplexity
-        # (layer, site) -> the forms it is kept in: out_dtype for a reading of its own, float32 for a difference
-        forms: dict[tuple[int, Site], set[str]] = {}
-        for c in captures:
-            for layer in layers:
-                reading = c.readings[layer]
-                if reading.minus is None:
-                    forms.setdefault((layer, reading.site), set()).add("out")
-                else:
-                    for site in reading.sites:
-                        forms.setdefault((layer, site), set()).add("f32")
+        forms = _forms(captures, layers)
         kept: dict[tuple[int, Site, str], Any] = {}
 
         def keep_rows(name: str, h: Any) -> Any:
@@ -199,11 +190,7 @@ class TransformersBackend:
         finally:
             for h in handles:
                 h.remove()
-        missing = sorted({(str(site), layer) for (layer, site), fs in forms.items() for f in fs
-                          if (layer, site, f) not in kept})
-        if missing:
-            raise ModelError(f"the forward pass never reached {missing[:4]} (site, layer); a module that the "
-                             "model skips cannot be read")
+        _check_reached(forms, kept)
         captured = assemble_readings(captures, layers, kept, out_dtype)
         lengths = real.sum(dim=1)
         ids = input_ids[real].cpu()
@@ -216,14 +203,45 @@ class TransformersBackend:
         )
         if need_head:
             logits = result.logits if hasattr(result, "logits") else result[0]  # on the head's device, when spread
-            where = on(logits.device)
-            if perplexity:
-                out.perplexity = perplexity_from_logits(logits, input_ids.to(logits.device), where["real"])
-                last_logits = logits[where["rows"], where["last"]]
-            else:
-                last_logits = logits[:, -1] if logits.shape[1] == 1 else logits[where["rows"], where["last"]]
-            if logits_k:
-                top = torch.topk(last_logits.float(), logits_k, dim=-1)
-                out.logits_values = top.values.cpu().numpy().astype(np.float32)
-                out.logits_indices = top.indices.cpu().numpy()
+            _read_head(out, logits, on(logits.device), input_ids, perplexity=perplexity, logits_k=logits_k)
         return out
+
+
+def _forms(captures: list[Capture], layers: list[int]) -> dict[tuple[int, Site], set[str]]:
+    """(layer, site) -> the forms it is kept in: out_dtype for a reading of its own, float32 for a difference."""
+    forms: dict[tuple[int, Site], set[str]] = {}
+    for c in captures:
+        for layer in layers:
+            reading = c.readings[layer]
+            if reading.minus is None:
+                forms.setdefault((layer, reading.site), set()).add("out")
+            else:
+                for site in reading.sites:
+                    forms.setdefault((layer, site), set()).add("f32")
+    return forms
+
+
+def _check_reached(forms: dict[tuple[int, Site], set[str]], kept: dict[tuple[int, Site, str], Any]) -> None:
+    """Every site asked for was read by the forward pass; a module the model skips is an error."""
+    missing = sorted({(str(site), layer) for (layer, site), fs in forms.items() for f in fs
+                      if (layer, site, f) not in kept})
+    if missing:
+        raise ModelError(f"the forward pass never reached {missing[:4]} (site, layer); a module that the "
+                         "model skips cannot be read")
+
+
+def _read_head(out: BatchOutput, logits: Any, where: dict[str, Any], input_ids: Any, *, perplexity: bool,
+               logits_k: int | None) -> None:
+    """The perplexities and the last token's top-k logits, from the head's ``logits`` (``where``: the rows, last
+    positions and real tokens on the logits' device)."""
+    import torch
+
+    if perplexity:
+        out.perplexity = perplexity_from_logits(logits, input_ids.to(logits.device), where["real"])
+        last_logits = logits[where["rows"], where["last"]]
+    else:
+        last_logits = logits[:, -1] if logits.shape[1] == 1 else logits[where["rows"], where["last"]]
+    if logits_k:
+        top = torch.topk(last_logits.float(), logits_k, dim=-1)
+        out.logits_values = top.values.cpu().numpy().astype(np.float32)
+        out.logits_indices = top.indices.cpu().numpy()

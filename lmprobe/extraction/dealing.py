@@ -25,7 +25,7 @@ piece (up to ``corpus.KEEP_BYTES``, :mod:`lmprobe.base.replay`) and the extracti
 memory, so a rank reads its own bytes once; a larger piece is read twice. The planner keeps one
 token count per document of its current piece, not the documents.
 
-At full size (W1 of issue 43: 64 ranks; say a corpus of 1,000 parquet files of 10 row groups):
+At full size (W1 of docs/publishing.md: 64 ranks; say a corpus of 1,000 parquet files of 10 row groups):
 a rank reads 16 footers (16 KiB each) and its 157 row groups; the ranks exchange once the
 10,000 row counts (a JSON list of about 200 KB), then two small objects a rank every round of 64
 pieces (157 rounds, 314 exchanges in all); a planner holds one count per document of the piece it

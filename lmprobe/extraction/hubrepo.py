@@ -18,7 +18,7 @@ from ..format.metadata import decode_schema_metadata
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..storage.hub import hub_api
 
-logger = logging.getLogger("lmprobe")
+logger = logging.getLogger(__name__)
 
 #: the largest README.md read from a repo to merge lmprobe's section into
 MAX_CARD_BYTES = 8 << 20
@@ -34,7 +34,7 @@ def old_shards(output: Any) -> list[str]:
         old = output.finished()
         named = {r.rel for r in old.meta.files()} if old is not None else set()
     except LmprobeError as exc:
-        logger.warning(f"{output}: the old index cannot be read ({exc}); its shards are left as they are")
+        logger.warning("%s: the old index cannot be read (%s); its shards are left as they are", output, exc)
         return []
     named = {rel for rel in named if rel.startswith("tensors/") and _safe(rel)}
     if not named:

@@ -1,5 +1,5 @@
 """A Hub output's copy of its writer's checkpoint, so that a rank that comes back on another node resumes from what
-the Hub holds (issue 43, point 6).
+the Hub holds.
 
 The writer's checkpoint (``.lmprobe-staging/``: its state, the index rows so far, the running statistics) lives on
 the node that wrote it, and so does the open shard's partial file. The output's ``RESUME_FILE`` on the Hub holds a
@@ -41,7 +41,7 @@ from ..storage.commits import RepoFile
 from ..storage.hub import HubFiles, HubRef, hub_api
 from .config import same_extraction
 
-logger = logging.getLogger("lmprobe")
+logger = logging.getLogger(__name__)
 
 RESUME_DIR = ".lmprobe-resume"
 RESUME_FILE = f"{RESUME_DIR}/checkpoint.parquet"
@@ -227,6 +227,6 @@ def seed_from_hub(ref: HubRef, token: str | bool | None, local: Path, remote: di
     doc = check_resume(meta, listing, settings, str(ref))
     seed_staging(local / STAGING_DIR, doc, copy)
     copy.unlink()
-    logger.info(f"{ref}: this node held nothing of it; resuming from its checkpoint on the Hub "
-                f"({doc['state'].get('num_prompts')} rows)")
+    logger.info("%s: this node held nothing of it; resuming from its checkpoint on the Hub (%s rows)",
+                ref, doc['state'].get('num_prompts'))
     return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import threading
@@ -14,12 +15,14 @@ from typing import Any
 from ..base.display import one_line
 from ..base.hashing import sha256_file
 from ..base.layers import parse_layers as parse_layer_spec
-from ..base.progress import logger, third_party_bars
+from ..base.progress import third_party_bars
 from ..base.tokenizer import EMBEDDED_MODELS, close_embedded_name, embedded_model_dir, hub_access
 from ..errors import LmprobeError, ModelError
 from ..format.values import torch_dtype
 from .configfile import check_config_file
 from .placement import Placement, describe_spread, input_device, require_accelerate
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(name: str) -> tuple[str, bool]:
@@ -209,8 +212,8 @@ def weights_fingerprint(folder: Path) -> str:
     Cheap at any size (a 70B model: ~30 headers of a few hundred KiB, no tensor bytes read), and it changes when a
     file is written again (a fine-tune saved over the old weights: same shapes and sizes, a new modification time).
     A copy that does not keep the times (``cp`` without ``-p``) counts as other weights: a resume over it is refused
-    and ``--overwrite`` starts again; that is the safe side (issue 44 item 5: a resume over changed weights published
-    a mix of two models' rows).
+    and ``--overwrite`` starts again; that is the safe side (a resume over changed weights would publish a mix
+    of two models' rows).
     """
     import hashlib
 

@@ -53,7 +53,7 @@ from .hubrecords import LEDGER, RENAMES, final_files, part_renames, read_ledger,
 from .hubrepo import card_merger, old_shards
 from .hubresume import RESUME_DIR, RESUME_FILE, CheckpointCopies, seed_from_hub
 
-logger = logging.getLogger("lmprobe")
+logger = logging.getLogger(__name__)
 
 #: where the parts of a multi-process job are kept until they are merged (a folder, or a prefix)
 PARTS_DIR = ".lmprobe-parts"
@@ -394,7 +394,7 @@ class _HubSession(Session):
     def resume(self, recorded: dict[str, tuple[int, str]]) -> None:
         """What a killed run uploaded (the ledger) or handed over without sending (in the staging folder) is
         committed when the reopened writer recorded it, with the same size and sha256; anything else is not
-        (a foreign file, a ledger line the writer never recorded: issue 44 item 4)."""
+        (a foreign file, a ledger line the writer never recorded)."""
         for e in read_ledger(self.ledger):  # uploaded by a killed run, maybe not committed: by reference
             if recorded.get(e["rel"]) == (e["size"], e["sha256"]) and not (self.local / e["rel"]).exists():
                 self.committer.add_uploaded(RepoFile(self.output.repo_path(e["rel"]), self.local / e["rel"],
@@ -403,8 +403,8 @@ class _HubSession(Session):
             if rel in recorded:
                 self._submit(rel, recorded[rel][1])
             else:
-                logger.warning(f"{self.output}: {self.local / rel} is not a file this extraction recorded; it is not "
-                               "uploaded")
+                logger.warning("%s: %s is not a file this extraction recorded; it is not uploaded",
+                               self.output, self.local / rel)
 
     def _resume_tail(self, record: dict[str, FileRecord]) -> None:
         """Commit what the closed writer recorded (path, size, sha256) and nothing else: each file from its staged

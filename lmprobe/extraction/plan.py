@@ -362,31 +362,38 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
     commits = tail = 0
     seconds = 0.0
     if hub:
-        data_files = f.files - 2 - shape.hookpoints
-        ladder = commits_for(data_files)  # along the ladder, the last of them once the last shard is written
-        if ranks > 1:
-            # after the last shard: the job's committer's last commit (the ranks' last files together), then the
-            # merge's copies out of the parts, 1,000 a commit, the last of them with the statistics, card and index
-            copies = -(-data_files // MAX_COMMIT_FILES)
-            tail = 1 + copies
-            commits = ladder + copies
-        else:
-            tail = 1  # the last shards with the statistics, card and index
-            commits = ladder
-        commits += 1  # the job's marker, its first commit (storage/claim.py: one job at a time in the folder)
-        during = commits - tail
-        last_uploads = sites_open * f.largest_shard / UPLOAD_BYTES_PER_SECOND
-        # the merge opens every part (its index's footer and metadata), reads the parts' indexes and sends the
-        # merged one
-        merge = (ranks * PART_OPEN_SECONDS + 2 * index / UPLOAD_BYTES_PER_SECOND) if ranks > 1 else 0.0
-        seconds = last_uploads + merge + tail_seconds(tail, earlier=max(0, during), per_hour=commits_per_hour,
-                                                      commit_seconds=COMMIT_SECONDS)
+        commits, tail, seconds = _hub_commits(shape, f, ranks, index, sites_open, commits_per_hour)
         if dataset > HUB_PUBLIC_STORAGE:
             warnings.append(f"{format_size(dataset)} is past the 5 TB of public storage a free Hub account usually has: ask Hugging Face for more first, or write to a bucket "
                             "(--out s3://...)")
     return JobPlan(destination, ranks, gpus_per_rank, placement, size, reason, f.layout, site_bytes, dataset,
                    f.shards_per_site, f.files, f.largest_folder, max(f.largest_shard, index), [index],
                    staging, commits, tail, seconds, refused, warnings)
+
+
+def _hub_commits(shape: Shape, f: _Files, ranks: int, index: int, sites_open: int,
+                 commits_per_hour: float) -> tuple[int, int, float]:
+    """A Hub job's commits: (all of them, those after its last shard is written, the seconds those take)."""
+    data_files = f.files - 2 - shape.hookpoints
+    ladder = commits_for(data_files)  # along the ladder, the last of them once the last shard is written
+    if ranks > 1:
+        # after the last shard: the job's committer's last commit (the ranks' last files together), then the
+        # merge's copies out of the parts, 1,000 a commit, the last of them with the statistics, card and index
+        copies = -(-data_files // MAX_COMMIT_FILES)
+        tail = 1 + copies
+        commits = ladder + copies
+    else:
+        tail = 1  # the last shards with the statistics, card and index
+        commits = ladder
+    commits += 1  # the job's marker, its first commit (storage/claim.py: one job at a time in the folder)
+    during = commits - tail
+    last_uploads = sites_open * f.largest_shard / UPLOAD_BYTES_PER_SECOND
+    # the merge opens every part (its index's footer and metadata), reads the parts' indexes and sends the
+    # merged one
+    merge = (ranks * PART_OPEN_SECONDS + 2 * index / UPLOAD_BYTES_PER_SECOND) if ranks > 1 else 0.0
+    seconds = last_uploads + merge + tail_seconds(tail, earlier=max(0, during), per_hour=commits_per_hour,
+                                                  commit_seconds=COMMIT_SECONDS)
+    return commits, tail, seconds
 
 
 def _kind(destination: str) -> Destination:

@@ -8,6 +8,7 @@ the result is a :class:`Job`: what the loop (loop.py) and the output (runner.py)
 from __future__ import annotations
 
 import io
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..base.display import one_line
-from ..base.progress import logger, on_terminal
+from ..base.progress import on_terminal
 from ..base.units import parse_size
 from ..errors import (
     ExtractionError,
@@ -54,6 +55,8 @@ from .sources import Record, open_source
 from .tokens import Encoder
 from .torchrun import Ranks
 from .windows import affixes_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -454,9 +457,9 @@ def _prepare_corpus(cfg: ExtractionConfig, source: Any, spec: ModelSpec, tok: An
     # first row group, which would otherwise cost every rank of a job one row group more than its share
     ranks.agree(first_record if ranks.rank == 0 else lambda: None)
     if dropped:  # said even with --quiet: it is about what the dataset will not hold
-        logger.warning(f"note: corpus extraction stores windows of documents; the source's other columns "
-                       f"({', '.join(repr(c) for c in dropped)}) are not stored: join them on each row's `document` "
-                       "column")
+        logger.warning("note: corpus extraction stores windows of documents; the source's other columns "
+                       "(%s) are not stored: join them on each row's `document` column",
+                       ', '.join(repr(c) for c in dropped))
     identity = source.identity()
     if ranks.world > 1:  # each node has its own copy (paths, times): the job records rank 0's
         identity = ranks.all_gather(identity)[0]

@@ -22,16 +22,18 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..base.progress import logger
 from ..errors import ExtractionError, PromptError
 from ..format.spec import RESERVED_COLUMNS
 from ..format.values import infer_column_type, is_null
 from .ranks import Gather
 from .sources import PRETOKENIZED_COLUMN, Record, Source, check_share, open_source
+
+logger = logging.getLogger(__name__)
 
 _MOD = 1 << 256
 
@@ -167,8 +169,9 @@ def _from_records(records: list[Record], source: str, text_column: str, label_co
             raise PromptError(f"{source}: no label column {label_column!r} (columns: {names})"
                               + (f"; did you mean --label-column {close}?" if close else ""))
         if close is not None and warn:  # said even with --quiet: it is about what the dataset will hold
-            logger.warning(f"note: {source} has a column {close!r} but no {label_column!r}: it is stored as an "
-                           f"ordinary column, not as the labels; pass --label-column {close} to use it as the labels")
+            logger.warning("note: %s has a column %r but no %r: it is stored as an ordinary column, not "
+                           "as the labels; pass --label-column %s to use it as the labels",
+                           source, close, label_column, close)
         label_column = None
     input_ids = [check_token_ids(r.values.get(PRETOKENIZED_COLUMN), r) for r in records] if pretokenized else None
     texts = [record_text(r, text_column, required=not pretokenized) for r in records]

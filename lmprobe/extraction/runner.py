@@ -8,6 +8,7 @@ before the model runs.
 from __future__ import annotations
 
 import errno
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from ..base.progress import logger
 from ..base.units import format_size, plural
 from ..errors import (
     ExtractionError,
@@ -35,6 +35,8 @@ from .outputs import Output, open_output
 from .plan import JobPlan
 from .preparation import Job, check_plan, prepare
 from .torchrun import Ranks, start_ranks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,8 @@ def execute(cfg: ExtractionConfig, *, token: str | None = None) -> Outcome:
     done = _finished(job, output)
     if done is not None:
         if not cfg.quiet and rank == 0:
-            logger.info(f"{output} already holds this extraction ({rows_text(done, corpus=cfg.corpus)}, "
-                        f"{done.storage}, {done.dtype}); nothing to do")
+            logger.info("%s already holds this extraction (%s, %s, %s); nothing to do",
+                        output, rows_text(done, corpus=cfg.corpus), done.storage, done.dtype)
         return Outcome(done, wrote=False)
     try:
         if world > 1:
@@ -183,7 +185,7 @@ def _extract(job: Job, output: Output) -> Dataset | None:
         part = settings.get("part")  # a rank's part of a torchrun job (_extract_parallel): not yet the dataset
         what = f"part {part[0]} of {part[1]} of the dataset" if part else "the dataset"
         later = "" if ds is not None else " (rank 0 commits it with the other parts when the job ends)"
-        logger.info(f"uploaded {what} to {output}{later}")
+        logger.info("uploaded %s to %s%s", what, output, later)
     return ds
 
 
@@ -288,7 +290,7 @@ def _announce(job: Job, writer: DatasetWriter, out: Path, *, local: bool) -> Non
                    if writer.num_prompts else "")
         if writer.refill_from is not None:  # a checkpoint from another node: its open shards' rows again
             resumed += f", recomputing the last {plural(writer.num_prompts - writer.refill_from, 'row')} of them"
-        logger.info(f"lmprobe: writing {what}: {size}{resumed}")
+        logger.info("lmprobe: writing %s: %s%s", what, size, resumed)
     if planned is None or not cfg.space_check:
         return
     if not local and job.plan is not None and job.plan.known:

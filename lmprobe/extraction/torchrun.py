@@ -13,13 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..base.progress import logger
 from ..errors import (
     ExtractionError,
     LmprobeError,
     PeerStoppedError,
 )
 from .ranks import Gather
+
+logger = logging.getLogger(__name__)
 
 #: seconds without a sign of life from a peer before this rank says it stopped and exits (LMPROBE_PEER_TIMEOUT; 0
 #: turns the watch off). A rank beats every PEER_TIMEOUT / 12 seconds from a thread of its own, whatever its main
@@ -88,22 +89,28 @@ def start_ranks() -> Ranks:
     return Ranks(rank, world, all_gather)
 
 
-class _RankPrefix(logging.Filter):
-    """Every message of a rank names it: each node shows its own rank's lines (none is the silent one)."""
+class _RankPrefix:
+    """Every message of a rank names it: each node shows its own rank's lines (none is the silent one).
 
-    def __init__(self, rank: int, world: int):
-        super().__init__()
+    A record factory, not a logger filter: a filter on the ``lmprobe`` logger would miss the records of its children
+    (every module logs through ``logging.getLogger(__name__)``); only ``lmprobe``'s records are touched."""
+
+    def __init__(self, rank: int, world: int, make: Callable[..., logging.LogRecord]):
         self.prefix = f"[rank {rank}/{world}] "
+        self.make = make
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and not record.msg.startswith(self.prefix):
+    def __call__(self, *args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = self.make(*args, **kwargs)
+        if (record.name == "lmprobe" or record.name.startswith("lmprobe.")) and isinstance(record.msg, str) \
+                and not record.msg.startswith(self.prefix):
             record.msg = self.prefix + record.msg
-        return True
+        return record
 
 
 def _name_ranks(rank: int, world: int) -> None:
-    if not any(isinstance(f, _RankPrefix) for f in logger.filters):
-        logger.addFilter(_RankPrefix(rank, world))
+    make = logging.getLogRecordFactory()
+    if not isinstance(make, _RankPrefix):
+        logging.setLogRecordFactory(_RankPrefix(rank, world, make))
 
 
 def stopped_message(rank: int | None, why: str) -> str:
@@ -187,8 +194,9 @@ class PeerWatch:
             except Exception as exc:  # noqa: BLE001 - no answer: the node that hosts the store may be gone
                 if store_ok is None:  # never reached (no MASTER_ADDR, another launcher): no watch, never a false stop
                     if now - started > self.timeout:
-                        logger.warning(f"lmprobe: cannot watch the other ranks through the rendezvous store ({exc}); "
-                                       "a rank that dies is found when a collective meets it")
+                        logger.warning("lmprobe: cannot watch the other ranks through the rendezvous "
+                                       "store (%s); a rank that dies is found when a collective meets it",
+                                       exc)
                         return
                 elif now - store_ok > self.timeout:
                     self._say(0 if self.rank else None, "the node that hosts the job's rendezvous stopped answering",

@@ -75,16 +75,27 @@ def update_card(existing: str | None, info: dict[str, Any], schema: pa.Schema,
 
 
 def _section(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] | None) -> str:
-    """lmprobe's part of the card, markers included."""
+    """lmprobe's part of the card, markers included: the facts, how to read it with lmprobe, without lmprobe and
+    with 🤗 datasets, then the caller's sections."""
+    hidden = info["tensors"]["hidden_layers"]
+    logits = info["tensors"].get("logits_topk")
+    user_cols = [f.name for f in schema][list(schema.names).index("row_offset") + 1 :]
+    lines = [BEGIN, *_facts(info, schema), *_read_with_lmprobe(hidden, logits),
+             *_read_without_lmprobe(hidden, logits, user_cols), *_load_with_datasets()]
+    for section in extra_sections or []:
+        lines += ["", section.rstrip()]
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def _facts(info: dict[str, Any], schema: pa.Schema) -> list[str]:
+    """The title, a sentence and the table of facts: model, prompts, layers, storage, files, provenance."""
     hidden = info["tensors"]["hidden_layers"]
     logits = info["tensors"].get("logits_topk")
     model = info["model"]
-    layer = hidden["layers"][-1]
     full = hidden["storage"] == "full_sequence"
     n_files = len(hidden["shards"]) * len(hidden["layers"])
-    user_cols = [f.name for f in schema][list(schema.names).index("row_offset") + 1 :]
     lines = [
-        BEGIN,
         f"# Activations of `{model['name']}`",
         "",
         "An [lmprobe](https://github.com/lmprobe) dataset in the lmprobe dataset format "
@@ -112,7 +123,14 @@ def _section(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] 
         f"| Made with | lmprobe {prov.get('lmprobe_version')}, torch {prov.get('torch_version')}, "
         f"transformers {prov.get('transformers_version')}, {prov.get('created_at')} |"
     )
-    lines += [
+    return lines
+
+
+def _read_with_lmprobe(hidden: dict[str, Any], logits: dict[str, Any] | None) -> list[str]:
+    """The snippet that reads the dataset with lmprobe."""
+    layer = hidden["layers"][-1]
+    full = hidden["storage"] == "full_sequence"
+    lines = [
         "",
         "## Read it with lmprobe",
         "",
@@ -127,8 +145,15 @@ def _section(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] 
         lines.append(f"toks = ds.token_hidden(0, {layer})  # (num_tokens, {hidden['dim']}) for prompt 0")
     if logits:
         lines.append("values, indices = ds.logits_topk()")
-    lines += [
-        "```",
+    lines.append("```")
+    return lines
+
+
+def _read_without_lmprobe(hidden: dict[str, Any], logits: dict[str, Any] | None, user_cols: list[str]) -> list[str]:
+    """How the files are laid out, and the snippet that reads a vector with pyarrow and safetensors only."""
+    layer = hidden["layers"][-1]
+    full = hidden["storage"] == "full_sequence"
+    lines = [
         "",
         "## Read it without lmprobe",
         "",
@@ -190,7 +215,12 @@ def _section(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] 
         ]
     if user_cols:
         lines += ["", "Extra index columns: " + ", ".join(f"`{c}`" for c in user_cols) + "."]
-    lines += [
+    return lines
+
+
+def _load_with_datasets() -> list[str]:
+    """The snippet that loads the index with 🤗 datasets."""
+    return [
         "",
         "## Load the index with 🤗 datasets",
         "",
@@ -200,7 +230,3 @@ def _section(info: dict[str, Any], schema: pa.Schema, extra_sections: list[str] 
         'index = load_dataset("PATH_OR_REPO", split="train")  # text, label and addressing columns',
         "```",
     ]
-    for section in extra_sections or []:
-        lines += ["", section.rstrip()]
-    lines.append(END)
-    return "\n".join(lines) + "\n"

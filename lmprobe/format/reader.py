@@ -44,7 +44,7 @@ class Dataset:
     """An lmprobe dataset: the per-prompt index columns in memory, the rest read on demand.
 
     >>> ds = lmprobe.load("my-dataset")          # doctest: +SKIP
-    >>> X, y = ds.hidden(16), ds.labels           # (num_prompts, dim), (num_prompts,)
+    >>> X, y = ds.hidden(16), ds.labels           # (num_prompts, dim), (num_prompts,)  # doctest: +SKIP
 
     Opening reads the index's footer and metadata; the per-prompt columns are read on first use.
     The per-token columns (token addresses, ids, strings, perplexities) stay on disk until a call

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -205,15 +206,37 @@ def _check_lists(table: pa.Table, name: str, lengths: np.ndarray | None, minus: 
 
 
 def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
-    """Check the dataset at ``path``; return a Report listing every error and warning found."""
+    """Check the dataset at ``path``; return a Report listing every error and warning found.
+
+    The steps: read the index and its metadata, then check the metadata keys, the index's columns, the hidden
+    states' shard files, the logits, the statistics, the optional columns and the folder itself."""
     root = Path(path)
     rep = Report(str(root))
+    opened = _read_index(root, rep)
+    if opened is None:
+        return rep
+    table, raw, info = opened
+    present = _files_under(root)
+    _check_metadata(table, raw, info, rep)
+    lengths = _check_core_columns(table, rep)
+    shard_index = _int_col(table, "shard_index", rep)
+    row_offset = _int_col(table, "row_offset", rep)
+    _check_hidden(root, table, info, present, lengths, shard_index, row_offset, rep, checksums)
+    _check_logits(root, table, info, present, rep, checksums)
+    _check_statistics(root, info, rep, checksums)
+    _check_optional_columns(table, raw, lengths, rep)
+    _check_folder(root, rep)
+    return rep
+
+
+def _read_index(root: Path, rep: Report) -> tuple[pa.Table, dict[str, Any], DatasetInfo] | None:
+    """The index table, its ``lmprobe:`` metadata and the parsed info; None (and the error in ``rep``) if unreadable."""
     try:
         index_path = find_index(root)
         table = pq.read_table(index_path)
     except (OSError, pa.ArrowInvalid, FormatError) as exc:
         rep.errors.append(f"cannot read the index: {exc}")
-        return rep
+        return None
     try:
         raw = decode_schema_metadata(table.schema.metadata)
         if not raw:
@@ -221,10 +244,14 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
         info: DatasetInfo = parse_info(raw)
     except FormatError as exc:
         rep.errors.append(str(exc))
-        return rep
+        return None
     rep.info = raw
     rep.origin = LocalFiles(root).origin  # a `lmprobe pull` copy may hold some layers only
-    present = _files_under(root)
+    return table, raw, info
+
+
+def _check_metadata(table: pa.Table, raw: dict[str, Any], info: DatasetInfo, rep: Report) -> None:
+    """The metadata keys every dataset has, and the row count they state."""
     for key in ("model", "prompt_ordering", "provenance"):
         if key not in raw:
             rep.warnings.append(f"metadata key 'lmprobe:{key}' is missing")
@@ -236,7 +263,9 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
     if info.num_prompts != table.num_rows:
         rep.errors.append(f"num_prompts is {info.num_prompts} but the index has {table.num_rows} rows")
 
-    # --- core columns
+
+def _check_core_columns(table: pa.Table, rep: Report) -> np.ndarray | None:
+    """The index's text, label and num_tokens columns; the prompts' lengths when they are stored."""
     if "text" not in table.column_names:
         rep.errors.append("index column 'text' is missing")
     elif not pa.types.is_string(table.column("text").type) and not pa.types.is_large_string(table.column("text").type):
@@ -260,60 +289,72 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
             lengths = _int_col(table, "num_tokens", rep)
             if lengths is not None and len(lengths) and lengths.min() < 1:
                 rep.errors.append(f"num_tokens must be >= 1 (row {int(np.argmin(lengths))} has {lengths.min()})")
-    shard_index = _int_col(table, "shard_index", rep)
-    row_offset = _int_col(table, "row_offset", rep)
+    return lengths
 
-    # --- hidden states
+
+def _check_hidden(root: Path, table: pa.Table, info: DatasetInfo, present: set[str], lengths: np.ndarray | None,
+                  shard_index: np.ndarray | None, row_offset: np.ndarray | None, rep: Report, checksums: bool) -> None:
+    """The hidden states: their descriptor, every shard file of every hookpoint, and the rows the index points at."""
     h = info.hidden
     if h is None:
         rep.warnings.append("the dataset stores no hidden_layers tensors")
-    else:
-        want = h.kind.row_bytes(h.dim)
-        if h.row_bytes is not None and h.row_bytes != want:
-            rep.errors.append(f"hidden_layers.row_bytes is {h.row_bytes}, expected {want} for {h.dim} {h.dtype} values"
-                              + (" and a float32 scale" if h.kind.scaled else ""))
-        if h.raw.get("layout", "per_layer") != "per_layer":
-            rep.errors.append(f"hidden_layers.layout is {h.raw.get('layout')!r}; only 'per_layer' is defined")
-        # a file not on disk costs a set lookup: metadata listing 100,000 layers is answered in seconds, and
-        # past the first few, missing files are counted rather than listed one line each
-        pulled = _pulled_layers(info, present) if rep.origin else None
-        if pulled is not None:
-            rep.held = pulled
-            rep.not_pulled = {hp: [x for x in hd.layers if x not in pulled[hp]] for hp, hd in info.hookpoints.items()}
-        unlisted = 0
-        for hp, hd in info.hookpoints.items():  # hidden_layers, then every other hookpoint's descriptor
-            for s in range(len(hd.shards)):
-                rows = hd.shard_rows(s)
-                files = hd.shards[s].get("files") or {}
-                for layer in hd.layers:
-                    if pulled is not None and layer not in pulled[hp]:
-                        continue  # left on the Hub by `lmprobe pull --layers`: listed, not an error
-                    try:
-                        rel = hd.file(layer, s)
-                    except FormatError as exc:
-                        rep.errors.append(str(exc))
-                        continue
-                    if rel not in present and len(rep.errors) >= _LISTED_ERRORS:
-                        unlisted += 1
-                        continue
-                    want_tensors = {hd.key(layer): (hd.dtype, (rows, hd.dim))}
-                    if hd.kind.scaled:  # the per-row scales beside the codes
-                        want_tensors[hd.scale_key(layer)] = (SCALE_DTYPE, (rows,))
-                    _check_file(root, rel, want_tensors, rep, files.get(str(layer)), checksums)
-        if unlisted:
-            rep.errors.append(f"... and {unlisted:,} more shard files listed in the metadata are missing "
-                              f"({len(h.layers):,} layers listed)")
-        lts = h.last_token_shards
-        if shard_index is not None and row_offset is not None:
-            _check_coverage("shard_index/row_offset", shard_index, row_offset,
-                            [h.shards[s]["num_prompts"] for s in range(lts)], rep)
-        if h.storage == "full_sequence":
-            for s in range(lts):
-                if h.shards[s].get("num_tokens") != h.shards[s]["num_prompts"]:
-                    rep.errors.append(f"last-token shard {s}: num_tokens must equal num_prompts")
-            _check_full_sequence(table, h, lengths, shard_index, row_offset, rep)
+        return
+    want = h.kind.row_bytes(h.dim)
+    if h.row_bytes is not None and h.row_bytes != want:
+        rep.errors.append(f"hidden_layers.row_bytes is {h.row_bytes}, expected {want} for {h.dim} {h.dtype} values"
+                          + (" and a float32 scale" if h.kind.scaled else ""))
+    if h.raw.get("layout", "per_layer") != "per_layer":
+        rep.errors.append(f"hidden_layers.layout is {h.raw.get('layout')!r}; only 'per_layer' is defined")
+    pulled = _pulled_layers(info, present) if rep.origin else None
+    if pulled is not None:
+        rep.held = pulled
+        rep.not_pulled = {hp: [x for x in hd.layers if x not in pulled[hp]] for hp, hd in info.hookpoints.items()}
+    _check_shard_files(root, info, present, pulled, rep, checksums)
+    lts = h.last_token_shards
+    if shard_index is not None and row_offset is not None:
+        _check_coverage("shard_index/row_offset", shard_index, row_offset,
+                        [h.shards[s]["num_prompts"] for s in range(lts)], rep)
+    if h.storage == "full_sequence":
+        for s in range(lts):
+            if h.shards[s].get("num_tokens") != h.shards[s]["num_prompts"]:
+                rep.errors.append(f"last-token shard {s}: num_tokens must equal num_prompts")
+        _check_full_sequence(table, h, lengths, shard_index, row_offset, rep)
 
-    # --- logits
+
+def _check_shard_files(root: Path, info: DatasetInfo, present: set[str], pulled: dict[str, list[int]] | None,
+                       rep: Report, checksums: bool) -> None:
+    """Every shard file of every hookpoint (hidden_layers, then the others) that this copy holds."""
+    # a file not on disk costs a set lookup: metadata listing 100,000 layers is answered in seconds, and
+    # past the first few, missing files are counted rather than listed one line each
+    h = info.hidden
+    unlisted = 0
+    for hp, hd in info.hookpoints.items():  # hidden_layers, then every other hookpoint's descriptor
+        for s in range(len(hd.shards)):
+            rows = hd.shard_rows(s)
+            files = hd.shards[s].get("files") or {}
+            for layer in hd.layers:
+                if pulled is not None and layer not in pulled[hp]:
+                    continue  # left on the Hub by `lmprobe pull --layers`: listed, not an error
+                try:
+                    rel = hd.file(layer, s)
+                except FormatError as exc:
+                    rep.errors.append(str(exc))
+                    continue
+                if rel not in present and len(rep.errors) >= _LISTED_ERRORS:
+                    unlisted += 1
+                    continue
+                want_tensors = {hd.key(layer): (hd.dtype, (rows, hd.dim))}
+                if hd.kind.scaled:  # the per-row scales beside the codes
+                    want_tensors[hd.scale_key(layer)] = (SCALE_DTYPE, (rows,))
+                _check_file(root, rel, want_tensors, rep, files.get(str(layer)), checksums)
+    if unlisted:
+        rep.errors.append(f"... and {unlisted:,} more shard files listed in the metadata are missing "
+                          f"({len(h.layers):,} layers listed)")
+
+
+def _check_logits(root: Path, table: pa.Table, info: DatasetInfo, present: set[str], rep: Report,
+                  checksums: bool) -> None:
+    """The top-k logits: the index's pointers into them, and each shard's tensors."""
     lg = info.logits
     if lg is not None and rep.origin and not any(lg.file(i) in present for i in range(len(lg.shards))):
         rep.logits_not_pulled, lg = True, None  # `lmprobe pull --no-logits`
@@ -351,7 +392,9 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
             if lg.row_bytes != want:
                 rep.warnings.append(f"logits_topk.row_bytes is {lg.row_bytes}, but a stored row is {want} bytes")
 
-    # --- statistics
+
+def _check_statistics(root: Path, info: DatasetInfo, rep: Report, checksums: bool) -> None:
+    """The statistics file: a count, a mean norm, a mean and a std per layer of each hookpoint."""
     st = info.statistics
     if st is not None:
         dim = info.hidden.dim if info.hidden else None
@@ -371,7 +414,9 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
                     keys[d.key(layer, "std")] = ("float64", (dim,))
         _check_file(root, st.file, keys, rep, st.raw, checksums)
 
-    # --- optional columns
+
+def _check_optional_columns(table: pa.Table, raw: dict[str, Any], lengths: np.ndarray | None, rep: Report) -> None:
+    """The perplexity columns and the per-token lists (one value per token, or one fewer for perplexities)."""
     for name in ("perplexity_mean", "perplexity_min", "perplexity_max"):
         if name in table.column_names and not pa.types.is_floating(table.column(name).type):
             rep.errors.append(f"index column {name!r} has type {table.column(name).type}, expected float64")
@@ -381,7 +426,9 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
     _check_lists(table, "token_strings", lengths, 0, rep, ours=ours)
     _check_lists(table, "token_perplexity", lengths, 1, rep, ours=ours)
 
-    # --- the folder
+
+def _check_folder(root: Path, rep: Report) -> None:
+    """What lies in the folder beside the dataset: old sidecars, a staging folder, the card."""
     for sidecar in ("lmprobe_info.json", "_stage_complete"):
         if (root / sidecar).exists():
             rep.warnings.append(f"sidecar file {sidecar} is not part of the format (lmprobe 0.10.3 wrote it); readers ignore it")
@@ -389,7 +436,6 @@ def validate(path: str | os.PathLike, *, checksums: bool = True) -> Report:
         rep.warnings.append(f"{STAGING_DIR}/ is left over from writing; it is safe to delete")
     if not (root / CARD_PATH).exists():
         rep.warnings.append("README.md (the dataset card) is missing")
-    return rep
 
 
 def _pulled_layers(info: DatasetInfo, present: set[str]) -> dict[str, list[int]]:

@@ -199,30 +199,7 @@ class DatasetWriter:
         self._last_checkpoint = time.monotonic()
         self._closed_at_checkpoint = 0
 
-        st_meta = {"format": "pt"}
-
-        sites = spec.sites
-
-        def hidden_spec(slot: str) -> list[TensorSpec]:  # a slot is one (hookpoint, layer)
-            hp, layer = sites[slot]  # a scaled dtype's per-row scales go beside the codes (dtypes.scale_key)
-            key = spec.patterns(hp)[1].format(layer=layer)
-            return [TensorSpec(k, dt, shape) for k, dt, shape in DTYPES[spec.dtype].tensors(key, spec.dim_of(hp))]
-
-        def series(name: str, slots: list[str], specs, cap: int) -> ShardSeries:
-            return ShardSeries(name, slots, specs, cap, self.staging.path, checksums=spec.checksums,
-                               hasher=self._hasher, metadata=st_meta, fsync=fsync)
-
-        slots = list(sites)
-        self._last = series("last", slots, hidden_spec, spec.rows_per_shard)
-        self._seq = series("seq", slots, hidden_spec, spec.rows_per_shard) if spec.full_sequence else None
-        self._logits = None
-        if spec.logits_k:
-            k = spec.logits_k
-
-            def logits_spec(slot: str) -> list[TensorSpec]:
-                return [TensorSpec(LOGITS_VALUES_KEY, "float32", (k,)), TensorSpec(LOGITS_INDICES_KEY, "int32", (k,))]
-
-            self._logits = series("logits", ["all"], logits_spec, spec.logits_rows_per_shard)
+        self._open_series()
         check_output_path(self.out_dir)
         self._lock = OutputLock(self.out_dir).acquire()  # one writer per output, refused at once
         try:
@@ -237,6 +214,33 @@ class DatasetWriter:
                 self.runs.pop()  # the run before wrote nothing: this one replaces it
             self.runs.append({"first_row": self.num_prompts, **self._run,
                               "started_at": datetime.now(timezone.utc).isoformat()})
+
+    def _open_series(self) -> None:
+        """The three shard series (last-token, sequence, logits), each writing its tensors' shards in staging."""
+        spec = self.spec
+        st_meta = {"format": "pt"}
+        sites = spec.sites
+
+        def hidden_spec(slot: str) -> list[TensorSpec]:  # a slot is one (hookpoint, layer)
+            hp, layer = sites[slot]  # a scaled dtype's per-row scales go beside the codes (dtypes.scale_key)
+            key = spec.patterns(hp)[1].format(layer=layer)
+            return [TensorSpec(k, dt, shape) for k, dt, shape in DTYPES[spec.dtype].tensors(key, spec.dim_of(hp))]
+
+        def series(name: str, slots: list[str], specs, cap: int) -> ShardSeries:
+            return ShardSeries(name, slots, specs, cap, self.staging.path, checksums=spec.checksums,
+                               hasher=self._hasher, metadata=st_meta, fsync=self.fsync)
+
+        slots = list(sites)
+        self._last = series("last", slots, hidden_spec, spec.rows_per_shard)
+        self._seq = series("seq", slots, hidden_spec, spec.rows_per_shard) if spec.full_sequence else None
+        self._logits = None
+        if spec.logits_k:
+            k = spec.logits_k
+
+            def logits_spec(slot: str) -> list[TensorSpec]:
+                return [TensorSpec(LOGITS_VALUES_KEY, "float32", (k,)), TensorSpec(LOGITS_INDICES_KEY, "int32", (k,))]
+
+            self._logits = series("logits", ["all"], logits_spec, spec.logits_rows_per_shard)
 
     def _release(self) -> None:
         # after close() every hash is recorded; after abort() the pending ones are not needed (a resume
@@ -426,13 +430,18 @@ class DatasetWriter:
             self.progress = check_progress(progress)
         self._n_pending += b
         self._n_pending_tokens += int(counts.sum())
-        if (
+        if self._checkpoint_due():
+            self.checkpoint()
+
+    def _checkpoint_due(self) -> bool:
+        """Whether a checkpoint is due: the interval passed, the pending rows or tokens reached their cap, or enough
+        shards closed since the last one to hand over."""
+        return (
             time.monotonic() - self._last_checkpoint >= self.checkpoint_interval
             or self._n_pending >= _MAX_PENDING_ROWS
             or self._n_pending_tokens >= _MAX_PENDING_TOKENS
             or (self.on_file_complete is not None and self._closed_count() - self._closed_at_checkpoint >= _HANDOVER_SHARDS)
-        ):
-            self.checkpoint()
+        )
 
     def _batch_statistics(self, hidden: dict[str, list[np.ndarray]], given: Mapping[Any, Any] | None) -> dict[str, Any]:
         """Each slot's statistics of a checked batch: the caller's partials (checked), or a future of them.

@@ -56,16 +56,7 @@ def baseline_table(data: ProbeData, folds: Folds, *, layer: LayerArg, method: An
             return lambda rows: predict(X[rows])
         return fitter
 
-    # majority: a constant
-    def majority(train, y_train):
-        if task == "regression":
-            v = float(np.mean(y_train))
-            return lambda X: (np.full(len(X), v), np.full(len(X), v))
-        vals, counts = np.unique(y_train, return_counts=True)
-        top = vals[np.argmax(counts)]
-        return lambda X: (np.full(len(X), top, dtype=np.asarray(y).dtype), np.zeros(len(X)))
-
-    run("majority", majority, 0)
+    run("majority", _majority(task, y), 0)
 
     XL, blocks = data.features(layer)  # the probe's layer, read once for the two baselines that use it
     rng = np.random.default_rng(seed)
@@ -75,48 +66,11 @@ def baseline_table(data: ProbeData, folds: Folds, *, layer: LayerArg, method: An
     run("shuffled_labels", linear(XL, method, shuffled, blocks), XL.shape[1])
 
     w = unit(rng.normal(size=XL.shape[1]))
-
-    def random_direction(train, y_train):
-        z = XL[train] @ w
-        if task == "regression":
-            a, b = np.polyfit(z, y_train, 1)
-            return lambda rows: (XL[rows] @ w * a + b,) * 2
-        pos = y_train == classes[1] if len(classes) == 2 else y_train == y_train[0]
-        ww, b = resolve_sign(XL[train], pos, w)
-        hi = classes[1] if len(classes) == 2 else y_train[0]
-        lo = classes[0] if len(classes) == 2 else [c for c in classes if c != hi][0]
-        return lambda rows: (np.where(XL[rows] @ ww + b > 0, hi, lo), XL[rows] @ ww + b)
-
-    run("random_direction", random_direction, XL.shape[1])
-
-    texts = data.texts
-    lengths = np.concatenate([ds.token_lengths()[r] for ds, r in data.parts])
-    if data.token_counts is not None:
-        lengths = np.repeat(lengths, data.token_counts)
-    T = np.stack([np.char.str_len(texts.astype(str)), np.char.count(texts.astype(str), " ") + 1, lengths],
-                 axis=1).astype(np.float32)
-    run("text_length", linear(T, text_method), 3, "" if sk else "mass_mean (no scikit-learn)")
-
+    run("random_direction", _random_direction(XL, w, task, classes), XL.shape[1])
+    run("text_length", linear(_length_features(data), text_method), 3, "" if sk else "mass_mean (no scikit-learn)")
     if sk:
-        def bag_of_words(train, y_train):
-            from sklearn.feature_extraction.text import TfidfVectorizer
-            from sklearn.linear_model import LogisticRegression, Ridge
-
-            vec = TfidfVectorizer(max_features=20000, sublinear_tf=True)
-            A = vec.fit_transform(texts[train].astype(str))
-            est = (Ridge() if task == "regression" else LogisticRegression(C=C, max_iter=5000, random_state=seed))
-            est.fit(A, y_train)
-
-            def predict(rows):
-                B = vec.transform(texts[rows].astype(str))
-                if task == "regression":
-                    p = est.predict(B)
-                    return p, p
-                s = est.decision_function(B)
-                return est.predict(B), (s if np.ndim(s) == 1 else None)
-            return predict
-
-        run("bag_of_words", bag_of_words, 0, "TF-IDF + " + ("ridge" if task == "regression" else "logistic"))
+        run("bag_of_words", _bag_of_words(data.texts, task, C, seed), 0,
+            "TF-IDF + " + ("ridge" if task == "regression" else "logistic"))
     else:
         skip("bag_of_words", "needs scikit-learn: pip install 'lmprobe[probe]'")
 
@@ -144,3 +98,66 @@ def baseline_table(data: ProbeData, folds: Folds, *, layer: LayerArg, method: An
     else:
         skip("perplexity", "not stored (extract with --perplexity)")
     return pd.DataFrame(rows)
+
+
+def _majority(task: str, y: np.ndarray) -> Any:
+    """The majority baseline's fitter: a constant (the mean, for regression)."""
+
+    def majority(train, y_train):
+        if task == "regression":
+            v = float(np.mean(y_train))
+            return lambda X: (np.full(len(X), v), np.full(len(X), v))
+        vals, counts = np.unique(y_train, return_counts=True)
+        top = vals[np.argmax(counts)]
+        return lambda X: (np.full(len(X), top, dtype=np.asarray(y).dtype), np.zeros(len(X)))
+    return majority
+
+
+def _random_direction(XL: np.ndarray, w: np.ndarray, task: str, classes: Any) -> Any:
+    """The random-direction baseline's fitter: the probe's layer projected on ``w``, a random unit vector, with
+    only the sign and threshold (or the line, for regression) fitted."""
+
+    def random_direction(train, y_train):
+        z = XL[train] @ w
+        if task == "regression":
+            a, b = np.polyfit(z, y_train, 1)
+            return lambda rows: (XL[rows] @ w * a + b,) * 2
+        pos = y_train == classes[1] if len(classes) == 2 else y_train == y_train[0]
+        ww, b = resolve_sign(XL[train], pos, w)
+        hi = classes[1] if len(classes) == 2 else y_train[0]
+        lo = classes[0] if len(classes) == 2 else [c for c in classes if c != hi][0]
+        return lambda rows: (np.where(XL[rows] @ ww + b > 0, hi, lo), XL[rows] @ ww + b)
+    return random_direction
+
+
+def _length_features(data: ProbeData) -> np.ndarray:
+    """Per row: the text's characters, its words and the prompt's tokens (float32, three columns)."""
+    texts = data.texts
+    lengths = np.concatenate([ds.token_lengths()[r] for ds, r in data.parts])
+    if data.token_counts is not None:
+        lengths = np.repeat(lengths, data.token_counts)
+    return np.stack([np.char.str_len(texts.astype(str)), np.char.count(texts.astype(str), " ") + 1, lengths],
+                    axis=1).astype(np.float32)
+
+
+def _bag_of_words(texts: np.ndarray, task: str, C: float, seed: int) -> Any:
+    """The bag-of-words baseline's fitter: TF-IDF of the texts, then ridge or logistic regression (scikit-learn)."""
+
+    def bag_of_words(train, y_train):
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.linear_model import LogisticRegression, Ridge
+
+        vec = TfidfVectorizer(max_features=20000, sublinear_tf=True)
+        A = vec.fit_transform(texts[train].astype(str))
+        est = (Ridge() if task == "regression" else LogisticRegression(C=C, max_iter=5000, random_state=seed))
+        est.fit(A, y_train)
+
+        def predict(rows):
+            B = vec.transform(texts[rows].astype(str))
+            if task == "regression":
+                p = est.predict(B)
+                return p, p
+            s = est.decision_function(B)
+            return est.predict(B), (s if np.ndim(s) == 1 else None)
+        return predict
+    return bag_of_words

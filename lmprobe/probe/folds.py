@@ -7,12 +7,14 @@ first to the fold with the fewest rows, so folds stay balanced.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
 
-from ..base.progress import logger
 from ..errors import ProbeError
+
+logger = logging.getLogger(__name__)
 
 Folds = list[tuple[np.ndarray, np.ndarray]]  # (train rows, test rows) per fold
 
@@ -69,6 +71,7 @@ def warn_duplicates(texts: Sequence[str], splits: Folds, where: str = "cross-val
     """One warning line when duplicated texts fall on both sides of a split; returns their count."""
     n = straddling_duplicates(texts, splits)
     if n:
-        logger.warning(f"{n} duplicated text(s) fall on both the train and the test side of the {where}: their "
-                       "scores are inflated; pass groups='text' to keep copies together, or deduplicate")
+        logger.warning("%s duplicated text(s) fall on both the train and the test side of the %s: their "
+                       "scores are inflated; pass groups='text' to keep copies together, or deduplicate",
+                       n, where)
     return n

@@ -80,13 +80,7 @@ def steer(model: str, probe: LinearProbe | str | os.PathLike, prompts: Any, *, a
         raise ProbeError("no prompts to steer")
     spec = read_model_spec(model, revision=revision, trust_remote_code=trust_remote_code)
     tok = load_tokenizer(spec)
-    target_ids = []
-    for t in targets:
-        ids = tok(t, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:
-            raise ProbeError(f"target {t!r} is {len(ids)} tokens for this tokenizer; a target is one token (a leading "
-                             "space often makes a word one token: ' good')")
-        target_ids.append(ids[0])
+    target_ids = _target_ids(tok, targets)
     arch = examine_model(model, revision=revision, trust_remote_code=trust_remote_code, block_path=block_path)
     if not 0 <= layer < arch.num_layers:
         raise ProbeError(f"layer {layer} is not a block of {spec.name} (it has {arch.num_layers})")
@@ -109,42 +103,8 @@ def steer(model: str, probe: LinearProbe | str | os.PathLike, prompts: Any, *, a
     direction = torch.tensor(p.direction, dtype=torch.float32, device=dev)  # (dim,), unit
     state: dict[str, Any] = {"alpha": None}
     captured: dict[Site, Any] = {}
-
-    def edit(h):
-        if state["alpha"] is None:
-            return h
-        d = direction.to(h.dtype)
-        if state["alpha"] == "ablate":
-            return h - (h @ d)[..., None] * d
-        return h + state["alpha"] * d
-
-    site = steered.site
-    module = _site_module(blocks[layer], site)
-    if site.kind == "output":
-        def out_hook(_m, _args, out):
-            if isinstance(out, (tuple, list)):
-                return type(out)((edit(out[0]), *out[1:]))
-            return edit(out)
-        handles = [module.register_forward_hook(out_hook)]
-    else:
-        def pre_hook(_m, args, kwargs):
-            if args:
-                return (edit(args[0]), *args[1:]), kwargs
-            key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
-            return args, {**kwargs, key: edit(kwargs[key])}
-        handles = [module.register_forward_pre_hook(pre_hook, with_kwargs=True)]
-
-    def reader(s: Site):
-        if s.kind == "output":
-            return lambda _m, _a, out: captured.__setitem__(s, first_output(out)[0, -1].float().cpu())
-        return lambda _m, args, kwargs: captured.__setitem__(s, first_input(args, kwargs)[0, -1].float().cpu())
-
-    for s in reading.sites:
-        m = _site_module(blocks[read_layer], s)
-        if s.kind == "output":
-            handles.append(m.register_forward_hook(reader(s)))
-        else:
-            handles.append(m.register_forward_pre_hook(reader(s), with_kwargs=True))
+    handles = [_steering_hook(_site_module(blocks[layer], steered.site), steered.site, direction, state),
+               *_reading_hooks(blocks[read_layer], reading, captured)]
 
     def run(alpha) -> tuple[np.ndarray, np.ndarray]:
         """(probe score per prompt, target log-probabilities per prompt) with the stream edited by ``alpha``."""
@@ -174,11 +134,7 @@ def steer(model: str, probe: LinearProbe | str | os.PathLike, prompts: Any, *, a
             scores, logps = run(a)
             row = {"mode": "ablate" if a == "ablate" else "add", "alpha": float("nan") if a == "ablate" else a,
                    "layer": layer, "hookpoint": hookpoint, "read_layer": read_layer,
-                   "probe_score": float(scores.mean()), "delta_probe_score": float((scores - base_scores).mean()),
-                   "delta_probe_score_std": float((scores - base_scores).std())}
-            for j, t in enumerate(targets):
-                row[f"logprob[{t}]"] = float(logps[:, j].mean())
-                row[f"delta_logprob[{t}]"] = float((logps[:, j] - base_logps[:, j]).mean())
+                   **_effects(scores, logps, base_scores, base_logps, targets)}
             rows.append(row)
     finally:
         for h in handles:
@@ -186,3 +142,72 @@ def steer(model: str, probe: LinearProbe | str | os.PathLike, prompts: Any, *, a
     table = pd.DataFrame(rows)
     table.attrs["unsteered_probe_score"] = float(base_scores.mean())
     return table
+
+
+def _target_ids(tok: Any, targets: Sequence[str]) -> list[int]:
+    """The token id of each target; a target that is not one token is an error."""
+    target_ids = []
+    for t in targets:
+        ids = tok(t, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ProbeError(f"target {t!r} is {len(ids)} tokens for this tokenizer; a target is one token (a leading "
+                             "space often makes a word one token: ' good')")
+        target_ids.append(ids[0])
+    return target_ids
+
+
+def _steering_hook(module: Any, site: Site, direction: Any, state: dict[str, Any]) -> Any:
+    """A hook on ``module`` that edits the stream at ``site`` by ``state["alpha"]`` x ``direction`` (or ablates the
+    direction, for alpha "ablate"; nothing for None); its handle."""
+
+    def edit(h):
+        if state["alpha"] is None:
+            return h
+        d = direction.to(h.dtype)
+        if state["alpha"] == "ablate":
+            return h - (h @ d)[..., None] * d
+        return h + state["alpha"] * d
+
+    if site.kind == "output":
+        def out_hook(_m, _args, out):
+            if isinstance(out, (tuple, list)):
+                return type(out)((edit(out[0]), *out[1:]))
+            return edit(out)
+        return module.register_forward_hook(out_hook)
+
+    def pre_hook(_m, args, kwargs):
+        if args:
+            return (edit(args[0]), *args[1:]), kwargs
+        key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+        return args, {**kwargs, key: edit(kwargs[key])}
+    return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def _reading_hooks(block: Any, reading: Reading, captured: dict[Site, Any]) -> list[Any]:
+    """Hooks that keep the last token's value at each site of ``reading`` in ``captured``; their handles."""
+
+    def reader(s: Site):
+        if s.kind == "output":
+            return lambda _m, _a, out: captured.__setitem__(s, first_output(out)[0, -1].float().cpu())
+        return lambda _m, args, kwargs: captured.__setitem__(s, first_input(args, kwargs)[0, -1].float().cpu())
+
+    handles = []
+    for s in reading.sites:
+        m = _site_module(block, s)
+        if s.kind == "output":
+            handles.append(m.register_forward_hook(reader(s)))
+        else:
+            handles.append(m.register_forward_pre_hook(reader(s), with_kwargs=True))
+    return handles
+
+
+def _effects(scores: np.ndarray, logps: np.ndarray, base_scores: np.ndarray, base_logps: np.ndarray,
+             targets: Sequence[str]) -> dict[str, float]:
+    """One setting's columns: the probe's score and each target's log-probability, and their change against the
+    unsteered model, averaged over prompts."""
+    row = {"probe_score": float(scores.mean()), "delta_probe_score": float((scores - base_scores).mean()),
+           "delta_probe_score_std": float((scores - base_scores).std())}
+    for j, t in enumerate(targets):
+        row[f"logprob[{t}]"] = float(logps[:, j].mean())
+        row[f"delta_logprob[{t}]"] = float((logps[:, j] - base_logps[:, j]).mean())
+    return row

@@ -10,6 +10,7 @@ copy holds already are checked against the new index too, and fetched again wher
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterable
@@ -20,7 +21,7 @@ from ..base.atomic import atomic_output, atomic_write
 from ..base.hashing import sha256_file
 from ..base.lock import OutputLock
 from ..base.paths import check_output_path
-from ..base.progress import Progress, logger, on_terminal, third_party_bars
+from ..base.progress import Progress, on_terminal, third_party_bars
 from ..base.safeio import read_json
 from ..errors import (
     FormatError,
@@ -36,6 +37,8 @@ from ..format.spec import CARD_PATH, INDEX_PATH, PULL_RECORD
 from ..format.staging import previous_dataset_files, remove_files_inside
 from ..opening import open_hub
 from ..storage.hub import HubFiles, parse_dataset_ref
+
+logger = logging.getLogger(__name__)
 
 
 def pull(
@@ -109,7 +112,7 @@ def _copy(ref, ds, files: HubFiles, out: Path, *, layers, hookpoints, logits: bo
                 _copy_into(files.fetch(rel), out / rel)
                 bar.update(1)
         if not quiet:
-            logger.info(f"pulled {len(rels)} file(s) under {prefix} of {files} to {out}")
+            logger.info("pulled %s file(s) under %s of %s to %s", len(rels), prefix, files, out)
         return out
     wanted = ds.layers if layers is None else [int(x) for x in layers]
     missing = [x for x in wanted if x not in ds.layers]
@@ -141,8 +144,9 @@ def _copy(ref, ds, files: HubFiles, out: Path, *, layers, hookpoints, logits: bo
         if held and previous is not None and not quiet:
             was = str(previous.get("revision") or "an unrecorded commit")[:10]
             layers_here = sorted({layer for _, layer in held})
-            logger.info(f"{files} changed since {out} was pulled (commit {was} -> {files.commit[:10]}): the layers already "
-                        f"here, layers {layers_here}, are checked and fetched again where they changed")
+            logger.info("%s changed since %s was pulled (commit %s -> %s): the layers already here, "
+                        "layers %s, are checked and fetched again where they changed",
+                        files, out, was, files.commit[:10], layers_here)
     rels = [r.rel for r in records]
     if CARD_PATH in files.repo_files:
         rels.append(CARD_PATH)
@@ -166,8 +170,8 @@ def _copy(ref, ds, files: HubFiles, out: Path, *, layers, hookpoints, logits: bo
             bar.update(1)
     remove_files_inside(out, stale)  # shards of the old version that the new index no longer lists
     if not quiet:
-        logger.info(f"pulled {sent} file(s) of {files} (layers {wanted}) to {out}"
-                    + (f"; {len(rels) - sent} already there" if sent < len(rels) else ""))
+        logger.info("pulled %s file(s) of %s (layers %s) to %s%s", sent, files, wanted, out,
+                    f"; {len(rels) - sent} already there" if sent < len(rels) else "")
     return out
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from ..base.display import hide_credentials
 from ..base.lock import OutputLock
-from ..base.progress import logger
 from ..errors import DatasetNotFoundError, OutputInUseError
 from ..format.reader import Dataset, open_local
 from ..format.spec import CARD_PATH, INDEX_PATH
@@ -23,6 +23,8 @@ from .attachments import (
     describe,
     scan_attachments,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def dataset_files(ds: Dataset) -> list[RepoFile]:
@@ -113,8 +115,8 @@ def _push(root: Path, repo_id: str, *, private: bool, revision: str | None, toke
     if not quiet:
         skipped = len(shards) + len(last) - n
         if n == 0:
-            logger.info(f"pushed 0 file(s) to {url}: all {skipped} are there already, nothing to send")
+            logger.info("pushed 0 file(s) to %s: all %s are there already, nothing to send", url, skipped)
         else:
-            logger.info(f"pushed {n} file(s) to {url} in {committer.commits} commit(s)"
-                        + (f"; {skipped} already there" if skipped else ""))
+            logger.info("pushed %s file(s) to %s in %s commit(s)%s", n, url, committer.commits,
+                        f"; {skipped} already there" if skipped else "")
     return url

@@ -21,6 +21,7 @@ A checkpoint every ``checkpoint_tokens`` tokens lets an interrupted run resume w
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 from ..base.allocator import check_memory
 from ..base.atomic import atomic_output, atomic_write
 from ..base.display import escape_controls
-from ..base.progress import Progress, logger
+from ..base.progress import Progress
 from ..base.safeio import read_json
 from ..base.units import parse_size
 from ..errors import InvalidArgumentError, LmprobeError
@@ -38,6 +39,8 @@ from ..format.reader import Dataset
 from ..tensors import load_file, save_file
 from .activation import activate, describe
 from .loader import SAEConfig, dense_encoder, load_dictionary
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CacheJob", "Encoder", "FeatureCache", "build_cache", "plan_cache"]
 
@@ -236,7 +239,7 @@ def _finished_cache(out: Path, settings: dict, lengths: np.ndarray) -> dict[str,
 
 
 def _again(why: str) -> None:
-    logger.warning(f"lmprobe features: {escape_controls(why, keep_newlines=False)}; computing it again")
+    logger.warning("lmprobe features: %s; computing it again", escape_controls(why, keep_newlines=False))
     return None
 
 
@@ -283,7 +286,7 @@ def _resume(cache: FeatureCache, out: Path, settings: dict, lengths: np.ndarray)
 
 
 def _over(why: str) -> int:
-    logger.warning(f"lmprobe features: {escape_controls(why, keep_newlines=False)}; starting over")
+    logger.warning("lmprobe features: %s; starting over", escape_controls(why, keep_newlines=False))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import pyarrow as pa
 from ..base.atomic import atomic_write, move_into_place
 from ..base.lock import OutputLock
 from ..base.paths import check_output_path
-from ..base.progress import Progress, logger
+from ..base.progress import Progress
 from ..base.safeio import read_json
 from ..base.units import plural
 from ..errors import LayerNotFoundError, SaelensError
@@ -26,6 +27,8 @@ from ..format.reader import Dataset
 from ..opening import load
 from . import layout
 from .layout import ARRAY2D, SHARD_BYTES, inside, tl_hook_name
+
+logger = logging.getLogger(__name__)
 
 
 def _features(hook: str, context: int, d_in: int, with_tokens: bool) -> dict:
@@ -164,7 +167,7 @@ def export_saelens(source: Any, out: str | os.PathLike, *, layer: int | None = N
     if out.exists() and any(out.iterdir()):
         if _exported_already(out, _export_id(ds, plan, with_tokens)):
             if not quiet:
-                logger.info(f"{out} already holds this export of {ds.source}; nothing to do")
+                logger.info("%s already holds this export of %s; nothing to do", out, ds.source)
             return out
         raise SaelensError(f"{out} is not empty; SAELens caches are written into a new or empty folder")
     with OutputLock(out):
@@ -270,8 +273,8 @@ def _write_cache(ds: Dataset, plan: ExportPlan, out: Path, with_tokens: bool, qu
                       "instead)" if plan.n_skipped else ""))
         else:
             how = f"; {plan.n_skipped} prompt(s) of another length left out" if plan.n_skipped else ""
-        logger.info(f"{head}{how}; configure SAELens with context_size={plan.context}, hook_name={plan.hook!r}, "
-                          f"d_in={plan.d_in}")
+        logger.info("%s%s; configure SAELens with context_size=%s, hook_name=%r, d_in=%s",
+                    head, how, plan.context, plan.hook, plan.d_in)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..base.display import escape_controls, one_line
-from ..base.progress import Progress, logger
+from ..base.progress import Progress
 from ..base.safeio import loads, read_json
 from ..base.units import plural
 from ..errors import LmprobeError, SaelensError
@@ -26,6 +27,8 @@ from ..format.writer import DatasetWriter
 from ..storage.hub import HubFiles, parse_dataset_ref
 from . import layout
 from .layout import inside, parse_tl_hook
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -289,7 +292,7 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
     name = model_name or info.model_name or "unknown"
     if not overwrite and _imported_already(Path(out), info, name):
         if not quiet:
-            logger.info(f"{out} already holds this import of {info.source}; nothing to do")
+            logger.info("%s already holds this import of %s; nothing to do", out, info.source)
         return Path(out)
     made = not Path(out).exists()
     spec = DatasetSpec(layers=[info.layer], dim=info.d_in, model_name=name, storage="full_sequence", dtype="float32",
@@ -340,8 +343,8 @@ def import_saelens(cache: str | os.PathLike, out: str | os.PathLike, *, model_na
         bar.close()
     writer.close()
     if not quiet:
-        logger.info(f"imported {plural(n, 'window')} x {info.context} tokens of {info.hook} (layer {info.layer}, {info.hookpoint}) "
-                    f"to {out}")
+        logger.info("imported %s x %s tokens of %s (layer %s, %s) to %s",
+                    plural(n, 'window'), info.context, info.hook, info.layer, info.hookpoint, out)
     return Path(out)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,7 +17,7 @@ import numpy as np
 from ..base.atomic import atomic_output, atomic_write, move_into_place
 from ..base.lock import OutputLock
 from ..base.paths import check_output_path
-from ..base.progress import Progress, logger
+from ..base.progress import Progress
 from ..base.units import plural
 from ..base.worker import settle
 from ..errors import SaevError
@@ -37,6 +38,8 @@ from .protocol import (
     shard_sizes,
 )
 from .reader import validate_saev
+
+logger = logging.getLogger(__name__)
 
 #: source shard files an export keeps open at once (runs follow the source's order, so few are needed)
 _OPEN_SOURCES = 16
@@ -201,8 +204,8 @@ def export_saev(
                         "--token-ids, or leave tokens.bin out (--no-tokens)")
     with_tokens = has_ids if tokens is None else bool(tokens)
     if tokens is None and not has_ids and not quiet:
-        logger.info(f"note: {source_desc} stores no token ids, so tokens.bin is not written (extract with --token-ids "
-                    "to have it)")
+        logger.info("note: %s stores no token ids, so tokens.bin is not written (extract with --token-ids "
+                    "to have it)", source_desc)
     plan = _plan(ds, source_desc, layers=layer_list, context_len=context_len, patches_per_shard=patches_per_shard,
                  drop_first_token=drop_first_token, with_tokens=with_tokens, index_sha256=source_index_hash(ds),
                  saev_compat=saev_compat, hookpoint=hookpoint)
@@ -212,14 +215,35 @@ def export_saev(
         return _export(ds, plan, out, final, layer_list, context_len, with_tokens, saev_compat, quiet, hookpoint)
 
 
+def _already_exported(final: Path, quiet: bool) -> bool:
+    """Whether ``final`` holds a finished export already (one that does not validate is an error)."""
+    if not (final / "metadata.json").exists():
+        return False
+    problems = validate_saev(final)
+    if problems:
+        raise SaevError(f"{final} exists but does not validate ({'; '.join(problems)}); delete it and re-run")
+    if not quiet:
+        logger.info("%s already holds this export; nothing to do", final)
+    return True
+
+
+def _runs(shard_of: np.ndarray, offset_of: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                         np.ndarray]:
+    """Runs of stored positions that are consecutive rows of one source shard, cut at example boundaries (every
+    ``T`` positions): each run is one memcpy out of a memory-mapped source shard. (start, length, shard, row)."""
+    n_pos = len(shard_of)
+    cut = np.zeros(n_pos, dtype=bool)
+    cut[0] = True
+    cut[1:] = (np.diff(shard_of) != 0) | (np.diff(offset_of) != 1)
+    cut[::T] = True
+    run_start = np.flatnonzero(cut)
+    run_len = np.diff(np.append(run_start, n_pos))
+    return run_start, run_len, shard_of[run_start], offset_of[run_start]
+
+
 def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int], context_len: int, with_tokens: bool,
             saev_compat: str | None, quiet: bool, hookpoint: str | None = None) -> Path:
-    if (final / "metadata.json").exists():
-        problems = validate_saev(final)
-        if problems:
-            raise SaevError(f"{final} exists but does not validate ({'; '.join(problems)}); delete it and re-run")
-        if not quiet:
-            logger.info(f"{final} already holds this export; nothing to do")
+    if _already_exported(final, quiet):
         return final
     h = ds.hidden_desc(hookpoint)
     T, L, D = context_len, len(layer_list), h.dim
@@ -241,16 +265,8 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     partial = out / f".{plan.hash}.partial"
     partial.mkdir(parents=True, exist_ok=True)
     n_pos = plan.n_ex * T
-    # runs of stored positions that are consecutive rows of one source shard, cut at example boundaries:
-    # each run is one memcpy out of a memory-mapped source shard
-    cut = np.zeros(n_pos, dtype=bool)
-    cut[0] = True
-    cut[1:] = (np.diff(shard_of) != 0) | (np.diff(offset_of) != 1)
-    cut[::T] = True
-    run_start = np.flatnonzero(cut)
-    run_len = np.diff(np.append(run_start, n_pos))
-    run_shard, run_off = shard_of[run_start], offset_of[run_start]
-    del cut, shard_of, offset_of
+    run_start, run_len, run_shard, run_off = _runs(shard_of, offset_of, T)
+    del shard_of, offset_of
     maps: dict[tuple[int, int], np.ndarray] = {}
     fds: dict[tuple[int, int], tuple[int, int]] = {}  # float32 sources: (fd, data start), read with preadv
 
@@ -281,8 +297,6 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     # float32 and bfloat16 runs are read with one preadv each straight into the block (bfloat16 into a
     # block of raw bits, converted in one pass per chunk); other dtypes are copied out of memory maps
     direct = (h.kind.half_of_float32 or h.dtype == "float32") and hasattr(os, "preadv")
-
-
     ex_chunk = max(1, _CHUNK_BYTES // (L * T * vec_bytes))
     bar = Progress(plan.n_ex, desc="export-saev", unit="example", quiet=quiet)
     shards_json = []
@@ -311,8 +325,9 @@ def _export(ds: Any, plan: _Plan, out: Path, final: Path, layer_list: list[int],
     atomic_write(partial / "metadata.json", json.dumps(plan.metadata, indent=2) + "\n")  # last
     move_into_place(partial, final)
     if not quiet:
-        logger.info(f"wrote {plural(plan.n_ex, 'example')} x {plural(L, 'layer')} x {plural(T, 'token')} x {D} dims "
-                    f"in {plural(len(shards_json), 'shard')} to {final}")
+        logger.info("wrote %s x %s x %s x %s dims in %s to %s",
+                    plural(plan.n_ex, 'example'), plural(L, 'layer'), plural(T, 'token'), D,
+                    plural(len(shards_json), 'shard'), final)
     return final
 
 

@@ -92,8 +92,8 @@ def cache_budget(cache: int | str | None, source: object, *, announce: bool) -> 
 def announce_budget(source: object, budget: int) -> None:
     """Say on stderr which cache a remote ``source`` is read through (a user who did not choose it learns what it
     is and how to change it)."""
-    logger.info(f"lmprobe: reading {source} through a local cache of at most {format_size(budget)} "
-                "(cache= / --cache to change it)")
+    logger.info("lmprobe: reading %s through a local cache of at most %s (cache= / --cache to change it)",
+                source, format_size(budget))
 
 
 class BoundedCache:

@@ -2,7 +2,7 @@
 made on the revision the job last saw.
 
 Two machines extracting into the same ``hf://`` folder at once used to interleave their commits: one job's texts
-over the other's vectors, or a shard shorter than its index says (issue 44, finding 3). A job now commits a small
+over the other's vectors, or a shard shorter than its index says. A job now commits a small
 marker, ``<folder>/.lmprobe-job.json`` (a random job id, the fingerprint of the job's settings, when it started;
 never a token), before any other commit, on the revision it read (``parent_commit``): of two jobs that read the
 same revision, one commit lands and the other is answered 412. Every later commit of the job names the revision

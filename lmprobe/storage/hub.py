@@ -312,7 +312,7 @@ def check_repo_id(repo_id: str) -> str:
 
 
 def endpoint_for_messages() -> str:
-    """HF_ENDPOINT as a message may print it: its user name and password hidden (issue 36 finding 9)."""
+    """HF_ENDPOINT as a message may print it: its user name and password hidden."""
     from huggingface_hub import constants
 
     return hide_credentials(constants.ENDPOINT)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -20,7 +21,6 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from ..base.progress import logger
 from ..base.tokenizer import resolve_tokenizer, special_token_ids
 from ..base.units import format_size, parse_size
 from ..errors import InvalidArgumentError
@@ -31,6 +31,8 @@ from ..storage.objectstore import object_store_policy
 from .engine import OUT_DTYPES, Engine, is_in_sorted, rank_world
 from .plan import MIXING_SPREAD, choose_piece, groups
 from .sources import DatasetRows, RemoteRows
+
+logger = logging.getLogger(__name__)
 
 NORMALIZE = (None, "mean_norm", "standardize")
 DEFAULT_MEMORY = "1GiB"
@@ -149,8 +151,8 @@ class ShardStream:
         source = RemoteRows(self.ds, self.sites, budget, piece_bytes=piece_bytes, policy=policy, readers=readers)
         budget = source.budget
         if cache is None:
-            logger.info(f"lmprobe: reading {self.ds.files} through a local cache of at most {format_size(budget)} "
-                        "(cache= / --cache to change it)")
+            logger.info("lmprobe: reading %s through a local cache of at most %s (cache= / --cache to "
+                        "change it)", self.ds.files, format_size(budget))
         whole_share = False
         if piece_bytes is None:  # sized for mixing (docs/performance.md, "Mixing")
             choice = choose_piece(share_bytes=int(source.file_bytes.sum()) // self.world_size, cache_bytes=budget,
