@@ -140,7 +140,11 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     add_token_option(p)
     add_quiet_option(p)
     p.set_defaults(func=cmd_import_saelens)
+    _add_dictionary_commands(command)
 
+
+def _add_dictionary_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
+    """export-sae and sae-topk: a trained SAE as a sparse dictionary, and its top features."""
     p = command("export-sae", help="export a trained SAE encoder layer as a sparse dictionary")
     p.add_argument("source", metavar="SOURCE",
                    help="a SAELens save (cfg.json + sae_weights.safetensors), a sparsify save (cfg.json + "
