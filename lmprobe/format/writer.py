@@ -125,7 +125,10 @@ class DatasetWriter:
       ``recorded_files()``, for a caller
       that keeps a copy of the checkpoint elsewhere. A writer reopened on such a copy without the open shards'
       partial files (they never leave the machine) recomputes them: ``refill_from`` is then the first prompt to
-      give again, to ``refill_batch``, before ``add_batch`` continues at ``num_prompts``.
+      give again, to ``refill_batch``, before ``add_batch`` continues at ``num_prompts``. A caller that
+      reads its source in order (a corpus) gives again from ``replay`` instead (its rows, stored tokens and
+      ``progress`` before the batch that opened the earliest open shard, as the checkpoint recorded them:
+      at most ``refill_from``), in the batches it gave then.
 
     ``hidden`` maps each layer to a (batch, dim) array for pooled storage, or to the batch's tokens
     packed prompt after prompt, (sum(num_tokens), dim), for full_sequence storage.
