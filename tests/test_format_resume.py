@@ -328,3 +328,75 @@ def test_a_refill_that_recomputes_other_rows_is_refused(tmp_path, rng):
             again.refill_batch(first=i, texts=[f"p{i}"], num_tokens=[2],
                                hidden={0: rng.normal(size=(2, 4)).astype(np.float32)})
     again.abort()
+
+
+def test_a_checkpoint_records_where_a_source_read_in_order_is_replayed_from(tmp_path, rng):
+    """Issue 43, point 6, a corpus: a caller that reads its source in order cannot start again at any row, only
+    where one of its batches began. The checkpoint records the rows, tokens and source position before the batch
+    that opened the earliest open shard (``replay``); a writer reopened elsewhere on a copy gives them back, and
+    the batches given again from there, as they were given, make an uninterrupted writer's dataset."""
+    import shutil
+
+    n, dim, bs = 40, 4, 3
+    lengths = rng.integers(1, 7, size=n)
+    hidden = {0: rng.normal(size=(int(lengths.sum()), dim)).astype(np.float32)}
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    kw = dict(layers=[0], dim=dim, model_name="m", storage="full_sequence", shard_size=7 * dim * 4,
+              checkpoint_interval=0, provenance={"created_at": "2026-01-01T00:00:00+00:00"})
+
+    def batch(i):
+        j = min(i + bs, n)
+        return dict(texts=[f"p{k}" for k in range(i, j)], num_tokens=lengths[i:j],
+                    hidden={0: hidden[0][starts[i]:starts[j]]}, progress={"document": j})
+
+    whole = _remote_writer(tmp_path, "whole", **kw)
+    for i in range(0, n, bs):
+        whole.add_batch(**batch(i))
+    whole.close()
+
+    snapshots: list = []
+    first = _remote_writer(tmp_path, "a", snapshots, **kw)
+    for i in range(0, 24, bs):
+        first.add_batch(**batch(i))
+    first.abort()
+    shutil.copytree(snapshots[-1], tmp_path / "b" / ".lmprobe-staging")
+    shutil.copytree(tmp_path / "remote-a", tmp_path / "remote-b")
+    again = _remote_writer(tmp_path, "b", **kw)
+    replay = again.replay
+    assert replay is not None and again.refill_from is not None
+    assert 0 < replay.prompts <= again.refill_from and replay.prompts % bs == 0  # where a batch began
+    assert replay.progress == {"document": replay.prompts} and replay.tokens == int(lengths[:replay.prompts].sum())
+    done = again.num_prompts
+    for i in range(replay.prompts, n, bs):
+        if i < done:
+            again.refill_batch(first=i, **batch(i))
+        else:
+            again.add_batch(**batch(i))
+    again.close()
+    shutil.copytree(tmp_path / "b", tmp_path / "remote-b", dirs_exist_ok=True)
+    shutil.copytree(tmp_path / "whole", tmp_path / "remote-whole", dirs_exist_ok=True)
+    a = sorted(p.relative_to(tmp_path / "remote-whole") for p in (tmp_path / "remote-whole").rglob("*")
+               if p.is_file() and ".provisional" not in str(p))
+    assert a and a == sorted(p.relative_to(tmp_path / "remote-b") for p in (tmp_path / "remote-b").rglob("*")
+                             if p.is_file() and ".provisional" not in str(p))
+    for rel in a:
+        assert (tmp_path / "remote-whole" / rel).read_bytes() == (tmp_path / "remote-b" / rel).read_bytes(), rel
+
+
+@pytest.mark.parametrize("replay", [{"prompts": 7, "tokens": 0, "progress": None},  # past the checkpoint's rows
+                                    {"prompts": 1, "tokens": -1, "progress": None},
+                                    {"prompts": 1, "tokens": 1, "progress": {"document": 2**60}},
+                                    {"prompts": "1", "tokens": 1, "progress": None}])
+def test_a_damaged_replay_point_is_refused(tmp_path, rng, replay):
+    out = tmp_path / "ds"
+    w = DatasetWriter(out, layers=[0], dim=4, model_name="m", shard_size="64B")
+    for _ in range(3):
+        w.add_batch(texts=["a", "b"], num_tokens=[1, 1], hidden={0: rng.normal(size=(2, 4))}, progress={"document": 1})
+    w.checkpoint()
+    w.abort()
+    state_path = out / ".lmprobe-staging/state.json"
+    state = json.loads(state_path.read_text())
+    assert state["replay"]["prompts"] <= 6
+    state_path.write_text(json.dumps({**state, "replay": replay}))
+    with pytest.raises(ResumeMismatchError, match="damaged"):
+        DatasetWriter(out, layers=[0], dim=4, model_name="m", shard_size="64B")

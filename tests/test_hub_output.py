@@ -5,6 +5,7 @@ commit, a killed run resumed without sending again what is on the Hub."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -540,4 +541,70 @@ def test_a_killed_extraction_resumes_on_another_machine_from_its_checkpoint_on_t
     ds = lmprobe.extract(str(llama_dir), MANY, out=url, **KW)
     assert 0 < calls[0] < len(MANY) // KW["batch_size"], calls  # the rows of the copy are not computed again
     _same(local, ds, (0, 3))
+    assert not [p for p in _history(_repo(hub, name))[-1] if ".lmprobe" in p]
+
+
+CORPUS_KW = dict(context_len=10, max_tokens=1000, storage="full_sequence", token_ids=True, layers="0,2",
+                 batch_size=2, shard_size="2KB")
+
+
+def _corpus_folder(tmp_path: Path) -> Path:
+    """A local corpus of three parquet files (of two row groups each): a source dealt by piece."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [p["text"] + f" number {i} of the corpus, with a few more words to make windows." for i in range(8)
+            for p in PROMPTS]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for k in range(3):
+        pq.write_table(pa.table({"text": docs[k::3]}), folder / f"train-{k}.parquet", row_group_size=10)
+    return folder
+
+
+def _shard_hashes(hub, name):
+    tree = _history(_repo(hub, name))[-1]
+    return {p: e.sha256 for p, e in tree.items() if p.endswith(".safetensors")}
+
+
+@pytest.mark.slow
+def test_a_killed_corpus_extraction_resumes_on_another_machine_from_its_checkpoint_on_the_hub(
+        hub, llama_dir, tmp_path, monkeypatch, capfd):
+    """Issue 43, point 6, a corpus job (a local multi-file parquet source, an exact --max-tokens), one process:
+    killed once its checkpoint's copy is on the Hub, then the same command with another cache (a machine that
+    holds nothing of it). It resumes after the copy's rows, replaying the source from where the shards the copy
+    left open began, and the dataset equals an uninterrupted run's: the same index rows, shard for shard the same
+    bytes."""
+    import re
+
+    folder = _corpus_folder(tmp_path)
+    whole, name = f"corpus-whole-{uuid.uuid4().hex[:6]}", f"corpus-moved-{uuid.uuid4().hex[:6]}"
+    monkeypatch.setenv("LMPROBE_CACHE", str(tmp_path / "uninterrupted"))
+    ref = lmprobe.extract(str(llama_dir), str(folder), out=f"hf://datasets/user/{whole}", checkpoint_interval=0,
+                          quiet=True, **CORPUS_KW)
+    assert int(ref.column("num_tokens").sum()) == CORPUS_KW["max_tokens"]
+    env = {"LMPROBE_CACHE": str(tmp_path / "first-machine")}
+    # killed right after the commit that lands a copy of 24 rows or more: more than the 15 windows of a last-token
+    # shard (2KB of 32 float32 dims), so the copy holds closed shards of every series
+    crashed = subprocess.run([sys.executable, str(HERE / "_crash_after_copy.py"),
+                              json.dumps([str(folder), str(llama_dir), f"hf://datasets/user/{name}", 24,
+                                          CORPUS_KW])],
+                             capture_output=True, text=True, env={**os.environ, **env})
+    assert crashed.returncode == 9, crashed.stderr[-3000:]
+    assert ".lmprobe-resume/checkpoint.parquet" in _history(_repo(hub, name))[-1]
+    monkeypatch.setenv("LMPROBE_CACHE", str(tmp_path / "another-machine"))
+    from lmprobe.base.progress import messages_shown
+
+    capfd.readouterr()
+    with messages_shown():
+        ds = lmprobe.extract(str(llama_dir), str(folder), out=f"hf://datasets/user/{name}", checkpoint_interval=0,
+                             **CORPUS_KW)
+    err = capfd.readouterr().err
+    said = re.search(r"resuming after (\d+) rows \(([\d,]+) tokens\), recomputing the last (\d+) rows", err)
+    assert said, err[-2000:]
+    rows, tokens, again = int(said.group(1)), int(said.group(2).replace(",", "")), int(said.group(3))
+    assert rows >= 24 and tokens > 0 and rows - again >= 10, said.group(0)  # the closed shards' rows: not again
+    assert ds.index.equals(ref.index)
+    hashes = _shard_hashes(hub, whole)
+    assert len(hashes) > 10 and _shard_hashes(hub, name) == hashes
     assert not [p for p in _history(_repo(hub, name))[-1] if ".lmprobe" in p]

@@ -105,3 +105,44 @@ def test_a_copy_whose_rows_are_not_its_states_is_refused(tmp_path):
     with pytest.raises(ResumeMismatchError, match="2 index rows, its state 5"):
         seed_staging(tmp_path / "staging", _check(_doc()), copy)
     assert not (tmp_path / "staging" / "state.json").exists()  # nothing a later run would resume from
+
+
+GOOD_REPLAY = {"prompts": 3, "tokens": 30, "progress": {"document": 2, "window": 1}}
+
+
+def _with_position(progress=None, replay=GOOD_REPLAY):
+    doc = _doc()
+    doc["state"].update(num_tokens=50, progress={"document": 4, "window": 0} if progress is None else progress,
+                        replay=replay)
+    return doc
+
+
+def test_a_corpus_copys_source_position_is_taken():
+    state = _check(_with_position())["state"]
+    assert state["replay"] == GOOD_REPLAY and state["progress"] == {"document": 4, "window": 0}
+
+
+@pytest.mark.parametrize("progress, replay", [
+    ({"document": -1}, GOOD_REPLAY),  # a negative position
+    ({"document": 10**30}, GOOD_REPLAY),  # a huge one
+    ({"document": "4"}, GOOD_REPLAY),  # a string
+    ({"document": True}, GOOD_REPLAY),
+    ([4, 0], GOOD_REPLAY),  # not a mapping
+    (None, {**GOOD_REPLAY, "prompts": -1}),
+    (None, {**GOOD_REPLAY, "prompts": 6}),  # past the checkpoint's 5 rows
+    (None, {**GOOD_REPLAY, "tokens": 51}),  # past its 50 tokens
+    (None, {**GOOD_REPLAY, "tokens": 10**30}),
+    (None, {**GOOD_REPLAY, "tokens": 3.5}),
+    (None, {**GOOD_REPLAY, "progress": {"document": -2}}),
+    (None, {**GOOD_REPLAY, "progress": {"window": 2**60}}),
+    (None, {**GOOD_REPLAY, "progress": "document 2"}),
+    (None, {"prompts": 3, "tokens": 30}),  # no progress key
+    (None, {**GOOD_REPLAY, "extra": 1}),
+    (None, [3, 30, None]),
+])
+def test_a_tampered_source_position_is_refused_in_one_line(progress, replay):
+    """A corpus is replayed from the copy's source position: a position that is not a count within the
+    checkpoint's own is refused, never followed."""
+    with pytest.raises(ResumeMismatchError, match="source position") as exc:
+        _check(_with_position(progress, replay))
+    assert "\n" not in str(exc.value) and "--overwrite" in str(exc.value)

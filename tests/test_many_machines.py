@@ -360,3 +360,55 @@ def test_a_rank_resuming_on_another_node_resumes_from_what_the_hub_holds(hub, fa
     shards = [{p: e.sha256 for p, e in _hub_tree(hub, repo).items() if p.endswith(".safetensors")} for repo in (whole, name)]
     assert len(shards[0]) > 20 and shards[0] == shards[1]
     assert not [p for p in _hub_tree(hub, name) if ".lmprobe-parts" in p or ".lmprobe-resume" in p]
+
+
+def test_a_corpus_ranks_resuming_on_another_node_replay_its_source_from_what_the_hub_holds(hub, fast_commits,
+                                                                                        llama_dir, tmp_path):
+    """Issue 43, point 6, a corpus job: a local multi-file parquet source dealt to two ranks by piece, an exact
+    --max-tokens. Both nodes killed once rank 1's checkpoint copy was well into its part, then the job run again on
+    two fresh nodes: each rank resumes after its copy's rows, replaying its source from where the shards the copy
+    left open began, and the dataset's shards and index are an uninterrupted job's."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [p["text"] + f" number {i} of the corpus, with a few more words to make windows." for i in range(8)
+            for p in PROMPTS]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for k in range(3):  # six pieces (two row groups a file): three a rank
+        pq.write_table(pa.table({"text": docs[k::3]}), folder / f"train-{k}.parquet", row_group_size=10)
+    args = ["--model", str(llama_dir), "--prompts", str(folder), "--layers", "1", "--storage", "full_sequence",
+            "--context-len", "10", "--max-tokens", "1200", "--token-ids", "--batch-size", "2", "--shard-size", "2KB",
+            "--checkpoint-interval", "0"]
+    whole, name = f"corpus-whole-{uuid.uuid4().hex[:6]}", f"corpus-moved-{uuid.uuid4().hex[:6]}"
+    run(tmp_path / "uninterrupted", ["extract", *args, "--out", f"hf://datasets/user/{whole}", "--quiet"])
+    argv = ["extract", *args, "--out", f"hf://datasets/user/{name}"]
+    copy = ".lmprobe-parts/part-00001/.lmprobe-resume/checkpoint.parquet"
+
+    def rank1_checkpoint_on_hub():
+        try:
+            tree = _hub_tree(hub, name)
+        except KeyError:  # (the repo is not made yet)
+            return False
+        if copy not in tree:
+            return False
+        meta = pq.read_schema(hub.state.lfs_path(tree[copy].sha256)).metadata[b"lmprobe:resume"]
+        return json.loads(meta)["state"]["num_prompts"] >= 16
+
+    kill_when(launch(tmp_path / "first", argv + ["--quiet"]), rank1_checkpoint_on_hub)
+    assert not [p for p in _hub_tree(hub, name) if p.startswith("index/")]  # (caught before the merge)
+    outs = run(tmp_path / "elsewhere", argv)  # other nodes: nothing of the first run's staging is there
+    resumed = _resumed(outs)
+    # rank 1 replayed only the windows of its open shards, not those of the shards that were committed
+    assert any(n >= 16 and n - k >= 10 for n, k in resumed), (resumed, [o[-3000:] for o in outs])
+    shutil.rmtree(tmp_path / "first")
+
+    a, b = lmprobe.load(f"hf://datasets/user/{whole}"), lmprobe.load(f"hf://datasets/user/{name}")
+    assert int(a.column("num_tokens").sum()) == 1200
+    _same_rows(a, b, (1,), full=True)
+    assert a.index.equals(b.index)
+    shards = [{p: e.sha256 for p, e in _hub_tree(hub, repo).items() if p.endswith(".safetensors")} for repo in (whole, name)]
+    assert len(shards[0]) > 20 and shards[0] == shards[1]
+    assert not [p for p in _hub_tree(hub, name) if ".lmprobe-parts" in p or ".lmprobe-resume" in p]

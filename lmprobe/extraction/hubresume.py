@@ -6,7 +6,9 @@ the node that wrote it, and so does the open shard's partial file. The output's 
 copy of the last checkpoint whose shards have all landed: one parquet file per part, overwritten each time (so that
 a copy is never half of one checkpoint and half of the next), that goes up with whatever the committer commits next
 (no commit of its own), one copy at a time. Its rows are the index rows so far; its key-value metadata
-``lmprobe:resume`` is JSON: ``{"version", "state": the writer's state, "files": {path: [bytes, sha256]} of the
+``lmprobe:resume`` is JSON: ``{"version", "state": the writer's state (with ``progress``, where the caller stood in its source, and
+``replay``, the rows, tokens and progress before the batch that opened the earliest open shard: a corpus is
+replayed from there), "files": {path: [bytes, sha256]} of the
 shards it names, "statistics": the running statistics' safetensors bytes in base64, or null}`` (no pickle).
 
 A rank with nothing staged finds it, checks it as untrusted input (``check_resume``), seeds its staging folder from
@@ -35,6 +37,7 @@ from ..base.hashing import sha256_file
 from ..base.paths import check_relpath
 from ..base.safeio import loads
 from ..errors import LmprobeError, ResumeMismatchError
+from ..format.resume import check_progress, check_replay, count
 from ..format.spec import MAX_SHARD_SIZE, STAGING_DIR
 from ..format.staging import check_staging_name
 from ..storage.commits import RepoFile
@@ -124,6 +127,14 @@ def check_resume(meta: bytes, listing: dict[str, tuple[int, str | None]], settin
         raise refuse("holds a damaged writer state") from None
     if closed != sorted((v[0], v[1]) for v in files.values()):
         raise refuse("lists other shards than its writer state")
+    try:  # where the source stood, and where the open shards began in it (a corpus is replayed from there)
+        num_prompts, num_tokens = count(state.get("num_prompts")), count(state.get("num_tokens", 0))
+        if state.get("progress") is not None:
+            check_progress(state["progress"])
+        if state.get("replay") is not None:
+            check_replay(state["replay"], num_prompts, num_tokens)
+    except ValueError as exc:
+        raise refuse(f"holds a damaged source position ({str(exc)[:120]})") from None
     if state.get("index_parts") != 1 or bool(state.get("statistics_file")) != (stats is not None):
         raise refuse("does not hold the index rows and statistics its writer state names")
     return doc

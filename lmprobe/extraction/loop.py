@@ -161,18 +161,27 @@ def run_corpus(writer: DatasetWriter, job: Job) -> None:
 
     cfg, plan, tok, ranks = job.config, job.corpus, job.tokenizer, job.ranks
     assert plan is not None
+    # a checkpoint from another node (hubresume.py) lacks its open shards: the source is replayed from where the
+    # earliest of them began (the writer's ``replay``), those windows' rows go to refill_batch, and the stream
+    # runs on past the checkpoint as one (the same batches as the run that was stopped)
+    done, first, progress, tokens = writer.num_prompts, writer.num_prompts, writer.progress, writer.num_tokens
+    if writer.refill_from is not None:
+        if writer.replay is None:
+            raise ExtractionError(f"{writer.name}: its checkpoint from another node does not say where in the source "
+                                  "its open shards began; pass --overwrite to start over")
+        first, progress, tokens = writer.replay.prompts, writer.replay.progress, writer.replay.tokens
     if ranks.world > 1:  # a share of the job's budget, planned with the other ranks (ranks.py)
-        stream = stream_windows(plan, tok, cfg.text_column, resume=writer.progress, rank=ranks.rank,
+        stream = stream_windows(plan, tok, cfg.text_column, resume=progress, rank=ranks.rank,
                                 world=ranks.world, all_gather=ranks.all_gather)
     else:
         if plan.max_tokens is not None and writer.num_tokens > plan.max_tokens:
             raise ExtractionError(f"the partial output already holds {writer.num_tokens:,} tokens, more than "
                                   f"--max-tokens {plan.max_tokens:,}; pass --max-tokens {writer.num_tokens} or more to "
                                   "finish it, or --overwrite to start over")
-        budget = Budget(plan.max_tokens, writer.num_tokens)
-        if budget.spent:
+        budget = Budget(plan.max_tokens, tokens)
+        if Budget(plan.max_tokens, writer.num_tokens).spent and writer.refill_from is None:
             return
-        stream = stream_windows(plan, tok, cfg.text_column, resume=writer.progress, budget=budget)
+        stream = stream_windows(plan, tok, cfg.text_column, resume=progress, budget=budget)
     bound_allocator_cache()
     backend = load_backend(job)
     kind = DTYPES[cfg.dtype]
@@ -181,7 +190,14 @@ def run_corpus(writer: DatasetWriter, job: Job) -> None:
     statistics = cfg.statistics and not kind.scaled
     layers = job.settings["layers"]
     left = tok.padding_side == "left"
-    bg = BackgroundWorker(lambda item: writer.add_batch(**item), max_pending=1, name="lmprobe-writer")
+    def write(item: dict) -> None:
+        row = item.pop("first")
+        if row < done:
+            writer.refill_batch(first=row, **item)
+        else:
+            writer.add_batch(**item)
+
+    bg = BackgroundWorker(write, max_pending=1, name="lmprobe-writer")
     # a rank's share of a budget is planned round by round with the others (ranks.py), unknown up front: its bar
     # counts its tokens without a total (max_tokens // world stopped at 88% on one rank, passed 100% on another)
     total = plan.max_tokens if ranks.world == 1 else None
@@ -199,9 +215,11 @@ def run_corpus(writer: DatasetWriter, job: Job) -> None:
                 item = _batch_item(job, [w.text for w in batch], res)
                 item["document"] = [w.document for w in batch]
                 item["window_start"] = [w.start for w in batch]
-                item["progress"] = progress_after(batch)
+                item["progress"], item["first"] = progress_after(batch), first
                 bg.submit(item)
-                bar.update(int(res.num_tokens.sum()), note=f"document {batch[-1].document + 1:,}")
+                if first >= done:  # (a refill is not progress)
+                    bar.update(int(res.num_tokens.sum()), note=f"document {batch[-1].document + 1:,}")
+                first += len(batch)
                 del item, res
                 trim()
     except BaseException:

@@ -131,9 +131,9 @@ def _extract(job: Job, output: Output) -> Dataset | None:
     if session.finishing:  # killed in its tail: what the closed writer recorded is staged or on the Hub
         return session.finish()
     try:
-        if not cfg.overwrite and job.corpus is None:
-            # a part whose node is gone: its checkpoint on the Hub (prompts only: a corpus share is planned with
-            # the other ranks from its source position, which the refill does not replay)
+        if not cfg.overwrite:
+            # a part whose node is gone: its checkpoint on the Hub (a corpus is replayed from the source position
+            # the checkpoint records for its open shards: the writer's ``replay``)
             session.seed(settings)
         dataset_spec = DatasetSpec(  # what the dataset will hold; the writer's keywords below are this run's
             **cfg.spec_settings(),  # the settings as asked for (the config's fields marked spec=)

@@ -32,6 +32,29 @@ ShardFile = Callable[[str, str, int], str]
 
 
 @dataclass(frozen=True)
+class Replay:
+    """A point a writer's open shards can be recomputed from: its rows, stored tokens and the caller's position in
+    its source (``progress``) before the batch that opened the earliest of them (``state.json``'s ``replay``)."""
+
+    prompts: int
+    tokens: int
+    progress: dict[str, int] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompts": self.prompts, "tokens": self.tokens, "progress": self.progress}
+
+
+def check_replay(v: Any, num_prompts: int, num_tokens: int) -> Replay:
+    """A checkpoint's ``replay``, read back: counts no larger than the checkpoint's own, a progress of counts."""
+    if not isinstance(v, Mapping) or set(v) != {"prompts", "tokens", "progress"}:
+        raise ValueError(f"replay must hold prompts, tokens and progress, got {str(v)[:80]}")
+    prompts, tokens = count(v["prompts"]), count(v["tokens"])
+    if prompts > num_prompts or tokens > num_tokens:
+        raise ValueError(f"replay is past the checkpoint ({prompts} rows, {tokens} tokens)")
+    return Replay(prompts, tokens, None if v["progress"] is None else check_progress(v["progress"]))
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """A partial output's last checkpoint, checked: where its writer stood when it was taken."""
 
@@ -44,6 +67,7 @@ class Checkpoint:
     created_at: str | None  # the dataset's creation time, kept across runs
     streams: dict[str, dict]  # each shard series' ``ShardSeries.state()``, by series name
     statistics_file: str | None  # the staged running statistics, named per checkpoint
+    replay: Replay | None = None  # where the open shards' rows can be recomputed from (None: not recorded)
 
     @property
     def statistics_number(self) -> int:
@@ -172,8 +196,9 @@ def read_checkpoint(st: dict, slots: Mapping[str, Iterable[str]]) -> Checkpoint:
     stats_file = st.get("statistics_file")
     if stats_file is not None:
         check_staging_name(stats_file, "a statistics file")
+    replay = check_replay(st["replay"], num_prompts, num_tokens) if st.get("replay") is not None else None
     return Checkpoint(num_prompts, num_tokens, progress, runs, index_parts, st["phase"], created_at, streams,
-                      stats_file)
+                      stats_file, replay)
 
 
 def check_progress(progress: Any) -> dict[str, int]:
@@ -191,8 +216,12 @@ def check_runs(runs: Any) -> list[dict[str, Any]]:
     return runs
 
 
+#: the largest count a checkpoint may hold (JSON's exact integers; any real count is far below)
+MAX_COUNT = 2**53
+
+
 def count(v: Any) -> int:
-    """A non-negative int read back from a checkpoint, else ValueError."""
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    """A non-negative int read back from a checkpoint, at most ``MAX_COUNT``, else ValueError."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > MAX_COUNT:
         raise ValueError(f"expected a count, got {v!r}")
     return v

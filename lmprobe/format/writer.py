@@ -49,7 +49,15 @@ from .metadata import (
     encode_schema_metadata,
 )
 from .refill import Refill
-from .resume import Checkpoint, check_progress, check_settings, open_output, read_checkpoint, refusing_damage
+from .resume import (
+    Checkpoint,
+    Replay,
+    check_progress,
+    check_settings,
+    open_output,
+    read_checkpoint,
+    refusing_damage,
+)
 from .safetensors_io import TensorSpec
 from .shards import ShardSeries
 from .spec import CARD_PATH, INDEX_PATH, LOGITS_INDICES_KEY, LOGITS_VALUES_KEY, hookpoint_tensor_name
@@ -117,7 +125,10 @@ class DatasetWriter:
       ``recorded_files()``, for a caller
       that keeps a copy of the checkpoint elsewhere. A writer reopened on such a copy without the open shards'
       partial files (they never leave the machine) recomputes them: ``refill_from`` is then the first prompt to
-      give again, to ``refill_batch``, before ``add_batch`` continues at ``num_prompts``.
+      give again, to ``refill_batch``, before ``add_batch`` continues at ``num_prompts``. A caller that
+      reads its source in order (a corpus) gives again from ``replay`` instead (its rows, stored tokens and
+      ``progress`` before the batch that opened the earliest open shard, as the checkpoint recorded them:
+      at most ``refill_from``), in the batches it gave then.
 
     ``hidden`` maps each layer to a (batch, dim) array for pooled storage, or to the batch's tokens
     packed prompt after prompt, (sum(num_tokens), dim), for full_sequence storage.
@@ -193,6 +204,11 @@ class DatasetWriter:
         self.num_prompts = 0
         self.num_tokens = 0  # stored tokens (sum of num_tokens)
         self.progress: dict[str, int] | None = None  # the caller's position in its source (add_batch)
+        # where each series' open shard can be recomputed from: the writer's (prompts, tokens, progress) before the
+        # batch that opened it. A checkpoint records the earliest of the open ones (``replay``): a checkpoint copied
+        # to another machine lacks its open shards, and a source read in order is replayed from there (refill.py)
+        self._opened_at: dict[str, Replay] = {}
+        self.replay: Replay | None = None  # a refill's: where the caller's source is to be replayed from
         self._n_parts = 0
         self._phase = "writing"
         self._closed = False
@@ -270,6 +286,8 @@ class DatasetWriter:
     def _restore(self, cp: Checkpoint) -> None:
         self.num_prompts, self.num_tokens = cp.num_prompts, cp.num_tokens
         self.progress, self.runs = cp.progress, cp.runs
+        if cp.replay is not None:  # (an earlier version's checkpoint records none: its shards are here)
+            self._opened_at = {s.name: cp.replay for s in self._series()}
         self._n_parts, self._phase = cp.index_parts, cp.phase
         if cp.created_at is not None:
             self.provenance["created_at"] = cp.created_at
@@ -280,6 +298,7 @@ class DatasetWriter:
             else:
                 s.restore(cp.streams[s.name])
         if targets:
+            self.replay = cp.replay  # (None: an earlier version's copy; prompts are refilled without it)
             self._refill = Refill(targets, self.staging.parts(self._n_parts), self.num_prompts, self.name)
         known = cp.staged_names()
         for s in self._series():
@@ -391,6 +410,8 @@ class DatasetWriter:
         if b == 0:
             return
         parts = self._batch_statistics(batch.hidden, statistics)  # computed alongside the writes below
+        before = Replay(self.num_prompts, self.num_tokens, self.progress)
+        shards = {s.name: s.cursor.shard for s in self._series()}
 
         # --- write: last-token rows, then the other tokens, then logits
         counts = batch.counts
@@ -424,6 +445,9 @@ class DatasetWriter:
         cols["_position"].append(batch.positions)
         for name, vals in batch.columns.items():
             cols[name].append(vals)
+        for s in self._series():
+            if s.cursor.shard != shards[s.name]:
+                self._opened_at[s.name] = before
         self.num_prompts += b
         self.num_tokens += int(counts.sum())
         if progress is not None:
@@ -504,6 +528,7 @@ class DatasetWriter:
             "num_prompts": self.num_prompts,
             "num_tokens": self.num_tokens,
             "progress": self.progress,
+            "replay": self._replay_point().to_json(),
             "runs": self.runs,
             "index_parts": self._n_parts,
             "phase": self._phase,
@@ -524,6 +549,13 @@ class DatasetWriter:
             self.on_checkpoint(self.staging.path, json.loads(json.dumps(state)), self.recorded_files())
         self._last_checkpoint = time.monotonic()
         self._closed_at_checkpoint = self._closed_count()
+
+    def _replay_point(self) -> Replay:
+        """The earliest point the open shards' rows can be recomputed from (the writer's now when none is open)."""
+        start = Replay(0, 0, None)
+        points = [self._opened_at.get(s.name, start) for s in self._series() if s.cursor.rows]
+        return min(points, key=lambda r: r.prompts) if points else Replay(self.num_prompts, self.num_tokens,
+                                                                           self.progress)
 
     def _closed_count(self) -> int:
         """Shards closed so far, every series together."""
