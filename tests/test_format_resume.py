@@ -331,7 +331,7 @@ def test_a_refill_that_recomputes_other_rows_is_refused(tmp_path, rng):
 
 
 def test_a_checkpoint_records_where_a_source_read_in_order_is_replayed_from(tmp_path, rng):
-    """Issue 43, point 6, a corpus: a caller that reads its source in order cannot start again at any row, only
+    """A corpus: a caller that reads its source in order cannot start again at any row, only
     where one of its batches began. The checkpoint records the rows, tokens and source position before the batch
     that opened the earliest open shard (``replay``); a writer reopened elsewhere on a copy gives them back, and
     the batches given again from there, as they were given, make an uninterrupted writer's dataset."""

@@ -570,7 +570,7 @@ def _shard_hashes(hub, name):
 @pytest.mark.slow
 def test_a_killed_corpus_extraction_resumes_on_another_machine_from_its_checkpoint_on_the_hub(
         hub, llama_dir, tmp_path, monkeypatch, capfd):
-    """Issue 43, point 6, a corpus job (a local multi-file parquet source, an exact --max-tokens), one process:
+    """A corpus job (a local multi-file parquet source, an exact --max-tokens), one process:
     killed once its checkpoint's copy is on the Hub, then the same command with another cache (a machine that
     holds nothing of it). It resumes after the copy's rows, replaying the source from where the shards the copy
     left open began, and the dataset equals an uninterrupted run's: the same index rows, shard for shard the same

@@ -364,7 +364,7 @@ def test_a_rank_resuming_on_another_node_resumes_from_what_the_hub_holds(hub, fa
 
 def test_a_corpus_ranks_resuming_on_another_node_replay_its_source_from_what_the_hub_holds(hub, fast_commits,
                                                                                         llama_dir, tmp_path):
-    """Issue 43, point 6, a corpus job: a local multi-file parquet source dealt to two ranks by piece, an exact
+    """A corpus job: a local multi-file parquet source dealt to two ranks by piece, an exact
     --max-tokens. Both nodes killed once rank 1's checkpoint copy was well into its part, then the job run again on
     two fresh nodes: each rank resumes after its copy's rows, replaying its source from where the shards the copy
     left open began, and the dataset's shards and index are an uninterrupted job's."""

@@ -355,6 +355,34 @@ class DatasetWriter:
                     for slot, h in hidden_by_slot(self.spec, hidden).items()}
         self.add_batch(texts=[text], hidden=hidden_b, num_tokens=[num_tokens], labels=[label], **batch)
 
+    def _write_rows(self, batch: Any) -> None:
+        """A checked batch's rows into the shard series: last-token rows, then the other tokens, then logits; each
+        series' shard and row of every prompt go to the pending index columns."""
+        b = len(batch)
+        counts = batch.counts
+        ones = np.ones(b, dtype=np.int64)
+        if self.spec.full_sequence:
+            ends = np.cumsum(counts) - 1
+            last_rows = {slot: [t[ends] for t in ts] for slot, ts in batch.hidden.items()}
+        else:
+            last_rows = batch.hidden
+        cols = self._pending  # per column, one chunk per batch (lists, numpy or Arrow arrays)
+        p = plan(self._last.cursor, ones, self._last.cap_rows)
+        self._last.write(p, last_rows, ones)
+        cols["shard_index"].append(p.shard_of)
+        cols["row_offset"].append(p.offset_of)
+        if self._seq is not None:
+            seq_counts = counts - 1
+            p = plan(self._seq.cursor, seq_counts, self._seq.cap_rows)
+            self._seq.write(p, batch.hidden, seq_counts, packed_counts=counts)
+            cols["_seq_shard"].append(p.shard_of)
+            cols["_seq_offset"].append(p.offset_of)
+        if self._logits is not None:
+            p = plan(self._logits.cursor, ones, self._logits.cap_rows)
+            self._logits.write(p, {"all": list(batch.logits)}, ones)
+            cols["shard_index_logits"].append(p.shard_of)
+            cols["row_offset_logits"].append(p.offset_of)
+
     def add_batch(
         self,
         *,
@@ -413,30 +441,9 @@ class DatasetWriter:
         before = Replay(self.num_prompts, self.num_tokens, self.progress)
         shards = {s.name: s.cursor.shard for s in self._series()}
 
-        # --- write: last-token rows, then the other tokens, then logits
+        self._write_rows(batch)
         counts = batch.counts
-        ones = np.ones(b, dtype=np.int64)
-        if self.spec.full_sequence:
-            ends = np.cumsum(counts) - 1
-            last_rows = {slot: [t[ends] for t in ts] for slot, ts in batch.hidden.items()}
-        else:
-            last_rows = batch.hidden
-        cols = self._pending  # per column, one chunk per batch (lists, numpy or Arrow arrays)
-        p = plan(self._last.cursor, ones, self._last.cap_rows)
-        self._last.write(p, last_rows, ones)
-        cols["shard_index"].append(p.shard_of)
-        cols["row_offset"].append(p.offset_of)
-        if self._seq is not None:
-            seq_counts = counts - 1
-            p = plan(self._seq.cursor, seq_counts, self._seq.cap_rows)
-            self._seq.write(p, batch.hidden, seq_counts, packed_counts=counts)
-            cols["_seq_shard"].append(p.shard_of)
-            cols["_seq_offset"].append(p.offset_of)
-        if self._logits is not None:
-            p = plan(self._logits.cursor, ones, self._logits.cap_rows)
-            self._logits.write(p, {"all": list(batch.logits)}, ones)
-            cols["shard_index_logits"].append(p.shard_of)
-            cols["row_offset_logits"].append(p.offset_of)
+        cols = self._pending
         for slot, part in parts.items():
             self._stats[slot] = self._stats[slot].merge(part if isinstance(part, RunningStats) else part.result())
         cols["text"].append(batch.texts)
