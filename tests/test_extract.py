@@ -331,7 +331,7 @@ def test_every_extraction_setting_is_an_option_of_extract_with_its_docstring_as_
     field itself (a setting added to the config reaches the command line without a second copy)."""
     from dataclasses import fields
 
-    from lmprobe.base.fields import field_docs, plain_text
+    from lmprobe.base.fields import command_line_text, field_docs
     from lmprobe.cli.app import build_parser
     from lmprobe.extraction.config import ExtractionConfig
 
@@ -341,7 +341,7 @@ def test_every_extraction_setting_is_an_option_of_extract_with_its_docstring_as_
     docs = field_docs(ExtractionConfig)
     for f in fields(ExtractionConfig):
         action = by_dest[f.name]  # every setting is an option
-        words = plain_text(docs[f.name]).rstrip(".").split()
+        words = command_line_text(docs[f.name]).rstrip(".").split()  # (its "In Python ..." paragraph left out)
         assert docs[f.name] and " ".join(words[1:]) in action.help, (f.name, action.help)
         if f.default is True:
             assert action.option_strings == ["--no-" + f.name.replace("_", "-")]
