@@ -28,7 +28,7 @@ def writer(out):
     from lmprobe.format.writer import DatasetWriter
 
     return DatasetWriter(out, layers=list(LAYERS), dim=DIM, model_name="m", storage="full_sequence",
-                         shard_size=DIM * 4 * 7, logits_k=2, label_type="int", token_ids=True,
+                         shard_size=DIM * 4 * 7, logits_topk=2, label_type="int", token_ids=True,
                          checkpoint_interval=0, provenance={"created_at": "fixed"}, statistics=True,
                          dtype=os.environ.get("CRASH_DTYPE", "float32"))
 

@@ -64,7 +64,7 @@ def make_prompts(rng, n: int, *, max_tokens: int = 9, min_tokens: int = 1):
 
 
 def write_dataset(out, rng, *, n=23, layers=(0, 2, 5), dim=8, storage="pooled", shard_size=5 * 32, batch=7,
-                  logits_k=None, dtype="float32", max_tokens=9, min_tokens=1, **kw):
+                  logits_topk=None, dtype="float32", max_tokens=9, min_tokens=1, **kw):
     """Write a random dataset in batches; return the arrays that went in (for comparisons)."""
     from lmprobe.format.writer import DatasetWriter
 
@@ -73,13 +73,13 @@ def write_dataset(out, rng, *, n=23, layers=(0, 2, 5), dim=8, storage="pooled", 
     full = storage == "full_sequence"
     rows = int(n_tok.sum()) if full else n
     hidden = {layer: rng.normal(size=(rows, dim)).astype(np.float32) for layer in layers}
-    lv = -np.sort(-rng.normal(size=(n, logits_k)).astype(np.float32), axis=1) if logits_k else None
-    li = rng.integers(0, 1000, size=(n, logits_k)) if logits_k else None
+    lv = -np.sort(-rng.normal(size=(n, logits_topk)).astype(np.float32), axis=1) if logits_topk else None
+    li = rng.integers(0, 1000, size=(n, logits_topk)) if logits_topk else None
     tok_start = np.concatenate([[0], np.cumsum(n_tok)])
     kw.setdefault("label_type", "int")
     kw.setdefault("columns", {"source": "string", "idx": "int64"})
     w = DatasetWriter(out, layers=list(layers), dim=dim, model_name="test/model", storage=storage,
-                      shard_size=shard_size, logits_k=logits_k, dtype=dtype, **kw)
+                      shard_size=shard_size, logits_topk=logits_topk, dtype=dtype, **kw)
     for s in range(0, n, batch):
         e = min(n, s + batch)
         if full:
@@ -87,7 +87,7 @@ def write_dataset(out, rng, *, n=23, layers=(0, 2, 5), dim=8, storage="pooled", 
         else:
             hb = {layer: h[s:e] for layer, h in hidden.items()}
         extra = {}
-        if logits_k:
+        if logits_topk:
             extra = {"logits_values": lv[s:e], "logits_indices": li[s:e]}
         if kw.get("token_ids"):
             extra["token_ids"] = [list(range(int(t))) for t in n_tok[s:e]]  # token j of a prompt has id j

@@ -40,7 +40,7 @@ def _extract(model, arch, hookpoints, layers, prompts):
         ids[b, s:s + len(p)] = torch.tensor(p)
         mask[b, s:s + len(p)] = 1
     with torch.no_grad():
-        res = backend.run(ids, mask, layers=layers, storage="full_sequence", out_dtype=torch.float32, logits_k=None,
+        res = backend.run(ids, mask, layers=layers, storage="full_sequence", out_dtype=torch.float32, logits_topk=None,
                           perplexity=False, captures=caps)
     starts = np.concatenate([[0], np.cumsum([len(p) for p in prompts])])
     return {k: [v.numpy()[starts[i]:starts[i + 1]] for i in range(len(prompts))] for k, v in res.hidden.items()}

@@ -168,7 +168,7 @@ def _recorded_hashes(root) -> dict[str, str]:
 
 def test_recorded_hashes_equal_sha256sum_of_the_finished_files(tmp_path, rng):
     write_dataset(tmp_path / "ds", rng, n=40, layers=(0, 3), dim=8, storage="full_sequence", shard_size="256B",
-                  logits_k=3, statistics=True)
+                  logits_topk=3, statistics=True)
     recorded = _recorded_hashes(tmp_path / "ds")
     shard_files = sorted((tmp_path / "ds").rglob("*.safetensors"))
     assert len(shard_files) > 10 and set(map(str, shard_files)) == set(recorded)

@@ -40,7 +40,7 @@ def big_full_sequence(tmp_path_factory):
     out = tmp_path_factory.mktemp("snip") / "ds"
     rng = np.random.default_rng(7)
     src = write_dataset(out, rng, n=50, layers=(0, 16), dim=6, storage="full_sequence", shard_size="1KB",
-                        min_tokens=6, max_tokens=12, logits_k=4)
+                        min_tokens=6, max_tokens=12, logits_topk=4)
     return out, src
 
 
@@ -76,7 +76,7 @@ def test_document_snippets_run_as_written_without_torch(tmp_path, dtype):
     out = tmp_path / "ds"
     rng = np.random.default_rng(7)
     src = write_dataset(out, rng, n=50, layers=(0, 16), dim=6, storage="full_sequence", shard_size="1KB",
-                        min_tokens=6, max_tokens=12, logits_k=4, dtype=dtype)
+                        min_tokens=6, max_tokens=12, logits_topk=4, dtype=dtype)
     _run_snippets_without_torch(out, _reading_snippets(), tmp_path / "read")
     ds = lmprobe.load(out)  # float32, as lmprobe reads every dtype
     np.testing.assert_array_equal(np.load(tmp_path / "read/0-vector.npy").astype(np.float32), ds.hidden(16)[42])
@@ -196,7 +196,7 @@ def test_reader_does_not_depend_on_the_quirks(tmp_path):
 
 
 def test_validator_reports_every_problem_in_one_pass(tmp_path, rng, capsys):
-    write_dataset(tmp_path / "ds", rng, n=20, shard_size="160B", logits_k=2)
+    write_dataset(tmp_path / "ds", rng, n=20, shard_size="160B", logits_topk=2)
     d = tmp_path / "ds"
     (d / "tensors/hidden_layer002_shard001.safetensors").unlink()
     p = d / "tensors/hidden_layer005_shard003.safetensors"
@@ -233,7 +233,7 @@ def test_validator_checks_addressing_and_counts(tmp_path, rng):
 
 
 def test_cli_validate_ok_and_info(tmp_path, rng, capsys):
-    write_dataset(tmp_path / "ds", rng, n=9, storage="full_sequence", logits_k=3)
+    write_dataset(tmp_path / "ds", rng, n=9, storage="full_sequence", logits_topk=3)
     assert cli_main(["validate", str(tmp_path / "ds")]) == 0
     assert cli_main(["info", str(tmp_path / "ds")]) == 0
     out = capsys.readouterr().out
@@ -241,7 +241,7 @@ def test_cli_validate_ok_and_info(tmp_path, rng, capsys):
 
 
 def test_info_counts_in_words_and_lists_only_the_users_columns(tmp_path, rng, capsys):
-    write_dataset(tmp_path / "ds", rng, n=9, storage="full_sequence", logits_k=3, shard_size="1MB")
+    write_dataset(tmp_path / "ds", rng, n=9, storage="full_sequence", logits_topk=3, shard_size="1MB")
     assert cli_main(["info", str(tmp_path / "ds")]) == 0
     out = capsys.readouterr().out
     assert "1 last-token + 1 sequence shard)" in out and "top-3 at the last token (1 shard)" in out

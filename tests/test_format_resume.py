@@ -116,7 +116,7 @@ def test_resume_with_another_configuration_is_refused(tmp_path):
     assert _child(out, "batch", 4).returncode == 9
     with pytest.raises(ResumeMismatchError, match=r"dim: 4 -> 5"):
         DatasetWriter(out, layers=[0, 3], dim=5, model_name="m", storage="full_sequence", shard_size=4 * 4 * 7,
-                      logits_k=2, label_type="int", token_ids=True)
+                      logits_topk=2, label_type="int", token_ids=True)
     # nothing was lost: the right configuration still resumes
     w = _crash_writer.writer(out)
     assert w.num_prompts == 12
@@ -269,7 +269,7 @@ def test_a_checkpoint_taken_on_another_machine_resumes_by_refilling_its_open_sha
     hidden = {layer: rng.normal(size=(int(lengths.sum()), dim)).astype(np.float32) for layer in (0, 1)}
     logits = rng.normal(size=(n, 2)).astype(np.float32)
     starts = np.concatenate([[0], np.cumsum(lengths)])
-    kw = dict(layers=[0, 1], dim=dim, model_name="m", storage="full_sequence", shard_size=6 * dim * 4, logits_k=2,
+    kw = dict(layers=[0, 1], dim=dim, model_name="m", storage="full_sequence", shard_size=6 * dim * 4, logits_topk=2,
               checkpoint_interval=0, provenance={"created_at": "2026-01-01T00:00:00+00:00"})
 
     def batch(i):

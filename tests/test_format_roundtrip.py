@@ -18,7 +18,7 @@ from lmprobe.format.values import bfloat16_bits_to_float32, float32_to_bfloat16_
 
 
 def test_pooled_round_trip_with_logits(tmp_path, rng):
-    src = write_dataset(tmp_path / "ds", rng, n=23, logits_k=4)
+    src = write_dataset(tmp_path / "ds", rng, n=23, logits_topk=4)
     ds = lmprobe.load(tmp_path / "ds")
     assert ds.num_prompts == 23 and ds.layers == [0, 2, 5] and ds.dim == 8
     assert ds.storage == "pooled" and ds.dtype == "float32"
@@ -38,7 +38,7 @@ def test_pooled_round_trip_with_logits(tmp_path, rng):
 
 
 def test_full_sequence_round_trip(tmp_path, rng):
-    src = write_dataset(tmp_path / "ds", rng, n=17, storage="full_sequence", shard_size=6 * 32, logits_k=3)
+    src = write_dataset(tmp_path / "ds", rng, n=17, storage="full_sequence", shard_size=6 * 32, logits_topk=3)
     ds = lmprobe.load(tmp_path / "ds")
     h = ds.info["tensors"]["hidden_layers"]
     lts = h["last_token_shards"]
@@ -87,7 +87,7 @@ def test_count_that_is_an_exact_multiple_of_the_shard_size(tmp_path, rng, storag
 
 
 def test_one_prompt(tmp_path, rng):
-    src = write_dataset(tmp_path / "ds", rng, n=1, storage="full_sequence", logits_k=2)
+    src = write_dataset(tmp_path / "ds", rng, n=1, storage="full_sequence", logits_topk=2)
     ds = lmprobe.load(tmp_path / "ds")
     assert ds.num_prompts == 1
     np.testing.assert_array_equal(ds.token_hidden(0, 5), src["hidden"][5])
@@ -123,7 +123,7 @@ def test_addressing_properties(tmp_path_factory, n, budget_rows, batch, max_toke
     rng = np.random.default_rng(n * 1000 + budget_rows)
     out = tmp_path_factory.mktemp("prop") / "ds"
     src = write_dataset(out, rng, n=n, layers=(1,), dim=4, shard_size=budget_rows * 16, batch=batch,
-                        max_tokens=max_tokens, storage=storage, logits_k=2, checkpoint_interval=0)
+                        max_tokens=max_tokens, storage=storage, logits_topk=2, checkpoint_interval=0)
     ds = lmprobe.load(out)
     h = ds.info["tensors"]["hidden_layers"]
     # every shard within budget unless a single prompt alone is larger
@@ -190,7 +190,7 @@ def test_index_schema_and_metadata(tmp_path, rng):
     from lmprobe.format.writer import DatasetWriter
 
     with DatasetWriter(tmp_path / "ds", layers=[3, 1], dim=2, model_name="org/m", model_revision="abc123",
-                       storage="full_sequence", logits_k=2, label_type="string", perplexity=True, token_ids=True,
+                       storage="full_sequence", logits_topk=2, label_type="string", perplexity=True, token_ids=True,
                        token_strings=True, token_perplexity=True, columns={"zeta": "float64", "alpha": "bool"}) as w:
         w.add_batch(texts=["hi there", "x"], num_tokens=[2, 1], labels=["pos", None],
                     hidden={3: np.zeros((3, 2)), 1: np.ones((3, 2))},
@@ -233,7 +233,7 @@ def test_index_schema_and_metadata(tmp_path, rng):
 
 
 def test_nothing_but_the_dataset_is_left_behind(tmp_path, rng):
-    write_dataset(tmp_path / "ds", rng, n=12, storage="full_sequence", logits_k=2)
+    write_dataset(tmp_path / "ds", rng, n=12, storage="full_sequence", logits_topk=2)
     names = sorted(p.relative_to(tmp_path / "ds").as_posix() for p in (tmp_path / "ds").rglob("*") if p.is_file())
     assert "README.md" in names and "index/train-00000-of-00001.parquet" in names
     assert all(n.startswith("tensors/") or n in ("README.md", "index/train-00000-of-00001.parquet") for n in names)
@@ -317,7 +317,7 @@ def test_a_writer_takes_a_spec_and_its_fields_once(tmp_path, rng):
     from lmprobe.format import DatasetSpec, DatasetWriter
 
     fields = dict(layers=[0, 2], dim=4, model_name="test/model", storage="full_sequence", dtype="bfloat16",
-                  shard_size="96B", logits_k=2, label_type="int", columns={"source": "string"}, token_ids=True,
+                  shard_size="96B", logits_topk=2, label_type="int", columns={"source": "string"}, token_ids=True,
                   perplexity=True, prompt_ordering="input", statistics=True, hookpoints=["resid_post", "mlp_in"],
                   metadata={"note": "a spec"}, provenance={"created_at": "2024-01-01T00:00:00+00:00"})
     n_tok = np.array([3, 1, 4, 2])

@@ -69,7 +69,7 @@ def test_hostile_key_pattern_is_refused(tmp_path, rng):
 
 
 def test_logits_file_outside_root_is_refused(tmp_path, rng):
-    write_dataset(tmp_path / "ds", rng, n=4, logits_k=2)
+    write_dataset(tmp_path / "ds", rng, n=4, logits_topk=2)
     _rewrite_tensors(tmp_path / "ds", lambda t: t["logits_topk"]["shards"][0].__setitem__("file", "../../secret"))
     with pytest.raises(UnsafePathError, match=r"\.\."):
         lmprobe.load(tmp_path / "ds")
@@ -198,7 +198,7 @@ def test_a_fifo_or_a_folder_in_place_of_a_shard_is_an_error_not_a_hang(tmp_path,
 
 @pytest.mark.parametrize("field", ["dim", "k"])
 def test_sizes_from_metadata_are_checked_before_allocating(tmp_path, rng, field):
-    write_dataset(tmp_path / "ds", rng, n=4, layers=(0,), logits_k=3)
+    write_dataset(tmp_path / "ds", rng, n=4, layers=(0,), logits_topk=3)
     index = tmp_path / "ds" / INDEX
     table = pq.read_table(index)
     meta = dict(table.schema.metadata)

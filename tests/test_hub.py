@@ -25,7 +25,7 @@ def repo_name():
 
 @pytest.fixture
 def dataset(tmp_path, rng):
-    src = write_dataset(tmp_path / "ds", rng, n=30, layers=(0, 2, 5), dim=8, shard_size="160B", logits_k=3)
+    src = write_dataset(tmp_path / "ds", rng, n=30, layers=(0, 2, 5), dim=8, shard_size="160B", logits_topk=3)
     return tmp_path / "ds", src
 
 
@@ -281,7 +281,7 @@ def test_prompt_decodes_with_a_tokenizer_in_the_local_cache_and_never_asks_the_h
     snapshot_download(repo)  # the model's files are in the local cache, as after any earlier use
     commit = api.model_info(repo).sha
     ids = tok("The film was great.")["input_ids"]
-    with DatasetWriter(tmp_path / "ds", layers=[0], dim=4, model_name=repo, model_revision=commit, logits_k=2,
+    with DatasetWriter(tmp_path / "ds", layers=[0], dim=4, model_name=repo, model_revision=commit, logits_topk=2,
                        token_ids=True) as w:
         w.add_batch(texts=["The film was great."], num_tokens=[len(ids)], hidden={0: np.zeros((1, 4))},
                     token_ids=[ids], logits_values=np.array([[2.0, 1.0]]), logits_indices=np.array([ids[1:3]]))
@@ -388,9 +388,9 @@ def test_pulling_more_layers_after_a_new_push_never_mixes_versions(hub, tmp_path
     from huggingface_hub import HfApi
 
     old, new, fewer = tmp_path / "old", tmp_path / "new", tmp_path / "fewer"
-    src_old = write_dataset(old, rng, n=30, layers=(0, 2), dim=8, shard_size="160B", logits_k=3)
-    src_new = write_dataset(new, rng, n=30, layers=(0, 2), dim=8, shard_size="160B", logits_k=3)  # same shard names
-    src_fewer = write_dataset(fewer, rng, n=9, layers=(0, 2), dim=8, shard_size="160B", logits_k=3)
+    src_old = write_dataset(old, rng, n=30, layers=(0, 2), dim=8, shard_size="160B", logits_topk=3)
+    src_new = write_dataset(new, rng, n=30, layers=(0, 2), dim=8, shard_size="160B", logits_topk=3)  # same shard names
+    src_fewer = write_dataset(fewer, rng, n=9, layers=(0, 2), dim=8, shard_size="160B", logits_topk=3)
     repo = repo_name()
     push_to_hub(old, repo, quiet=True)
     first = HfApi().repo_info(repo, repo_type="dataset").sha

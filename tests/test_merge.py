@@ -68,7 +68,7 @@ def test_merged_index_and_shards_equal_a_merge_that_holds_the_whole_index(tmp_pa
     small_budgets(monkeypatch)
     sizes = [9, 8, 8]  # prompts dealt round-robin to 3 parts: part k holds prompts k, k + 3, ...
     srcs = [write_dataset(tmp_path / f"p{k}", rng, n=m, layers=(0, 2), dim=4, storage=storage, dtype=dtype,
-                          shard_size="64B", logits_k=2, token_ids=storage == "full_sequence", statistics=True)
+                          shard_size="64B", logits_topk=2, token_ids=storage == "full_sequence", statistics=True)
             for k, m in enumerate(sizes)]
     parts = [tmp_path / f"p{k}" for k in range(3)]
     want = held_merge(parts, order)

@@ -26,7 +26,7 @@ def test_merge_of_parts_equals_the_whole(tmp_path, rng, storage):
     parts = []
     for k in range(3):
         parts.append(write_dataset(tmp_path / f"p{k}", rng, n=7 + k, layers=(0, 2), dim=4, storage=storage,
-                                   shard_size="64B", logits_k=2, statistics=True))
+                                   shard_size="64B", logits_topk=2, statistics=True))
     out = merge_datasets([tmp_path / f"p{k}" for k in range(3)], tmp_path / "m")
     ds = lmprobe.load(out)
     assert ds.num_prompts == 7 + 8 + 9
@@ -162,7 +162,7 @@ def test_the_same_merge_command_finishes_a_killed_merge(tmp_path, rng, capsys, k
     parts = []
     for k in range(2):
         write_dataset(tmp_path / f"p{k}", rng, n=12, layers=(0, 1), dim=4, storage="full_sequence",
-                      shard_size="256B", logits_k=2)
+                      shard_size="256B", logits_topk=2)
         parts.append(str(tmp_path / f"p{k}"))
     out = tmp_path / "m"
     killed = subprocess.run([sys.executable, "-c", KILL_DURING_MERGE, ",".join(parts), str(out), str(kill_at)])

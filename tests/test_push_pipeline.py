@@ -31,7 +31,7 @@ def repo_name():
 def dataset(tmp_path, request):
     """A dataset of its own per test: the server's object store is shared, and holds what other tests sent."""
     rng = np.random.default_rng(zlib.crc32(request.node.name.encode()))
-    src = write_dataset(tmp_path / "ds", rng, n=30, layers=(0, 2, 5), dim=8, shard_size="160B", logits_k=3)
+    src = write_dataset(tmp_path / "ds", rng, n=30, layers=(0, 2, 5), dim=8, shard_size="160B", logits_topk=3)
     return tmp_path / "ds", src
 
 

@@ -35,7 +35,7 @@ def test_a_nested_dataset_keeps_each_layer_in_a_folder_with_names_in_shard_order
             for layer in (0, 2)}
     starts = np.concatenate([[0], np.cumsum(lengths)])
     with DatasetWriter(tmp_path / "ds", layers=[0, 2], dim=dim, model_name="m", storage="full_sequence",
-                       shard_size=3 * dim * 4, logits_k=3, layout="nested", hookpoints=("resid_post", "mlp_out"),
+                       shard_size=3 * dim * 4, logits_topk=3, layout="nested", hookpoints=("resid_post", "mlp_out"),
                        statistics=True) as w:
         for s in range(0, n, 8):
             w.add_batch(texts=[f"p{i}" for i in range(s, s + 8)], num_tokens=lengths[s:s + 8],

@@ -113,7 +113,7 @@ class TransformersBackend:
         self.device = input_device(model)
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
-            logits_k: int | None, perplexity: bool, captures: list[Capture], keep=None,
+            logits_topk: int | None, perplexity: bool, captures: list[Capture], keep=None,
             statistics: bool = False) -> BatchOutput:
         """``keep`` marks the tokens to store (default: every real token); the model sees them all.
 
@@ -130,7 +130,7 @@ class TransformersBackend:
         b = input_ids.shape[0]
         last = last_token_index(real)
         rows = torch.arange(b, device=self.device)
-        need_head = bool(logits_k) or perplexity
+        need_head = bool(logits_topk) or perplexity
         forms = _forms(captures, layers)
         kept: dict[tuple[int, Site, str], Any] = {}
 
@@ -174,7 +174,7 @@ class TransformersBackend:
                     store(key, first_output(output))
                 handles.append(module.register_forward_hook(post))
         head = self.model.get_output_embeddings() if need_head else None
-        if logits_k and not perplexity and head is not None:
+        if logits_topk and not perplexity and head is not None:
             # only the last token's logits are needed: feed the head one row per prompt
             def gather_last(_module, args):
                 hs = args[0]  # on the head's device
@@ -203,7 +203,7 @@ class TransformersBackend:
         )
         if need_head:
             logits = result.logits if hasattr(result, "logits") else result[0]  # on the head's device, when spread
-            _read_head(out, logits, on(logits.device), input_ids, perplexity=perplexity, logits_k=logits_k)
+            _read_head(out, logits, on(logits.device), input_ids, perplexity=perplexity, logits_topk=logits_topk)
         return out
 
 
@@ -231,7 +231,7 @@ def _check_reached(forms: dict[tuple[int, Site], set[str]], kept: dict[tuple[int
 
 
 def _read_head(out: BatchOutput, logits: Any, where: dict[str, Any], input_ids: Any, *, perplexity: bool,
-               logits_k: int | None) -> None:
+               logits_topk: int | None) -> None:
     """The perplexities and the last token's top-k logits, from the head's ``logits`` (``where``: the rows, last
     positions and real tokens on the logits' device)."""
     import torch
@@ -241,7 +241,7 @@ def _read_head(out: BatchOutput, logits: Any, where: dict[str, Any], input_ids: 
         last_logits = logits[where["rows"], where["last"]]
     else:
         last_logits = logits[:, -1] if logits.shape[1] == 1 else logits[where["rows"], where["last"]]
-    if logits_k:
-        top = torch.topk(last_logits.float(), logits_k, dim=-1)
+    if logits_topk:
+        top = torch.topk(last_logits.float(), logits_topk, dim=-1)
         out.logits_values = top.values.cpu().numpy().astype(np.float32)
         out.logits_indices = top.indices.cpu().numpy()

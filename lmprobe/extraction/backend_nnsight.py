@@ -112,12 +112,12 @@ class NnsightBackend:
         raise NnsightError("cannot find the model's LM head for logits/perplexity")
 
     def run(self, input_ids, attention_mask, *, layers: list[int], storage: str, out_dtype: Any,
-            logits_k: int | None, perplexity: bool, captures: list[Capture], keep=None,
+            logits_topk: int | None, perplexity: bool, captures: list[Capture], keep=None,
             statistics: bool = False) -> BatchOutput:
         try:
             return call_with_retry(
                 lambda: self.run_once(input_ids, attention_mask, layers=layers, storage=storage, out_dtype=out_dtype,
-                                      logits_k=logits_k, perplexity=perplexity, keep=keep, captures=captures,
+                                      logits_topk=logits_topk, perplexity=perplexity, keep=keep, captures=captures,
                                       statistics=statistics),
                 policy=self.retry)
         except Exception as exc:
@@ -128,7 +128,7 @@ class NnsightBackend:
                 ) from exc
             raise
 
-    def run_once(self, input_ids, attention_mask, *, layers, storage, out_dtype, logits_k, perplexity,
+    def run_once(self, input_ids, attention_mask, *, layers, storage, out_dtype, logits_topk, perplexity,
                   captures: list[Capture], keep=None, statistics: bool = False) -> BatchOutput:
         import torch
 
@@ -139,7 +139,7 @@ class NnsightBackend:
         policy = dataclasses.replace(self.inputs, use_cache=False)  # nnsight's inputs are tensors only
         inputs = forward_kwargs(self._module(), policy, input_ids, attention_mask)
         blocks = self._envoy(self.block_path)
-        need_head = bool(logits_k) or perplexity
+        need_head = bool(logits_topk) or perplexity
         head = self._envoy(self._head_path()) if need_head else None
         kept: dict[tuple[int, Site, str], Any] = {}
         targets = input_ids[:, 1:]
@@ -163,8 +163,8 @@ class NnsightBackend:
                         kept[(layer, site, form)] = (h.to(out_dtype) if form == "out" else h.float()).save()
             if need_head:
                 logits = head.output
-                if logits_k:
-                    top = logits[rows, last].float().topk(logits_k, dim=-1)
+                if logits_topk:
+                    top = logits[rows, last].float().topk(logits_topk, dim=-1)
                     top_values, top_indices = top.values.save(), top.indices.save()
                 if perplexity:
                     lg = logits[:, :-1].float()
@@ -181,7 +181,7 @@ class NnsightBackend:
             token_ids=[t.tolist() for t in torch.split(ids, lengths.tolist())],
             statistics=device_statistics(saved) if statistics else None,  # where the saved tensors are
         )
-        if logits_k:
+        if logits_topk:
             out.logits_values = top_values.cpu().numpy().astype(np.float32)
             out.logits_indices = top_indices.cpu().numpy()
         if perplexity:

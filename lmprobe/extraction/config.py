@@ -130,7 +130,7 @@ class ExtractionConfig:
     dtype: Literal["float32", "float16", "bfloat16", "int8"] = option("float32", group="store", record=9, spec=("dtype",))
     """Stored dtype of the hidden states. ``int8``: 8-bit codes with a float32 scale per vector (absmax), half the
     bytes of bfloat16; read back as float32 (format 3.0, docs/format.md)."""
-    logits_topk: int | None = option(None, group="store", metavar="K", record=11, spec=("logits_k",))
+    logits_topk: int | None = option(None, group="store", metavar="K", record=11, spec=("logits_topk",))
     """Store the top-K logits at the last token (default: none)."""
     perplexity: bool = option(False, group="store", record=12, spec=("perplexity", "token_perplexity"))
     """Store per-prompt and per-token perplexity."""
@@ -270,8 +270,8 @@ class ExtractionConfig:
 
     def spec_settings(self) -> dict[str, Any]:
         """The fields of the dataset's description (``DatasetSpec``) that are settings as asked for, from the fields
-        marked ``spec=``: ``logits_topk`` is the description's ``logits_k``, ``perplexity`` both ``perplexity`` and
-        ``token_perplexity``."""
+        marked ``spec=``, under the description's names (``perplexity`` sets both ``perplexity`` and
+        ``token_perplexity``)."""
         return {name: getattr(self, f.name) for f in fields(self) for name in spec_names_of(f)}
 
     @classmethod

@@ -116,7 +116,7 @@ def _loop(bg: BackgroundWorker, backend: Any, encoder: Encoder, job: Job, order:
             input_ids, attention_mask, keep = encoder.batch(
                 texts, ids=[p.input_ids[i] for i in idx] if p.input_ids is not None else None)
             res = backend.run(input_ids, attention_mask, layers=layers, storage=cfg.storage, out_dtype=out_dtype,
-                              logits_k=cfg.logits_topk, perplexity=cfg.perplexity,
+                              logits_topk=cfg.logits_topk, perplexity=cfg.perplexity,
                               keep=None if encoder.plain else keep, captures=job.captures, statistics=statistics)
             item = _batch_item(job, texts, res)
             item["positions"], item["first"] = idx, s
@@ -210,7 +210,7 @@ def run_corpus(writer: DatasetWriter, job: Job) -> None:
             for batch in batches(stream, cfg.batch_size):
                 input_ids, attention_mask = pad(batch, tok.pad_token_id, left)
                 res = backend.run(input_ids, attention_mask, layers=layers, storage=cfg.storage, out_dtype=out_dtype,
-                                  logits_k=cfg.logits_topk, perplexity=cfg.perplexity, captures=job.captures,
+                                  logits_topk=cfg.logits_topk, perplexity=cfg.perplexity, captures=job.captures,
                                   statistics=statistics)
                 item = _batch_item(job, [w.text for w in batch], res)
                 item["document"] = [w.document for w in batch]

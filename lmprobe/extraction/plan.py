@@ -78,7 +78,7 @@ class Shape:
     """Stored tokens (full_sequence: every one is a row of a site's shards; pooled: what the index counts)."""
     site_row_bytes: tuple[int, ...]
     """Bytes of one row of each stored site (layer x hookpoint): width x the stored dtype's size."""
-    logits_k: int | None = None
+    logits_topk: int | None = None
     token_ids: bool = False
     perplexity: bool = False
     hookpoints: int = 1
@@ -243,8 +243,8 @@ def _count(shape: Shape, shard_bytes: int, ranks: int, layout: str | None = None
             seq = -(-rows_r // items)
     per_site = (last + seq) * ranks
     logits = 0
-    if shape.logits_k:
-        lcap = max(1, shard_bytes // (8 * shape.logits_k))
+    if shape.logits_topk:
+        lcap = max(1, shard_bytes // (8 * shape.logits_topk))
         logits = -(-rows_r // lcap) * ranks if rows_r else 0
     sites = len(shape.site_row_bytes)
     stats = shape.hookpoints
@@ -334,7 +334,7 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
     if shape.storage == "full_sequence":  # the last-token shards hold each row's last token again
         site_bytes = [s + shape.rows * b for s, b in zip(site_bytes, shape.site_row_bytes, strict=True)]
     index = index_bytes(shape, f.shards_per_site * len(shape.site_row_bytes) + f.logits_shards)
-    logits_bytes = shape.rows * 8 * (shape.logits_k or 0)
+    logits_bytes = shape.rows * 8 * (shape.logits_topk or 0)
     dataset = sum(site_bytes) + logits_bytes + index
     if index > HUB_FILE_LIMIT and hub:
         refused = refused or (f"the index would be {format_size(index)}, past the Hub's 50 GB a file; drop --token-ids "
@@ -346,7 +346,7 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
         warnings.append("rows are planned from full windows: documents shorter than a window make more rows, and "
                         "the corpus may hold fewer tokens than --max-tokens")
     # series a rank fills at once: each site's last-token shards (and its sequence shards), the logits'
-    sites_open = len(shape.site_row_bytes) * (2 if shape.storage == "full_sequence" else 1) + (1 if shape.logits_k
+    sites_open = len(shape.site_row_bytes) * (2 if shape.storage == "full_sequence" else 1) + (1 if shape.logits_topk
                                                                                             else 0)
     per_rank_index = index // ranks
     ranks_per_node = ranks if cluster is None else max(1, min(ranks, cluster.gpus_per_node // max(gpus_per_rank, 1)))

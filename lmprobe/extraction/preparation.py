@@ -223,7 +223,7 @@ def job_shape(job: Job) -> Shape:
     kind = DTYPES[cfg.dtype]  # bytes per row: the dtype's own (int8: a byte a value and a float32 scale)
     widths = [c.width or job.spec.hidden_size for c in job.captures] or [job.spec.hidden_size]
     site_row_bytes = tuple(kind.row_bytes(w) for _ in job.settings["layers"] for w in widths)
-    common = {"storage": cfg.storage, "site_row_bytes": site_row_bytes, "logits_k": cfg.logits_topk,
+    common = {"storage": cfg.storage, "site_row_bytes": site_row_bytes, "logits_topk": cfg.logits_topk,
               "token_ids": bool(job.settings.get("token_ids")), "perplexity": cfg.perplexity,
               "hookpoints": len(widths), "model_bytes": model_bytes(job)}
     if job.corpus is not None:

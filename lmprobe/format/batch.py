@@ -200,20 +200,20 @@ def _check_hidden(spec: DatasetSpec, hidden: Mapping[Any, Any], counts: np.ndarr
 
 
 def _check_logits(spec: DatasetSpec, values: Any, indices: Any, b: int) -> tuple[np.ndarray, np.ndarray] | None:
-    if spec.logits_k is None:
+    if spec.logits_topk is None:
         if values is not None or indices is not None:
-            raise InvalidArgumentError("logits were given but the writer was created without logits_k")
+            raise InvalidArgumentError("logits were given but the writer was created without logits_topk")
         return None
     if values is None or indices is None:
         raise InvalidArgumentError(
-            f"this dataset stores top-{spec.logits_k} logits; pass logits_values and logits_indices")
+            f"this dataset stores top-{spec.logits_topk} logits; pass logits_values and logits_indices")
     v = np.ascontiguousarray(to_numpy(values), dtype=np.float32)
     ix = to_numpy(indices)
     if ix.dtype.kind not in "iu":
         raise ColumnTypeError(f"logits_indices must be integers, got {ix.dtype}")
-    if v.shape != (b, spec.logits_k) or ix.shape != (b, spec.logits_k):
+    if v.shape != (b, spec.logits_topk) or ix.shape != (b, spec.logits_topk):
         raise InvalidArgumentError(
-            f"logits_values/logits_indices have shapes {v.shape}/{ix.shape}; expected {(b, spec.logits_k)}"
+            f"logits_values/logits_indices have shapes {v.shape}/{ix.shape}; expected {(b, spec.logits_topk)}"
         )
     if ix.size and (ix.min() < 0 or ix.max() > np.iinfo(np.int32).max):
         raise InvalidArgumentError("logits_indices must fit in int32")

@@ -12,6 +12,8 @@ callbacks) are not part of it: they say how this run writes, not what the datase
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +43,37 @@ from .spec import (
 )
 from .values import column_type_name
 
+RENAMED_KEYWORDS = {"logits_k": "logits_topk"}
+"""Old keyword -> its name now: still taken by ``DatasetSpec`` and ``DatasetWriter``, with a DeprecationWarning."""
 
+
+def renamed_keywords(kwargs: dict[str, Any], *, stacklevel: int) -> dict[str, Any]:
+    """``kwargs`` with the old names of ``RENAMED_KEYWORDS`` replaced by the new ones, warning for each.
+
+    ``stacklevel`` counts from the caller of this function, as ``warnings.warn``'s does (2: the caller's caller)."""
+    for old, new in RENAMED_KEYWORDS.items():
+        if old in kwargs:
+            if new in kwargs:
+                raise TypeError(f"{old} is the old name of {new}: pass {new} only")
+            warnings.warn(f"the keyword {old} is deprecated; pass {new}", DeprecationWarning, stacklevel=stacklevel + 1)
+            kwargs = {(new if k == old else k): v for k, v in kwargs.items()}
+    return kwargs
+
+
+def _taking_renamed_keywords(cls: type) -> type:
+    """The dataclass's generated ``__init__`` wrapped to take the old names of ``RENAMED_KEYWORDS`` (its signature, for
+    ``help`` and ``inspect``, stays the generated one)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **renamed_keywords(kwargs, stacklevel=2))
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_taking_renamed_keywords
 @dataclass(frozen=True)
 class DatasetSpec:
     """What a dataset stores and records, checked when it is made (the old ``DatasetWriter`` keywords).
@@ -65,8 +97,8 @@ class DatasetSpec:
     format 3.0, docs/format.md)."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Byte budget of one shard: an int or a size such as ``"512MB"`` (kept in bytes), at most 16 GiB."""
-    logits_k: int | None = None
-    """Top-k logits stored per prompt, or None for none."""
+    logits_topk: int | None = None
+    """Top-k logits stored per prompt, or None for none (``logits_k=``, its old name, still works and warns)."""
     label_type: str | None = None
     """``int``, ``string`` or None (no labels)."""
     columns: Mapping[str, str | pa.DataType] | None = field(default_factory=dict)
@@ -120,7 +152,7 @@ class DatasetSpec:
         except (TypeError, ValueError):
             raise InvalidArgumentError(f"layers must be distinct non-negative integers, got {self.layers!r}") from None
         self._set("shard_size", parse_size(self.shard_size))
-        self._set("logits_k", int(self.logits_k) if self.logits_k else self.logits_k)
+        self._set("logits_topk", int(self.logits_topk) if self.logits_topk else self.logits_topk)
         self._set("columns", {n: column_type_name(t) for n, t in (self.columns or {}).items()})
         for flag in ("perplexity", "token_ids", "token_strings", "token_perplexity", "checksums", "statistics",
                      "corpus", "truncation"):
@@ -153,9 +185,9 @@ class DatasetSpec:
             raise InvalidArgumentError(f"storage must be one of {STORAGES}, got {self.storage!r}")
         if self.dtype not in HIDDEN_DTYPES:
             raise InvalidArgumentError(f"dtype must be one of {HIDDEN_DTYPES}, got {self.dtype!r}")
-        k = self.logits_k
+        k = self.logits_topk
         if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0):
-            raise InvalidArgumentError(f"logits_k must be a positive integer or None, got {k!r}")
+            raise InvalidArgumentError(f"logits_topk must be a positive integer or None, got {k!r}")
         if self.label_type not in (None, "int", "string"):
             raise InvalidArgumentError(f"label_type must be 'int', 'string' or None, got {self.label_type!r}")
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -228,7 +260,13 @@ class DatasetSpec:
 
     @property
     def logits_rows_per_shard(self) -> int:
-        return max(1, self.shard_size // (8 * (self.logits_k or 1)))
+        return max(1, self.shard_size // (8 * (self.logits_topk or 1)))
+
+    @property
+    def logits_k(self) -> int | None:
+        """Deprecated: the old name of ``logits_topk``."""
+        warnings.warn("DatasetSpec.logits_k is deprecated; read logits_topk", DeprecationWarning, stacklevel=2)
+        return self.logits_topk
 
     def fingerprint(self) -> dict[str, Any]:
         """Everything that decides the bytes written: a partial output resumes only under the same fingerprint."""
@@ -239,7 +277,7 @@ class DatasetSpec:
             "storage": self.storage,
             "dtype": self.dtype,
             "shard_size": self.shard_size,
-            "logits_k": self.logits_k,
+            "logits_k": self.logits_topk,  # the key partial outputs were written with: kept, so that they resume
             "label_type": self.label_type,
             "columns": dict(self.columns),
             "file_pattern": self.file_pattern,

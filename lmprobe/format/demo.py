@@ -19,7 +19,7 @@ def write_demo(out: str | os.PathLike, *, n_prompts: int = 64, dim: int = 16, la
     rng = np.random.default_rng(seed)
     direction = rng.normal(size=dim)
     spec = DatasetSpec(layers=list(layers), dim=dim, model_name="lmprobe/synthetic-demo", storage="full_sequence",
-                       label_type="int", logits_k=5, columns={"source": "string"}, shard_size="2KB")
+                       label_type="int", logits_topk=5, columns={"source": "string"}, shard_size="2KB")
     with DatasetWriter(out, spec, overwrite=overwrite) as w:
         for start in range(0, n_prompts, 16):
             b = min(16, n_prompts - start)

@@ -65,7 +65,7 @@ def staging_schema(spec: DatasetSpec) -> pa.Schema:
         fields += list(CORPUS_COLUMNS.items())
     if spec.truncation:
         fields += list(TRUNCATION_COLUMNS.items())
-    if spec.logits_k:
+    if spec.logits_topk:
         fields += [("shard_index_logits", pa.int32()), ("row_offset_logits", pa.int32())]
     if spec.perplexity:
         fields += [(c, pa.float64()) for c in ("perplexity_mean", "perplexity_min", "perplexity_max")]

@@ -459,13 +459,13 @@ def build_logits_descriptor(spec: DatasetSpec, closed: list[dict]) -> dict[str, 
         shards.append({"file": rel, "num_prompts": d["num_prompts"], **_recorded_files(d)["all"]})
     return {
         "type": "logits_topk",
-        "k": spec.logits_k,
+        "k": spec.logits_topk,
         "dtype": "float32",
         "indices_dtype": "int32",
         "keys": {"values": LOGITS_VALUES_KEY, "indices": LOGITS_INDICES_KEY},
         "pooling": "last_token",
         "file_pattern": spec.logits_file_pattern,
-        "row_bytes": 8 * spec.logits_k,
+        "row_bytes": 8 * spec.logits_topk,
         "shards": shards,
     }
 

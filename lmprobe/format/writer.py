@@ -38,7 +38,7 @@ from ..base.paths import check_output_path, format_relpath
 from ..errors import FormatError, InvalidArgumentError
 from . import card, index
 from .batch import check_batch, hidden_by_slot
-from .datasetspec import DatasetSpec
+from .datasetspec import DatasetSpec, renamed_keywords
 from .dtypes import DTYPES
 from .layout import plan
 from .metadata import (
@@ -154,7 +154,7 @@ class DatasetWriter:
     ):
         # --- check the configuration before touching the disk
         if spec is None:
-            spec = DatasetSpec(**fields)
+            spec = DatasetSpec(**renamed_keywords(fields, stacklevel=2))  # logits_k=: the old logits_topk=, warned
         elif fields:
             raise TypeError(f"DatasetWriter takes a DatasetSpec or its fields as keywords, not both (got a spec and "
                             f"{', '.join(sorted(fields))})")
@@ -196,7 +196,7 @@ class DatasetWriter:
         self._stats_worker: ThreadPoolExecutor | None = None  # made when a batch comes without partials
         # one hashing thread per stored site, up to the cores but one: sha256 runs at ~1.3 GB/s a core, so
         # a GPU node writing several layers at ~1 GB/s each needs several (docs/performance.md)
-        hashers = max(1, min(len(spec.sites) + (1 if spec.logits_k else 0), (os.cpu_count() or 2) - 1))
+        hashers = max(1, min(len(spec.sites) + (1 if spec.logits_topk else 0), (os.cpu_count() or 2) - 1))
         self._hasher = ThreadPoolExecutor(max_workers=hashers, thread_name_prefix="lmprobe-sha256")
         self._pending: dict[str, list] = {c: [] for c in index.staging_schema(spec).names}
         self._n_pending = 0
@@ -250,8 +250,8 @@ class DatasetWriter:
         self._last = series("last", slots, hidden_spec, spec.rows_per_shard)
         self._seq = series("seq", slots, hidden_spec, spec.rows_per_shard) if spec.full_sequence else None
         self._logits = None
-        if spec.logits_k:
-            k = spec.logits_k
+        if spec.logits_topk:
+            k = spec.logits_topk
 
             def logits_spec(slot: str) -> list[TensorSpec]:
                 return [TensorSpec(LOGITS_VALUES_KEY, "float32", (k,)), TensorSpec(LOGITS_INDICES_KEY, "int32", (k,))]
