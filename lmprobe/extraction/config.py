@@ -18,6 +18,7 @@ from ..format.dtypes import COMPUTE_DTYPES, HIDDEN_DTYPES
 from ..format.resume import RESUMABLE_SETTINGS, same_extraction, settings_fingerprint  # noqa: F401
 from ..format.spec import DEFAULT_HOOKPOINT, MAX_SHARD_SIZE, STORAGES
 from ..storage.hub import check_repo_id
+from ..storage.urls import is_url
 from .hookpoints import parse_hookpoints
 from .placement import parse_max_memory
 
@@ -215,7 +216,7 @@ class ExtractionConfig:
             bad("out must name an output folder or URL")
         if self.push is not None:
             check_repo_id(self.push)  # before hours of extraction, not after
-            if "://" in str(self.out):
+            if is_url(str(self.out)):
                 raise InvalidArgumentError(
                     f"--push publishes the local folder --out names, and --out {self.out} is not one; write straight "
                     f"to the Hub with --out hf://datasets/{self.push} instead")

@@ -52,6 +52,7 @@ from .hubresume import RESUME_DIR, RESUME_FILE, CheckpointCopies, seed_from_hub
 from .objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
 from .relay import Relay, StoreRelay
 from .remote import open_hub, open_object_store
+from .urls import is_hub_url
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def open_output(out: str | os.PathLike, *, token: str | None = None) -> Output:
     """The output ``out`` names, checked before anything expensive runs; ``token`` is the identity of every Hub call
     a Hub output makes (None: HF_TOKEN or the saved login), kept in memory only."""
     s = os.fspath(out)
-    if isinstance(s, str) and s.startswith("hf://"):
+    if is_hub_url(s):
         return HubOutput.parse(s, token=token)
     if is_object_store_url(s):
         return ObjectStoreOutput(s.rstrip("/"))
