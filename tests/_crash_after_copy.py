@@ -1,5 +1,5 @@
 """Runs lmprobe.extract to a Hub output and dies (os._exit, like kill -9: no cleanup) right after the commit that
-lands a checkpoint copy (extraction/hubresume.py) of at least a chosen number of rows: a deterministic kill point
+lands a checkpoint copy (storage/hubresume.py) of at least a chosen number of rows: a deterministic kill point
 for resuming on another machine, whatever the commits' timing.
 
     python _crash_after_copy.py '[SOURCE, MODEL, OUT, MIN_ROWS, KWARGS]'
@@ -10,7 +10,7 @@ import os
 import sys
 
 import lmprobe
-from lmprobe.extraction import hubresume
+from lmprobe.storage import hubresume
 
 source, model, out, min_rows, kw = json.loads(sys.argv[1])
 checkpointed, landed, rows = hubresume.CheckpointCopies.checkpointed, hubresume.CheckpointCopies.landed, {}

@@ -315,8 +315,8 @@ def test_the_card_is_merged_into_the_readme_of_the_revision_the_final_commit_is_
 
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from lmprobe.extraction.hubrepo import card_merger
-    from lmprobe.extraction.outputs import HubOutput
+    from lmprobe.storage.hubrepo import card_merger
+    from lmprobe.storage.outputs import HubOutput
 
     name = f"card-{uuid.uuid4().hex[:6]}"
     repo = f"user/{name}"

@@ -299,7 +299,7 @@ def test_a_run_killed_against_one_hub_does_not_break_the_same_command_against_an
 def test_a_resumed_run_commits_only_what_its_writer_recorded(hub, llama_dir, tmp_path):
     """After a kill, a file in the staging folder that the writer never recorded, and a ledger line
     naming a path the writer never recorded (content on the Hub all the same), are not committed."""
-    from lmprobe.extraction.outputs import LEDGER, HubOutput
+    from lmprobe.storage.outputs import LEDGER, HubOutput
 
     name = f"foreign-{uuid.uuid4().hex[:6]}"
     url = f"hf://datasets/user/{name}"

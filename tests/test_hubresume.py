@@ -1,4 +1,4 @@
-"""A part's checkpoint copy on the Hub (extraction/hubresume.py), read back as untrusted input: whatever it says, a
+"""A part's checkpoint copy on the Hub (storage/hubresume.py), read back as untrusted input: whatever it says, a
 rank resumes from it only when every shard it names is a file of the part that the Hub holds at the stated size and
 hash, sizes are bounded and the settings are this extraction's; else one line that says to re-run with --overwrite."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from lmprobe.errors import ResumeMismatchError
-from lmprobe.extraction.hubresume import MAX_RESUME_META_BYTES, check_resume
+from lmprobe.storage.hubresume import MAX_RESUME_META_BYTES, check_resume
 
 SETTINGS = {"layers": [1], "storage": "full_sequence", "batch_size": 1}
 A, B = "a" * 64, "b" * 64
@@ -98,7 +98,7 @@ def test_a_copy_whose_rows_are_not_its_states_is_refused(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from lmprobe.extraction.hubresume import seed_staging
+    from lmprobe.storage.hubresume import seed_staging
 
     copy = tmp_path / "checkpoint.parquet"
     pq.write_table(pa.table({"text": ["a", "b"]}), copy)

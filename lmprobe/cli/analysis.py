@@ -8,6 +8,7 @@ from collections.abc import Callable
 from .. import api
 from ..opening import load
 from ..probe import METHODS, plot_sweep, steer, sweep, train_probe
+from ..storage import is_hub_url
 from .options import (
     add_cache_option,
     add_quiet_option,
@@ -31,7 +32,7 @@ def _test_arg(text: str | None):
     """--test: COLUMN=VALUE, or a dataset (folder or Hub repo) held out."""
     if text is None:
         return None
-    if "=" in text and not text.startswith(("hf://", "/", ".")):
+    if "=" in text and not is_hub_url(text) and not text.startswith(("/", ".")):
         column, value = text.split("=", 1)
         return (column, int(value) if value.lstrip("-").isdigit() else value)
     return text

@@ -7,8 +7,6 @@ whether a partial output can be resumed.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -17,8 +15,10 @@ from ..base.fields import option, recorded_of, spec_names_of
 from ..base.units import parse_count, parse_size
 from ..errors import ExtractionError, InvalidArgumentError
 from ..format.dtypes import COMPUTE_DTYPES, HIDDEN_DTYPES
-from ..format.spec import DEFAULT_HOOKPOINT, MAX_SHARD_SIZE, RUN_SETTINGS, STORAGES
+from ..format.resume import RESUMABLE_SETTINGS, same_extraction, settings_fingerprint  # noqa: F401
+from ..format.spec import DEFAULT_HOOKPOINT, MAX_SHARD_SIZE, STORAGES
 from ..storage.hub import check_repo_id
+from ..storage.urls import is_url
 from .hookpoints import parse_hookpoints
 from .placement import parse_max_memory
 
@@ -26,24 +26,6 @@ BACKENDS = ("transformers", "nnsight")
 #: the place of the prompt set's identity (``prompts_sha256``, ``num_prompts``) or the corpus source's in the
 #: recorded settings: after the model's (``record=1``, ``2``), before the corpus windows' (``4``..)
 _IDENTITY_PLACE = 3
-#: recorded settings that change no stored value beyond float rounding: an output made under other values of
-#: these is the same extraction, and a partial one resumes (a smaller batch after an out-of-memory error)
-RESUMABLE_SETTINGS = RUN_SETTINGS
-
-
-def same_extraction(recorded: dict[str, Any], settings: dict[str, Any]) -> bool:
-    """Whether recorded extraction settings describe the same work as ``settings`` (RESUMABLE_SETTINGS aside)."""
-    def work(d: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in d.items() if k not in RESUMABLE_SETTINGS}
-
-    return work(recorded) == work(settings)
-
-
-def settings_fingerprint(settings: dict[str, Any]) -> str:
-    """64 hex digits naming the work ``settings`` describe: equal for two settings ``same_extraction`` calls the same
-    (what a Hub output's job marker records, so that a re-run of a killed job knows its marker)."""
-    work = {k: v for k, v in settings.items() if k not in RESUMABLE_SETTINGS}
-    return hashlib.sha256(json.dumps(work, sort_keys=True, default=str).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -234,7 +216,7 @@ class ExtractionConfig:
             bad("out must name an output folder or URL")
         if self.push is not None:
             check_repo_id(self.push)  # before hours of extraction, not after
-            if "://" in str(self.out):
+            if is_url(str(self.out)):
                 raise InvalidArgumentError(
                     f"--push publishes the local folder --out names, and --out {self.out} is not one; write straight "
                     f"to the Hub with --out hf://datasets/{self.push} instead")

@@ -28,6 +28,7 @@ from ..base.units import format_size
 from ..format.index import INDEX_BYTES_PER_ROW, INDEX_BYTES_PER_TOKEN, INDEX_BYTES_PER_TOKEN_WITH_IDS
 from ..format.spec import HUB_FOLDER_ENTRIES, HUB_REPO_FILES, MAX_SHARD_SIZE, NESTED_FROM_SHARDS
 from ..storage.budget import MAX_COMMIT_FILES, commits_for, in_flight_files, tail_seconds
+from ..storage.urls import is_hub_url, remote_of
 
 GiB = 1024**3
 DEFAULT_SHARD_BYTES = GiB
@@ -156,7 +157,7 @@ class JobPlan:
             f"  staging disk per node: {format_size(self.staging_bytes_per_node)} at most",
             f"  model: {self.placement}",
         ]
-        if self.destination.startswith("hf://"):
+        if is_hub_url(self.destination):
             lines.append(f"  commits: {self.commits:,} for the job (one committer, up to {MAX_COMMIT_FILES:,} files "
                          f"each); after the last shard is written: {self.tail_commits} commit(s), about "
                          f"{_duration(self.tail_seconds)} until the dataset is complete")
@@ -397,8 +398,4 @@ def _hub_commits(shape: Shape, f: _Files, ranks: int, index: int, sites_open: in
 
 
 def _kind(destination: str) -> Destination:
-    if destination.startswith("hf://"):
-        return "hub"
-    if "://" in destination:
-        return "object"
-    return "local"
+    return remote_of(destination)

@@ -30,6 +30,7 @@ from ..format.index import encoding_options
 from ..format.spec import DEFAULT_SHARD_SIZE
 from ..format.values import torch_dtype
 from ..storage.budget import DEFAULT_COMMITS_PER_HOUR, commits_per_hour
+from ..storage.urls import is_hub_url
 from .backend_nnsight import check_api_key, require_nnsight
 from .config import ExtractionConfig
 from .corpus import (
@@ -313,7 +314,7 @@ def plan_job(job: Job) -> JobPlan:
     cfg = job.config
     out = os.fspath(cfg.out)
     return make_plan(job_shape(job), destination=out, cluster=cluster_of(cfg, job.device, job.ranks.world),
-                     shard_bytes=cfg.shard_bytes, commits_per_hour=commits_per_hour() if out.startswith("hf://")
+                     shard_bytes=cfg.shard_bytes, commits_per_hour=commits_per_hour() if is_hub_url(out)
                      else DEFAULT_COMMITS_PER_HOUR, world=cfg.world_size or job.ranks.world)
 
 

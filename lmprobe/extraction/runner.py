@@ -26,12 +26,12 @@ from ..format.datasetspec import DatasetSpec
 from ..format.reader import Dataset
 from ..format.staging import describe_mismatch
 from ..format.writer import DatasetWriter
+from ..storage.outputs import Output, open_output
 from .backend_nnsight import nnsight_version
 from .config import RESUMABLE_SETTINGS, ExtractionConfig, same_extraction
 from .corpus import exchanges, stream_windows
 from .examine import ranges
 from .loop import run_corpus, run_prompts
-from .outputs import Output, open_output
 from .plan import JobPlan
 from .preparation import Job, check_plan, prepare
 from .torchrun import Ranks, start_ranks

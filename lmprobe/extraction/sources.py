@@ -51,6 +51,7 @@ from ..base.safeio import loads
 from ..errors import PromptError
 from ..format.values import is_null
 from ..storage.hub import REPO_ID_RE
+from ..storage.urls import hub_path, is_hub_url
 from .pieces import Piece, build_pieces, read_footer, row_group_bytes
 
 SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".txt", ".text")
@@ -473,7 +474,7 @@ class HubDatasetSource(Source):
         kinds = {"parquet": (".parquet",), "json": (".jsonl", ".ndjson")}.get(builder.name, ())
         if not files or not all(_suffix(f) in kinds for f in files):
             return []
-        return [f.removeprefix("hf://") for f in files]
+        return [hub_path(f) for f in files]
 
     def _fs(self) -> Any:
         from huggingface_hub import HfFileSystem
@@ -551,8 +552,8 @@ def open_source(spec: Any, *, text_column: str = "text", config: str | None = No
             if not path.is_dir() and not path.is_file():
                 raise PromptError(f"{path} is not a file or a folder")
             return FilesSource(path, text_column=text_column)
-        if s.startswith("hf://"):
-            rest = s[len("hf://"):]
+        if is_hub_url(s):
+            rest = hub_path(s)
             if not rest.startswith("datasets/"):
                 raise PromptError(f"{s}: a Hub source is a dataset repo, written hf://datasets/OWNER/NAME")
             repo = rest[len("datasets/"):].strip("/")

@@ -1,19 +1,21 @@
 """The small files protocol a Dataset reads through, and its local-folder implementation.
 
 A dataset's files can live in a local folder, a Hub repo or object storage (``lmprobe.storage``).
-Each source offers the same three things: ``fetch(rel, what=...)`` returns a local path to the
-dataset file ``rel`` (downloading it first when remote), ``missing_hint(rel)`` says what to do
-when a file is missing, and ``str(files)`` names the source in messages. ``find_index`` finds the
-index of a local folder (or says why there is none).
+Each source offers what ``DatasetFiles`` lists: ``fetch(rel, what=...)`` returns a local path to the
+dataset file ``rel`` (downloading it first when remote), ``has``, ``read_range`` and ``download`` read
+without the whole file, ``pin`` fixes the version read, ``missing_hint(rel)`` says what to do when a
+file is missing, and ``str(files)`` names the source in messages. ``find_index`` finds the index of a
+local folder (or says why there is none).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 from functools import cached_property
 from pathlib import Path
-from typing import Protocol
+from typing import Any, BinaryIO, Protocol
 
 from ..base.lock import writer_pid
 from ..base.paths import resolve_inside
@@ -25,10 +27,38 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
 
 class DatasetFiles(Protocol):
-    """Where a dataset's files come from."""
+    """Where a dataset's files come from: everything a reader asks of them (LocalFiles here; storage/'s HubFiles,
+    ObjectStoreFiles and LruFiles, which wraps one of them)."""
+
+    #: False: the files are on this machine and read in place; True: fetched on demand (the Hub, object storage)
+    remote: bool
+    #: the Hub repo a local copy was pulled from (``lmprobe pull``), else None
+    origin: str | None
 
     def fetch(self, rel: str, *, what: str = "file") -> Path:
         """A local path holding the dataset file ``rel`` (a relative POSIX path, checked)."""
+        ...
+
+    def has(self, rel: str) -> bool:
+        """Whether the source holds the dataset file ``rel`` (a ``lmprobe pull --layers`` copy holds some shards)."""
+        ...
+
+    def read_range(self, rel: str, start: int, end: int, *, out: BinaryIO | None = None,
+                   policy: Any = None) -> bytes | None:
+        """Bytes ``start:end`` of ``rel``: returned, or written to the binary file ``out``."""
+        ...
+
+    def download(self, rel: str, dst: Path, *, policy: Any = None) -> None:
+        """``rel`` copied to ``dst`` (a name of the caller's own: bounded caches)."""
+        ...
+
+    def listing(self) -> list[str]:
+        """Every file the source holds, relative to it (a folder reader's layers: an SAE dictionary's)."""
+        ...
+
+    def pin(self) -> None:
+        """Fix the version of every file now, so that a file changed while it is read is an error (the Hub pins
+        its commit when opened; a local folder has one version)."""
         ...
 
     def missing_hint(self, rel: str) -> str:
@@ -38,6 +68,8 @@ class DatasetFiles(Protocol):
 
 class LocalFiles:
     """Dataset files in a local folder; only regular files inside the folder are ever returned."""
+
+    remote = False
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
@@ -58,6 +90,32 @@ class LocalFiles:
             return resolve_inside(self.root, rel, "file").is_file()
         except LmprobeError:
             return False
+
+    def read_range(self, rel: str, start: int, end: int, *, out: BinaryIO | None = None,
+                   policy: Any = None) -> bytes | None:
+        """Bytes ``start:end`` of ``rel`` (``policy``: remote sources' retries; unused here)."""
+        with open(self.fetch(rel), "rb") as f:
+            f.seek(start)
+            data = f.read(max(0, end - start))
+        if out is None:
+            return data
+        out.write(data)
+        return None
+
+    def download(self, rel: str, dst: Path, *, policy: Any = None) -> None:
+        """``rel`` copied to ``dst``."""
+        shutil.copyfile(self.fetch(rel), dst)
+
+    def listing(self) -> list[str]:
+        """Every regular file inside the folder, relative to it (links are not followed)."""
+        found = []
+        for top, _, names in os.walk(self.root):
+            found += [(Path(top) / n).relative_to(self.root).as_posix() for n in names if (Path(top) / n).is_file()
+                      and not (Path(top) / n).is_symlink()]
+        return sorted(found)
+
+    def pin(self) -> None:
+        """A local folder has one version: nothing to fix."""
 
     @cached_property
     def origin(self) -> str | None:

@@ -79,13 +79,13 @@ class ShardGather:
             here = ds.layers_here(hp)
             if not here:
                 break
-            repo = getattr(files, "origin", None) or "REPO"
+            repo = files.origin or "REPO"
             hps = f" --hookpoints {hp}" if len(descs) > 1 else ""
             held = f"layer {here[0]}" if len(here) == 1 else f"layers {', '.join(map(str, here))}"
             return (f"this copy holds {held} only, not layer {layer} ({rel} is not here): "
                     f"`lmprobe pull {repo} --layers {layer}{hps} --out {files}` fetches it")
         lg = ds.meta.logits
-        if lg is not None and getattr(files, "origin", None) and not ds.logits_here() \
+        if lg is not None and files.origin and not ds.logits_here() \
                 and rel in {lg.file(s) for s in range(len(lg.shards))}:
             return (f"this copy was pulled without its top-k logits ({rel} is not here): `lmprobe pull "
                     f"{files.origin} --out {files}` (without --no-logits) fetches them")

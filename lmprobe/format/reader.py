@@ -351,21 +351,21 @@ class Dataset:
         A source that fetches on demand (the Hub, object storage) holds every layer.
         """
         h = self.hidden_desc(hookpoint)
-        has = getattr(self.files, "has", None)
-        if has is None:
+        if self.files.remote:
             return list(h.layers)
+        has = self.files.has
         return [layer for layer in h.layers if all(has(h.file(layer, s)) for s in range(len(h.shards)))]
 
     def logits_here(self) -> bool:
         """Whether the top-k logits' shards are in this copy (``lmprobe pull --no-logits`` leaves them out)."""
-        lg, has = self.meta.logits, getattr(self.files, "has", None)
-        return lg is not None and (has is None or all(has(lg.file(s)) for s in range(len(lg.shards))))
+        lg, files = self.meta.logits, self.files
+        return lg is not None and (files.remote or all(files.has(lg.file(s)) for s in range(len(lg.shards))))
 
     def default_layers(self, hookpoint: str | None = None) -> list[int]:
         """The layers a command takes when none are named: every stored layer; in a copy that ``lmprobe pull
         --layers`` made, the layers it holds (a folder that merely lacks files is not guessed around: reading
         the missing layer says what is missing)."""
-        if getattr(self.files, "origin", None):
+        if self.files.origin:
             return self.layers_here(hookpoint)
         return list(self.hidden_desc(hookpoint).layers)
 

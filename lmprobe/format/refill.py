@@ -1,7 +1,7 @@
 """Refilling the open shards of a checkpoint taken on another machine.
 
 A writer whose files leave the machine (an upload) keeps only its open shards' partial files here; a copy of its
-checkpoint elsewhere (a Hub output's, extraction/hubresume.py) has everything else: the closed shards are where
+checkpoint elsewhere (a Hub output's, storage/hubresume.py) has everything else: the closed shards are where
 they went, the index rows and statistics are in the copy. Reopened on that copy, each series whose open shard is
 missing starts that shard empty again, and the caller gives again the prompts from the first one with rows in it
 (``Refill.start``): only their rows in those shards are written; the index, the counts and the statistics already

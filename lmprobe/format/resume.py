@@ -10,6 +10,8 @@ The writer then continues from the ``Checkpoint`` (``DatasetWriter._restore``).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FormatError, LmprobeError, OutputExistsError, ResumeMismatchError
-from .spec import INDEX_PATH
+from .spec import INDEX_PATH, RUN_SETTINGS
 from .staging import (
     Staging,
     check_fresh_output,
@@ -29,6 +31,26 @@ from .staging import (
 
 #: (series, slot, shard) -> the final name of a closed shard, relative to the output folder
 ShardFile = Callable[[str, str, int], str]
+
+
+#: recorded settings that change no stored value beyond float rounding: an output made under other values of
+#: these is the same extraction, and a partial one resumes (a smaller batch after an out-of-memory error)
+RESUMABLE_SETTINGS = RUN_SETTINGS
+
+
+def same_extraction(recorded: dict[str, Any], settings: dict[str, Any]) -> bool:
+    """Whether recorded extraction settings describe the same work as ``settings`` (RESUMABLE_SETTINGS aside)."""
+    def work(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.items() if k not in RESUMABLE_SETTINGS}
+
+    return work(recorded) == work(settings)
+
+
+def settings_fingerprint(settings: dict[str, Any]) -> str:
+    """64 hex digits naming the work ``settings`` describe: equal for two settings ``same_extraction`` calls the same
+    (what a Hub output's job marker records, so that a re-run of a killed job knows its marker)."""
+    work = {k: v for k, v in settings.items() if k not in RESUMABLE_SETTINGS}
+    return hashlib.sha256(json.dumps(work, sort_keys=True, default=str).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

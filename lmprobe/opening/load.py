@@ -7,43 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from ..base.units import parse_size
-from ..errors import DatasetNotFoundError, InvalidArgumentError, ShardMissingError
+from ..errors import DatasetNotFoundError, InvalidArgumentError
 from ..format.reader import Dataset, open_local
-from ..format.spec import INDEX_PATH
-from ..storage.hub import HubFiles, HubRef, parse_dataset_ref
-from ..storage.lrufiles import LruFiles
-from ..storage.objectstore import ObjectStoreFiles, is_object_store_url
-
-
-def open_hub(ref: HubRef, *, token: str | bool | None = None, cache: int | None = None) -> Dataset:
-    """Open a dataset in a Hub repo: the index now, shards when a call reads them.
-
-    ``cache``: shards go through a folder of at most that many bytes (``LruFiles``); the index
-    stays in the Hugging Face cache, as the reader keeps it open.
-    """
-    files = HubFiles(ref, token=token)
-    if INDEX_PATH in files.repo_files:
-        index = INDEX_PATH
-    else:
-        found = sorted(s for s in files.repo_files if s.startswith("index/") and s.endswith(".parquet"))
-        if len(found) != 1:
-            raise DatasetNotFoundError(f"{files} holds no lmprobe dataset: {INDEX_PATH} is missing")
-        index = found[0]
-    index_path = files.fetch(index, what="index")
-    return Dataset(LruFiles(files, cache) if cache is not None else files, index_path)
-
-
-def open_object_store(url: str, *, cache: int | None = None) -> Dataset:
-    """Open a dataset at an fsspec URL (``s3://bucket/prefix``); ``cache`` as for ``open_hub``."""
-    files = ObjectStoreFiles(url)
-    try:
-        index = files.fetch(INDEX_PATH, what="index")
-    except ShardMissingError:
-        raise DatasetNotFoundError(f"{url} holds no complete lmprobe dataset ({INDEX_PATH} is missing)") from None
-    if cache is None:
-        return Dataset(files, index)
-    files.pin()
-    return Dataset(LruFiles(files, cache), index)
+from ..storage.hub import parse_dataset_ref
+from ..storage.objectstore import is_object_store_url
+from ..storage.remote import open_hub, open_object_store
 
 
 def is_datasets_folder(path: str | os.PathLike) -> bool:

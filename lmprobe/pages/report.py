@@ -112,7 +112,7 @@ def _facts(ds: Dataset) -> str:
         layers = ", ".join(map(str, h.layers))
         if len(here) < len(h.layers):  # a `lmprobe pull --layers` copy: the page shows what it holds
             layers = (f"{', '.join(map(str, here))} of {layers} (a partial copy; `lmprobe pull "
-                      f"{getattr(ds.files, 'origin', None) or 'REPO'} --layers L` fetches more)")
+                      f"{ds.files.origin or 'REPO'} --layers L` fetches more)")
         rows += [("layers", layers), ("hookpoints", ", ".join(ds.hookpoints)),
                  ("dim", f"{h.dim:,}"), ("dtype", h.dtype), ("storage", h.storage)]
     if ds.meta.logits is not None:

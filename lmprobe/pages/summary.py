@@ -39,7 +39,7 @@ def _layers_fact(ds: Dataset) -> str:
     here = ds.layers_here()
     if len(here) == len(h.layers):
         return text
-    origin = getattr(ds.files, "origin", None) or "REPO"
+    origin = ds.files.origin or "REPO"
     held = f"only {_layers_text(here)}" if here else "none of them"
     return (f"{text} in the dataset; this copy holds {held} (`lmprobe pull {origin} --layers L --out {ds.files}` "
             "fetches more)")

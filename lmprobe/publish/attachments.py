@@ -249,9 +249,8 @@ def publish_attachment(repo_id: str, local: str | os.PathLike, kind: str, *, tok
         root = Path(tmp)
         (root / "index").mkdir()
         shutil.copyfile(ds.shards.fetch(INDEX_PATH, "index"), root / INDEX_PATH)
-        card_path = ds.files.fetch_optional(CARD_PATH, what="card")  # the repo's own card, to update, not replace
-        if card_path is not None:
-            shutil.copyfile(card_path, root / CARD_PATH)
+        if ds.files.has(CARD_PATH):  # the repo's own card, to update, not replace
+            shutil.copyfile(ds.files.fetch(CARD_PATH, what="card"), root / CARD_PATH)
         attach(root, attachments, repo_id)
         last = [RepoFile(CARD_PATH, root / CARD_PATH), RepoFile(INDEX_PATH, root / INDEX_PATH)]
         committer.push_files(files, last)

@@ -34,7 +34,7 @@ from ..base.allocator import check_memory
 from ..base.paths import resolve_inside
 from ..base.safeio import check_regular, read_json
 from ..errors import DictionaryError, InvalidArgumentError, UnsafePathError
-from ..storage.hub import HubFiles, parse_hf_url
+from ..storage.folders import remote_folder
 from .activation import RELU, activate, activate_list, activation_rule, check_rule
 from .npyio import check_declared_sizes, load_npy, load_npz, load_safetensors
 
@@ -92,12 +92,12 @@ def detect_device(device: str = "auto") -> str:
 class SAEConfig:
     """Where a dictionary lives and how to hold it.
 
-    ``root_path`` is a folder holding dictionaries, or a Hub model repo (``hf://owner/name`` or
-    ``hf://models/owner/name``) holding ``<dictionary_name>/...``.
+    ``root_path`` is a folder holding dictionaries, a Hub model repo (``hf://owner/name`` or
+    ``hf://models/owner/name``) or an object-storage prefix (``s3://bucket/saes``) holding ``<dictionary_name>/...``.
     """
 
     root_path: str | os.PathLike
-    """A folder holding dictionaries, or an ``hf://`` repo URL."""
+    """A folder holding dictionaries, an ``hf://`` repo URL, or an object-storage URL (``s3://``, fsspec's)."""
     dictionary_name: str
     """The dictionary's folder name under ``root_path``."""
     device: str = "auto"
@@ -401,26 +401,23 @@ class SAEDictionary:
 
 
 class _DictSource:
-    """Dictionary files in a local folder or a Hub repo (downloaded on first use)."""
+    """Dictionary files in a local folder, a Hub repo or object storage (downloaded on first use)."""
 
     def __init__(self, cfg: SAEConfig):
         root = os.fspath(cfg.root_path)
         self.name = cfg.dictionary_name
-        self.hub: HubFiles | None = None
-        if root.startswith("hf://"):
-            ref = parse_hf_url(root, revision=cfg.revision)
-            sub = f"{ref.path}/{self.name}" if ref.path else self.name
-            self.hub = HubFiles(ref.__class__(ref.repo_id, ref.repo_type, ref.revision, sub), token=cfg.token)
-        else:
+        # a remote root's files through the storage layer (HubFiles, ObjectStoreFiles); a local folder read here
+        self.remote = remote_folder(root, self.name, revision=cfg.revision, token=cfg.token)
+        if self.remote is None:
             self.dir = Path(root) / self.name
             if not self.dir.is_dir():
                 raise DictionaryError(f"no dictionary {self.name!r} in {root} ({self.dir} is not a folder)")
 
     def describe(self, sub: str) -> str:
-        return f"{self.hub}/{sub}" if self.hub else str(self.dir / sub)
+        return f"{self.remote}/{sub}" if self.remote else str(self.dir / sub)
 
     def fetch(self, rel: str, required: bool = True) -> Path | None:
-        if self.hub is None:
+        if self.remote is None:
             try:
                 p = resolve_inside(self.dir, rel, "dictionary file")  # symlinks may not lead outside it
                 if not p.exists():
@@ -430,17 +427,17 @@ class _DictSource:
                 return check_regular(p, "dictionary file")
             except UnsafePathError as exc:
                 raise DictionaryError(str(exc)) from None
-        if rel not in self.hub.repo_files:
+        if not self.remote.has(rel):
             if required:
                 raise DictionaryError(f"{self.describe(rel)} is missing")
             return None
-        return self.hub.fetch(rel, what="dictionary file")
+        return self.remote.fetch(rel, what="dictionary file")
 
     def list_layers(self) -> list[int]:
-        if self.hub is None:
+        if self.remote is None:
             names = [p.name for p in self.dir.iterdir()]
         else:
-            names = [f.split("/")[0] for f in self.hub.repo_files if "/" in f]
+            names = [f.split("/")[0] for f in self.remote.listing() if "/" in f]
         return sorted({int(n[6:]) for n in names if re.fullmatch(r"layer_\d+", n)})
 
 

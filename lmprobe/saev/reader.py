@@ -12,7 +12,8 @@ import numpy as np
 from ..base.safeio import read_json
 from ..base.units import parse_size
 from ..errors import SaevError
-from ..storage.hub import HubFiles, parse_hf_url
+from ..storage.folders import remote_folder
+from ..storage.urls import remote_of, split_url
 from ..stream.engine import Engine, RowSource, rank_world
 from .protocol import (
     METADATA_KEYS,
@@ -37,16 +38,19 @@ class SaevDataset:
     """
 
     def __init__(self, path: str | os.PathLike, *, verify_hash: bool = True, token: str | None = None):
-        self._hub: HubFiles | None = None
-        if isinstance(path, str) and path.startswith("hf://"):
-            # a folder in a Hub repo: metadata now, each shard on first use (into the HF cache)
-            self._hub = HubFiles(parse_hf_url(path), token=token)
-            meta = self._hub.fetch("metadata.json", what="saev metadata")
-            self._hub.fetch("shards.json", what="saev shard list")
+        # a folder in a Hub repo or in object storage: metadata now, each shard on first use (into the HF cache, or
+        # the object store's cache, where the folder's files keep their names)
+        self._remote = remote_folder(path, token=token)
+        name = None
+        if self._remote is not None:
+            meta = self._remote.fetch("metadata.json", what="saev metadata")
+            self._remote.fetch("shards.json", what="saev shard list")
+            if remote_of(path) == "object":  # the cache folder is named by the URL's hash: the folder's name is the URL's
+                name = split_url(path)[1].rstrip("/").rsplit("/", 1)[-1]
             path = meta.parent
         self.path = Path(path)
-        problems = validate_saev(self.path, check_hash=verify_hash, check_sizes=self._hub is None,
-                                 local=self._hub is None)
+        problems = validate_saev(self.path, check_hash=verify_hash, check_sizes=self._remote is None,
+                                 local=self._remote is None, name=name)
         if problems:
             raise SaevError(f"{self.path}: " + "; ".join(problems))
         # protocol 2.1 folders are read under the 2.0 names (n_examples -> n_ex, ...)
@@ -64,23 +68,23 @@ class SaevDataset:
         return self.n_ex
 
     def __repr__(self) -> str:
-        return (f"<lmprobe SaevDataset {self._hub or self.path}: {self.n_ex:,} examples x {self.tokens_per_ex} tokens, "
+        return (f"<lmprobe SaevDataset {self._remote or self.path}: {self.n_ex:,} examples x {self.tokens_per_ex} tokens, "
                 f"layers {self.layers}, d_model {self.d_model}, {self.metadata.get('dtype', 'float32')}>")
 
     def _local(self, name: str) -> Path:
-        return file_inside(self.path, name) if self._hub is None else self.path / name
+        return file_inside(self.path, name) if self._remote is None else self.path / name
 
     def _file(self, name: str, *, required: bool = True) -> Path | None:
         """Local path of a file of this folder; from the Hub, downloaded now."""
-        if self._hub is None:
+        if self._remote is None:
             p = file_inside(self.path, name)
             return p if p.exists() or required else None
-        if not required and name not in self._hub.repo_files:
+        if not required and not self._remote.has(name):
             return None
         try:
-            return self._hub.fetch(name, what="saev file")
+            return self._remote.fetch(name, what="saev file")
         except FileNotFoundError:
-            raise SaevError(f"{name} is missing from {self._hub}") from None
+            raise SaevError(f"{name} is missing from {self._remote}") from None
 
     def shard(self, i: int) -> np.memmap:
         """Shard ``i`` as a read-only (n_ex, L, T, D) float32 memory map."""
@@ -168,10 +172,11 @@ class SaevDataset:
 
 
 def validate_saev(path: str | os.PathLike, *, check_hash: bool = True, check_sizes: bool = True,
-                  local: bool = True) -> list[str]:
+                  local: bool = True, name: str | None = None) -> list[str]:
     """Every problem of a saev folder against the protocol (empty list: valid).
 
-    ``local=False``: the folder is a Hugging Face cache snapshot, whose files link into the cache.
+    ``local=False``: the folder is a local copy of a remote one (a Hugging Face cache snapshot, whose files link
+    into the cache; object storage's cache); ``name``: the folder's own name when the copy's differs.
     """
     p = Path(path)
 
@@ -207,8 +212,8 @@ def validate_saev(path: str | os.PathLike, *, check_hash: bool = True, check_siz
         problems.append(f"protocol {m['protocol']!r} is not {PROTOCOL} (a different major version)")
     if m["dtype"] != "float32":
         problems.append(f"dtype {m['dtype']!r}: the protocol fixes float32")
-    if check_hash and p.name != hash_name:
-        problems.append(f"folder name {p.name} is not the sha256 of metadata.json ({hash_name})")
+    if check_hash and (name or p.name) != hash_name:
+        problems.append(f"folder name {name or p.name} is not the sha256 of metadata.json ({hash_name})")
     if not m["layers"] or not all(isinstance(x, int) and not isinstance(x, bool) for x in m["layers"]):
         problems.append("layers must be a non-empty list of integers")
         return problems

@@ -43,6 +43,7 @@ from ..errors import (
     OutOfSpaceError,
     ShardMissingError,
 )
+from .urls import hub_path, is_hub_url
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +197,9 @@ def parse_hf_url(url: str, *, revision: str | None = None) -> HubRef:
     >>> parse_hf_url("hf://datasets/me/acts@refs/pr/1/saev").revision   # a PR's ref, as huggingface_hub reads it
     'refs/pr/1'
     """
-    if not url.startswith("hf://"):
+    if not is_hub_url(url):
         raise InvalidArgumentError(f"{url!r} is not an hf:// URL")
-    rest = url[len("hf://") :]
+    rest = hub_path(url)
     repo_type = "model"
     for prefix, kind in _TYPE_PREFIXES.items():
         if rest.startswith(prefix):
@@ -296,7 +297,7 @@ def parse_dataset_ref(path: Any, revision: str | None = None) -> HubRef | None:
     s = os.fspath(path) if isinstance(path, os.PathLike) else path
     if not isinstance(s, str):
         return None
-    if s.startswith("hf://"):
+    if is_hub_url(s):
         return parse_hf_url(s, revision=revision)
     if os.path.exists(s):
         return None
@@ -370,6 +371,9 @@ class HubFiles:
     connections (default: ``hub_read_policy()``, a command's); every request times out after
     ``READ_TIMEOUT`` seconds without a byte.
     """
+
+    remote = True
+    origin = None
 
     def __init__(self, ref: HubRef, *, token: str | bool | None = None, policy: RetryPolicy | None = None):
         self.token = token
@@ -512,9 +516,16 @@ class HubFiles:
             raise
         return sink.getvalue() if out is None else None
 
-    def fetch_optional(self, rel: str, *, what: str = "file") -> Path | None:
-        """``fetch``, or None when the repo has no such file."""
-        return self.fetch(rel, what=what) if rel in self.repo_files else None
+    def has(self, rel: str) -> bool:
+        """Whether the repo holds ``rel`` at the pinned commit (its listing, read when opened)."""
+        return rel in self.repo_files
+
+    def listing(self) -> list[str]:
+        """Every file under the folder at the pinned commit, relative to it."""
+        return list(self.repo_files)
+
+    def pin(self) -> None:
+        """Nothing to fix: every file comes from the commit resolved when this object was made."""
 
     def missing_hint(self, rel: str) -> str:
         return f"{rel} is not in {self}; the repo is incomplete (was its push interrupted? re-run `lmprobe push`)"

@@ -23,16 +23,11 @@ from ..base.safeio import read_json
 from ..base.worker import BackgroundWorker
 from ..errors import ObjectStoreError, OutOfSpaceError, ShardMissingError
 from .cachedir import flocked
+from .urls import is_object_store_url  # noqa: F401  (its old home: opening/ and outputs.py import it from here)
 
 #: bytes per request when a range of an object is streamed to a file (memory stays this small)
 STREAM_CHUNK = 8 * 2**20
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-def is_object_store_url(path: Any) -> bool:
-    """Whether ``path`` is an fsspec URL of object storage (``s3://``, ``gs://``, ...; not ``hf://`` or ``file://``)."""
-    s = os.fspath(path) if isinstance(path, os.PathLike) else path
-    return isinstance(s, str) and "://" in s and not s.startswith(("hf://", "file://"))
 
 
 def object_store_policy(*, base_wait: float = 0.5, max_retries: int = 5) -> RetryPolicy:
@@ -145,6 +140,9 @@ class UploadSink:
 class ObjectStoreFiles:
     """Dataset files at an fsspec URL, downloaded on first use into a local cache."""
 
+    remote = True
+    origin = None
+
     def __init__(self, url: str, *, policy: RetryPolicy | None = None):
         self.url = url.rstrip("/")
         self.fs, self.root = filesystem(self.url)
@@ -202,6 +200,23 @@ class ObjectStoreFiles:
             return read_json(stamp, error=ObjectStoreError, max_bytes=2**16) == ident
         except ObjectStoreError:
             return False  # a damaged stamp: download again
+
+    def listing(self) -> list[str]:
+        """Every object under the URL now, relative to it."""
+        self.fs.invalidate_cache(self.root)  # fsspec caches listings: this one must be the bucket's now
+        found = _call(f"listing {self.url}", lambda: self.fs.find(self.root), self.policy) or []
+        prefix = self.root.rstrip("/") + "/"
+        return sorted(k[len(prefix):] for k in found if k.startswith(prefix))
+
+    def has(self, rel: str) -> bool:
+        """Whether the object ``rel`` exists under the URL now."""
+        check_relpath(rel, "file")
+        src = f"{self.root}/{rel}"
+        self.fs.invalidate_cache(src)
+        try:
+            return bool(_call(f"reading {self.url}/{rel}", lambda: self.fs.isfile(src), self.policy))
+        except FileNotFoundError:
+            return False
 
     def pin(self) -> None:
         """Record every object's identity now: a later ``download`` of a changed object is an error."""

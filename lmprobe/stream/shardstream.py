@@ -135,7 +135,7 @@ class ShardStream:
         self.resident: int | None = None
         self.cache_budget: int | None = None
         self.piece_bytes: int | None = None
-        if not hasattr(self.ds.files, "download"):  # a local folder: read in place, no cache
+        if not self.ds.files.remote:  # a local folder: read in place, no cache
             return DatasetRows(self.ds, self.sites)
         piece_bytes = parse_size(piece) if piece is not None else None
         if piece_bytes is not None and piece_bytes <= 0:

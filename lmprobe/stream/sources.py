@@ -123,8 +123,7 @@ class RemoteRows(DatasetRows):
                  piece_bytes: int | None = None, workers: int = 4, policy: Any = None, readers: int = 1):
         super().__init__(ds, sites)
         self.workers, self.policy, self.readers = workers, policy, max(1, int(readers))
-        if hasattr(ds.files, "pin"):  # object storage: the version of every object is fixed now (Hub: the commit)
-            ds.files.pin()
+        ds.files.pin()  # object storage: the version of every object is fixed now (the Hub: its commit, already)
         self._descs = [ds.hidden_desc(hp) for hp, _ in sites]
         n_shards = len(self.shard_rows)
         self.file_bytes = np.zeros((n_shards, self.n_sites), dtype=np.int64)

@@ -13,9 +13,9 @@ from ..base.safeio import loads
 from ..errors import ExtractionError, LmprobeError
 from ..format.metadata import FileRecord
 from ..format.reader import Dataset, open_local
+from ..format.resume import same_extraction
 from ..format.spec import CARD_PATH, INDEX_PATH
 from ..format.staging import PROVISIONAL_DIR
-from .config import same_extraction
 
 #: what a Hub output's session records of the files whose content is on the Hub but whose commit may not have
 #: landed yet: a run killed meanwhile commits them by reference (their sha256) instead of extracting them again

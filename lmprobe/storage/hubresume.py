@@ -37,12 +37,11 @@ from ..base.hashing import sha256_file
 from ..base.paths import check_relpath
 from ..base.safeio import loads
 from ..errors import LmprobeError, ResumeMismatchError
-from ..format.resume import check_progress, check_replay, count
+from ..format.resume import check_progress, check_replay, count, same_extraction
 from ..format.spec import MAX_SHARD_SIZE, STAGING_DIR
 from ..format.staging import check_staging_name
-from ..storage.commits import RepoFile
-from ..storage.hub import HubFiles, HubRef, hub_api
-from .config import same_extraction
+from .commits import RepoFile
+from .hub import HubFiles, HubRef, hub_api
 
 logger = logging.getLogger(__name__)
 

@@ -39,19 +39,20 @@ from ..errors import DatasetNotFoundError, ExtractionError, InvalidArgumentError
 from ..format.merge import MergePlan, plan_merge
 from ..format.metadata import FileRecord
 from ..format.reader import Dataset, open_local
+from ..format.resume import settings_fingerprint
 from ..format.spec import CARD_PATH, INDEX_PATH, STAGING_DIR
 from ..format.staging import PROVISIONAL_DIR
-from ..opening import open_hub, open_object_store
-from ..storage.budget import CommitWindow, commits_per_hour, hour_seconds, in_flight_files
-from ..storage.claim import RepoClaim
-from ..storage.commits import HubCommitter, PushConfig, RepoFile
-from ..storage.hub import HubRef, check_pull_request_open, hub_api, is_pull_request, parse_hf_url
-from ..storage.objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
-from ..storage.relay import Relay, StoreRelay
-from .config import settings_fingerprint
+from .budget import CommitWindow, commits_per_hour, hour_seconds, in_flight_files
+from .claim import RepoClaim
+from .commits import HubCommitter, PushConfig, RepoFile
+from .hub import HubRef, check_pull_request_open, hub_api, is_pull_request, parse_hf_url
 from .hubrecords import LEDGER, RENAMES, final_files, part_renames, read_ledger, staged_record
 from .hubrepo import card_merger, old_shards
 from .hubresume import RESUME_DIR, RESUME_FILE, CheckpointCopies, seed_from_hub
+from .objectstore import UploadSink, cache_dir, filesystem, is_object_store_url, object_store_policy
+from .relay import Relay, StoreRelay
+from .remote import open_hub, open_object_store
+from .urls import is_hub_url
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def open_output(out: str | os.PathLike, *, token: str | None = None) -> Output:
     """The output ``out`` names, checked before anything expensive runs; ``token`` is the identity of every Hub call
     a Hub output makes (None: HF_TOKEN or the saved login), kept in memory only."""
     s = os.fspath(out)
-    if isinstance(s, str) and s.startswith("hf://"):
+    if is_hub_url(s):
         return HubOutput.parse(s, token=token)
     if is_object_store_url(s):
         return ObjectStoreOutput(s.rstrip("/"))

@@ -16,7 +16,7 @@ from ..errors import ExtractionError, LmprobeError
 from ..format.card import update_card
 from ..format.metadata import decode_schema_metadata
 from ..format.spec import CARD_PATH, INDEX_PATH
-from ..storage.hub import hub_api
+from .hub import hub_api
 
 logger = logging.getLogger(__name__)
 
