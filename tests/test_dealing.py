@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from test_ranks import Ranks, WordTokenizer, key
 
 from lmprobe.errors import ExtractionError, PromptError
-from lmprobe.extraction import dealing, pieces
 from lmprobe.extraction.corpus import CorpusPlan, progress_after, stream_windows
 from lmprobe.extraction.pieces import FOOTER_GUESS
 from lmprobe.extraction.sources import FilesSource, open_source
@@ -305,15 +304,6 @@ def test_a_bad_record_of_a_dealt_folder_stops_every_rank_with_its_message(tmp_pa
     _, errors, _ = rank_run(lambda: open_source(folder), 3, 1000)
     assert all(isinstance(e, Exception) for e in errors), errors
     assert len({str(e) for e in errors}) == 1 and "f01.jsonl, line 3 is not valid JSON" in str(errors[0])
-
-
-def test_the_modules_examples_run():
-    import doctest
-
-    from lmprobe.base import replay
-
-    for module in (dealing, pieces, replay):
-        assert doctest.testmod(module).failed == 0
 
 
 def test_a_replayed_file_reads_what_was_kept_and_the_file_for_the_rest(tmp_path):

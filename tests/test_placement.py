@@ -23,14 +23,6 @@ GiB = 2**30
 # ---------------------------------------------------------------- the arithmetic
 
 
-def test_the_modules_examples_run():
-    import doctest
-
-    from lmprobe.extraction import placement
-
-    assert doctest.testmod(placement).attempted >= 5 and doctest.testmod(placement).failed == 0
-
-
 def test_max_memory_is_read_as_accelerate_takes_it():
     assert parse_max_memory("0=70GiB,1=70GiB,cpu=200GiB,disk=1TB") == {0: 70 * GiB, 1: 70 * GiB, "cpu": 200 * GiB,
                                                                        "disk": 10**12}

@@ -236,12 +236,3 @@ def shutil_usage(*, free: int):
 
     return shutil._ntuple_diskusage(100 * GiB, 100 * GiB - free, free)
 
-
-def test_the_modules_examples_run():
-    import doctest
-
-    from lmprobe.extraction import plan
-    from lmprobe.storage import budget
-
-    for module in (plan, budget):
-        assert doctest.testmod(module).failed == 0

@@ -6,7 +6,6 @@ Ranks are simulated with threads: ``all_gather`` is a barrier over a shared list
 
 from __future__ import annotations
 
-import doctest
 import json
 import threading
 import time
@@ -179,15 +178,6 @@ def test_hub_dataset_ranks_skip_the_others_examples_in_the_stream(hub, tmp_path)
             got = [(r.index, r.at, r.values["text"]) for r in src.records(start, rank=rank, world=world)]
             want = [(i, f"record {i}", f"h{i}") for i in range(start, 40) if i % world == rank]
             assert got == want, (world, start, rank)
-
-
-def test_the_modules_examples_run():
-    from lmprobe.extraction import ranks
-    from lmprobe.extraction import windows as windows_module
-
-    for module in (sources, windows_module, ranks):
-        assert doctest.testmod(module).failed == 0
-
 
 
 # ---------------------------------------------------------------- the budget over many ranks
