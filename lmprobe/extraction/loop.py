@@ -51,6 +51,20 @@ def _bar_name(job: Job) -> str:
     return "extract" if ranks is None or ranks.world == 1 else f"extract rank {ranks.rank}/{ranks.world}"
 
 
+def _writer_thread(writer: DatasetWriter, done: int) -> BackgroundWorker:
+    """The thread that writes the loop's batches: a batch whose first row is before ``done`` (the rows a checkpoint
+    from another node left in open shards) goes to ``refill_batch``, the others to ``add_batch``."""
+
+    def write(item: dict) -> None:
+        row = item.pop("first")
+        if row < done:
+            writer.refill_batch(first=row, **item)
+        else:
+            writer.add_batch(**item)
+
+    return BackgroundWorker(write, max_pending=1, name="lmprobe-writer")
+
+
 def run_prompts(writer: DatasetWriter, job: Job) -> None:
     cfg = job.config
     bound_allocator_cache()  # one arena: freed batch buffers are reused by every thread
@@ -72,14 +86,7 @@ def run_prompts(writer: DatasetWriter, job: Job) -> None:
     refill = writer.refill_from
     start = done if refill is None else refill // cfg.batch_size * cfg.batch_size
 
-    def write(item: dict) -> None:
-        first = item.pop("first")
-        if first < done:
-            writer.refill_batch(first=first, **item)
-        else:
-            writer.add_batch(**item)
-
-    bg = BackgroundWorker(write, max_pending=1, name="lmprobe-writer")
+    bg = _writer_thread(writer, done)
     bar = Progress(n, initial=done, desc=_bar_name(job), unit="prompt", quiet=cfg.quiet, tokens=True)  # its share
     try:
         _loop(bg, backend, encoder, job, order, start, done, bar)
@@ -190,14 +197,7 @@ def run_corpus(writer: DatasetWriter, job: Job) -> None:
     statistics = cfg.statistics and not kind.scaled
     layers = job.settings["layers"]
     left = tok.padding_side == "left"
-    def write(item: dict) -> None:
-        row = item.pop("first")
-        if row < done:
-            writer.refill_batch(first=row, **item)
-        else:
-            writer.add_batch(**item)
-
-    bg = BackgroundWorker(write, max_pending=1, name="lmprobe-writer")
+    bg = _writer_thread(writer, done)
     # a rank's share of a budget is planned round by round with the others (ranks.py), unknown up front: its bar
     # counts its tokens without a total (max_tokens // world stopped at 88% on one rank, passed 100% on another)
     total = plan.max_tokens if ranks.world == 1 else None
