@@ -317,14 +317,32 @@ def _resumed(outs):
     return found
 
 
+def _rank1_copy_holds(hub, name: str, *, rows: int):
+    """When to kill a job: once rank 1's checkpoint copy on the Hub (copied once the shards it names were
+    committed) holds ``rows`` rows, well into its part."""
+    import pyarrow.parquet as pq
+
+    copy = ".lmprobe-parts/part-00001/.lmprobe-resume/checkpoint.parquet"
+
+    def holds() -> bool:
+        try:
+            tree = _hub_tree(hub, name)
+        except KeyError:  # (the repo is not made yet)
+            return False
+        if copy not in tree:
+            return False
+        meta = pq.read_schema(hub.state.lfs_path(tree[copy].sha256)).metadata[b"lmprobe:resume"]
+        return json.loads(meta)["state"]["num_prompts"] >= rows
+
+    return holds
+
+
 def test_a_rank_resuming_on_another_node_resumes_from_what_the_hub_holds(hub, fast_commits, llama_dir, tmp_path):
     """Both nodes killed once rank 1's checkpoint was on the Hub (after some of its shards were
     committed), then the job run again on two fresh nodes (empty working, temporary and cache folders: c10d placed
     the ranks elsewhere). Each rank resumes from its part's checkpoint on the Hub, recomputing only the rows of the
     shards that had not landed, and the dataset's shards are byte for byte an uninterrupted job's."""
     import shutil
-
-    import pyarrow.parquet as pq
 
     f = tmp_path / "prompts.jsonl"
     f.write_text("\n".join(json.dumps(p) for p in MANY + MANY) + "\n")  # 168 prompts: long enough to be caught
@@ -333,20 +351,7 @@ def test_a_rank_resuming_on_another_node_resumes_from_what_the_hub_holds(hub, fa
     whole, name = f"whole-{uuid.uuid4().hex[:6]}", f"moved-{uuid.uuid4().hex[:6]}"
     run(tmp_path / "uninterrupted", ["extract", *args, "--out", f"hf://datasets/user/{whole}", "--quiet"])
     argv = ["extract", *args, "--out", f"hf://datasets/user/{name}"]
-    copy = ".lmprobe-parts/part-00001/.lmprobe-resume/checkpoint.parquet"
-
-    def rank1_checkpoint_on_hub():
-        try:
-            tree = _hub_tree(hub, name)
-        except KeyError:  # (the repo is not made yet)
-            return False
-        # its checkpoint, copied once the shards it names were committed, is well into the part
-        if copy not in tree:
-            return False
-        meta = pq.read_schema(hub.state.lfs_path(tree[copy].sha256)).metadata[b"lmprobe:resume"]
-        return json.loads(meta)["state"]["num_prompts"] >= 12
-
-    kill_when(launch(tmp_path / "first", argv + ["--quiet"]), rank1_checkpoint_on_hub)
+    kill_when(launch(tmp_path / "first", argv + ["--quiet"]), _rank1_copy_holds(hub, name, rows=12))
     assert not [p for p in _hub_tree(hub, name) if p.startswith("index/")]  # (caught before the merge)
     outs = run(tmp_path / "elsewhere", argv)  # other nodes: nothing of the first run's staging is there
     resumed = _resumed(outs)
@@ -385,19 +390,7 @@ def test_a_corpus_ranks_resuming_on_another_node_replay_its_source_from_what_the
     whole, name = f"corpus-whole-{uuid.uuid4().hex[:6]}", f"corpus-moved-{uuid.uuid4().hex[:6]}"
     run(tmp_path / "uninterrupted", ["extract", *args, "--out", f"hf://datasets/user/{whole}", "--quiet"])
     argv = ["extract", *args, "--out", f"hf://datasets/user/{name}"]
-    copy = ".lmprobe-parts/part-00001/.lmprobe-resume/checkpoint.parquet"
-
-    def rank1_checkpoint_on_hub():
-        try:
-            tree = _hub_tree(hub, name)
-        except KeyError:  # (the repo is not made yet)
-            return False
-        if copy not in tree:
-            return False
-        meta = pq.read_schema(hub.state.lfs_path(tree[copy].sha256)).metadata[b"lmprobe:resume"]
-        return json.loads(meta)["state"]["num_prompts"] >= 16
-
-    kill_when(launch(tmp_path / "first", argv + ["--quiet"]), rank1_checkpoint_on_hub)
+    kill_when(launch(tmp_path / "first", argv + ["--quiet"]), _rank1_copy_holds(hub, name, rows=16))
     assert not [p for p in _hub_tree(hub, name) if p.startswith("index/")]  # (caught before the merge)
     outs = run(tmp_path / "elsewhere", argv)  # other nodes: nothing of the first run's staging is there
     resumed = _resumed(outs)
