@@ -160,6 +160,43 @@ def test_the_plan_is_honest_about_a_small_real_job(corpus, tmp_path, dtype, toke
                                                             if p.is_file()), rel=0.1)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_plan_is_honest_about_what_a_hub_job_stages(hub, corpus, tmp_path, monkeypatch, dtype):
+    """A job straight to the Hub whose uplink is slower than its model (the case the space check must cover) stages,
+    at its peak, what the plan says a node needs, within 10%: the shards being filled, those a checkpoint hands
+    over, those uploading, and the index parts, checkpoint copy and records that grow with the part."""
+    import threading
+    import uuid
+
+    from nodes import disk_use
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LMPROBE_CACHE", str(cache))
+    out = f"hf://datasets/user/staged-{uuid.uuid4().hex[:8]}"
+    kw = dict(max_tokens=20_000, context_len=128, storage="full_sequence", layers="0,2", shard_size="128KB",
+              dtype=dtype, quiet=True)
+    plan = lmprobe.plan("lmprobe-tiny", str(corpus), out=out, **kw)
+    assert plan.staging_bytes_per_node < plan.dataset_bytes / 5  # a few shards and records, not the dataset
+    peak, stop = [0], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            peak[0] = max(peak[0], disk_use(cache))
+            stop.wait(0.01)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    hub.throttle_uploads(plan.dataset_bytes / 8)  # the shards take ~8 s to go up, the model ~2 s to make them
+    poller.start()
+    try:
+        lmprobe.extract("lmprobe-tiny", str(corpus), out=out, **kw)
+    finally:
+        hub.throttle_uploads(None)
+        stop.set()
+        poller.join()
+    assert peak[0] == pytest.approx(plan.staging_bytes_per_node, rel=0.1), plan.describe()
+
+
 def test_the_plan_of_prompts_counts_their_tokens(tmp_path):
     prompts = Path(__file__).parents[1] / "examples" / "prompts.jsonl"
     plan = lmprobe.plan("lmprobe-tiny", str(prompts), out=str(tmp_path / "o"), storage="full_sequence")

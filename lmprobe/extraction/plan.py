@@ -8,7 +8,7 @@ shard size, the layout, the space check, the refusal), so the two cannot disagre
 CPU). At full size (docs/publishing.md, "Jobs at full size"):
 
 - W1, an 8B model, 10^9 tokens, 3 layers, bfloat16, 64 GPUs: 22.4 TiB in 23,235 files of 1 GiB (7,744 a
-  folder), one GPU a rank, 50 commits for the job, 25 after the last shard: about 9 minutes.
+  folder), one GPU a rank, 52 commits for the job, 25 after the last shard: about 9 minutes.
 - W2, the same, 10^10 tokens, 1 layer: shards grow to 8 GiB (9,664 a folder; at 1 GiB one folder would hold
   76,000), 11 commits after the last shard.
 - W3, a 70B model (141 GB of weights), 2 x 10^9 tokens, 128 GPUs: 4 GiB shards, the model spread over
@@ -56,8 +56,13 @@ INDEX_BYTES_PER_SHARD = 300
 
 #: seconds the merge takes to open one part on the Hub (its index's footer, its metadata)
 PART_OPEN_SECONDS = 1.0
-#: closed shards (a file a site each) a writer keeps until its next checkpoint hands them over (format/writer.py)
+#: closed shards a writer keeps until its next checkpoint hands them over (format/writer.py: a checkpoint is due
+#: once this many closed since the last; it is checked after each batch, so a batch that closes more hands them all)
 HANDED_OVER_AT_CHECKPOINT = 2
+#: what a rank stages for each of its shards besides the shard, kept until its part is merged: the shard's record
+#: in the writer's state.json (~260 bytes), its line in the upload ledger (~160) and its entry in the resume record
+#: of the checkpoint copy (~600: parquet keeps the schema's metadata twice) (benchmarks/bench_scale.py measures it)
+STAGED_BYTES_PER_SHARD = 1024
 #: an upload's speed from one rank, bytes a second (a cloud GPU node reaches 1-10 GB/s over its ranks)
 UPLOAD_BYTES_PER_SECOND = 100 * 10**6
 #: seconds one commit takes at the Hub, copies and by-reference additions of up to 1,000 files included
@@ -80,6 +85,8 @@ class Shape:
     site_row_bytes: tuple[int, ...]
     """Bytes of one row of each stored site (layer x hookpoint): width x the stored dtype's size."""
     logits_topk: int | None = None
+    batch_rows: int = 8
+    """The rows (prompts or windows) a rank's writer takes at once (--batch-size)."""
     token_ids: bool = False
     perplexity: bool = False
     hookpoints: int = 1
@@ -133,9 +140,22 @@ class JobPlan:
     refused: str | None = None
     warnings: list[str] = field(default_factory=list)
     known: bool = True
+    tail_parts: dict[str, float] = field(default_factory=dict)
+    """Where the tail's seconds go: ``uploads`` (the last shards'), ``merge`` (opening the parts, sending the
+    index), ``commits`` (those after the last shard, at the Hub's commit rate)."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def _tail_parts(self) -> str:
+        """The tail's parts in one unit: "uploads 1.1 min, merge 1.2 min, commits 6.0 min"."""
+        unit, scale = ("s", 1.0) if self.tail_seconds < 90 else ("min", 60.0)
+        digits = 0 if unit == "s" else 1
+        return ", ".join(f"{k} {v / scale:.{digits}f} {unit}" for k, v in self.tail_parts.items())
+
+    @property
+    def destination_kind(self) -> Destination:
+        return _kind(self.destination)
 
     def describe(self) -> str:
         """The plan in a few lines, for a person."""
@@ -154,13 +174,14 @@ class JobPlan:
             f"largest file: {format_size(self.largest_file_bytes)}",
             f"  index: {', '.join(format_size(b) for b in self.index_files)} in {len(self.index_files)} file(s), "
             "built in bounded memory",
-            f"  staging disk per node: {format_size(self.staging_bytes_per_node)} at most",
+            f"  staging disk per node: {format_size(self.staging_bytes_per_node)}"
+            + ("" if self.destination_kind == "local" else " at its peak, when uploads fall behind the model"),
             f"  model: {self.placement}",
         ]
         if is_hub_url(self.destination):
             lines.append(f"  commits: {self.commits:,} for the job (one committer, up to {MAX_COMMIT_FILES:,} files "
                          f"each); after the last shard is written: {self.tail_commits} commit(s), about "
-                         f"{_duration(self.tail_seconds)} until the dataset is complete")
+                         f"{_duration(self.tail_seconds)} until the dataset is complete ({self._tail_parts()})")
             lines.append(f"  Hub storage: {format_size(self.dataset_bytes)} (a free account: public repos usually up "
                          "to 5 TB, private 100 GB)")
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -224,6 +245,9 @@ class _Files:
     largest_folder: int
     largest_shard: int
     layout: str
+    open_bytes: int = 0  # a rank's shards being filled: one of each series (a site's last tokens and sequences, logits)
+    batch_files: float = 0.0  # the shards one batch closes (every series of a rank), on average
+    batch_bytes: float = 0.0  # and their bytes
 
 
 def _count(shape: Shape, shard_bytes: int, ranks: int, layout: str | None = None) -> _Files:
@@ -258,7 +282,16 @@ def _count(shape: Shape, shard_bytes: int, ranks: int, layout: str | None = None
     if seq:  # a sequence shard fills up to its cap (windows and prompts of other lengths fill the gaps)
         largest_rows = max(largest_rows, min(cap, int(per_item * rows_r)) if per_item <= cap else int(per_item))
     largest_shard = largest_rows * widest
-    return _Files(per_site, logits, files, largest, largest_shard, layout)
+    # a rank's series: per site its last-token shards (``cap`` rows) and its sequence shards (``items`` windows or
+    # prompts), and the logits' (``lcap`` rows): (the bytes of a full shard, the shards a batch of rows closes)
+    series = [(min(cap, rows_r) * widest, shape.batch_rows / cap)]
+    if seq:
+        series.append((int(per_item * min(items, rows_r)) * widest, shape.batch_rows / items))
+    series = series * sites
+    if logits:
+        series.append((min(lcap, rows_r) * 8 * shape.logits_topk, shape.batch_rows / lcap))
+    return _Files(per_site, logits, files, largest, largest_shard, layout, open_bytes=sum(b for b, _ in series),
+                  batch_files=sum(n for _, n in series), batch_bytes=sum(b * n for b, n in series))
 
 
 def index_bytes(shape: Shape, shards: int) -> int:
@@ -354,29 +387,46 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
     if kind == "local":
         staging = dataset  # the output is the staging: every node writes its part into it (a shared disk)
     else:
-        # the shards a rank fills, up to 2 closed ones waiting for the checkpoint that hands them over, the files
-        # uploading (commits.py, budget.in_flight_files), and its share of the index, staged until the end
-        per_rank = (sites_open + HANDED_OVER_AT_CHECKPOINT * len(shape.site_row_bytes) + in_flight_files(size)) \
-            * f.largest_shard + per_rank_index
+        shard_files = max(1, f.files - 2 - shape.hookpoints)  # but the index, the card and the statistics
+        per_rank = staged_per_rank(f, size, ranks, per_rank_index, mean_shard=(dataset - index) // shard_files)
         staging = min(dataset // max(1, -(-ranks // ranks_per_node)), per_rank * ranks_per_node) \
             if ranks > 1 else min(dataset, per_rank)
     commits = tail = 0
-    seconds = 0.0
+    parts: dict[str, float] = {}
     if hub:
-        commits, tail, seconds = _hub_commits(shape, f, ranks, index, sites_open, commits_per_hour)
+        commits, tail, parts = _hub_commits(shape, f, ranks, index, sites_open, commits_per_hour)
         if dataset > HUB_PUBLIC_STORAGE:
             warnings.append(f"{format_size(dataset)} is past the 5 TB of public storage a free Hub account usually has: ask Hugging Face for more first, or write to a bucket "
                             "(--out s3://...)")
     return JobPlan(destination, ranks, gpus_per_rank, placement, size, reason, f.layout, site_bytes, dataset,
                    f.shards_per_site, f.files, f.largest_folder, max(f.largest_shard, index), [index],
-                   staging, commits, tail, seconds, refused, warnings)
+                   staging, commits, tail, sum(parts.values()), refused, warnings, tail_parts=parts)
+
+
+def staged_per_rank(f: _Files, shard_bytes: int, ranks: int, index: int, *, mean_shard: int) -> int:
+    """A rank's staging disk at its peak, when its uplink falls behind its model: the shards it fills (one a
+    series), the closed ones its next checkpoint hands over (what one batch closes, at least
+    HANDED_OVER_AT_CHECKPOINT), the files uploading (budget.in_flight_files of ``mean_shard`` bytes; ``add`` waits
+    beyond them), and what grows with its part until the merge: its ``index`` rows twice (its index parts and the
+    checkpoint copy on the Hub, outputs.py) and a record of each shard."""
+    waiting = max(HANDED_OVER_AT_CHECKPOINT * mean_shard, f.batch_bytes)
+    uploading = in_flight_files(shard_bytes) * mean_shard
+    shards = -(-(f.files - 2) // ranks)  # the files of its part but the index and the card
+    return int(f.open_bytes + waiting + uploading + 2 * index + shards * STAGED_BYTES_PER_SHARD)
 
 
 def _hub_commits(shape: Shape, f: _Files, ranks: int, index: int, sites_open: int,
-                 commits_per_hour: float) -> tuple[int, int, float]:
-    """A Hub job's commits: (all of them, those after its last shard is written, the seconds those take)."""
+                 commits_per_hour: float) -> tuple[int, int, dict[str, float]]:
+    """A Hub job's commits: (all of them, those after its last shard is written, where the tail's seconds go)."""
     data_files = f.files - 2 - shape.hookpoints
     ladder = commits_for(data_files)  # along the ladder, the last of them once the last shard is written
+    # each of them also carries the checkpoint copy of every part whose copy before it has landed (hubresume.py):
+    # up to one a rank a commit (W1: 64 copies in a commit of 1,000 files)
+    for _ in range(8):
+        more = commits_for(data_files + ranks * ladder)
+        if more == ladder:
+            break
+        ladder = more
     if ranks > 1:
         # after the last shard: the job's committer's last commit (the ranks' last files together), then the
         # merge's copies out of the parts, 1,000 a commit, the last of them with the statistics, card and index
@@ -392,9 +442,8 @@ def _hub_commits(shape: Shape, f: _Files, ranks: int, index: int, sites_open: in
     # the merge opens every part (its index's footer and metadata), reads the parts' indexes and sends the
     # merged one
     merge = (ranks * PART_OPEN_SECONDS + 2 * index / UPLOAD_BYTES_PER_SECOND) if ranks > 1 else 0.0
-    seconds = last_uploads + merge + tail_seconds(tail, earlier=max(0, during), per_hour=commits_per_hour,
-                                                  commit_seconds=COMMIT_SECONDS)
-    return commits, tail, seconds
+    paced = tail_seconds(tail, earlier=max(0, during), per_hour=commits_per_hour, commit_seconds=COMMIT_SECONDS)
+    return commits, tail, {"uploads": last_uploads, "merge": merge, "commits": paced}
 
 
 def _kind(destination: str) -> Destination:

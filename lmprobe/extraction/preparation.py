@@ -226,7 +226,7 @@ def job_shape(job: Job) -> Shape:
     site_row_bytes = tuple(kind.row_bytes(w) for _ in job.settings["layers"] for w in widths)
     common = {"storage": cfg.storage, "site_row_bytes": site_row_bytes, "logits_topk": cfg.logits_topk,
               "token_ids": bool(job.settings.get("token_ids")), "perplexity": cfg.perplexity,
-              "hookpoints": len(widths), "model_bytes": model_bytes(job)}
+              "hookpoints": len(widths), "model_bytes": model_bytes(job), "batch_rows": cfg.batch_size}
     if job.corpus is not None:
         if job.corpus.max_tokens is None:
             return Shape(rows=0, tokens=0, known=False, **common)
