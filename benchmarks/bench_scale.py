@@ -197,6 +197,7 @@ def main() -> None:
         ds = lmprobe.load(f"hf://datasets/{name}")
         assert int(ds.column("num_tokens").sum()) == args.tokens
         files = len([p for p in server.files(name) if p.endswith(".safetensors")])
+        dataset_files = len([p for p in server.files(name) if not p.split("/")[-1].startswith(".")])
         commits = [(t, s) for r, t, s in server.state.commit_log if r == name]
         shas = {e.sha256 for p, e in server.files(name).items() if p.startswith("tensors/hidden") and e.sha256}
         last_upload = max(t for sha, t in server.state.uploaded if sha in shas)  # the last shard's content
@@ -212,6 +213,7 @@ def main() -> None:
                                                              plan.get("tail_parts", {}).items()) + ")"
                        + (f": measured / plan {tail / plan['tail_seconds']:.2f}" if real_pace else
                           " at the Hub's pace, not this scaled clock's"))),
+            ("files (shards, statistics, index, card)", f"{dataset_files:,}", plan and f"{plan.get('files'):,}"),
             ("commits", f"{len(commits)} ({server.state.refused_commits} refused with 429)",
              plan and str(plan.get("commits"))),
             ("commits after the last shard reached the Hub", str(sum(1 for t, _ in commits if t > last_upload)),
@@ -223,6 +225,10 @@ def main() -> None:
         ]
         for what, measured, predicted in rows:
             print(f"  {what:48s} measured {measured:36s} plan {predicted or '(no --dry-run json on this tree)'}")
+        print("  the commits after the last shard reached the Hub (seconds after it: summary):")
+        for t, summary in commits:
+            if t > last_upload:
+                print(f"    +{t - last_upload:6.1f} s  {summary[:110]}")
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)

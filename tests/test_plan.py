@@ -160,6 +160,23 @@ def test_the_plan_is_honest_about_a_small_real_job(corpus, tmp_path, dtype, toke
                                                             if p.is_file()), rel=0.1)
 
 
+def test_the_plan_counts_the_rows_a_corpus_of_short_documents_makes(tmp_path):
+    """Documents shorter than a window each make a row of their own: the plan counts the rows its sample of the
+    corpus says, so that files (one a row here) and the index agree with the real job within 10%."""
+    rng = np.random.default_rng(1)
+    words = np.array("the of and to in is was for on that with as by at from river city music science".split())
+    src = tmp_path / "short.jsonl"
+    with open(src, "w") as f:
+        for _ in range(600):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, size=int(rng.integers(15, 90))))}) + "\n")
+    kw = dict(max_tokens=12_000, context_len=128, storage="full_sequence", layers="1", shard_size="32KB", quiet=True)
+    plan = lmprobe.plan("lmprobe-tiny", str(src), out=str(tmp_path / "out"), **kw)
+    lmprobe.extract("lmprobe-tiny", str(src), out=str(tmp_path / "out"), **kw)
+    real = _real(tmp_path / "out")
+    assert plan.files == pytest.approx(real["files"], rel=0.1)
+    assert plan.index_files[0] == pytest.approx(real["index"], rel=0.1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_plan_is_honest_about_what_a_hub_job_stages(hub, corpus, tmp_path, monkeypatch, dtype):

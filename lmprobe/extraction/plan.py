@@ -96,6 +96,9 @@ class Shape:
     """False: the size is unknown (a corpus without --max-tokens): nothing is sized."""
     model_bytes: int = 0
     """The weights in the dtype the model runs in (0: unknown)."""
+    row_tokens: tuple[int, ...] = ()
+    """The stored tokens of a sample of rows, in source order (a corpus' windows, the prompts): how sequence
+    shards pack. Empty: every row as long as the average."""
     text_bytes_per_token: float = DEFAULT_TEXT_BYTES_PER_TOKEN
     """The index's text column, compressed, per token (measured on a sample of the source)."""
     id_bytes_per_token: float = DEFAULT_ID_BYTES_PER_TOKEN
@@ -140,6 +143,9 @@ class JobPlan:
     refused: str | None = None
     warnings: list[str] = field(default_factory=list)
     known: bool = True
+    checkpoint_copy_bytes: int = 0
+    """A Hub job's uploads of its ranks' checkpoint copies (storage/hubresume.py), all of them together: each holds
+    its part's index rows so far and goes up about once a commit while the ranks extract; removed at the end."""
     tail_parts: dict[str, float] = field(default_factory=dict)
     """Where the tail's seconds go: ``uploads`` (the last shards'), ``merge`` (opening the parts, sending the
     index), ``commits`` (those after the last shard, at the Hub's commit rate)."""
@@ -182,6 +188,9 @@ class JobPlan:
             lines.append(f"  commits: {self.commits:,} for the job (one committer, up to {MAX_COMMIT_FILES:,} files "
                          f"each); after the last shard is written: {self.tail_commits} commit(s), about "
                          f"{_duration(self.tail_seconds)} until the dataset is complete ({self._tail_parts()})")
+            lines.append(f"  checkpoint copies: {format_size(self.checkpoint_copy_bytes)} uploaded in all (each rank's "
+                         "index rows so far, about once a commit, so that a rank resumes on another node; removed "
+                         "at the end)")
             lines.append(f"  Hub storage: {format_size(self.dataset_bytes)} (a free account: public repos usually up "
                          "to 5 TB, private 100 GB)")
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -257,15 +266,7 @@ def _count(shape: Shape, shard_bytes: int, ranks: int, layout: str | None = None
     cap = max(1, shard_bytes // widest)
     rows_r = -(-shape.rows // ranks)
     last = -(-rows_r // cap) if rows_r else 0
-    seq = items = 0
-    per_item = 0.0
-    if shape.storage == "full_sequence" and rows_r:
-        seq_rows_r = max(0, -(-(shape.tokens - shape.rows) // ranks))
-        per_item = seq_rows_r / rows_r
-        if per_item > 0:
-            # a prompt's rows never straddle two shards: a shard takes whole windows (or prompts)
-            items = max(1, int(cap // per_item)) if per_item <= cap else 1
-            seq = -(-rows_r // items)
+    seq, items, seq_rows, seq_largest = _sequence_shards(shape, cap, rows_r)
     per_site = (last + seq) * ranks
     logits = 0
     if shape.logits_topk:
@@ -278,20 +279,54 @@ def _count(shape: Shape, shard_bytes: int, ranks: int, layout: str | None = None
     if layout is None:
         layout = "nested" if per_site >= NESTED_FROM_SHARDS or flat_tensors > HUB_FOLDER_ENTRIES else "flat"
     largest = max(per_site, logits) if layout == "nested" else flat_tensors
-    largest_rows = min(cap, rows_r)  # a last-token shard
-    if seq:  # a sequence shard fills up to its cap (windows and prompts of other lengths fill the gaps)
-        largest_rows = max(largest_rows, min(cap, int(per_item * rows_r)) if per_item <= cap else int(per_item))
-    largest_shard = largest_rows * widest
+    largest_shard = max(min(cap, rows_r), seq_largest) * widest  # a last-token shard, or a sequence shard
     # a rank's series: per site its last-token shards (``cap`` rows) and its sequence shards (``items`` windows or
     # prompts), and the logits' (``lcap`` rows): (the bytes of a full shard, the shards a batch of rows closes)
     series = [(min(cap, rows_r) * widest, shape.batch_rows / cap)]
     if seq:
-        series.append((int(per_item * min(items, rows_r)) * widest, shape.batch_rows / items))
+        series.append((int(seq_rows) * widest, shape.batch_rows / items))
     series = series * sites
     if logits:
         series.append((min(lcap, rows_r) * 8 * shape.logits_topk, shape.batch_rows / lcap))
     return _Files(per_site, logits, files, largest, largest_shard, layout, open_bytes=sum(b for b, _ in series),
                   batch_files=sum(n for _, n in series), batch_bytes=sum(b * n for b, n in series))
+
+
+def _sequence_shards(shape: Shape, cap: int, rows_r: int) -> tuple[int, float, float, int]:
+    """A rank's sequence shards of ``cap`` rows (tokens): (how many, the windows or prompts a shard holds on
+    average, the rows of such a shard, the rows of the fullest). A shard takes whole windows (or prompts), never
+    part of one, and one longer than ``cap`` alone. With the lengths of a sample (``Shape.row_tokens``) the shards
+    are packed as the writer packs them; without, every row is planned as long as the average."""
+    if shape.storage != "full_sequence" or not rows_r or shape.tokens <= 0:
+        return 0, 0.0, 0.0, 0
+    if shape.row_tokens:
+        items, largest = packed(shape.row_tokens, cap)
+    else:
+        per_item = shape.tokens / shape.rows
+        items = max(1, cap // per_item) if per_item <= cap else 1
+        largest = int(min(cap, per_item * rows_r) if per_item <= cap else per_item)
+    per_row = shape.tokens / shape.rows
+    return int(-(-rows_r // max(items, 1.0))), items, min(items, rows_r) * per_row, int(largest)
+
+
+def packed(lengths: tuple[int, ...], cap: int) -> tuple[float, int]:
+    """(rows a shard of ``cap`` tokens holds on average, the tokens of the fullest) when rows of ``lengths`` tokens,
+    in this order and again, fill shards whole: a shard closes when the next row does not fit.
+
+    >>> packed((64,), 125), packed((64,), 128), packed((30, 100), 128)
+    ((1.0, 64), (2.0, 128), (1.0, 100))
+    """
+    closed = rows = fill = largest = n = 0
+    while closed < 32 and n < 100_000:
+        length = lengths[n % len(lengths)]
+        if fill and fill + length > cap:
+            closed, largest, fill = closed + 1, max(largest, fill), 0
+            rows = n
+        fill += length
+        n += 1
+    if not closed:  # the sample fits one shard: as many rows as its lengths' average lets in
+        return cap / (sum(lengths) / len(lengths)), cap
+    return rows / closed, largest
 
 
 def index_bytes(shape: Shape, shards: int) -> int:
@@ -377,8 +412,9 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
         warnings.append(f"the index will be {format_size(index)}, past the 20 GB a file the Hub advises; drop "
                         "--token-ids and --token-strings, or split the job into several datasets")
     if not shape.exact:
-        warnings.append("rows are planned from full windows: documents shorter than a window make more rows, and "
-                        "the corpus may hold fewer tokens than --max-tokens")
+        warnings.append(("rows are planned from the windows of the corpus' first documents" if shape.row_tokens else
+                         "rows are planned from full windows: documents shorter than a window make more rows")
+                        + ", and the corpus may hold fewer tokens than --max-tokens")
     # series a rank fills at once: each site's last-token shards (and its sequence shards), the logits'
     sites_open = len(shape.site_row_bytes) * (2 if shape.storage == "full_sequence" else 1) + (1 if shape.logits_topk
                                                                                             else 0)
@@ -400,7 +436,8 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
                             "(--out s3://...)")
     return JobPlan(destination, ranks, gpus_per_rank, placement, size, reason, f.layout, site_bytes, dataset,
                    f.shards_per_site, f.files, f.largest_folder, max(f.largest_shard, index), [index],
-                   staging, commits, tail, sum(parts.values()), refused, warnings, tail_parts=parts)
+                   staging, commits, tail, sum(parts.values()), refused, warnings, tail_parts=parts,
+                   checkpoint_copy_bytes=(commits - tail) * per_rank_index * ranks // 2)
 
 
 def staged_per_rank(f: _Files, shard_bytes: int, ranks: int, index: int, *, mean_shard: int) -> int:

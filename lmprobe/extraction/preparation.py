@@ -55,7 +55,7 @@ from .prompts import Prompts, check_token_ids, read_prompts
 from .sources import Record, open_source
 from .tokens import Encoder
 from .torchrun import Ranks
-from .windows import affixes_of
+from .windows import Affixes, affixes_of, windows
 
 logger = logging.getLogger(__name__)
 
@@ -234,15 +234,41 @@ def job_shape(job: Job) -> Shape:
         texts = [r.values.get(cfg.text_column) for r in job.corpus.source.head(TEXT_SAMPLE_RECORDS)]
         texts = [t for t in texts if isinstance(t, str)]
         ids = job.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
-        return Shape(rows=-(-tokens // job.corpus.context_len), tokens=tokens, exact=False,
-                     **_sample_bytes(texts, ids), **common)
+        lengths = window_lengths(ids, job.corpus.affixes, job.corpus.context_len)
+        return Shape(rows=corpus_rows(tokens, lengths, job.corpus.context_len), tokens=tokens, exact=False,
+                     row_tokens=lengths, **_sample_bytes(texts, ids), **common)
     assert job.prompts is not None and job.lengths is not None
     mine = [len(job.prompts), int(job.lengths.sum())]
     rows, tokens = mine if job.ranks.world == 1 else [sum(x) for x in zip(*job.ranks.all_gather(mine), strict=True)]
     texts = list(job.prompts.texts[:TEXT_SAMPLE_PROMPTS])
     ids = job.prompts.input_ids[:TEXT_SAMPLE_PROMPTS] if job.prompts.input_ids is not None else \
         job.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]
-    return Shape(rows=rows, tokens=tokens, **_sample_bytes(texts, ids), **common)
+    return Shape(rows=rows, tokens=tokens, row_tokens=tuple(int(n) for n in job.lengths[:SAMPLE_ROWS]),
+                 **_sample_bytes(texts, ids), **common)
+
+
+def window_lengths(ids: list[list[int]], affixes: Affixes, context_len: int) -> tuple[int, ...]:
+    """The stored tokens of each window the sample's documents (their content ``ids``) make, in order: a document's
+    windows hold ``context_len`` tokens but its last.
+
+    >>> window_lengths([[7] * 5, [7] * 2], Affixes(prefix=(1,)), 4)
+    (4, 3, 3)
+    """
+    per = affixes.content_per_window(context_len)
+    return tuple(b - a + len(affixes) for i in ids for a, b in windows(len(i), per))[:SAMPLE_ROWS]
+
+
+def corpus_rows(tokens: int, lengths: tuple[int, ...], context_len: int) -> int:
+    """The rows (windows) a budget of ``tokens`` stored tokens makes, at the sample's tokens a window (documents
+    shorter than a window make a row each); without a sample, full windows.
+
+    >>> corpus_rows(1000, (4, 3, 3), 4), corpus_rows(1000, (), 4)
+    (300, 250)
+    """
+    full = -(-tokens // context_len)
+    if not lengths:
+        return full
+    return max(full, round(tokens * len(lengths) / sum(lengths)))
 
 
 def _sample_bytes(texts: list[str], ids: list[list[int]]) -> dict[str, float]:
@@ -340,6 +366,8 @@ INDEX_TOKEN_IDS = pa.list_(pa.int64())
 
 #: records of a corpus (prompts of a prompt file) whose text measures the index's text column for the plan
 TEXT_SAMPLE_RECORDS = 64
+#: the rows whose lengths tell the plan how sequence shards pack (plan.Shape.row_tokens)
+SAMPLE_ROWS = 4096
 TEXT_SAMPLE_PROMPTS = 2000
 
 #: the plan's cluster when nothing says otherwise: a node of eight 80 GB GPUs
