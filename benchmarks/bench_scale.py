@@ -4,9 +4,9 @@
     python benchmarks/bench_scale.py --nodes 2 --per-node 2 --tokens 40000   # a smaller run (2 cores: ~2 min)
 
 Simulated nodes (torchrun, c10d rendezvous on 127.0.0.1, each node its own working, temporary and cache folders:
-tests/nodes.py) run ``lmprobe extract`` over one corpus (a random llama of hidden size 64, 2 layers, layer 1, full
+tests/support/nodes.py) run ``lmprobe extract`` over one corpus (a random llama of hidden size 64, 2 layers, layer 1, full
 sequences, windows of 64 tokens, --max-tokens exact, tiny shards so that the job makes thousands of files) to
-``hf://`` on the local Hub test server (tests/hub_server.py). The server enforces the Hub's commit rate on a
+``hf://`` on the local Hub test server (tests/support/hub_server.py). The server enforces the Hub's commit rate on a
 scaled clock (``--rate`` commits in any ``--hour`` seconds, 429 + Retry-After past it) and takes ``--commit-delay``
 seconds per commit; the ranks run with LMPROBE_HUB_HOUR_SECONDS=--hour, so their commit window follows the same
 clock.
@@ -140,9 +140,9 @@ def main() -> None:
                        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
         os.environ.pop(var, None)
-    from hub_server import HubServer
-    from nodes import Peak, launch, wait
-    from tiny_models import build_llama
+    from support.hub_server import HubServer
+    from support.nodes import Peak, launch, wait
+    from support.tiny_models import build_llama
 
     import lmprobe
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from toy_models import ToyModel
+from support.toy_models import ToyModel
 
 from lmprobe.errors import ModelError
 from lmprobe.extraction.backend_hf import TransformersBackend
@@ -193,7 +193,7 @@ def test_positions_are_passed_only_when_the_model_needs_them(offset, side, want_
 
 
 def _zoo_types():
-    from zoo import ZOO_SKIPPED, ZOO_TYPES
+    from support.zoo import ZOO_SKIPPED, ZOO_TYPES
 
     return [t for t in ZOO_TYPES if t not in ZOO_SKIPPED]
 
@@ -215,8 +215,8 @@ def test_every_architecture_stores_right_numbers_or_refuses(model_type, tmp_path
     hookpoint lmprobe stores equals what transformers computes (hidden states, hooks on the blocks) and satisfies
     its identities on every block, from padded batches; every one it does not store is refused before the
     weights load. A future transformers' new architectures are covered by running this again."""
-    from zoo import build_zoo_model
-    from zoo_check import check
+    from support.zoo import build_zoo_model
+    from support.zoo_check import check
 
     model_dir = build_zoo_model(model_type, tmp_path / "model")
     row = check(model_type, model_dir, tmp_path)
@@ -227,8 +227,8 @@ def test_every_architecture_stores_right_numbers_or_refuses(model_type, tmp_path
 
 def test_the_zoo_covers_every_causal_lm_type_of_the_installed_transformers():
     """Nothing is left out silently: every type is in the zoo, or skipped with a reason that is about the type."""
+    from support.zoo import ZOO_SKIPPED, ZOO_TYPES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    from zoo import ZOO_SKIPPED, ZOO_TYPES
 
     assert set(ZOO_TYPES) == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     assert all(reason.strip() for reason in ZOO_SKIPPED.values())

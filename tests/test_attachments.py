@@ -8,7 +8,7 @@ import uuid
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_dataset
+from support.datasets import write_dataset
 
 import lmprobe
 from lmprobe.cli import main as cli_main

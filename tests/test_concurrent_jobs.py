@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import PROMPTS
+from support.datasets import PROMPTS
+from support.paths import SUPPORT
 
 import lmprobe
 from lmprobe.errors import OtherExtractionError, OutputInUseError
 from lmprobe.storage.claim import MARKER
 
-HERE = Path(__file__).parent
 KW = dict(layers="0,3", storage="full_sequence", shard_size="2KB", batch_size=4)
 A_PROMPTS = PROMPTS  # 7 prompts
 B_PROMPTS = [dict(p, text=f"{p['text']} Job B wrote this one, {i}.") for i, p in enumerate(PROMPTS + PROMPTS[:2])]
@@ -69,7 +69,7 @@ class Held:
     def __init__(self, tmp_path: Path, model: Path, prompts: list, url: str, **kw):
         self.flag, self.go = tmp_path / "a.flag", tmp_path / "a.go"
         env = {**os.environ, "LMPROBE_CACHE": str(tmp_path / "machine-a")}
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "_held_extract.py"),
+        self.proc = subprocess.Popen([sys.executable, str(SUPPORT / "_held_extract.py"),
                                       json.dumps([prompts, str(model), url, {**KW, "quiet": True, **kw},
                                                   str(self.flag), str(self.go)])],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -159,7 +159,7 @@ def test_a_job_whose_folder_is_taken_over_stops_without_publishing(hub, llama_di
 
 def _crash(tmp_path: Path, model: Path, url: str, kw: dict) -> None:
     """Job A, killed (kill -9) at its second forward pass on machine A: its marker and some shards stay."""
-    crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"),
+    crashed = subprocess.run([sys.executable, str(SUPPORT / "_crash_extract.py"),
                               json.dumps([A_PROMPTS, str(model), url, 1, kw])], capture_output=True, text=True,
                              env={**os.environ, "LMPROBE_CACHE": str(tmp_path / "machine-a")}, timeout=600)
     assert crashed.returncode == 9, crashed.stderr[-3000:]
@@ -284,7 +284,7 @@ def test_a_torchrun_job_into_a_folder_another_job_holds_stops_on_every_rank(hub,
     exits with the one line, before any commit; with --overwrite the job takes the folder over and its finished
     dataset holds no marker."""
     from huggingface_hub import CommitOperationAdd, HfApi
-    from nodes import launch, run
+    from support.nodes import launch, run
 
     name = f"ranks-{uuid.uuid4().hex[:6]}"
     url = f"hf://datasets/user/{name}"

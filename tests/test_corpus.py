@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.paths import SUPPORT
 
 import lmprobe
 from lmprobe.cli import main as cli_main
@@ -208,7 +208,7 @@ def test_hub_dataset_source_streams_through_datasets(hub, llama_dir, corpus, tmp
         lmprobe.extract(str(llama_dir), f"hf://datasets/{repo}", out=tmp_path / "x", split="nope", **kw)
 
 
-CRASH_EXTRACT = Path(__file__).parent / "_crash_extract.py"  # extract, then die like kill -9
+CRASH_EXTRACT = SUPPORT / "_crash_extract.py"  # extract, then die like kill -9
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS, write_dataset
+from support.datasets import PROMPTS, write_dataset
 
 import lmprobe
 from lmprobe.errors import InvalidArgumentError

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROMPTS
+from support.datasets import PROMPTS
 
 from lmprobe.errors import PeerStoppedError
 from lmprobe.extraction.torchrun import PeerWatch, peer_stopped
@@ -129,7 +129,7 @@ def test_a_collective_that_lost_its_peer_is_one_line():
 
 @pytest.mark.slow  # two torchrun nodes, model loads
 def test_a_killed_node_is_one_line_on_the_other_found_early_and_every_node_shows_progress(llama_dir, tmp_path):
-    from nodes import launch, run
+    from support.nodes import launch, run
 
     f = tmp_path / "prompts.jsonl"
     many = [dict(p, text=p["text"] + f" #{i}") for i in range(1800) for p in PROMPTS]  # 12,600: ~20 s a share

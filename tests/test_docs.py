@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT
 
 import lmprobe
 from lmprobe.cli import build_parser
 from lmprobe.cli import main as cli_main
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
 

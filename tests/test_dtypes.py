@@ -7,11 +7,12 @@ import json
 
 import numpy as np
 import pytest
-from conftest import write_dataset
 from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from safetensors import safe_open
+from support.datasets import write_dataset
+from support.paths import ROOT
 
 import lmprobe
 from lmprobe.errors import ExtractionError, FormatError, InvalidArgumentError
@@ -152,9 +153,8 @@ def test_validator_wants_the_scales(tmp_path, rng):
 
 def test_the_job_plan_sizes_int8_rows_as_the_dtype_does(tmp_path):
     """The plan (and --dry-run) counts a row as the dtype's bytes: width codes and a float32 scale, as written."""
-    from pathlib import Path
 
-    prompts = Path(__file__).parents[1] / "examples" / "prompts.jsonl"
+    prompts = ROOT / "examples" / "prompts.jsonl"
     kw = {"storage": "full_sequence", "dtype": "int8"}
     plan = lmprobe.plan("lmprobe-tiny", str(prompts), out=str(tmp_path / "o"), **kw)
     ds = lmprobe.extract("lmprobe-tiny", str(prompts), out=str(tmp_path / "o"), quiet=True, **kw)

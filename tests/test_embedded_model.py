@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
+from support.paths import ROOT
 
 import lmprobe
 from lmprobe.cli import main as cli_main
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_embedded_model_is_small_and_meaningful(tmp_path):

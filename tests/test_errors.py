@@ -9,7 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, write_dataset
+from support.datasets import write_dataset
+from support.paths import ROOT
 
 import lmprobe
 from lmprobe.cli import main as cli_main

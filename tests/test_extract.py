@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS
+from support.datasets import PROMPTS
 
 import lmprobe
 from lmprobe.cli import main as cli_main

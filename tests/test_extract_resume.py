@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import PROMPTS
+from support.datasets import PROMPTS
+from support.paths import SUPPORT
 
 import lmprobe
 
@@ -23,7 +24,7 @@ PROMPT_LIST = [dict(p, text=p["text"] + f" (variant {i})") for i in range(4) for
 KW = dict(layers="0,2", storage="full_sequence", batch_size=3, shard_size="3KB", logits_topk=3, perplexity=True,
           quiet=True)
 
-CRASH_EXTRACT = Path(__file__).parent / "_crash_extract.py"  # extract, then die like kill -9
+CRASH_EXTRACT = SUPPORT / "_crash_extract.py"  # extract, then die like kill -9
 
 
 def _files(root):

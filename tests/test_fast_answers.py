@@ -11,12 +11,12 @@ import sys
 import uuid
 from pathlib import Path
 
-from conftest import write_dataset
+from support.datasets import write_dataset
+from support.paths import ROOT
 
 import lmprobe
 from lmprobe.base.tokenizer import embedded_model_dir
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = str(ROOT / "examples" / "prompts.jsonl")
 
 #: runs the command line with torch and transformers unimportable: an import of either fails the command

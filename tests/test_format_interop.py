@@ -13,14 +13,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import FIXTURE_0103, FIXTURE_0103_FULL, write_dataset
 from safetensors import safe_open
+from support.datasets import write_dataset
+from support.paths import FIXTURE_0103, FIXTURE_0103_FULL, ROOT
 
 import lmprobe
 from lmprobe.cli import main as cli_main
 from lmprobe.format.validate import validate
 
-DOCS = Path(__file__).parent.parent / "docs"
+DOCS = ROOT / "docs"
 
 
 def _python_blocks(text: str) -> list[str]:

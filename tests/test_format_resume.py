@@ -14,20 +14,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from support import _crash_writer
+from support.paths import SUPPORT
 
 import lmprobe
 from lmprobe.errors import LmprobeError, ResumeMismatchError
 from lmprobe.format.validate import validate
 from lmprobe.format.writer import DatasetWriter
 
-HERE = Path(__file__).parent
 INDEX = "index/train-00000-of-00001.parquet"
-sys.path.insert(0, str(HERE))
-import _crash_writer  # noqa: E402
 
 
 def _child(out, mode, n, env=None):
-    return subprocess.run([sys.executable, str(HERE / "_crash_writer.py"), str(out), mode, str(n)], capture_output=True,
+    return subprocess.run([sys.executable, str(SUPPORT / "_crash_writer.py"), str(out), mode, str(n)], capture_output=True,
                           text=True, env=env)
 
 
@@ -95,7 +94,7 @@ def test_an_int8_output_resumes_equal_to_an_uninterrupted_run(tmp_path, monkeypa
 def test_sigkill_mid_run_then_resume(tmp_path, reference):
     out = tmp_path / "ds"
     code = (
-        f"import sys, time; sys.path.insert(0, {str(HERE)!r}); import _crash_writer as c\n"
+        f"import sys, time; sys.path.insert(0, {str(SUPPORT)!r}); import _crash_writer as c\n"
         f"w = c.writer({str(out)!r})\n"
         "for _ in c.write_from(w, w.num_prompts): time.sleep(0.05)\n"
         "w.close()\n"

@@ -7,10 +7,11 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_dataset
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
+from support.datasets import write_dataset
+from support.paths import ROOT
 
 import lmprobe
 from lmprobe.format.validate import validate
@@ -373,12 +374,11 @@ DATASET_MEMBERS = {
 def test_a_dataset_shows_its_documented_members_only(tmp_path, rng):
     """Autocompletion on a Dataset lists what the docs describe, not the engine that reads its shards."""
     import re
-    from pathlib import Path
 
     write_dataset(tmp_path / "ds", rng, n=5, storage="full_sequence")
     ds = lmprobe.load(tmp_path / "ds")
     assert {n for n in dir(ds) if not n.startswith("_")} == DATASET_MEMBERS
-    docs = Path(__file__).parent.parent / "docs"
+    docs = ROOT / "docs"
     text = (docs / "python-api.md").read_text() + (docs / "architecture.md").read_text()
     assert [n for n in sorted(DATASET_MEMBERS) if not re.search(rf"`(\.|Dataset\.)?{n}\b", text)] == []
     for name in ("check_entry", "hidden_header_entry", "check_tensor", "tensor", "hidden_shard", "fetch",

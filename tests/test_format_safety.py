@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import edit_index_column, write_dataset
+from support.datasets import edit_index_column, write_dataset
 
 import lmprobe
 from lmprobe.cli import main as cli_main

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from support.paths import ROOT
 
 import lmprobe
 import lmprobe.extraction.model as model_mod
@@ -94,7 +94,7 @@ def test_every_named_hookpoint_equals_a_hook_on_its_module(request, family, tmp_
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])
 def test_pooled_hookpoints_read_the_last_real_token_whatever_the_padding(tmp_path, padding_side):
-    from tiny_models import build_llama
+    from support.tiny_models import build_llama
 
     model_dir = build_llama(tmp_path / f"llama-{padding_side}", padding_side=padding_side, layers=2)
     ds = lmprobe.extract(str(model_dir), PROMPTS, out=tmp_path / "ds", layers="1", hookpoints="mlp_out,attn_out",
@@ -137,7 +137,7 @@ def test_a_third_party_finds_every_hookpoint_from_the_descriptors(llama_dir, tmp
 
 
 def test_hookpoint_errors_come_before_the_weights_load(request, tmp_path, monkeypatch):
-    from tiny_models import train_tokenizer
+    from support.tiny_models import train_tokenizer
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     monkeypatch.setattr(model_mod, "load_model", lambda *a, **k: pytest.fail("weights loaded"))

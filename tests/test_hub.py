@@ -8,7 +8,8 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import PROMPTS, write_dataset
+from support.datasets import PROMPTS, write_dataset
+from support.paths import ROOT
 
 import lmprobe
 from lmprobe import push_to_hub
@@ -235,19 +236,18 @@ def test_a_partial_copy_says_what_it_holds_and_how_to_fetch_the_rest(hub, datase
 
 @pytest.mark.slow
 def test_the_local_hub_starts_by_hand_and_takes_a_push(tmp_path):
-    """docs/publishing.md: `python -m tests.hub_server --port N` prints the HF_ENDPOINT to export."""
+    """docs/publishing.md: `python -m tests.support.hub_server --port N` prints the HF_ENDPOINT to export."""
     import os
     import re
     import socket
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "tests.hub_server", "--port", str(port), "--root",
+    server = subprocess.Popen([sys.executable, "-m", "tests.support.hub_server", "--port", str(port), "--root",
                                str(tmp_path / "repos")], cwd=root, stdout=subprocess.PIPE, text=True)
     try:
         first = server.stdout.readline() + server.stdout.readline()
@@ -509,16 +509,16 @@ def test_push_and_pull_into_a_log_write_lines_not_bars(hub, dataset, tmp_path, c
 
 
 def test_the_local_hub_server_stopped_with_sigterm_removes_its_temporary_folder(tmp_path):
-    """`python -m tests.hub_server` killed with SIGTERM (as a job scheduler or `kill` stops it) removes its
+    """`python -m tests.support.hub_server` killed with SIGTERM (as a job scheduler or `kill` stops it) removes its
     temporary folder; a --root given by the user is kept."""
     import signal
     import subprocess
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     for given in (None, tmp_path / "mine"):
-        cmd = [sys.executable, "-m", "tests.hub_server"] + (["--root", str(given)] if given else [])
+        cmd = [sys.executable, "-m", "tests.support.hub_server"] + (["--root", str(given)] if given else [])
         server = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, text=True)
         try:
             first = server.stdout.readline()

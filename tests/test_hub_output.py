@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import PROMPTS
-from nodes import Peak
+from support.datasets import PROMPTS
+from support.nodes import Peak
+from support.paths import SUPPORT
 
 import lmprobe
 from lmprobe.errors import InvalidArgumentError, OutputExistsError, ResumeMismatchError
 from lmprobe.format.spec import INDEX_PATH
 
-HERE = Path(__file__).parent
 MANY = [dict(p, text=p["text"] + f" #{i}") for i in range(12) for p in PROMPTS]  # 84 prompts
 
 
@@ -86,7 +86,7 @@ def test_a_killed_extraction_to_the_hub_resumes_without_sending_again(hub, llama
     name = f"killed-{uuid.uuid4().hex[:6]}"
     url = f"hf://datasets/user/{name}"
     kw = {k: v for k, v in KW.items() if k != "quiet"}
-    crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"),
+    crashed = subprocess.run([sys.executable, str(SUPPORT / "_crash_extract.py"),
                               json.dumps([MANY, str(llama_dir), url, 6, kw])], capture_output=True, text=True)
     assert crashed.returncode == 9, crashed.stderr[-3000:]
     before = len(_uploads(hub))
@@ -247,7 +247,7 @@ def test_a_run_killed_in_its_commit_tail_finishes_without_extracting_again(hub, 
     name = f"tail-{when}-{uuid.uuid4().hex[:6]}"
     url = f"hf://datasets/user/{name}"
     kw = {k: v for k, v in KW.items() if k != "quiet"}
-    crashed = subprocess.run([sys.executable, str(HERE / "_crash_tail.py"),
+    crashed = subprocess.run([sys.executable, str(SUPPORT / "_crash_tail.py"),
                               json.dumps([MANY, str(llama_dir), url, when, kw])], capture_output=True, text=True)
     assert crashed.returncode == 9, crashed.stderr[-3000:]
     assert INDEX_PATH not in _history(_repo(hub, name))[-1]
@@ -277,14 +277,14 @@ def test_a_run_killed_against_one_hub_does_not_break_the_same_command_against_an
     import os
 
     import huggingface_hub.constants as constants
-    from hub_server import HubServer
+    from support.hub_server import HubServer
 
     name = f"endpoints-{uuid.uuid4().hex[:6]}"
     url = f"hf://datasets/user/{name}"
     kw = {k: v for k, v in KW.items() if k != "quiet"}
     other = HubServer(tmp_path / "other-hub").start()
     try:
-        crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"),
+        crashed = subprocess.run([sys.executable, str(SUPPORT / "_crash_extract.py"),
                                   json.dumps([MANY, str(llama_dir), url, 6, kw])], capture_output=True, text=True,
                                  env={**os.environ, "HF_ENDPOINT": other.url})
         assert crashed.returncode == 9, crashed.stderr[-3000:]
@@ -304,7 +304,7 @@ def test_a_resumed_run_commits_only_what_its_writer_recorded(hub, llama_dir, tmp
     name = f"foreign-{uuid.uuid4().hex[:6]}"
     url = f"hf://datasets/user/{name}"
     kw = {k: v for k, v in KW.items() if k != "quiet"}
-    crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"),
+    crashed = subprocess.run([sys.executable, str(SUPPORT / "_crash_extract.py"),
                               json.dumps([MANY, str(llama_dir), url, 6, kw])], capture_output=True, text=True)
     assert crashed.returncode == 9, crashed.stderr[-3000:]
     staging = HubOutput.parse(url).staging()
@@ -499,7 +499,7 @@ def test_a_resume_over_changed_weights_is_refused(hub, llama_dir, tmp_path, wher
     shutil.copytree(llama_dir, model)
     out = f"hf://datasets/user/weights-{uuid.uuid4().hex[:6]}" if where == "hub" else str(tmp_path / "out")
     kw = {k: v for k, v in KW.items() if k != "quiet"}
-    crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"), json.dumps([MANY, str(model), out, 6,
+    crashed = subprocess.run([sys.executable, str(SUPPORT / "_crash_extract.py"), json.dumps([MANY, str(model), out, 6,
                                                                                           kw])],
                              capture_output=True, text=True)
     assert crashed.returncode == 9, crashed.stderr[-3000:]
@@ -526,7 +526,7 @@ def test_a_killed_extraction_resumes_on_another_machine_from_its_checkpoint_on_t
     name = f"elsewhere-{uuid.uuid4().hex[:6]}"
     url = f"hf://datasets/user/{name}"
     kw = {k: v for k, v in KW.items() if k != "quiet"}
-    crashed = subprocess.run([sys.executable, str(HERE / "_crash_extract.py"),
+    crashed = subprocess.run([sys.executable, str(SUPPORT / "_crash_extract.py"),
                               json.dumps([MANY, str(llama_dir), url, 19, kw])], capture_output=True, text=True)
     assert crashed.returncode == 9, crashed.stderr[-3000:]
     assert ".lmprobe-resume/checkpoint.parquet" in _history(_repo(hub, name))[-1]
@@ -586,7 +586,7 @@ def test_a_killed_corpus_extraction_resumes_on_another_machine_from_its_checkpoi
     env = {"LMPROBE_CACHE": str(tmp_path / "first-machine")}
     # killed right after the commit that lands a copy of 24 rows or more: more than the 15 windows of a last-token
     # shard (2KB of 32 float32 dims), so the copy holds closed shards of every series
-    crashed = subprocess.run([sys.executable, str(HERE / "_crash_after_copy.py"),
+    crashed = subprocess.run([sys.executable, str(SUPPORT / "_crash_after_copy.py"),
                               json.dumps([str(folder), str(llama_dir), f"hf://datasets/user/{name}", 24,
                                           CORPUS_KW])],
                              capture_output=True, text=True, env={**os.environ, **env})

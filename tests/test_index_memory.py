@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from support.paths import ROOT
 
 WRITE = r"""
 import json, resource, sys

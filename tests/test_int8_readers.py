@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import write_dataset
+from support.datasets import write_dataset
 from test_saelens import read_cache
 
 import lmprobe

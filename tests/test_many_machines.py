@@ -9,8 +9,8 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import PROMPTS
-from nodes import Peak, disk_use, found, kill_when, launch, run
+from support.datasets import PROMPTS
+from support.nodes import Peak, disk_use, found, kill_when, launch, run
 
 import lmprobe
 

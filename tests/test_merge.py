@@ -13,7 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_dataset
+from support.datasets import write_dataset
+from support.paths import ROOT
 
 import lmprobe
 from lmprobe.format import index, merge
@@ -21,8 +22,6 @@ from lmprobe.format.merge import merge_datasets, plan_merge
 from lmprobe.format.reader import open_local
 from lmprobe.format.spec import INDEX_PATH
 from lmprobe.format.validate import validate
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def held_merge(parts: list[Path], order: str) -> pa.Table:

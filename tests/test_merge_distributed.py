@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import PROMPTS, write_dataset
+from support.datasets import PROMPTS, write_dataset
 
 import lmprobe
 from lmprobe.cli import main as cli_main

@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 import transformers
+from support.zoo import ZOO_DEFAULT_FIXES, ZOO_SKIPPED, ZOO_TYPES, build_zoo_model
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
-from zoo import ZOO_DEFAULT_FIXES, ZOO_SKIPPED, ZOO_TYPES, build_zoo_model
 
 from lmprobe.errors import ModelError
 from lmprobe.extraction.miniature import build_miniature, miniature_config

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import PROMPTS
+from support.datasets import PROMPTS
 
 import lmprobe
 from lmprobe.extraction import backend_nnsight

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_dataset
+from support.datasets import write_dataset
 
 import lmprobe
 from lmprobe.cli import main as cli_main

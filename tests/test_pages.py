@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_dataset
+from support.datasets import write_dataset
+from support.paths import ROOT, TESTS
 
 import lmprobe
 from lmprobe.base.html import page
@@ -26,7 +27,7 @@ from lmprobe.sae.export import export_sae
 from lmprobe.sae.loader import SAEConfig, dense_encoder, load_dictionary
 from lmprobe.tensors import load_file
 
-SHOTS = Path(__file__).parent / "_screenshots"
+SHOTS = TESTS / "_screenshots"
 HOSTILE = 'Nice <script>document.title="pwned"</script> & <img src=x onerror=alert(1)> \x1b[31m'
 
 
@@ -562,7 +563,7 @@ def test_the_legend_of_several_hookpoints_sits_beside_the_plot_not_on_its_lines(
 
 
 def test_pages_doc_runs_chromium_as_root_too():
-    text = (Path(__file__).resolve().parent.parent / "docs" / "pages.md").read_text()
+    text = (ROOT / "docs" / "pages.md").read_text()
     for cmd in re.findall(r"`(chromium [^`]*)`", text.replace("\n", " ")):
         assert "--no-sandbox" in cmd, cmd
 

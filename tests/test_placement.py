@@ -8,7 +8,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import PROMPTS
+from support.datasets import PROMPTS
+from support.paths import SUPPORT
 
 import lmprobe
 from lmprobe.cli import main as cli_main
@@ -249,14 +250,13 @@ def test_a_run_killed_in_memory_resumes_spread_over_the_cpu_and_disk(llama_dir, 
     """Placement is not part of the extraction: an output begun with the model in memory finishes with the model
     spread (after an out-of-memory error, say), and each run is recorded with its placement."""
     import subprocess
-    from pathlib import Path
 
     many = [dict(p, text=p["text"] + f" #{i}") for i in range(3) for p in PROMPTS]
     kw = dict(layers="0,2", storage="full_sequence", batch_size=3, shard_size="3KB", logits_topk=3, perplexity=True,
               device="cpu", quiet=True)
     ref = lmprobe.extract(str(llama_dir), many, out=tmp_path / "ref", **kw)
     out = tmp_path / "ds"
-    crash = Path(__file__).parent / "_crash_extract.py"
+    crash = SUPPORT / "_crash_extract.py"
     r = subprocess.run([sys.executable, str(crash), json.dumps([many, str(llama_dir), str(out), 3, kw])],
                        capture_output=True, text=True)
     assert r.returncode == 9, r.stderr

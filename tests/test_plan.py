@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.paths import ROOT
 
 import lmprobe
 from lmprobe.errors import InvalidArgumentError
@@ -161,7 +162,7 @@ def test_the_plan_is_honest_about_a_small_real_job(corpus, tmp_path, dtype, toke
 
 
 def test_the_plan_of_prompts_counts_their_tokens(tmp_path):
-    prompts = Path(__file__).parents[1] / "examples" / "prompts.jsonl"
+    prompts = ROOT / "examples" / "prompts.jsonl"
     plan = lmprobe.plan("lmprobe-tiny", str(prompts), out=str(tmp_path / "o"), storage="full_sequence")
     ds = lmprobe.extract("lmprobe-tiny", str(prompts), out=str(tmp_path / "o"), storage="full_sequence", quiet=True)
     assert plan.site_bytes[0] == (int(ds.column("num_tokens").sum()) + ds.num_prompts) * ds.dim * 4

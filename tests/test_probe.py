@@ -6,18 +6,16 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_dataset
+from support.datasets import write_dataset
+from support.paths import ROOT
 
 import lmprobe
 import lmprobe.probe as probe
 from lmprobe.cli import main as cli_main
 from lmprobe.format.writer import DatasetWriter
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def separable(out, rng, *, n=60, dim=8, layers=(0, 1, 2), classes=2, storage="pooled"):

@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import write_dataset
+from support.datasets import write_dataset
 from test_probe_methods import write
 
 import lmprobe

@@ -3,16 +3,14 @@ probe's score at a later layer rises with alpha, alpha = 0 changes nothing, abla
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from support.paths import ROOT
 
 import lmprobe
 import lmprobe.probe as probe
 from lmprobe.cli import main as cli_main
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The film was great.", "The service was terrible.", "I loved the book.", "The coffee was cold."]
 
 

@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import write_dataset
+from support.datasets import write_dataset
 
 import lmprobe
 from lmprobe import push_to_hub

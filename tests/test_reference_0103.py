@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 from reference.envs import reference_python
 from safetensors.numpy import load_file
+from support.paths import REFERENCE
 
 import lmprobe
 
 pytestmark = pytest.mark.slow  # a second Python environment and subprocesses
 
-READER = Path(__file__).parent / "reference" / "read_with_0103.py"
+READER = REFERENCE / "read_with_0103.py"
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +117,7 @@ def test_reference_implementation_reads_a_merged_dataset(ref_python, tmp_path, s
         np.testing.assert_array_equal(got[f"load_activation_dataset/hidden.layer_{layer}"], shard_order_rows(ds, layer))
 
 
-REFUSER = Path(__file__).parent / "reference" / "refuse_with_0103.py"
+REFUSER = REFERENCE / "refuse_with_0103.py"
 
 
 def readers_of_0103(python: Path, dataset: Path) -> dict:
@@ -130,7 +131,7 @@ def test_reference_implementation_refuses_int8_datasets_and_would_misread_them_a
     """0.10.3 never returns wrong numbers for an int8 dataset. It is format 3.0, which every reader
     of 0.10.3 refuses (a higher major version); the same bytes labelled 2.0 are read as codes cast to float,
     wrong by 1/scale, which is why int8 is not a 2.x dtype."""
-    from conftest import write_dataset
+    from support.datasets import write_dataset
 
     src = write_dataset(tmp_path / "ds", rng, n=6, layers=(0,), dim=4, dtype="int8")
     got = readers_of_0103(ref_python, tmp_path / "ds")

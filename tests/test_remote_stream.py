@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_dataset
+from support.datasets import write_dataset
+from support.paths import SUPPORT
 
 import lmprobe
 from lmprobe.errors import FormatError, HubError, InvalidArgumentError, ObjectStoreError, OutOfSpaceError
@@ -28,8 +29,6 @@ from lmprobe.storage.cache import BoundedCache, cache_budget
 from lmprobe.storage.cache import cache_root as stream_root
 from lmprobe.storage.hub import HubFiles
 from lmprobe.stream import RemoteRows, ShardStream
-
-TESTS = Path(__file__).parent
 
 # ----------------------------------------------------------------------------- the cache on its own
 
@@ -635,7 +634,7 @@ def test_four_ranks_on_two_nodes_share_a_cache_per_node_cover_every_vector_once_
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                  "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-                 "--rdzv_id", run_id, "--rdzv_conf", f"is_host={int(node == 0)}", str(TESTS / "_remote_rank.py"),
+                 "--rdzv_id", run_id, "--rdzv_conf", f"is_host={int(node == 0)}", str(SUPPORT / "_remote_rank.py"),
                  url, str(out), mode, str(budget)], cwd=home, env=env, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, text=True))
         for p in procs:
@@ -672,7 +671,7 @@ def _s3fs():
 
 
 def test_streaming_reader_from_s3(s3, tmp_path, rng):
-    from conftest import write_dataset
+    from support.datasets import write_dataset
 
     from lmprobe.stream import ShardStream
 

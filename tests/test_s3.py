@@ -7,7 +7,7 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import PROMPTS, write_dataset
+from support.datasets import PROMPTS, write_dataset
 
 import lmprobe
 

@@ -289,8 +289,8 @@ def test_a_dictionary_with_nan_or_inf_is_refused_before_features_run(tmp_path, r
     exit 0)."""
     import shutil
 
-    from conftest import write_dataset
     from safetensors.numpy import save_file
+    from support.datasets import write_dataset
 
     write_dataset(tmp_path / "ds", rng, n=6, layers=(1,), dim=24, storage="full_sequence")
     src = tmp_path / "saelens"
@@ -330,7 +330,7 @@ def test_damaged_shapes_and_huge_requests_are_one_line_errors(tmp_path, rng, cap
     --prompt -99999) are one-line errors."""
     import shutil
 
-    from conftest import write_dataset
+    from support.datasets import write_dataset
 
     import lmprobe.base.allocator
 
@@ -401,7 +401,7 @@ def test_a_small_file_declaring_2_24_features_is_refused_by_its_declared_sizes(t
     """A 66 KB dictionary declaring 2^24 features died with numpy's _ArrayMemoryError
     traceback where memory is limited (MemAvailable said there was room). The declared sizes are checked against
     the file: a few KB cannot hold 2^24 features' weights."""
-    from conftest import write_dataset
+    from support.datasets import write_dataset
 
     write_dataset(tmp_path / "ds", rng, n=6, layers=(0,), dim=24, storage="full_sequence")
     W, b = make_encoder(rng)
@@ -426,7 +426,7 @@ def test_a_small_file_declaring_2_24_features_is_refused_by_its_declared_sizes(t
 def test_a_dense_expansion_past_the_process_limit_is_one_line(tmp_path, rng):
     """R31: an honest sparse dictionary (200,000 features of one weight each over 4,096 dims: 2.4 MB on disk) whose
     dense expansion (3.1 GiB) may pass MemAvailable but not the process's own limit: one line, before allocating."""
-    from conftest import write_dataset
+    from support.datasets import write_dataset
 
     dim, n = 4096, 200_000
     write_dataset(tmp_path / "ds", rng, n=3, layers=(0,), dim=dim, storage="full_sequence")

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from reference.envs import interop_python
 from safetensors.numpy import load_file, save_file
+from support.paths import REFERENCE
 
 from lmprobe.cli import main as cli_main
 from lmprobe.sae import SAEConfig, load_dictionary
@@ -213,7 +214,7 @@ def library_saes(tmp_path_factory) -> Path:
     python = interop_python()
     out = tmp_path_factory.mktemp("libraries")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
-    r = subprocess.run([str(python), "-I", str(Path(__file__).parent / "reference" / "sae_libraries.py"), str(out)],
+    r = subprocess.run([str(python), "-I", str(REFERENCE / "sae_libraries.py"), str(out)],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
@@ -274,7 +275,7 @@ def test_sparsify_own_encode_agrees(library_saes, tmp_path, name):
 
 def test_a_topk_sae_fires_k_features_per_token_in_features_and_sae_topk(tmp_path, rng, capsys):
     """A top-k SAE fires its k largest features, never as a dense one (every feature with W x + b > 0)."""
-    from conftest import write_dataset
+    from support.datasets import write_dataset
 
     import lmprobe
     from lmprobe.pages.features import features

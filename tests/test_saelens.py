@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import write_dataset
 from reference.envs import interop_python
+from support.datasets import write_dataset
+from support.paths import REFERENCE
 
 import lmprobe
 from lmprobe.cli import main as cli_main
@@ -26,7 +27,7 @@ from lmprobe.errors import DatasetNotFoundError, SaelensError
 from lmprobe.saelens import TL_HOOKS, export_saelens, import_saelens, parse_tl_hook, tl_hook_name
 from lmprobe.stream import ShardStream
 
-REF = Path(__file__).parent / "reference"
+REF = REFERENCE
 CTX, DIM = 8, 16
 
 

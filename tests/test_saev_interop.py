@@ -17,13 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_dataset
 from reference.envs import interop_python
+from support.datasets import write_dataset
+from support.paths import REFERENCE
 
 from lmprobe.cli import main as cli_main
 from lmprobe.saev import SaevDataset, export_saev, validate_saev
 
-REF = Path(__file__).parent / "reference"
+REF = REFERENCE
 COMMIT = {"2.0": "e43e7dd", "2.1": "3d73f1f"}
 T, LAYER = 4, 4
 

@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_dataset
+from support.datasets import write_dataset
 
 import lmprobe
 from lmprobe.errors import InvalidArgumentError

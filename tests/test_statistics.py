@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import PROMPTS, write_dataset
+from support.datasets import PROMPTS, write_dataset
+from support.paths import SUPPORT
 
 import lmprobe
 from lmprobe.format.statistics import RunningStats
@@ -71,13 +72,11 @@ def test_extraction_records_statistics_by_default(llama_dir, tmp_path):
 def test_resumed_writer_keeps_its_statistics(tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
 
-    here = Path(__file__).parent
     ref, out = tmp_path / "ref", tmp_path / "ds"
-    assert subprocess.run([sys.executable, str(here / "_crash_writer.py"), str(ref), "none", "0"]).returncode == 0
-    assert subprocess.run([sys.executable, str(here / "_crash_writer.py"), str(out), "batch", "5"]).returncode == 9
-    assert subprocess.run([sys.executable, str(here / "_crash_writer.py"), str(out), "none", "0"]).returncode == 0
+    assert subprocess.run([sys.executable, str(SUPPORT / "_crash_writer.py"), str(ref), "none", "0"]).returncode == 0
+    assert subprocess.run([sys.executable, str(SUPPORT / "_crash_writer.py"), str(out), "batch", "5"]).returncode == 9
+    assert subprocess.run([sys.executable, str(SUPPORT / "_crash_writer.py"), str(out), "none", "0"]).returncode == 0
     a, b = lmprobe.load(ref), lmprobe.load(out)
     for layer in a.layers:
         _check(b.statistics(layer), a.statistics(layer))

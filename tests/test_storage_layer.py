@@ -10,11 +10,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT
 
 from lmprobe.errors import DictionaryError, SaevError
 from lmprobe.format.files import DatasetFiles, LocalFiles
 
-PACKAGE = Path(__file__).resolve().parent.parent / "lmprobe"
+PACKAGE = ROOT / "lmprobe"
 
 
 def protocol_members() -> set[str]:
@@ -140,7 +141,7 @@ def test_a_dictionary_in_object_storage_loads_and_validates(s3, tmp_path, rng):
 
 def test_a_saev_folder_in_object_storage_loads_and_validates(s3, tmp_path, rng):
     import numpy as np
-    from conftest import write_dataset
+    from support.datasets import write_dataset
 
     from lmprobe.saev import SaevDataset, export_saev
 

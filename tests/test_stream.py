@@ -11,7 +11,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, write_dataset
+from support.datasets import write_dataset
+from support.paths import ROOT
 
 import lmprobe
 from lmprobe.errors import InvalidArgumentError

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS
+from support.datasets import PROMPTS
 
 import lmprobe
 from lmprobe.format.validate import validate

@@ -134,7 +134,7 @@ def zoo_config(model_type: str, tokenizer_ids: dict[str, int], vocab: int):
 @functools.lru_cache(maxsize=4)
 def _tokenizer_dir(vocab_size: int) -> Path:
     """One trained tokenizer per vocabulary size, per process (training takes about a second)."""
-    from tiny_models import train_tokenizer
+    from support.tiny_models import train_tokenizer
 
     out = Path(tempfile.mkdtemp(prefix=f"lmprobe-zoo-tokenizer-{vocab_size}-"))
     atexit.register(shutil.rmtree, out, ignore_errors=True)

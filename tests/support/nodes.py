@@ -36,7 +36,7 @@ def launch(root: Path, argv: list[str], *, nodes: int = 2, per_node: int = 1, en
         e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                               "MASTER_PORT")}
         e.update(LMPROBE_CACHE=str(home / "cache"), TMPDIR=str(home / "tmp"), OMP_NUM_THREADS="1",
-                 PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), e.get("PYTHONPATH", "")]))
+                 PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), e.get("PYTHONPATH", "")]))
         e.update(env or {})
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),

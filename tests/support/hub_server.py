@@ -885,13 +885,13 @@ class HubServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.hub_server --port N``: serve a local Hub until Ctrl-C, to try publishing offline."""
+    """``python -m tests.support.hub_server --port N``: serve a local Hub until Ctrl-C, to try publishing offline."""
     import argparse
     import shutil
     import signal
     import tempfile
 
-    p = argparse.ArgumentParser(prog="python -m tests.hub_server", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m tests.support.hub_server", description=main.__doc__)
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
     p.add_argument("--root", default=None, help="folder for the repos (default: a new temporary folder)")
     args = p.parse_args(argv)
