@@ -1,4 +1,5 @@
-"""One rank of tests/test_remote_stream.py's multi-node test, started by torchrun (gloo, c10d on 127.0.0.1).
+"""One rank of tests/stream/test_remote_stream.py's multi-node test, started by torchrun (gloo, c10d on
+127.0.0.1).
 
     _remote_rank.py URL OUT MODE BUDGET     MODE: whole | first (stop mid-epoch, save the state) | resume
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.artefacts import random_dictionary
 from support.datasets import write_dataset
 from support.paths import ROOT, TESTS
 
@@ -23,8 +24,6 @@ from lmprobe.base.html import page
 from lmprobe.errors import InvalidArgumentError
 from lmprobe.format.writer import DatasetWriter
 from lmprobe.pages.features import FeatureCache
-from lmprobe.sae.export import export_sae
-from lmprobe.sae.loader import SAEConfig, dense_encoder, load_dictionary
 from lmprobe.tensors import load_file
 
 SHOTS = TESTS / "_screenshots"
@@ -128,18 +127,9 @@ def test_report_of_a_hub_dataset(tiny_ds, tmp_path, hub, fresh_hf_cache):
     assert_clean(render(index, "report-hub"))
 
 
-def _dictionary(ds, root: Path, layer: int, features: int = 48, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    W = rng.normal(size=(features, ds.dim)).astype(np.float32) / np.sqrt(ds.dim)
-    b = rng.normal(size=features).astype(np.float32) * 0.5 - 1.0
-    export_sae(layer=layer, root=root, dictionary="d", W_enc=W, b_enc=b, orientation="out_in")
-    weights = load_dictionary(SAEConfig(root_path=root, dictionary_name="d", device="cpu")).get_layer(layer)
-    return dense_encoder(weights), np.asarray(weights.bias, dtype=np.float32)
-
-
 def test_feature_cache_equals_brute_force(tiny_ds, tmp_path):
     layer = tiny_ds.layers[-1]
-    W, b = _dictionary(tiny_ds, tmp_path / "sae", layer)
+    W, b = random_dictionary(tiny_ds, tmp_path / "sae", layer)
     out = lmprobe.features(tiny_ds, tmp_path / "sae", "d", layer, tmp_path / "f", top=4, memory="40KB",
                            checkpoint_tokens=5, quiet=True)
     t = load_file(out / "features.safetensors")
@@ -190,7 +180,7 @@ def test_an_interrupted_feature_run_resumes_to_the_same_cache(tiny_ds, tmp_path,
     import lmprobe.pages.features as F
 
     layer = tiny_ds.layers[0]
-    _dictionary(tiny_ds, tmp_path / "sae", layer, seed=2)
+    random_dictionary(tiny_ds, tmp_path / "sae", layer, seed=2)
     whole = F.features(tiny_ds, tmp_path / "sae", "d", layer, tmp_path / "a", top=3, memory="40KB", quiet=True,
                        checkpoint_tokens=5)
     calls = {"n": 0}
@@ -371,7 +361,7 @@ def test_a_partial_feature_state_over_a_rewritten_dataset_starts_over(feature_se
 
 def test_feature_browser_renders_index_and_pages(tiny_ds, tmp_path):
     layer = tiny_ds.layers[-1]
-    W, b = _dictionary(tiny_ds, tmp_path / "sae", layer)
+    W, b = random_dictionary(tiny_ds, tmp_path / "sae", layer)
     out = lmprobe.features(tiny_ds, tmp_path / "sae", "d", layer, tmp_path / "f", top=5, quiet=True)
     t = load_file(out / "features.safetensors")
     dom = render(out / "index.html", "features-index")
@@ -401,7 +391,7 @@ def test_feature_browser_renders_index_and_pages(tiny_ds, tmp_path):
 
 def test_feature_index_filter_and_the_link_back_to_the_report(tiny_ds, tmp_path):
     layer = tiny_ds.layers[-1]
-    _dictionary(tiny_ds, tmp_path / "sae", layer)
+    random_dictionary(tiny_ds, tmp_path / "sae", layer)
     report = lmprobe.report(tiny_ds, tmp_path / "report", sample=1, probe=False, quiet=True)
     out = lmprobe.features(tiny_ds, tmp_path / "sae", "d", layer, tmp_path / "f", top=5, report=tmp_path / "report",
                            quiet=True)
@@ -473,7 +463,7 @@ def test_report_and_features_say_wrote_once(tiny_ds, tmp_path, capsys):
     from lmprobe.cli import main as cli_main
 
     layer = tiny_ds.layers[-1]
-    _dictionary(tiny_ds, tmp_path / "sae", layer)
+    random_dictionary(tiny_ds, tmp_path / "sae", layer)
     src = str(tiny_ds.files.root)
     assert cli_main(["report", src, "--out", str(tmp_path / "r"), "--sample", "1", "--no-probe"]) == 0
     cap = capsys.readouterr()

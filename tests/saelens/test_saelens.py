@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from reference.envs import interop_python
+from support.artefacts import read_cache
 from support.datasets import write_dataset
 from support.paths import REFERENCE
 
@@ -41,15 +42,6 @@ def source(tmp_path, rng):
 
 def windows(src, layer: int) -> np.ndarray:
     return src["hidden"][layer].reshape(-1, CTX, DIM)
-
-
-def read_cache(folder: Path) -> tuple[dict, list[pa.RecordBatch]]:
-    state = json.loads((folder / "state.json").read_text())
-    batches = []
-    for f in state["_data_files"]:
-        with pa.memory_map(str(folder / f["filename"])) as src:
-            batches.extend(pa.ipc.open_stream(src))
-    return state, batches
 
 
 def test_hook_names_round_trip():

@@ -8,8 +8,8 @@ import json
 
 import numpy as np
 import pytest
+from support.artefacts import read_cache
 from support.datasets import write_dataset
-from test_saelens import read_cache
 
 import lmprobe
 from lmprobe.saev import export_saev
@@ -150,11 +150,11 @@ def test_merge_probe_and_report_on_int8(tmp_path, rng, extracted):
 
 def test_feature_pages_on_int8_score_the_decoded_vectors(tmp_path, extracted):
     from safetensors.numpy import load_file
-    from test_pages import _dictionary
+    from support.artefacts import random_dictionary
 
     q = extracted["int8"]
     layer = q.layers[-1]
-    W, b = _dictionary(q, tmp_path / "sae", layer)
+    W, b = random_dictionary(q, tmp_path / "sae", layer)
     out = lmprobe.features(q, tmp_path / "sae", "d", layer, tmp_path / "f", top=3, quiet=True)
     t = load_file(out / "features.safetensors")
     X = np.concatenate([q.token_hidden(p, layer) for p in range(q.num_prompts)])

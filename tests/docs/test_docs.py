@@ -94,8 +94,8 @@ def test_the_readme_first_command_then_the_hub_name_test_in_the_same_folder(tmp_
         said += r.stdout
     assert "wrote 48 prompts" in said and "top-5" in said and "lmprobe-tiny" in said, said
     assert (tmp_path / "out" / "tiny-demo" / "index").is_dir()
-    tests = ["tests/test_hub.py::test_owner_name_without_such_a_local_folder_still_means_the_hub",
-             "tests/test_docs.py::test_tests_start_in_an_empty_folder_of_their_own"]
+    tests = ["tests/publish/test_hub.py::test_owner_name_without_such_a_local_folder_still_means_the_hub",
+             "tests/docs/test_docs.py::test_tests_start_in_an_empty_folder_of_their_own"]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
                         *[str(ROOT / t) for t in tests]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:]

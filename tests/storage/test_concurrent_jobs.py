@@ -4,8 +4,9 @@ both exited 0. Now a job commits a marker first and makes every commit on the re
 (lmprobe/storage/claim.py): a second job is refused in one line, a job whose folder was taken over stops without
 publishing, a killed job's marker is taken over by the same work and refuses other work unless --overwrite.
 
-Each race is made deterministic: job A runs in a process of its own (tests/_held_extract.py) and holds right after
-its first commit landed until the test releases it; job B, another machine (its own LMPROBE_CACHE), runs meanwhile.
+Each race is made deterministic: job A runs in a process of its own (tests/support/_held_extract.py) and holds right
+after its first commit landed until the test releases it; job B, another machine (its own LMPROBE_CACHE), runs
+meanwhile.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The fast tests check miniature_config on the defaults of architectures whose con
 and relations that matter (layer types, attention and expert periods, heterogeneous per-layer configs,
 MLA head sizes, Mamba-2's head products, rope frequency lists, token ids) and build_miniature's
 promises (float32 on CPU in eval mode, every float state-dict entry drawn at random, the parameter cap
-checked before anything is allocated). The slow test builds the whole zoo (tests/zoo.py) and runs each
+checked before anything is allocated). The slow test builds the whole zoo (tests/support/zoo.py) and runs each
 model on a padded batch.
 """
 

@@ -1,8 +1,8 @@
 """A corpus of many files dealt to ranks by piece: each rank opens and reads only its own files
 (or parquet row groups), and the ranks' windows together are one process's, with --max-tokens exact.
 
-Ranks are simulated with threads (tests/test_ranks.py's ``Ranks``), each with a source object of its own whose
-file reads are counted.
+Ranks are simulated with threads (tests/extraction/test_ranks.py's ``Ranks``), each with a source object of its own
+whose file reads are counted.
 """
 
 from __future__ import annotations

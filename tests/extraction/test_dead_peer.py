@@ -1,7 +1,8 @@
 """A dead torchrun peer is one line, found early; every node shows its own rank's progress.
 
 The watcher (extraction/torchrun.py, PeerWatch) is tested against a store in memory; the two-node test runs
-torchrun on 127.0.0.1 (tests/nodes.py), SIGKILLs one node in the middle of its share and reads the other's output.
+torchrun on 127.0.0.1 (tests/support/nodes.py), SIGKILLs one node in the middle of its share and reads the
+other's output.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Every architecture: each named hookpoint right on every block, or refused before the weights load.
 
-Fast tests examine toy models whose blocks are built to order (tests/toy_models.py): each variant a
+Fast tests examine toy models whose blocks are built to order (tests/support/toy_models.py): each variant a
 real architecture has (residual multipliers, residuals added inside a module, branches after the MLP,
 interpolated residuals, parallel blocks, mixture-of-experts naming, hybrids, position offsets) is
 read where the identities of docs/hookpoints.md hold, or refused. The slow zoo test does the same
 for a tiny random model of every model type in the installed transformers' causal-LM mapping
-against transformers itself (tests/zoo_check.py).
+against transformers itself (tests/support/zoo_check.py).
 """
 
 from __future__ import annotations
