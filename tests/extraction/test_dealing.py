@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
-from test_ranks import Ranks, WordTokenizer, key
+from support.ranks import Ranks, WordTokenizer, key
 
 from lmprobe.errors import ExtractionError, PromptError
 from lmprobe.extraction.corpus import CorpusPlan, progress_after, stream_windows

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from test_probe_methods import gaussian, write
+from support.features import gaussian, write
 
 import lmprobe.probe as probe
 

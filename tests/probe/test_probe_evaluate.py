@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 from support.datasets import write_dataset
-from test_probe_methods import write
+from support.features import write
 
 import lmprobe
 import lmprobe.probe as probe

@@ -9,24 +9,14 @@ import sys
 import numpy as np
 import pytest
 import torch
+from support.features import gaussian, write
 
 import lmprobe.probe as probe
-from lmprobe.format.writer import DatasetWriter
 from lmprobe.probe.methods import Pairs, fit
 
 
 def cos(a, b):
     return float(np.dot(a, b) / np.linalg.norm(a) / np.linalg.norm(b))
-
-
-def gaussian(rng, n=400, dim=16, shift=1.0, correlated=True):
-    """Two classes apart along a known direction, with correlated noise (so that iid and plain differ)."""
-    y = np.arange(n) % 2
-    A = rng.normal(size=(dim, dim)) if correlated else np.eye(dim)
-    X = rng.normal(size=(n, dim)) @ A + 3.0
-    d = rng.normal(size=dim)
-    X[y == 1] += shift * d
-    return X.astype(np.float32), y
 
 
 def mmprobe(X, y, iid):
@@ -107,16 +97,6 @@ def test_bad_methods_are_one_line_errors_before_reading(rng):
         fit(X, y, "ccs")
     with pytest.raises(probe.ProbeError, match="labels have 3: use method='logistic'"):
         fit(X, np.arange(30) % 3, "mass_mean")
-
-
-def write(out, X_by_layer, y, texts=None, storage="pooled", **cols):
-    """A pooled dataset holding exactly these feature arrays, labels and extra index columns."""
-    n = len(y)
-    with DatasetWriter(out, layers=sorted(X_by_layer), dim=next(iter(X_by_layer.values())).shape[1], model_name="m",
-                       label_type="int", storage=storage,
-                       columns={k: ("string" if isinstance(v[0], str) else "int64") for k, v in cols.items()}) as w:
-        w.add_batch(texts=texts or [f"t{i}" for i in range(n)], num_tokens=np.ones(n, dtype=int), labels=[int(v) for v in y],
-                    hidden={k: v.astype(np.float32) for k, v in X_by_layer.items()}, columns=cols or None)
 
 
 @pytest.mark.parametrize("method", ["logistic", "ridge", "mass_mean", "mass_mean_iid", "lda", "pca"])

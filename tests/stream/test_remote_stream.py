@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.datasets import write_dataset
+from support.datasets import write_dataset, write_sorted_labels
 from support.paths import SUPPORT
 
 import lmprobe
@@ -322,23 +322,9 @@ def test_four_ranks_download_the_layer_once_between_them_and_see_every_vector_on
     assert max(map(len, shares)) - min(map(len, shares)) <= 2 * 16  # balanced within a block per cut
 
 
-def _sorted_labels(path: Path, n: int, dim: int, shard: str) -> None:
-    from lmprobe.format.writer import DatasetWriter
-
-    with DatasetWriter(path, layers=[0], dim=dim, model_name="m", shard_size=shard, label_type="int",
-                       statistics=False) as w:
-        for a in range(0, n, 8192):
-            b = min(8192, n - a)
-            x = np.random.default_rng(a).normal(size=(b, dim)).astype(np.float32)
-            labels = [int(i >= n // 2) for i in range(a, a + b)]
-            x[:, 0] = labels
-            x[:, 1] = np.arange(a, a + b)
-            w.add_batch(texts=["x"] * b, num_tokens=[1] * b, hidden={0: x}, labels=labels)
-
-
 def test_batches_of_a_label_sorted_dataset_mix_like_uniform_sampling_with_a_quarter_of_it_cached(hub, tmp_path):
     """Point 3: a cache of a quarter of the data; each resident group of pieces spans the whole dataset."""
-    _sorted_labels(tmp_path / "ds", 65536, 16, "64KiB")  # 4 MiB, 256 pieces of 16 KiB
+    write_sorted_labels(tmp_path / "ds", 65536, 16, "64KiB")  # 4 MiB, 256 pieces of 16 KiB
     repo = f"tester/sorted-{uuid.uuid4().hex[:8]}"
     lmprobe.push_to_hub(tmp_path / "ds", repo, quiet=True)
     b = 256

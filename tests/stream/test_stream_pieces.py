@@ -9,7 +9,7 @@ import uuid
 
 import numpy as np
 import pytest
-from test_remote_stream import _sorted_labels
+from support.datasets import write_sorted_labels
 
 import lmprobe
 from lmprobe.errors import InvalidArgumentError
@@ -58,7 +58,7 @@ def small_pieces(monkeypatch):
 
 
 def test_without_piece_a_remote_reader_sizes_pieces_to_mix_a_label_sorted_layer(hub, tmp_path, small_pieces):
-    _sorted_labels(tmp_path / "ds", 65536, 16, "256KiB")  # 4 MiB, label-sorted, 16 shards
+    write_sorted_labels(tmp_path / "ds", 65536, 16, "256KiB")  # 4 MiB, label-sorted, 16 shards
     repo = f"tester/pieces-{uuid.uuid4().hex[:8]}"
     lmprobe.push_to_hub(tmp_path / "ds", repo, quiet=True)
     b = 1024
@@ -84,7 +84,7 @@ def test_without_piece_a_remote_reader_sizes_pieces_to_mix_a_label_sorted_layer(
 
 
 def test_a_cache_too_small_to_mix_says_so_once_and_still_reads(hub, tmp_path, small_pieces, caplog):
-    _sorted_labels(tmp_path / "ds", 16384, 16, "64KiB")  # 1 MiB
+    write_sorted_labels(tmp_path / "ds", 16384, 16, "64KiB")  # 1 MiB
     repo = f"tester/small-{uuid.uuid4().hex[:8]}"
     lmprobe.push_to_hub(tmp_path / "ds", repo, quiet=True)
     with caplog.at_level(logging.WARNING, logger="lmprobe"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 PROMPTS = [
@@ -71,3 +73,18 @@ def edit_index_column(root, name, edit):
     table = table.set_column(table.column_names.index(name), field, pa.array(values, field.type))
     pq.write_table(table.replace_schema_metadata(pq.read_schema(path).metadata), path)
 
+
+def write_sorted_labels(path: Path, n: int, dim: int, shard: str) -> None:
+    """A pooled dataset of ``n`` rows sorted by label (the first half 0, the second 1), label in column 0 and the
+    row number in column 1: a reader that does not mix shows it at once."""
+    from lmprobe.format.writer import DatasetWriter
+
+    with DatasetWriter(path, layers=[0], dim=dim, model_name="m", shard_size=shard, label_type="int",
+                       statistics=False) as w:
+        for a in range(0, n, 8192):
+            b = min(8192, n - a)
+            x = np.random.default_rng(a).normal(size=(b, dim)).astype(np.float32)
+            labels = [int(i >= n // 2) for i in range(a, a + b)]
+            x[:, 0] = labels
+            x[:, 1] = np.arange(a, a + b)
+            w.add_batch(texts=["x"] * b, num_tokens=[1] * b, hidden={0: x}, labels=labels)
