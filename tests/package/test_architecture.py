@@ -395,3 +395,53 @@ def test_tests_and_code_name_behaviour_not_issue_numbers():
            for p in _source_files("lmprobe", "tests", "benchmarks")
            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------- the tests mirror the package
+TESTS = PKG.parent / "tests"
+#: folders of tests/ that hold no layer's tests, each with what it holds
+FEATURE_FOLDERS = {
+    "package": "the package as a whole: its layers, imports and conventions (this file)",
+    "docs": "the README and docs/: their commands and snippets run, and every module's doctests pass",
+}
+#: folders of tests/ that hold no tests: helpers, data, third-party code run in environments of its own
+NOT_TESTS = {"support", "data", "reference", "_screenshots", "__pycache__"}
+
+
+def _test_tree() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("*.py") if p.relative_to(TESTS).parts[0] not in ("reference",))
+
+
+def test_every_test_module_sits_in_the_folder_of_its_layer_or_feature():
+    """A reader finds a module's tests by its folder: tests/format/ for lmprobe/format/, and so on (huggingface_hub's
+    and saev's tests read the same way); the few that test no layer live in a named feature folder."""
+    layers = {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    allowed = layers | set(FEATURE_FOLDERS)
+    bad = [str(p.relative_to(PKG.parent)) for p in _test_tree() if p.name.startswith("test_")
+           and (len(p.relative_to(TESTS).parts) != 2 or p.relative_to(TESTS).parts[0] not in allowed)]
+    assert not bad, ("test modules outside tests/<layer or feature>/ (layers: lmprobe's folders; features: "
+                     f"{sorted(FEATURE_FOLDERS)}):\n" + "\n".join(bad))
+    stray = sorted({p.name for p in TESTS.iterdir() if p.is_dir()} - allowed - NOT_TESTS)
+    assert not stray, f"folders of tests/ that are neither a layer, a feature nor {sorted(NOT_TESTS)}: {stray}"
+
+
+def test_helpers_live_in_tests_support():
+    """Test modules and conftest.py files aside, every module under tests/ is a helper, and helpers live apart, in
+    tests/support/ (tests/reference/ holds third-party readers run in environments of their own)."""
+    bad = [str(p.relative_to(PKG.parent)) for p in _test_tree()
+           if not p.name.startswith("test_") and p.name != "conftest.py" and p.relative_to(TESTS).parts[0] != "support"]
+    assert not bad, "helper modules outside tests/support/:\n" + "\n".join(bad)
+
+
+def test_tests_import_helpers_from_support_not_from_conftest_or_other_tests():
+    """conftest.py holds fixtures only, and a test module is no library: what a test imports comes from
+    tests/support/ (``from support.datasets import write_dataset``), found by its name wherever the test runs from,
+    not by pytest's rootdir or by the folder of another test."""
+    bad = []
+    for p in _test_tree():
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            bad += [f"{p.relative_to(PKG.parent)}:{node.lineno} imports {name}" for name in names
+                    if (name or "").split(".")[0] == "conftest" or (name or "").startswith("test_")]
+    assert not bad, "imports of conftest or of a test module (move the helper to tests/support/):\n" + "\n".join(bad)
