@@ -423,6 +423,9 @@ def test_every_test_module_sits_in_the_folder_of_its_layer_or_feature():
                      f"{sorted(FEATURE_FOLDERS)}):\n" + "\n".join(bad))
     stray = sorted({p.name for p in TESTS.iterdir() if p.is_dir()} - allowed - NOT_TESTS)
     assert not stray, f"folders of tests/ that are neither a layer, a feature nor {sorted(NOT_TESTS)}: {stray}"
+    text = (PKG.parent / "docs" / "architecture.md").read_text()
+    missing = [f"tests/{folder}/" for folder in [*FEATURE_FOLDERS, "support"] if f"`tests/{folder}/`" not in text]
+    assert not missing, f"docs/architecture.md's \"Tests\" does not name {missing}"
 
 
 def test_helpers_live_in_tests_support():
