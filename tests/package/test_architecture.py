@@ -434,6 +434,10 @@ def test_helpers_live_in_tests_support():
     bad = [str(p.relative_to(PKG.parent)) for p in _test_tree()
            if not p.name.startswith("test_") and p.name != "conftest.py" and p.relative_to(TESTS).parts[0] != "support"]
     assert not bad, "helper modules outside tests/support/:\n" + "\n".join(bad)
+    plain = [f"{p.relative_to(PKG.parent)}:{node.lineno} {node.name}" for p in TESTS.rglob("conftest.py")
+             for node in ast.parse(p.read_text()).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+             and not any("fixture" in ast.unparse(d) for d in getattr(node, "decorator_list", []))]
+    assert not plain, "conftest.py holds fixtures only; helpers go to tests/support/:\n" + "\n".join(plain)
 
 
 def test_tests_import_helpers_from_support_not_from_conftest_or_other_tests():
