@@ -38,7 +38,7 @@ WORDS = ("the cat sat on a mat while researchers study activations of language m
 
 def make_model(out: Path, hidden: int, layers: int, vocab: int) -> Path:
     import torch
-    from tiny_models import train_tokenizer
+    from support.tiny_models import train_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = train_tokenizer(out, kind="llama", padding_side="left", vocab_size=vocab)

@@ -4,12 +4,12 @@
     python benchmarks/bench_many_machines.py --quick    # 100k tokens, float32 only
 
 Two simulated nodes of one rank each (torchrun, c10d rendezvous on 127.0.0.1, each node with its own working,
-temporary and cache folders: tests/nodes.py) run ``lmprobe extract`` over the same corpus (a random llama of
+temporary and cache folders: tests/support/nodes.py) run ``lmprobe extract`` over the same corpus (a random llama of
 hidden size 256, 4 layers, layers 1 and 3, full sequences, windows of 128 tokens, --max-tokens exact):
 
 - baseline: ``--out DIR``, a local folder both nodes see (the shared-filesystem case): each rank writes its part
   there, rank 0 renames the parts into one dataset. No byte leaves the machine.
-- lmprobe to the Hub: ``--out hf://datasets/bench/NAME`` on the local Hub test server (tests/hub_server.py,
+- lmprobe to the Hub: ``--out hf://datasets/bench/NAME`` on the local Hub test server (tests/support/hub_server.py,
   0.5 s per commit like the Hub's, LMPROBE_HUB_HOUR_SECONDS=100: 100 commits in any 100 s for the job): shards upload
   while the model computes, each rank's parts are merged by server-side copies, the index goes last.
 
@@ -53,7 +53,7 @@ def corpus(path: Path, n_docs: int) -> Path:
 
 
 def one_run(root: Path, argv: list[str]) -> tuple[float, list[int]]:
-    from nodes import Peak, launch, wait
+    from support.nodes import Peak, launch, wait
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -89,8 +89,8 @@ def main() -> None:
                        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
         os.environ.pop(var, None)
-    from hub_server import HubServer
-    from tiny_models import build_llama
+    from support.hub_server import HubServer
+    from support.tiny_models import build_llama
 
     import lmprobe
     from lmprobe.base.units import parse_size

@@ -4,7 +4,7 @@
     python benchmarks/bench_push.py --quick           # 64 MiB
     python benchmarks/bench_push.py --xet             # and, for information, the same push through Xet (unthrottled)
 
-Everything runs against the local Hub test server (tests/hub_server.py) on 127.0.0.1, started here,
+Everything runs against the local Hub test server (tests/support/hub_server.py) on 127.0.0.1, started here,
 with HF_HOME in a temporary folder. The server receives LFS uploads through one shared uplink of
 RATE bytes/s (``throttle_uploads``; the loopback is faster than any real uplink) and takes
 COMMIT_LATENCY seconds per commit (``delay_commits``; the Hub's commits take about a second).
@@ -120,7 +120,7 @@ def main() -> None:
                        "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1"})
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
         os.environ.pop(var, None)
-    from hub_server import HubServer
+    from support.hub_server import HubServer
 
     from lmprobe.format.reader import open_local
     from lmprobe.publish.push import dataset_files

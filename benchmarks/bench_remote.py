@@ -5,7 +5,7 @@
     python benchmarks/bench_remote.py --quick          # small sizes
     python benchmarks/bench_remote.py --soak 1e8       # the soak: 10^8 stored tokens, cache <= 1/10 of the data
 
-Everything runs against the local Hub test server (tests/hub_server.py) on 127.0.0.1, started here,
+Everything runs against the local Hub test server (tests/support/hub_server.py) on 127.0.0.1, started here,
 with HF_HOME and LMPROBE_CACHE in a temporary folder. The server counts every request and the bytes
 of every answer, so the figures are what the Hub would see.
 
@@ -484,7 +484,7 @@ def main() -> None:
                        "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1"})
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "LOCAL_WORLD_SIZE"):
         os.environ.pop(var, None)
-    from hub_server import HubServer
+    from support.hub_server import HubServer
 
     server = HubServer(tmp / "hub", port=port).start()
     print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)", flush=True)

@@ -7,9 +7,9 @@
     python benchmarks/bench_scale.py --nodes 2 --per-node 2 --tokens 30000 --hour 3600 --commit-delay 15
 
 Simulated nodes (torchrun, c10d rendezvous on 127.0.0.1, each node its own working, temporary and cache folders:
-tests/nodes.py) run ``lmprobe extract`` over one corpus (a random llama of hidden size 64, 2 layers, layer 1, full
+tests/support/nodes.py) run ``lmprobe extract`` over one corpus (a random llama of hidden size 64, 2 layers, layer 1, full
 sequences, windows of 64 tokens, --max-tokens exact, tiny shards so that the job makes thousands of files) to
-``hf://`` on the local Hub test server (tests/hub_server.py). The server enforces the Hub's commit rate on a
+``hf://`` on the local Hub test server (tests/support/hub_server.py). The server enforces the Hub's commit rate on a
 scaled clock (``--rate`` commits in any ``--hour`` seconds, 429 + Retry-After past it) and takes ``--commit-delay``
 seconds per commit; the ranks run with LMPROBE_HUB_HOUR_SECONDS=--hour, so their commit window follows the same
 clock.
@@ -154,8 +154,9 @@ def main() -> None:
                        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
         os.environ.pop(var, None)
-    from hub_server import HubServer
-    from nodes import Peak, disk_use, launch, wait
+    from support.hub_server import HubServer
+    from support.nodes import Peak, disk_use, launch, wait
+    from support.tiny_models import build_llama
 
     class Staged(Peak):
         """Everything under each node's cache, not only its shards: what the plan's staging covers."""
@@ -165,8 +166,6 @@ def main() -> None:
                 for i, f in enumerate(self.folders):
                     self.peaks[i] = max(self.peaks[i], disk_use(f))
                 self._stop.wait(self.every)
-
-    from tiny_models import build_llama
 
     import lmprobe
 

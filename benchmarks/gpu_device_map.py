@@ -46,7 +46,7 @@ TOLERANCE = {"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)}
 
 def make_model(out: Path, hidden: int, layers: int) -> Path:
     import torch
-    from tiny_models import train_tokenizer
+    from support.tiny_models import train_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = train_tokenizer(out, kind="llama", padding_side="left", vocab_size=300)

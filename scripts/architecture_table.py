@@ -4,7 +4,7 @@
     python scripts/architecture_table.py llama bloom  # some types; prints their rows
 
 For each model type of the installed transformers' causal-LM mapping, a tiny random model is built
-(tests/zoo.py) and checked against transformers itself (tests/zoo_check.py, the same check as the slow
+(tests/support/zoo.py) and checked against transformers itself (tests/support/zoo_check.py, the same check as the slow
 zoo test). Each model type runs in a subprocess of its own, so one that exhausts memory or hangs is
 reported rather than ending the run.
 """
@@ -31,8 +31,8 @@ def _one(model_type: str) -> dict:
     import transformers
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from zoo import ZOO_SKIPPED, build_zoo_model
-    from zoo_check import check
+    from support.zoo import ZOO_SKIPPED, build_zoo_model
+    from support.zoo_check import check
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(_one(argv[1])))
         return 0
     sys.path.insert(0, str(ROOT / "tests"))
-    from zoo import ZOO_TYPES
+    from support.zoo import ZOO_TYPES
 
     types = argv or sorted(ZOO_TYPES)
     rows = []

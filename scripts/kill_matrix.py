@@ -3,7 +3,7 @@ same command again, and compare the result with an uninterrupted run.
 
     python scripts/kill_matrix.py [--work DIR] [--kills N] [--seed S] [--only push,pull,...] [--out results.json]
 
-Everything runs on 127.0.0.1: a local Hub (tests/hub_server.py) and a moto S3 server. Writes a markdown table
+Everything runs on 127.0.0.1: a local Hub (tests/support/hub_server.py) and a moto S3 server. Writes a markdown table
 (operation | kill points tried | outcome) to stdout and the details as JSON to --out.
 """
 
@@ -517,7 +517,7 @@ class HubServer:
     def __init__(self, w: Path, env):
         self.root = w / "hub-root"
         shutil.rmtree(self.root, ignore_errors=True)
-        self.proc = subprocess.Popen([PY, "-m", "tests.hub_server", "--port", "0", "--root", str(self.root)],
+        self.proc = subprocess.Popen([PY, "-m", "tests.support.hub_server", "--port", "0", "--root", str(self.root)],
                                      cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
         for line in self.proc.stdout:
             m = re.search(r"HF_ENDPOINT=(\S+)", line)

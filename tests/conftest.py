@@ -1,4 +1,5 @@
-"""Shared fixtures. Tests run offline: HF_HOME in a temporary folder, no token, no network."""
+"""Shared fixtures; the helpers tests import live in tests/support/. Tests run offline: HF_HOME in a temporary
+folder, no token, no network."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ import os
 # Set before huggingface_hub/datasets/transformers are imported by any test module.
 import socket  # noqa: E402
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-# Subprocesses (python -m lmprobe, -m tests.hub_server) import this checkout, from whichever folder they start in.
+from support.paths import ROOT
+
+# Subprocesses (python -m lmprobe, -m tests.support.hub_server) import this checkout, from whichever folder they
+# start in.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 _HF_HOME = tempfile.mkdtemp(prefix="lmprobe-test-hf-")
 os.environ["HF_HOME"] = _HF_HOME
 os.environ["LMPROBE_CACHE"] = tempfile.mkdtemp(prefix="lmprobe-test-cache-")  # object-store and stream caches
-# Every Hub request goes to the test server on 127.0.0.1 (tests/hub_server.py), never out.
+# Every Hub request goes to the test server on 127.0.0.1 (tests/support/hub_server.py), never out.
 with socket.socket() as _s:
     _s.bind(("127.0.0.1", 0))
     HUB_PORT = _s.getsockname()[1]
@@ -39,10 +41,6 @@ settings.register_profile("dev", deadline=None,
                           database=DirectoryBasedExampleDatabase(str(ROOT / ".hypothesis" / "examples")))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
-DATA = Path(__file__).parent / "data"
-FIXTURE_0103 = DATA / "lmprobe-0.10.3-pooled"
-FIXTURE_0103_FULL = DATA / "lmprobe-0.10.3-full_sequence"  # per-token columns, written left-padded
-
 
 @pytest.fixture(autouse=True)
 def _empty_working_folder(tmp_path_factory, monkeypatch):
@@ -57,98 +55,31 @@ def rng():
     return np.random.default_rng(1234)
 
 
-def make_prompts(rng, n: int, *, max_tokens: int = 9, min_tokens: int = 1):
-    n_tok = rng.integers(min_tokens, max_tokens + 1, size=n)
-    texts = [f"prompt {i} " + "x" * int(t) for i, t in enumerate(n_tok)]
-    return texts, n_tok
-
-
-def write_dataset(out, rng, *, n=23, layers=(0, 2, 5), dim=8, storage="pooled", shard_size=5 * 32, batch=7,
-                  logits_topk=None, dtype="float32", max_tokens=9, min_tokens=1, **kw):
-    """Write a random dataset in batches; return the arrays that went in (for comparisons)."""
-    from lmprobe.format.writer import DatasetWriter
-
-    texts, n_tok = make_prompts(rng, n, max_tokens=max_tokens, min_tokens=min_tokens)
-    labels = rng.integers(0, 3, size=n)
-    full = storage == "full_sequence"
-    rows = int(n_tok.sum()) if full else n
-    hidden = {layer: rng.normal(size=(rows, dim)).astype(np.float32) for layer in layers}
-    lv = -np.sort(-rng.normal(size=(n, logits_topk)).astype(np.float32), axis=1) if logits_topk else None
-    li = rng.integers(0, 1000, size=(n, logits_topk)) if logits_topk else None
-    tok_start = np.concatenate([[0], np.cumsum(n_tok)])
-    kw.setdefault("label_type", "int")
-    kw.setdefault("columns", {"source": "string", "idx": "int64"})
-    w = DatasetWriter(out, layers=list(layers), dim=dim, model_name="test/model", storage=storage,
-                      shard_size=shard_size, logits_topk=logits_topk, dtype=dtype, **kw)
-    for s in range(0, n, batch):
-        e = min(n, s + batch)
-        if full:
-            hb = {layer: h[tok_start[s]:tok_start[e]] for layer, h in hidden.items()}
-        else:
-            hb = {layer: h[s:e] for layer, h in hidden.items()}
-        extra = {}
-        if logits_topk:
-            extra = {"logits_values": lv[s:e], "logits_indices": li[s:e]}
-        if kw.get("token_ids"):
-            extra["token_ids"] = [list(range(int(t))) for t in n_tok[s:e]]  # token j of a prompt has id j
-        w.add_batch(texts=texts[s:e], num_tokens=n_tok[s:e], hidden=hb, labels=labels[s:e].tolist(),
-                    columns={"source": [f"src{i % 2}" for i in range(s, e)], "idx": list(range(s, e))}
-                    if "source" in (kw["columns"] or {}) else None, **extra)
-    w.close()
-    return {"texts": texts, "n_tok": n_tok, "labels": labels, "hidden": hidden, "lv": lv, "li": li,
-            "tok_start": tok_start}
-
-
-def edit_index_column(root, name, edit):
-    """Rewrite one index column (keeping the schema metadata): ``edit(list) -> list``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path = root / "index/train-00000-of-00001.parquet"
-    table = pq.read_table(path)
-    field = table.schema.field(name)
-    values = edit(table.column(name).to_pylist())
-    table = table.set_column(table.column_names.index(name), field, pa.array(values, field.type))
-    pq.write_table(table.replace_schema_metadata(pq.read_schema(path).metadata), path)
-
-
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
-    from tiny_models import build_llama
+    from support.tiny_models import build_llama
 
     return build_llama(tmp_path_factory.mktemp("llama"), padding_side="left")
 
 
 @pytest.fixture(scope="session")
 def gpt2_dir(tmp_path_factory):
-    from tiny_models import build_gpt2
+    from support.tiny_models import build_gpt2
 
     return build_gpt2(tmp_path_factory.mktemp("gpt2"), padding_side="right")
 
 
 @pytest.fixture(scope="session")
 def bert_dir(tmp_path_factory):
-    from tiny_models import build_bert
+    from support.tiny_models import build_bert
 
     return build_bert(tmp_path_factory.mktemp("bert"))
-
-
-PROMPTS = [
-    {"text": "The cat sat on the mat.", "label": 1, "source": "a"},
-    {"text": "A dog.", "label": 0, "source": "b"},
-    {"text": "Interpretability researchers study the activations of language models every single day.", "label": 1,
-     "source": "a"},
-    {"text": "Hi", "label": 0, "source": "c"},
-    {"text": "This was a terrible meal, cold and far too salty, said she.", "label": 0, "source": "b"},
-    {"text": "Sunny today.", "label": 1, "source": "a"},
-    {"text": "Numbers like 12 and 345 appear in text as well as words.", "label": 1, "source": "c"},
-]
 
 
 @pytest.fixture(scope="session")
 def hub(tmp_path_factory):
     """The local Hub server; HF_ENDPOINT already points at it."""
-    from hub_server import HubServer
+    from support.hub_server import HubServer
 
     server = HubServer(tmp_path_factory.mktemp("hub"), port=HUB_PORT).start()
     yield server

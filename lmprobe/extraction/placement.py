@@ -7,7 +7,7 @@ them, and the ranks divide the data across nodes as they always do. At full size
 bfloat16, on 8 x 80 GB GPUs) a rank's max_memory names its g GPUs and the CPU; nothing here grows with the data.
 
 Everything in this module but ``require_accelerate``, ``free_memory`` and the device lookups is arithmetic on its
-arguments, tested on its own (tests/test_placement.py).
+arguments, tested on its own (tests/extraction/test_placement.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 encoded (scales included) and how stored rows decode to float32 (docs/format.md, "Dtypes").
 
 This is the one place a dtype is described. Adding a storage dtype touches this table, its tests
-(tests/test_dtypes.py) and docs/format.md; every writer, reader, gather, stream, export and statistics
+(tests/format/test_dtypes.py) and docs/format.md; every writer, reader, gather, stream, export and statistics
 path asks its ``DType`` here instead of comparing names.
 
 Two lists, kept apart: ``HIDDEN_DTYPES`` are what hidden states may be *stored* as;

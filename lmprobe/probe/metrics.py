@@ -2,7 +2,7 @@
 
 Binary metrics take the second class (the larger label) as positive; with more classes F1,
 precision and recall are macro averages and AUROC and recall at a fixed FPR are NaN. Each is
-checked against scikit-learn's in tests/test_probe_metrics.py.
+checked against scikit-learn's in tests/probe/test_probe_metrics.py.
 """
 
 from __future__ import annotations

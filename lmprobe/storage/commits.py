@@ -418,7 +418,7 @@ class HubCommitter:
             self._landed([file], sent=False)
             return
         # a placeholder for the content, then what the commit needs: the object is on the Hub (private fields of
-        # huggingface_hub's operation; tests/test_push_pipeline.py pins them against the installed version)
+        # huggingface_hub's operation; tests/publish/test_push_pipeline.py pins them against the installed version)
         op = _by_reference(file.rel, file.sha256, file.size)
         s = self._s
         item = _Item(file, op, time.monotonic(), released=True)
@@ -963,7 +963,7 @@ def _by_reference(rel: str, sha256: str, size: int) -> Any:
     from huggingface_hub.lfs import UploadInfo
 
     # a placeholder for the content, then what the commit needs: the object is on the Hub (private fields of
-    # huggingface_hub's operation; tests/test_push_pipeline.py pins them against the installed version)
+    # huggingface_hub's operation; tests/publish/test_push_pipeline.py pins them against the installed version)
     op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=b"")
     op.upload_info = UploadInfo(sha256=bytes.fromhex(sha256), size=size, sample=b"")
     op._upload_mode = "lfs"

@@ -3,8 +3,8 @@
 
 Every module that tells them apart calls ``remote_of`` (or ``is_hub_url``/``is_object_store_url``), and one that
 reads what follows ``hf://`` calls ``hub_path``: no other module splits or compares a scheme
-(tests/test_storage_layer.py finds one that does). A new remote keeps its scheme here and its files object beside
-(docs/architecture.md, "A new remote").
+(tests/storage/test_storage_layer.py finds one that does). A new remote keeps its scheme here and its files object
+beside (docs/architecture.md, "A new remote").
 
 >>> remote_of("hf://datasets/me/acts"), remote_of("s3://bucket/run"), remote_of("out/acts")
 ('hub', 'object', 'local')

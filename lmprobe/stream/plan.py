@@ -1,7 +1,7 @@
 """The plan of a pass over a remote dataset: pieces of shard files, dealt to ranks, grouped for the cache.
 
 Pure arithmetic on row counts, no I/O, so that its edge cases are tested on their own
-(tests/test_stream.py). docs/training.md explains the scheme; in short:
+(tests/stream/test_stream.py). docs/training.md explains the scheme; in short:
 
 - **Pieces.** Each shard file's rows are cut into equal pieces of at most ``piece_bytes`` per site
   (a piece is one HTTP range request; a shard that fits in one piece is read whole, header and all).

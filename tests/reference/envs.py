@@ -1,10 +1,10 @@
 """Second Python environments for interoperability tests, each made once and reused.
 
 - ``.venv-ref``: the reference implementation, ``lmprobe==0.10.3`` from PyPI, with what its
-  readers import (not transformers), for tests/test_reference_0103.py;
-- ``.venv-interop``: SAELens and EleutherAI's sparsify, for tests/test_sae_sources.py and
-  tests/test_saelens.py; with orjson and Pillow, which saev's loader modules import (saev itself
-  is vendored under tests/reference/saev: tests/test_saev_interop.py).
+  readers import (not transformers), for tests/format/test_reference_0103.py;
+- ``.venv-interop``: SAELens and EleutherAI's sparsify, for tests/sae/test_sae_sources.py and
+  tests/saelens/test_saelens.py; with orjson and Pillow, which saev's loader modules import (saev itself
+  is vendored under tests/reference/saev: tests/saev/test_saev_interop.py).
 
 ``python tests/reference/envs.py`` makes both (.ci/run does, before the tests); the tests make
 a missing one themselves. ``$LMPROBE_REF_VENV`` / ``$LMPROBE_INTEROP_VENV`` move them elsewhere.

@@ -3,7 +3,7 @@
     python read_with_0103.py DATASET_DIR OUT.safetensors
 
 Reads DATASET_DIR with each of 0.10.3's own readers and saves what they return, so that the test
-(tests/test_reference_0103.py, in lmprobe's own environment) can compare it with lmprobe's reading.
+(tests/format/test_reference_0103.py, in lmprobe's own environment) can compare it with lmprobe's reading.
 0.10.3's readers take Hub repo ids only; an offline Hugging Face cache whose snapshot is the
 dataset folder (a symlink) points them at it without any network access.
 """

@@ -4,7 +4,7 @@
 
 Saves SAEs of several architectures with each library's own code (random weights), encodes a
 fixed batch of inputs with each library's own ``encode``, and writes what it returned, so that the
-test (tests/test_sae_sources.py) can compare it with lmprobe's exported dictionaries.
+test (tests/sae/test_sae_sources.py) can compare it with lmprobe's exported dictionaries.
 """
 
 import json

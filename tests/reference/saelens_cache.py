@@ -1,4 +1,4 @@
-"""SAELens' own activation cache, both ways, in the interop venv (tests/test_saelens.py).
+"""SAELens' own activation cache, both ways, in the interop venv (tests/saelens/test_saelens.py).
 
     python saelens_cache.py write OUT      # CacheActivationsRunner writes OUT/cache from a tiny model
     python saelens_cache.py train CACHE HOOK CONTEXT D_IN OUT   # LanguageModelSAETrainingRunner trains from CACHE

@@ -1,4 +1,4 @@
-"""Read a saev shards folder with saev's own loaders, in the interop venv (tests/test_saev_interop.py).
+"""Read a saev shards folder with saev's own loaders, in the interop venv (tests/saev/test_saev_interop.py).
 
     python saev_loaders.py SAEV_SRC SHARDS_DIR LAYER OUT_DIR
 
