@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import numpy as np
@@ -141,7 +142,8 @@ def test_the_bucket_not_a_local_leftover_decides_whether_the_output_exists(s3, l
 
 
 def _interrupted(llama_dir, url, monkeypatch, after=3, **kw):
-    """An extraction to ``url`` stopped (as by kill -9, the writer never closing) after ``after`` batches."""
+    """An extraction to ``url`` stopped (as by kill -9, the writer never closing) after ``after`` batches, once a
+    shard has reached the bucket (uploads run on a thread of their own: on a busy machine none may have yet)."""
     from lmprobe.extraction import backend_hf
 
     real, calls = backend_hf.TransformersBackend.run, {"n": 0}
@@ -149,6 +151,9 @@ def _interrupted(llama_dir, url, monkeypatch, after=3, **kw):
     def dying(self, *a, **k):
         calls["n"] += 1
         if calls["n"] > after:
+            deadline = time.monotonic() + 120
+            while not _s3fs().find(url) and time.monotonic() < deadline:
+                time.sleep(0.05)
             raise KeyboardInterrupt
         return real(self, *a, **k)
 
@@ -159,14 +164,28 @@ def _interrupted(llama_dir, url, monkeypatch, after=3, **kw):
     monkeypatch.setattr(backend_hf.TransformersBackend, "run", real)
 
 
+@pytest.mark.parametrize("late_uploads", [False, True])
 def test_a_resumed_run_whose_bucket_lost_uploaded_shards_is_an_error_not_a_broken_dataset(s3, llama_dir, monkeypatch,
-                                                                                          capsys, tmp_path):
-    """Kill, wipe the bucket's prefix, re-run: an error, never exit 0 with 3 shards missing."""
+                                                                                          capsys, tmp_path,
+                                                                                          late_uploads):
+    """Kill, wipe the bucket's prefix, re-run: an error, never exit 0 with 3 shards missing (also when the upload
+    thread starts late, as on a busy machine: the kill then comes once a shard is up)."""
     from lmprobe.cli import main as cli_main
+    from lmprobe.storage import objectstore
+
+    worker = objectstore.BackgroundWorker
+
+    class LateWorker(worker):
+        def _run(self):
+            time.sleep(2)
+            return super()._run()
 
     url = f"s3://acts/wiped-{uuid.uuid4().hex[:6]}"
     _s3fs()
+    if late_uploads:
+        monkeypatch.setattr(objectstore, "BackgroundWorker", LateWorker)
     _interrupted(llama_dir, url, monkeypatch)
+    monkeypatch.setattr(objectstore, "BackgroundWorker", worker)
     fs = _s3fs()
     assert fs.find(url)  # shards went up before the stop
     fs.rm(url, recursive=True)
