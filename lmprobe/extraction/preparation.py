@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,20 +232,42 @@ def job_shape(job: Job) -> Shape:
         if job.corpus.max_tokens is None:
             return Shape(rows=0, tokens=0, known=False, **common)
         tokens = job.corpus.max_tokens
-        texts = [r.values.get(cfg.text_column) for r in job.corpus.source.head(TEXT_SAMPLE_RECORDS)]
-        texts = [t for t in texts if isinstance(t, str)]
-        ids = job.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
-        lengths = window_lengths(ids, job.corpus.affixes, job.corpus.context_len)
+        lengths, sample = _rank0(job, lambda: _corpus_sample(job))
         return Shape(rows=corpus_rows(tokens, lengths, job.corpus.context_len), tokens=tokens, exact=False,
-                     row_tokens=lengths, **_sample_bytes(texts, ids), **common)
+                     row_tokens=lengths, **sample, **common)
     assert job.prompts is not None and job.lengths is not None
     mine = [len(job.prompts), int(job.lengths.sum())]
     rows, tokens = mine if job.ranks.world == 1 else [sum(x) for x in zip(*job.ranks.all_gather(mine), strict=True)]
+    lengths, sample = _rank0(job, lambda: _prompts_sample(job))
+    return Shape(rows=rows, tokens=tokens, row_tokens=lengths, **sample, **common)
+
+
+def _rank0(job: Job, sample: Callable[[], tuple[tuple[int, ...], dict[str, float]]]) \
+        -> tuple[tuple[int, ...], dict[str, float]]:
+    """Rank 0's sample on every rank (one exchange): the ranks hold different prompts, and nodes their own copies of
+    a corpus, but every rank must plan the same files, shard size and layout."""
+    if job.ranks.world == 1:
+        return sample()
+    lengths, sizes = job.ranks.all_gather(sample() if job.ranks.rank == 0 else None)[0]
+    return tuple(int(n) for n in lengths), {k: float(v) for k, v in sizes.items()}
+
+
+def _corpus_sample(job: Job) -> tuple[tuple[int, ...], dict[str, float]]:
+    """The stored tokens of the windows of the corpus' first documents, and its index columns' bytes a token."""
+    assert job.corpus is not None
+    texts = [r.values.get(job.config.text_column) for r in job.corpus.source.head(TEXT_SAMPLE_RECORDS)]
+    texts = [t for t in texts if isinstance(t, str)]
+    ids = job.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
+    return window_lengths(ids, job.corpus.affixes, job.corpus.context_len), _sample_bytes(texts, ids)
+
+
+def _prompts_sample(job: Job) -> tuple[tuple[int, ...], dict[str, float]]:
+    """This rank's first prompts: their stored tokens, and the index columns' bytes a token."""
+    assert job.prompts is not None and job.lengths is not None
     texts = list(job.prompts.texts[:TEXT_SAMPLE_PROMPTS])
     ids = job.prompts.input_ids[:TEXT_SAMPLE_PROMPTS] if job.prompts.input_ids is not None else \
         job.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]
-    return Shape(rows=rows, tokens=tokens, row_tokens=tuple(int(n) for n in job.lengths[:SAMPLE_ROWS]),
-                 **_sample_bytes(texts, ids), **common)
+    return tuple(int(n) for n in job.lengths[:SAMPLE_ROWS]), _sample_bytes(texts, ids)
 
 
 def window_lengths(ids: list[list[int]], affixes: Affixes, context_len: int) -> tuple[int, ...]:

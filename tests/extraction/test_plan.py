@@ -178,6 +178,24 @@ def test_the_plan_counts_the_rows_a_corpus_of_short_documents_makes(tmp_path):
     assert plan.index_files[0] == pytest.approx(real["index"], rel=0.1)
 
 
+def test_every_rank_plans_from_rank_0s_sample(tmp_path):
+    """Ranks hold different prompts (prompt i is rank i % world's): the lengths the plan packs sequence shards from
+    are rank 0's on every rank, so that every rank plans the same files, shard size and layout."""
+    from support.ranks import Ranks
+
+    from lmprobe.extraction.config import ExtractionConfig
+    from lmprobe.extraction.preparation import plan_job, prepare
+    from lmprobe.extraction.torchrun import Ranks as JobRanks
+
+    prompts = [("the river city " * 8).strip() if i % 2 == 0 else "music" for i in range(40)]  # rank 0: long
+    cfg = ExtractionConfig(model="lmprobe-tiny", prompts=prompts, out=str(tmp_path / "out"), storage="full_sequence",
+                           layers="1", shard_size="64KB", quiet=True)
+    plan_job(prepare(cfg))  # one process first: transformers' lazy imports are not safe from two threads at once
+    plans, errors = Ranks(2).run(lambda rank, gather: plan_job(prepare(cfg, JobRanks(rank, 2, gather))).as_json())
+    assert errors == [None, None]
+    assert plans[0] == plans[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_plan_is_honest_about_what_a_hub_job_stages(hub, corpus, tmp_path, monkeypatch, dtype):
