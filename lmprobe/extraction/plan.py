@@ -159,10 +159,6 @@ class JobPlan:
         digits = 0 if unit == "s" else 1
         return ", ".join(f"{k} {v / scale:.{digits}f} {unit}" for k, v in self.tail_parts.items())
 
-    @property
-    def destination_kind(self) -> Destination:
-        return _kind(self.destination)
-
     def describe(self) -> str:
         """The plan in a few lines, for a person."""
         if not self.known:
@@ -181,7 +177,7 @@ class JobPlan:
             f"  index: {', '.join(format_size(b) for b in self.index_files)} in {len(self.index_files)} file(s), "
             "built in bounded memory",
             f"  staging disk per node: {format_size(self.staging_bytes_per_node)}"
-            + ("" if self.destination_kind == "local" else " at its peak, when uploads fall behind the model"),
+            + ("" if _kind(self.destination) == "local" else " at its peak, when uploads fall behind the model"),
             f"  model: {self.placement}",
         ]
         if is_hub_url(self.destination):
@@ -254,9 +250,9 @@ class _Files:
     largest_folder: int
     largest_shard: int
     layout: str
+    data_files: int = 0  # the shards of every site and the logits' (not the statistics, the index, the card)
     open_bytes: int = 0  # a rank's shards being filled: one of each series (a site's last tokens and sequences, logits)
-    batch_files: float = 0.0  # the shards one batch closes (every series of a rank), on average
-    batch_bytes: float = 0.0  # and their bytes
+    batch_bytes: float = 0.0  # the bytes of the shards one batch closes (every series of a rank), on average
 
 
 def _count(shape: Shape, shard_bytes: int, ranks: int, layout: str | None = None) -> _Files:
@@ -288,8 +284,8 @@ def _count(shape: Shape, shard_bytes: int, ranks: int, layout: str | None = None
     series = series * sites
     if logits:
         series.append((min(lcap, rows_r) * 8 * shape.logits_topk, shape.batch_rows / lcap))
-    return _Files(per_site, logits, files, largest, largest_shard, layout, open_bytes=sum(b for b, _ in series),
-                  batch_files=sum(n for _, n in series), batch_bytes=sum(b * n for b, n in series))
+    return _Files(per_site, logits, files, largest, largest_shard, layout, data_files=per_site * sites + logits,
+                  open_bytes=sum(b for b, _ in series), batch_bytes=sum(b * n for b, n in series))
 
 
 def _sequence_shards(shape: Shape, cap: int, rows_r: int) -> tuple[int, float, float, int]:
@@ -299,13 +295,12 @@ def _sequence_shards(shape: Shape, cap: int, rows_r: int) -> tuple[int, float, f
     are packed as the writer packs them; without, every row is planned as long as the average."""
     if shape.storage != "full_sequence" or not rows_r or shape.tokens <= 0:
         return 0, 0.0, 0.0, 0
+    per_row = shape.tokens / shape.rows
     if shape.row_tokens:
         items, largest = packed(shape.row_tokens, cap)
     else:
-        per_item = shape.tokens / shape.rows
-        items = max(1, cap // per_item) if per_item <= cap else 1
-        largest = int(min(cap, per_item * rows_r) if per_item <= cap else per_item)
-    per_row = shape.tokens / shape.rows
+        items = max(1, cap // per_row) if per_row <= cap else 1
+        largest = int(min(cap, per_row * rows_r) if per_row <= cap else per_row)
     return int(-(-rows_r // max(items, 1.0))), items, min(items, rows_r) * per_row, int(largest)
 
 
@@ -423,8 +418,7 @@ def make_plan(shape: Shape, *, destination: str, cluster: Cluster | None, shard_
     if kind == "local":
         staging = dataset  # the output is the staging: every node writes its part into it (a shared disk)
     else:
-        shard_files = max(1, f.files - 2 - shape.hookpoints)  # but the index, the card and the statistics
-        per_rank = staged_per_rank(f, size, ranks, per_rank_index, mean_shard=(dataset - index) // shard_files)
+        per_rank = staged_per_rank(f, size, ranks, per_rank_index, mean_shard=(dataset - index) // max(1, f.data_files))
         staging = min(dataset // max(1, -(-ranks // ranks_per_node)), per_rank * ranks_per_node) \
             if ranks > 1 else min(dataset, per_rank)
     commits = tail = 0
@@ -455,7 +449,7 @@ def staged_per_rank(f: _Files, shard_bytes: int, ranks: int, index: int, *, mean
 def _hub_commits(shape: Shape, f: _Files, ranks: int, index: int, sites_open: int,
                  commits_per_hour: float) -> tuple[int, int, dict[str, float]]:
     """A Hub job's commits: (all of them, those after its last shard is written, where the tail's seconds go)."""
-    data_files = f.files - 2 - shape.hookpoints
+    data_files = f.data_files
     ladder = commits_for(data_files)  # along the ladder, the last of them once the last shard is written
     # each of them also carries the checkpoint copy of every part whose copy before it has landed (hubresume.py):
     # up to one a rank a commit (W1: 64 copies in a commit of 1,000 files)
